@@ -1,0 +1,454 @@
+"""GRPO with DAPO's clip-higher and token-mean loss: the baseline every other file here is forked from.
+
+Papers: GRPO, DeepSeekMath (Shao et al., 2024, arXiv:2402.03300); DAPO (Yu et al., 2025,
+arXiv:2503.14476) for the decoupled clip range and token-level aggregation; Dr. GRPO (Liu et al., 2025,
+arXiv:2503.20783) for dropping the std scaling.
+
+Objective. For each prompt q, sample a group of G completions o_1..o_G from the old policy, score them
+(reward r_i in {0, 1}), and maximize
+
+    J(θ) = 1/Σ|o_i| · Σ_i Σ_t min( ρ_it A_i , clip(ρ_it, 1-ε_low, 1+ε_high) A_i )  −  β · KL_k3(π_θ ‖ π_ref)
+    ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t)
+    A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
+
+Implementation details
+1. Log-probs divide the logits by the sampling temperature, so the trainer scores the very distribution
+   the engine sampled from. Prompt and pad tokens are masked everywhere, statistics included.
+2. With one update per rollout batch (--num-minibatches 1 --update-epochs 1) π_old = π_θ, the ratio is
+   exactly 1 and its gradient is the policy gradient: no extra forward pass computes old log-probs.
+   With more updates, old log-probs come from one no-grad pass before the first update.
+3. Token-mean (DAPO): the loss is summed over all response tokens of a minibatch and divided by their
+   count, across micro-batches, so every token weighs the same. --loss-aggregation sequence-mean is
+   GRPO's original mean over each completion, then over completions.
+4. β = 0 (default) loads no reference model. A step whose loss or gradient norm is not finite is
+   skipped (counted in charts/skipped_steps); weights never become NaN.
+
+Logged metrics (metrics.jsonl in the run folder; wandb with --track; curves.png at the end)
+  charts/reward, charts/accuracy       mean reward and fraction of correct rollouts of the step
+  charts/no_answer_rate                fraction of rollouts with no extractable answer
+  charts/response_length_mean|max      completion length in tokens (EOS included)
+  charts/truncation_rate               fraction stopped by --max-new-tokens
+  charts/zero_std_group_fraction       groups whose rewards are all equal (they carry no signal)
+  charts/entropy                       mean full-vocabulary entropy of π_θ at response tokens
+  charts/lr, charts/tokens_per_second, charts/skipped_steps
+  losses/policy_loss                   the clipped surrogate (plus the KL term when β > 0)
+  losses/approx_kl                     k3 estimate of KL(π_old ‖ π_θ) over response tokens
+  losses/clip_fraction                 tokens whose clipped term is active (no gradient)
+  losses/ratio_min|max, losses/grad_norm (before clipping), losses/kl_ref (β > 0)
+  mismatch/kl_k3, mismatch/max_abs_logprob_diff   KL(μ ‖ π_old) and max |log μ − log π_old|, with μ the
+                                       engine's log-probs: the train-inference mismatch
+  time/rollout|train|weight_sync|eval|step   seconds per phase
+  eval/greedy_accuracy, eval/avg@k, eval/pass@k    on held-out prompts, every --eval-every steps
+
+Run it
+  python algorithms/grpo.py                                  # built-in tiny task, CPU, a few minutes
+  python algorithms/grpo.py --model Qwen/Qwen2.5-Math-1.5B --task gsm8k --eval-task gsm8k \\
+      --steps 500 --prompts-per-step 64 --group-size 8 --max-new-tokens 1024 --lr 1e-6 \\
+      --num-minibatches 4 --micro-batch-size 8 --dtype bfloat16 --eval-every 50 --eval-k 4 --track
+"""
+
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import tyro
+from tqdm import tqdm
+
+from common import fsdp
+from common.evaluate import evaluate, score_completions
+from common.reward import encode_prompt, load_task, sample_batch
+from common.rollout import make_engine
+from common.tracking import Tracker
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run folder's name)"""
+    seed: int = 1
+    """seed of the run: sampling, prompt order, minibatch order"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to work without a network)"""
+    wandb_project_name: str = "clean-llm-rl"
+    """the wandb project"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    model: str = "tiny"
+    """`tiny` (the built-in offline model), a Hugging Face model id or a local folder"""
+    task: str = "arith"
+    """training task: arith (built-in), gsm8k, math, math500, dapo_math, aime24, aime25, or a .jsonl/.json/.parquet file"""
+    eval_task: str | None = None
+    """held-out task (its test split); defaults to --task"""
+    question_column: str = "question"
+    """question column of a local task file"""
+    answer_column: str = "answer"
+    """answer column of a local task file"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template when it has one"""
+    output_dir: str = "runs"
+    """where run folders (metrics, checkpoints, plots) go"""
+    resume: str | None = None
+    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this exp/task/seed)"""
+    rollout_engine: Literal["auto", "hf"] = "auto"
+    """the rollout engine: hf (transformers generate); auto picks the best available"""
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """engine weights' dtype; auto = the trainer's (another dtype creates a train-inference mismatch)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """trainer compute dtype (weights stay float32); auto = bfloat16 on GPU, float32 on CPU"""
+    steps: int = 60
+    """training steps (one rollout batch each)"""
+    prompts_per_step: int = 32
+    """prompts per rollout batch"""
+    group_size: int = 8
+    """completions per prompt (G)"""
+    max_prompt_tokens: int = 512
+    """prompts longer than this are dropped from the task"""
+    max_new_tokens: int = 16
+    """maximum completion length"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer divides its logits by it too)"""
+    lr: float = 1e-4
+    """AdamW learning rate"""
+    warmup_steps: int = 0
+    """optimizer steps of linear learning-rate warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold"""
+    num_minibatches: int = 1
+    """optimizer steps per rollout batch and epoch"""
+    update_epochs: int = 1
+    """passes over each rollout batch"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward (gradient accumulation; memory only, not the math)"""
+    eval_every: int = 10
+    """evaluate every this many steps (0: never)"""
+    eval_prompts: int = 256
+    """held-out prompts per evaluation"""
+    eval_k: int = 4
+    """samples per held-out prompt for avg@k and pass@k"""
+    save_every: int = 50
+    """checkpoint every this many steps (and at the end; 0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+
+    # Algorithm specific arguments
+    clip_low: float = 0.2
+    """ε_low: lower clip range of the ratio"""
+    clip_high: float = 0.28
+    """ε_high: upper clip range (DAPO's clip-higher; = clip_low for PPO's symmetric clip)"""
+    scale_advantages: bool = True
+    """divide group-centred rewards by the group's std (GRPO); --no-scale-advantages is Dr. GRPO"""
+    loss_aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
+    """token-mean over the minibatch (DAPO), or mean per completion then over completions (GRPO)"""
+    kl_coef: float = 0.0
+    """β of the k3 KL penalty to the initial policy (0: no reference model is loaded)"""
+
+
+def check_args(args: Args) -> None:
+    problems = [f"--{name} must be {rule}" for name, bad, rule in [
+        ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
+        ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
+        ("max-new-tokens", args.max_new_tokens < 1, ">= 1"),
+        ("temperature", not args.temperature > 0, "> 0"),
+        ("num-minibatches", not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
+         "between 1 and the number of rollouts per step"),
+        ("update-epochs", args.update_epochs < 1, ">= 1"),
+        ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
+        ("lr", not args.lr > 0, "> 0"),
+        ("clip-low", not 0 <= args.clip_low < 1, "in [0, 1)"),
+        ("clip-high", args.clip_high < 0, ">= 0"),
+        ("kl-coef", args.kl_coef < 0, ">= 0"),
+    ] if bad]
+    if problems:
+        raise ValueError("invalid arguments: " + "; ".join(problems))
+
+
+# ALGO LOGIC: advantages, the clipped surrogate and how token losses are averaged
+def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
+
+
+def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
+    """Per-token −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), and where the clip is active (no gradient).
+    logprobs / old_logprobs: [B, T]; advantages: [B] (one per completion)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    advantages = advantages[:, None]
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    clip_active = ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
+    return -torch.minimum(unclipped, clipped), ratio, clip_active
+
+
+def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
+    """Sum of this micro-batch's share of the minibatch loss (micro-batch shares add up to the mean)."""
+    if mode == "token-mean":
+        return (token_losses * mask).sum() / minibatch_tokens
+    per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    return per_sequence.sum() / minibatch_sequences
+# END ALGO LOGIC
+
+
+def token_logprobs(model, micro, temperature, with_entropy=False):
+    """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their entropy)."""
+    response_width = micro["response_ids"].shape[1]
+    logits = model(
+        input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"],
+        logits_to_keep=response_width + 1,  # the lm_head only runs where a response token is predicted
+    ).logits[:, :-1].float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logprobs = logp_all.gather(-1, micro["response_ids"][..., None]).squeeze(-1)
+    if not with_entropy:
+        return logprobs, None
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy
+
+
+def make_batch(prompt_ids, completions, group_size, pad_id, device):
+    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding."""
+    prompt_width = max(len(p) for p in prompt_ids)
+    response_width = max(len(c.token_ids) for c in completions)
+    rows, masks, response_masks, sampler_logprobs = [], [], [], []
+    for index, completion in enumerate(completions):
+        prompt, response = prompt_ids[index // group_size], completion.token_ids
+        left, right = prompt_width - len(prompt), response_width - len(response)
+        rows.append([pad_id] * left + prompt + response + [pad_id] * right)
+        masks.append([0] * left + [1] * (len(prompt) + len(response)) + [0] * right)
+        response_masks.append([1] * len(response) + [0] * right)
+        sampler_logprobs.append(completion.logprobs + [0.0] * right)
+    attention_mask = torch.tensor(masks, device=device)
+    input_ids = torch.tensor(rows, device=device)
+    return {
+        "input_ids": input_ids, "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+        "response_ids": input_ids[:, prompt_width:], "response_mask": torch.tensor(response_masks, device=device).float(),
+        "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
+    }
+
+
+def micro_batches(batch, indices, size):
+    """Slices of the batch, each trimmed of columns that are padding in all of its rows."""
+    for start in range(0, len(indices), size):
+        rows = indices[start : start + size]
+        micro = {"rows": rows, **{k: v[rows] for k, v in batch.items()}}
+        first = int(micro["attention_mask"].any(0).nonzero()[0])  # leftmost non-pad prompt column
+        width = int(micro["response_mask"].any(0).nonzero()[-1]) + 1  # rightmost response column
+        prompt_width = micro["input_ids"].shape[1] - micro["response_ids"].shape[1]
+        for key in ("input_ids", "attention_mask", "position_ids"):
+            micro[key] = micro[key][:, first : prompt_width + width]
+        for key in ("response_ids", "response_mask", "sampler_logprobs", "old_logprobs", "ref_logprobs"):
+            if key in micro:
+                micro[key] = micro[key][:, :width]
+        yield micro
+
+
+def train_inference_mismatch(old_logprobs, sampler_logprobs, mask, totals=None):
+    """Running sums for k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ], ρ = π_old/μ, and max |log μ − log π_old|."""
+    totals = totals or {"kl_sum": 0.0, "tokens": 0.0, "max_abs_diff": 0.0}
+    log_ratio = (old_logprobs - sampler_logprobs).detach()
+    totals["kl_sum"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum().item()
+    totals["tokens"] += mask.sum().item()
+    totals["max_abs_diff"] = max(totals["max_abs_diff"], (log_ratio.abs() * mask).max().item())
+    return totals
+
+
+def main(args: Args) -> None:
+    check_args(args)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # TRY NOT TO MODIFY: set-up
+    dist = fsdp.setup()
+    fsdp.seed_everything(args.seed + dist.rank)
+    run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
+    checkpoint = fsdp.find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
+    run_dir = os.path.dirname(os.path.dirname(checkpoint)) if checkpoint else os.path.join(
+        args.output_dir, f"{run_prefix}{int(time.time())}")
+    if args.model == "tiny":
+        from common.tiny import tiny_model_dir
+
+        args.model = tiny_model_dir()
+    device = dist.device
+    bfloat16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)  # weights stay float32
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32).to(device)
+    reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval() if args.kl_coef > 0 else None
+    policy = fsdp.shard(policy, dist)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype)
+
+    train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
+    eval_rows = load_task(args.eval_task or args.task, "test", args.question_column, args.answer_column)[: args.eval_prompts]
+    prompts = [encode_prompt(r.question, tokenizer, args.task, args.chat_template) for r in train_rows]
+    keep = [i for i, p in enumerate(prompts) if len(p) <= args.max_prompt_tokens]
+    if not keep:
+        raise ValueError(f"every prompt of {args.task} is longer than --max-prompt-tokens {args.max_prompt_tokens}")
+    train_rows, prompts = [train_rows[i] for i in keep], [prompts[i] for i in keep]
+    bare_answers = args.task == "arith"
+
+    start_step = 0
+    if checkpoint:
+        state = fsdp.load_trainer_state(checkpoint)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_step, skipped_steps = state["step"], state["skipped_steps"]
+        fsdp.set_rng_state(state["rng"])
+    else:
+        skipped_steps = 0
+    tracker = Tracker(run_dir, os.path.basename(run_dir), asdict(args), args.track, args.wandb_project_name,
+                      args.wandb_entity, enabled=dist.is_main, resume_step=start_step if checkpoint else None)
+    eval_kwargs = dict(task=args.eval_task or args.task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, use_chat_template=args.chat_template)
+    if args.eval_every and start_step == 0:
+        tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
+    local_prompts = args.prompts_per_step // dist.world_size
+
+    progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
+    for step in progress:
+        step_start, mismatch = time.time(), None
+        # 1. rollout: G completions per prompt, with the sampler's log-probs μ of the sampled tokens
+        indices = sample_batch(len(train_rows), step, args.prompts_per_step, args.seed)
+        indices = indices[dist.rank * local_prompts : (dist.rank + 1) * local_prompts]
+        step_prompts = [prompts[i] for i in indices]
+        completions = engine.generate(step_prompts, args.group_size, args.max_new_tokens, args.temperature)
+        rollout_seconds = time.time() - step_start
+
+        # 2. rewards and advantages
+        scores = score_completions(completions, [train_rows[i] for i in indices], args.group_size, tokenizer, bare_answers)
+        rewards = torch.tensor([s.reward for s in scores], device=device).view(-1, args.group_size)
+        advantages = compute_advantages(rewards, args.scale_advantages).flatten()
+        batch = make_batch(step_prompts, completions, args.group_size, tokenizer.pad_token_id, device)
+        batch["advantages"] = advantages
+
+        # 3. old log-probs (only when π_θ will move away from π_old within this batch) and reference log-probs
+        train_start = time.time()
+        every_row = torch.arange(len(completions), device=device)
+        multiple_updates = args.num_minibatches * args.update_epochs > 1
+        with torch.no_grad(), autocast:
+            for key, model in (("old_logprobs", policy if multiple_updates else None), ("ref_logprobs", reference)):
+                if model is not None:
+                    batch[key] = torch.zeros_like(batch["sampler_logprobs"])
+                    for micro in micro_batches(batch, every_row, args.micro_batch_size):
+                        logprobs = token_logprobs(model, micro, args.temperature)[0]
+                        batch[key][micro["rows"], : logprobs.shape[1]] = logprobs
+        sums = dict.fromkeys(["loss", "approx_kl", "clipped", "entropy", "kl_ref", "tokens", "grad_norm", "updates"], 0.0)
+        if multiple_updates:
+            mismatch = train_inference_mismatch(batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
+
+        # 4. minibatch updates
+        ratio_min, ratio_max = float("inf"), float("-inf")
+        for epoch in range(args.update_epochs):
+            order = torch.randperm(len(completions), device=device)
+            for minibatch in order.chunk(args.num_minibatches):
+                minibatch_tokens = batch["response_mask"][minibatch].sum().clamp(min=1)
+                minibatch_loss = 0.0
+                for micro in micro_batches(batch, minibatch, args.micro_batch_size):
+                    mask = micro["response_mask"]
+                    with autocast:
+                        logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
+                    old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
+                    # ALGO LOGIC: the GRPO loss of this micro-batch
+                    token_losses, ratio, clip_active = clipped_surrogate_loss(
+                        logprobs, old_logprobs, micro["advantages"], args.clip_low, args.clip_high)
+                    if reference is not None:
+                        log_ref_ratio = micro["ref_logprobs"] - logprobs
+                        kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
+                        token_losses = token_losses + args.kl_coef * kl_ref
+                        sums["kl_ref"] += (kl_ref.detach() * mask).sum().item()
+                    loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, len(minibatch))
+                    # END ALGO LOGIC
+                    loss.backward()
+                    minibatch_loss += loss.item()
+                    with torch.no_grad():
+                        log_ratio, valid = (logprobs - old_logprobs).detach(), mask.bool()
+                        sums["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum().item()
+                        sums["clipped"] += (clip_active.float() * mask).sum().item()
+                        sums["entropy"] += (entropy * mask).sum().item()
+                        sums["tokens"] += mask.sum().item()
+                        ratio_min = min(ratio_min, ratio[valid].min().item())
+                        ratio_max = max(ratio_max, ratio[valid].max().item())
+                        if not multiple_updates:  # this single pass sees every rollout once, under π_old
+                            mismatch = train_inference_mismatch(old_logprobs, micro["sampler_logprobs"], mask, mismatch)
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)):
+                    optimizer.step()
+                else:
+                    skipped_steps += 1  # never write NaN weights
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                sums["loss"] += minibatch_loss
+                sums["grad_norm"] += grad_norm.item()
+                sums["updates"] += 1
+        train_seconds = time.time() - train_start
+
+        # 5. push the new weights to the engine
+        sync_start = time.time()
+        engine.load_weights(policy.state_dict().items())
+        sync_seconds = time.time() - sync_start
+
+        # 6. log, evaluate, checkpoint
+        lengths = batch["response_mask"].sum(1)
+        metrics = {
+            "charts/reward": rewards.mean().item(),
+            "charts/accuracy": sum(s.correct for s in scores) / len(scores),
+            "charts/no_answer_rate": sum(not s.found for s in scores) / len(scores),
+            "charts/response_length_mean": lengths.mean().item(),
+            "charts/response_length_max": lengths.max().item(),
+            "charts/truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
+            "charts/zero_std_group_fraction": (rewards.std(dim=1) == 0).float().mean().item(),
+            "charts/entropy": sums["entropy"] / sums["tokens"],
+            "charts/lr": scheduler.get_last_lr()[0],
+            "charts/skipped_steps": skipped_steps,
+            "losses/policy_loss": sums["loss"] / sums["updates"],
+            "losses/approx_kl": sums["approx_kl"] / sums["tokens"],
+            "losses/clip_fraction": sums["clipped"] / sums["tokens"],
+            "losses/ratio_min": ratio_min,
+            "losses/ratio_max": ratio_max,
+            "losses/grad_norm": sums["grad_norm"] / sums["updates"],
+            "mismatch/kl_k3": mismatch["kl_sum"] / mismatch["tokens"],
+            "mismatch/max_abs_logprob_diff": mismatch["max_abs_diff"],
+            "time/rollout": rollout_seconds,
+            "time/train": train_seconds,
+            "time/weight_sync": sync_seconds,
+        }
+        if reference is not None:
+            metrics["losses/kl_ref"] = sums["kl_ref"] / sums["tokens"]
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            eval_start = time.time()
+            metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
+            metrics["time/eval"] = time.time() - eval_start
+        metrics["time/step"] = time.time() - step_start
+        metrics["charts/tokens_per_second"] = lengths.sum().item() / metrics["time/step"]
+        metrics = fsdp.reduce_metrics(metrics, dist)
+        tracker.log(metrics, step=step + 1)
+        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}", **(
+            {"eval_greedy": f"{metrics['eval/greedy_accuracy']:.3f}"} if "eval/greedy_accuracy" in metrics else {}))
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
+            state = {"step": step + 1, "skipped_steps": skipped_steps, "optimizer": optimizer.state_dict(),
+                     "scheduler": scheduler.state_dict(), "rng": fsdp.rng_state(), "args": asdict(args)}
+            if dist.is_main:
+                fsdp.save_checkpoint(run_dir, step + 1, policy, tokenizer, state, args.keep_checkpoints)
+
+    plot = tracker.close(plot_keys=[
+        "charts/reward", "eval/greedy_accuracy", f"eval/avg@{args.eval_k}", "charts/entropy",
+        "charts/response_length_mean", "losses/approx_kl", "losses/clip_fraction", "losses/grad_norm",
+        "mismatch/kl_k3"])
+    if dist.is_main:
+        print(f"run folder: {run_dir}" + (f" (plot: {plot})" if plot else ""))
+    fsdp.cleanup()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

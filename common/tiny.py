@@ -1,0 +1,172 @@
+"""The built-in default model: a character-level Llama warm-started on the arithmetic task, offline.
+
+    model_dir = tiny_model_dir()        # builds it on first use (about two minutes on 2 CPU cores)
+    python -m common.tiny [--force]     # build (or rebuild) it by hand
+
+The tokenizer maps each printable ASCII character to one token (plus <pad>, <bos>, <eos>, <unk>) and is
+a regular `PreTrainedTokenizerFast`; the model is a `LlamaForCausalLM` (4 layers, hidden 256, 3.2M
+parameters). Both are saved with `save_pretrained`, so `--model tiny` goes through the same
+AutoTokenizer / AutoModelForCausalLM path as any Hugging Face model. (A Llama, not a Qwen2: with a
+Qwen2 config transformers swaps in a byte-level tokenizer that drops spaces.)
+
+The warm start is supervised training on `Q: a+b=` -> `sum<eos>` and stops as soon as the sampled
+(temperature 1) accuracy on training prompts reaches `TARGET_ACCURACY`: a policy that is right about a
+quarter of the time leaves RL plenty of room. The build is deterministic for a given torch version; it
+is cached in `.cache/` of the repository (or $TINY_MODEL_DIR) and rebuilt when missing or unreadable.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import string
+import sys
+import time
+
+import torch
+
+from common.evaluate import score_completions
+from common.reward import arith_rows
+from common.rollout import HFEngine
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARACTERS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # 94 visible + space + newline
+VERSION = "tiny-llama-arith-v1"
+TARGET_ACCURACY = 0.20  # stop the warm start once sampled accuracy reaches this
+CHECK_EVERY, FIRST_CHECK, MAX_STEPS = 25, 300, 2000
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_model_dir() -> str:
+    """Path of the built tiny model; builds it first if it is missing or unreadable."""
+    path = os.environ.get("TINY_MODEL_DIR") or os.path.join(REPO_ROOT, ".cache", VERSION)
+    if _is_valid(path):
+        return path
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".lock", "w") as lock:  # several processes (torchrun ranks, tests) may ask at once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_valid(path):
+            build(path)
+    return path
+
+
+def _is_valid(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "build_info.json")) as f:
+            info = json.load(f)
+        load(path)
+        return info.get("version") == VERSION
+    except Exception:  # missing, half-written or corrupted: rebuild
+        return False
+
+
+def load(path: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+def make_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(""), behavior="isolated")  # one token per character
+    backend.decoder = decoders.Fuse()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        unk_token="<unk>", padding_side="left",
+    )
+
+
+def make_model(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config)
+
+
+def sampled_accuracy(model, tokenizer, rows) -> float:
+    engine = HFEngine(model, tokenizer)
+    prompts = [tokenizer(row.question)["input_ids"] for row in rows]
+    completions = engine.generate(prompts, n=1, max_new_tokens=8, temperature=1.0)
+    return sum(s.correct for s in score_completions(completions, rows, 1, tokenizer, bare=True)) / len(rows)
+
+
+def build(path: str, seed: int = 0, batch_size: int = 64, lr: float = 1e-3) -> None:
+    """Build the tokenizer and model, warm-start them, and save atomically to `path`."""
+    from tqdm import tqdm
+
+    started = time.time()
+    torch.manual_seed(seed)
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer)
+    train = arith_rows("train")
+    check_rows = train[:256]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
+    generator = torch.Generator().manual_seed(seed)
+    accuracy = 0.0
+    progress = tqdm(range(1, MAX_STEPS + 1), desc="building the tiny model (warm start)", file=sys.stderr)
+    for step in progress:
+        batch = [train[i] for i in torch.randint(len(train), (batch_size,), generator=generator).tolist()]
+        input_ids, labels = _supervised_batch(batch, tokenizer)
+        loss = model(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(), labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step >= FIRST_CHECK and step % CHECK_EVERY == 0:
+            accuracy = sampled_accuracy(model, tokenizer, check_rows)
+            progress.set_postfix(loss=f"{loss.item():.3f}", sampled_accuracy=f"{accuracy:.2f}")
+            if accuracy >= TARGET_ACCURACY:
+                break
+    progress.close()
+    test_accuracy = sampled_accuracy(model, tokenizer, arith_rows("test")[:256])
+    info = {
+        "version": VERSION, "seed": seed, "warm_start_steps": step, "train_sampled_accuracy": accuracy,
+        "test_sampled_accuracy": test_accuracy, "parameters": sum(p.numel() for p in model.parameters()),
+        "build_seconds": round(time.time() - started, 1), "torch": torch.__version__,
+    }
+    temporary = f"{path}.tmp{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    model.save_pretrained(temporary)
+    tokenizer.save_pretrained(temporary)
+    with open(os.path.join(temporary, "build_info.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(temporary, path)  # a kill before this line leaves no half-written model at `path`
+    print(f"built the tiny model in {path}: {json.dumps(info)}", file=sys.stderr)
+
+
+def _supervised_batch(rows, tokenizer):
+    """Right-padded `<bos>Q: a+b=sum<eos>` with the loss on `sum<eos>` only."""
+    sequences, label_rows = [], []
+    for row in rows:
+        prompt = tokenizer(row.question)["input_ids"]
+        target = tokenizer(row.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        sequences.append(prompt + target)
+        label_rows.append([-100] * len(prompt) + target)
+    width = max(len(s) for s in sequences)
+    input_ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in sequences])
+    labels = torch.tensor([s + [-100] * (width - len(s)) for s in label_rows])
+    return input_ids, labels
+
+
+if __name__ == "__main__":
+    if "--force" in sys.argv:
+        target = os.environ.get("TINY_MODEL_DIR") or os.path.join(REPO_ROOT, ".cache", VERSION)
+        shutil.rmtree(target, ignore_errors=True)
+    print(tiny_model_dir())
