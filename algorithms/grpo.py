@@ -263,6 +263,9 @@ def train_inference_mismatch(old_logprobs, sampler_logprobs, mask, totals=None):
 def main(args: Args) -> None:
     check_args(args)
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # no "Loading weights" bars: the training bar is the one to watch
 
     # TRY NOT TO MODIFY: set-up
     dist = fsdp.setup()

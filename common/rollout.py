@@ -92,26 +92,23 @@ class HFEngine:
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
         greedy = temperature == 0
         recorder = _RecordSampledLogprobs(1.0 if greedy else temperature)
+        # temperature is applied by the recorder, so it sees exactly the distribution sampled from
+        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
         sequences = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            do_sample=not greedy,
+            **sampling,
             num_return_sequences=1 if greedy else n,
-            temperature=1.0,  # applied by the recorder, so that it sees exactly the sampled distribution
-            top_k=0,
-            top_p=1.0,
             max_new_tokens=max_new_tokens,
             logits_processor=LogitsProcessorList([recorder]),
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_ids,
         )
-        if greedy and n > 1:  # greedy decoding is deterministic: n copies of one completion
-            sequences = sequences.repeat_interleave(n, dim=0)
         new_tokens = sequences[:, width:]
         recorder.read_sampled(new_tokens[:, -1])
         logprobs = torch.stack(recorder.sampled_logprobs, dim=1)
-        if greedy and n > 1:
-            logprobs = logprobs.repeat_interleave(n, dim=0)
+        if greedy and n > 1:  # greedy decoding is deterministic: n copies of one completion
+            new_tokens, logprobs = new_tokens.repeat_interleave(n, dim=0), logprobs.repeat_interleave(n, dim=0)
         return [self._trim(tokens.tolist(), lps.tolist()) for tokens, lps in zip(new_tokens, logprobs)]
 
     def _trim(self, tokens: list[int], logprobs: list[float]) -> Completion:

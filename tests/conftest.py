@@ -1,0 +1,49 @@
+"""Shared test set-up: offline everywhere, the built-in tiny model, and a runner for the scripts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+os.environ.update(OFFLINE)  # tests never download weights or data
+
+
+@pytest.fixture(scope="session")
+def tiny_dir():
+    from common.tiny import tiny_model_dir
+
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    """(model, tokenizer) of the built-in model, float32, eval mode. Tests must not modify the model."""
+    from common.tiny import load
+
+    model, tokenizer = load(tiny_dir)
+    return model.eval(), tokenizer
+
+
+def run_script(script, *flags, timeout=600, check=True):
+    """Run `python <script> <flags>` from the repository root; returns the CompletedProcess."""
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    result = subprocess.run([sys.executable, os.path.join(REPO, script), *map(str, flags)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def only_run_dir(output_dir):
+    runs = [os.path.join(output_dir, d) for d in os.listdir(output_dir)]
+    assert len(runs) == 1, runs
+    return runs[0]

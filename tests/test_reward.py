@@ -1,0 +1,201 @@
+"""Tasks, prompt formatting and answer checking (common/reward.py)."""
+
+import json
+import threading
+
+import pytest
+
+from common import reward
+from common.reward import (
+    HUB_TASKS, Row, arith_rows, check_answer, extract_answer, extract_boxed, format_prompt, load_task, sample_batch,
+)
+
+
+# --- answer extraction ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("so the answer is \\boxed{81}.", "81"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("first \\boxed{3} then \\boxed{4}", "4"),                      # the last box wins
+    ("\\boxed{\\{1, 2\\} \\cup \\{3\\}}", "\\{1, 2\\} \\cup \\{3\\}"),  # nested braces
+    ("\\boxed{\\frac{1}{2", None),                                  # unbalanced: malformed
+    ("We get 70.\n#### 72", "72"),
+    ("Answer: 5\nsome more text\nanswer: 7", "7"),
+    ("no marker at all 42", None),
+    ("", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_extract_answer_bare_only_when_asked():
+    assert extract_answer(" 81", bare=True) == "81"
+    assert extract_answer(" 81") is None
+    assert extract_answer("   ", bare=True) is None
+    assert extract_boxed("\\boxed{}") == ""
+    assert extract_answer("\\boxed{}") is None  # an empty box is no answer
+
+
+@pytest.mark.parametrize("completion, gold, correct", [
+    ("\\boxed{81}", "81", True),
+    ("#### 81", "81", True),
+    ("\\boxed{80}", "81", False),
+    ("\\boxed{1/2}", "0.5", True),                       # fraction vs decimal
+    ("\\boxed{\\frac{1}{2}}", "0.5", True),
+    ("\\boxed{\\dfrac13}", "\\frac{1}{3}", True),
+    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True),
+    ("\\boxed{1,000}", "1000", True),
+    ("Answer: 72.0", "72", True),
+    ("\\boxed{x^2+}", "4", False),                       # malformed LaTeX: wrong, no exception
+    ("\\boxed{-3}", "3", False),
+])
+def test_check_answer(completion, gold, correct):
+    score = check_answer(completion, gold)
+    assert score.found and score.correct is correct
+    assert score.reward == (1.0 if correct else 0.0)
+
+
+@pytest.mark.parametrize("completion", ["", "I do not know", "\\boxed{\\frac{1}{2", "\\boxed{}"])
+def test_no_answer_is_reported_separately(completion):
+    score = check_answer(completion, "1")
+    assert (score.found, score.correct, score.reward) == (False, False, 0.0)
+
+
+def test_bare_answers_of_the_built_in_task():
+    assert reward.reward("81", "81", "arith") == 1.0
+    assert reward.reward("18", "81", "arith") == 0.0
+    assert reward.reward("81", "81", "gsm8k") == 0.0  # other tasks need a marked answer
+
+
+def test_math_verify_off_the_main_thread():
+    """math-verify's signal timeouts fail off the main thread; we must still get an answer there."""
+    results = []
+    thread = threading.Thread(target=lambda: results.append(check_answer("\\boxed{\\frac{2}{4}}", "0.5")))
+    thread.start()
+    thread.join()
+    assert results == [reward.Score(correct=True, found=True)]
+
+
+# --- tasks ------------------------------------------------------------------------------------
+
+def test_arith_is_deterministic_disjoint_and_correct():
+    train, test = arith_rows("train"), arith_rows("test")
+    assert (len(train), len(test)) == (9500, 500)
+    assert train == arith_rows("train") and load_task("arith", "test") == test
+    assert not {r.question for r in train} & {r.question for r in test}
+    for row in train[:50] + test[:50]:
+        a, b = row.question.removeprefix("Q: ").removesuffix("=").split("+")
+        assert int(row.answer) == int(a) + int(b)
+
+
+def test_sample_batch_walks_seeded_epochs():
+    seen = [i for step in range(5) for i in sample_batch(10, step, 4, seed=3)]  # 20 draws = 2 epochs
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:]) == list(range(10))
+    assert seen[:10] != seen[10:]  # each epoch has its own order
+    assert sample_batch(10, 2, 4, seed=3) == seen[8:12]  # a pure function of the step: resumable
+    assert sample_batch(10, 0, 4, seed=4) != seen[:4]
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_local_files(tmp_path):
+    import pandas
+
+    records = [{"q": "1+1?", "a": 2}, {"q": "2+2?", "a": "4"}]
+    expected = [Row("1+1?", "2"), Row("2+2?", "4")]
+    jsonl = _write(tmp_path / "t.jsonl", records)
+    (tmp_path / "t.json").write_text(json.dumps(records))
+    pandas.DataFrame(records).astype(str).to_parquet(tmp_path / "t.parquet")
+    for path in (jsonl, str(tmp_path / "t.json"), str(tmp_path / "t.parquet")):
+        assert load_task(path, "train", question_column="q", answer_column="a") == expected
+
+
+def test_bad_task_inputs_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="unknown task 'gsm9k'"):
+        load_task("gsm9k", "train")
+    with pytest.raises(ValueError, match="split must be"):
+        load_task("arith", "validation")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_task(str(tmp_path / "missing.jsonl"), "train")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        load_task(str(empty), "train")
+    malformed = tmp_path / "bad.jsonl"
+    malformed.write_text('{"question": "1+1", "answer": "2"}\n{not json\n')
+    with pytest.raises(ValueError, match="could not read task file .*bad.jsonl"):
+        load_task(str(malformed), "train")
+    wrong_columns = _write(tmp_path / "cols.jsonl", [{"problem": "1+1", "solution": "2"}])
+    with pytest.raises(ValueError, match=r"no column\(s\) \['question', 'answer'\].*'problem', 'solution'"):
+        load_task(wrong_columns, "train")
+    blank_answer = _write(tmp_path / "blank.jsonl", [{"question": "1+1", "answer": "2"}, {"question": "x", "answer": " "}])
+    with pytest.raises(ValueError, match="row 1 has an empty question or answer"):
+        load_task(blank_answer, "train")
+
+
+HUB_RECORDS = {  # one row shaped like each public dataset
+    "gsm8k": ({"question": "How many?", "answer": "2 + 2 = 4\n#### 1,204"}, "How many?", "1204"),
+    "math": ({"problem": "Half?", "solution": "It is $\\boxed{\\frac{1}{2}}$."}, "Half?", "\\frac{1}{2}"),
+    "math500": ({"problem": "P", "answer": "\\sqrt{2}"}, "P", "\\sqrt{2}"),
+    "dapo_math": ({"prompt": [{"role": "user", "content": reward._DAPO_HEADER + "Find x." + reward._DAPO_FOOTER}],
+                   "reward_model": {"ground_truth": "34", "style": "rule"}}, "Find x.", "34"),
+    "aime24": ({"problem": "A", "answer": 204}, "A", "204"),
+    "aime25": ({"problem": "B", "answer": "70"}, "B", "70"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HUB_TASKS))
+def test_hub_tasks_read_the_right_dataset_split_and_columns(name, monkeypatch):
+    import datasets
+
+    record, question, answer = HUB_RECORDS[name]
+    spec = HUB_TASKS[name]
+    split = "test" if "test" in spec.splits else "train"
+    calls = []
+
+    def fake_load_dataset(dataset_id, config, split):
+        calls.append((dataset_id, config, split))
+        return datasets.Dataset.from_list([record])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert load_task(name, split) == [Row(question, answer)]
+    assert calls == [(spec.dataset_id, spec.config, spec.splits[split])]
+
+
+def test_hub_task_errors(monkeypatch):
+    import datasets
+
+    with pytest.raises(ValueError, match="'dapo_math' has no 'test' split"):
+        load_task("dapo_math", "test")
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_list([{"q": "x"}]))
+    with pytest.raises(ValueError, match=r"dataset openai/gsm8k has no column\(s\) \['question', 'answer'\]"):
+        load_task("gsm8k", "train")
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("hub unreachable")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(RuntimeError, match="could not load task 'gsm8k' .*hub unreachable"):
+        load_task("gsm8k", "train")
+
+
+# --- prompts ----------------------------------------------------------------------------------
+
+def test_prompt_formatting(tiny):
+    _, tokenizer = tiny
+    assert format_prompt("Q: 1+2=", tokenizer, "arith") == "Q: 1+2="
+    assert format_prompt("What is 2+2?", tokenizer, "gsm8k").startswith("Question: What is 2+2?\n")
+
+    class ChatTokenizer:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            assert not tokenize and add_generation_prompt
+            return "<user>" + messages[0]["content"] + "<assistant>"
+
+    chat = format_prompt("What is 2+2?", ChatTokenizer(), "gsm8k")
+    assert chat.startswith("<user>What is 2+2?") and "\\boxed{}" in chat and chat.endswith("<assistant>")
+    assert format_prompt("What is 2+2?", ChatTokenizer(), "gsm8k", use_chat_template=False).startswith("Question:")

@@ -1,0 +1,75 @@
+"""The built-in tiny model: builds offline, reloads through the Auto classes, leaves RL room to learn."""
+
+import json
+import os
+import shutil
+
+import torch
+
+from common import tiny as tiny_module
+
+
+def test_reloads_offline_through_auto_classes(tiny_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 4
+    assert model.config.hidden_size == 256 and 3e6 < sum(p.numel() for p in model.parameters()) < 3.5e6
+    assert tokenizer.padding_side == "left"
+
+
+def test_character_tokenizer_round_trip(tiny):
+    _, tokenizer = tiny
+    text = "Q: 23+58= answer is \\boxed{81}."
+    ids = tokenizer(text)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == len(text) + 1  # one token per character
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text  # spaces survive
+    assert len({tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id}) == 4
+    batch = tokenizer(["Q: 1+1=", "Q: 10+10="], padding=True)
+    assert batch["input_ids"][0][:2] == [tokenizer.pad_token_id] * 2  # left padding for generation
+
+
+def test_warm_start_leaves_room_for_rl(tiny_dir):
+    with open(os.path.join(tiny_dir, "build_info.json")) as f:
+        info = json.load(f)
+    assert info["version"] == tiny_module.VERSION
+    assert 0.10 <= info["test_sampled_accuracy"] <= 0.50, info
+
+
+def test_warm_start_accuracy_is_what_build_info_says(tiny):
+    model, tokenizer = tiny
+    from common.reward import arith_rows
+
+    torch.manual_seed(0)
+    accuracy = tiny_module.sampled_accuracy(model, tokenizer, arith_rows("test")[:256])
+    assert 0.08 <= accuracy <= 0.55  # the same policy, re-sampled: the build's 20-45% up to noise
+
+
+def test_unreadable_cache_is_detected(tiny_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dir, copy)
+    assert tiny_module._is_valid(str(copy))
+    weights = next(copy.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])  # a truncated download / disk error
+    assert not tiny_module._is_valid(str(copy))
+    assert not tiny_module._is_valid(str(tmp_path / "missing"))
+
+
+def test_rebuilds_when_missing(tmp_path, monkeypatch):
+    """tiny_model_dir() builds into an empty location (the build itself is stubbed for speed here;
+    the real build runs once per session through the `tiny_dir` fixture)."""
+    built = []
+
+    def fake_build(path):
+        built.append(path)
+        os.makedirs(path)
+        with open(os.path.join(path, "build_info.json"), "w") as f:
+            json.dump({"version": tiny_module.VERSION}, f)
+
+    monkeypatch.setenv("TINY_MODEL_DIR", str(tmp_path / "model"))
+    monkeypatch.setattr(tiny_module, "build", fake_build)
+    monkeypatch.setattr(tiny_module, "load", lambda path: None)
+    assert tiny_module.tiny_model_dir() == str(tmp_path / "model") and built == [str(tmp_path / "model")]
+    assert tiny_module.tiny_model_dir() == str(tmp_path / "model") and len(built) == 1  # cached now
