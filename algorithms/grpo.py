@@ -270,36 +270,39 @@ def main(args: Args) -> None:
     # TRY NOT TO MODIFY: set-up
     dist = fsdp.setup()
     fsdp.seed_everything(args.seed + dist.rank)
+    device = dist.device
+    bfloat16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)  # weights stay float32
     run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
     checkpoint = fsdp.find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
     run_dir = os.path.dirname(os.path.dirname(checkpoint)) if checkpoint else os.path.join(
         args.output_dir, f"{run_prefix}{int(time.time())}")
+    train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
+    eval_task = args.eval_task or args.task
+    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)[: args.eval_prompts]
+
     if args.model == "tiny":
         from common.tiny import tiny_model_dir
 
         args.model = tiny_model_dir()
-    device = dist.device
-    bfloat16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)  # weights stay float32
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32).to(device)
-    reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval() if args.kl_coef > 0 else None
-    policy = fsdp.shard(policy, dist)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype)
-
-    train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
-    eval_rows = load_task(args.eval_task or args.task, "test", args.question_column, args.answer_column)[: args.eval_prompts]
     prompts = [encode_prompt(r.question, tokenizer, args.task, args.chat_template) for r in train_rows]
     keep = [i for i, p in enumerate(prompts) if len(p) <= args.max_prompt_tokens]
     if not keep:
         raise ValueError(f"every prompt of {args.task} is longer than --max-prompt-tokens {args.max_prompt_tokens}")
     train_rows, prompts = [train_rows[i] for i in keep], [prompts[i] for i in keep]
-    bare_answers = args.task == "arith"
+
+    policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32).to(device)
+    policy = fsdp.shard(policy, dist)
+    reference = None
+    if args.kl_coef > 0:
+        reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype)
 
     start_step = 0
     if checkpoint:
@@ -312,7 +315,7 @@ def main(args: Args) -> None:
         skipped_steps = 0
     tracker = Tracker(run_dir, os.path.basename(run_dir), asdict(args), args.track, args.wandb_project_name,
                       args.wandb_entity, enabled=dist.is_main, resume_step=start_step if checkpoint else None)
-    eval_kwargs = dict(task=args.eval_task or args.task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
+    eval_kwargs = dict(task=eval_task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, use_chat_template=args.chat_template)
     if args.eval_every and start_step == 0:
         tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
@@ -329,7 +332,8 @@ def main(args: Args) -> None:
         rollout_seconds = time.time() - step_start
 
         # 2. rewards and advantages
-        scores = score_completions(completions, [train_rows[i] for i in indices], args.group_size, tokenizer, bare_answers)
+        scores = score_completions(completions, [train_rows[i] for i in indices], args.group_size, tokenizer,
+                                   bare=args.task == "arith")
         rewards = torch.tensor([s.reward for s in scores], device=device).view(-1, args.group_size)
         advantages = compute_advantages(rewards, args.scale_advantages).flatten()
         batch = make_batch(step_prompts, completions, args.group_size, tokenizer.pad_token_id, device)
@@ -387,10 +391,10 @@ def main(args: Args) -> None:
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)):
                     optimizer.step()
+                    scheduler.step()
                 else:
                     skipped_steps += 1  # never write NaN weights
                 optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
                 sums["loss"] += minibatch_loss
                 sums["grad_norm"] += grad_norm.item()
                 sums["updates"] += 1

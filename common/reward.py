@@ -8,12 +8,14 @@
 
 Answer checking extracts the final answer (the last \\boxed{...}, else the last `#### x`, else the
 last `Answer: x`; for the built-in task the whole completion) and compares it with the gold answer:
-plain numbers exactly, anything else with math-verify. math-verify enforces its timeouts with
-signal.alarm, which only works in the main thread; off the main thread we call it without timeouts.
+plain numbers exactly, anything else with math-verify. math-verify's timeouts are signals, which
+cannot interrupt sympy inside C code (`1E55910418` hangs it), so it runs in a worker process that is
+killed when it overruns a deadline. The built-in task accepts plain numbers only.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import re
@@ -281,19 +283,41 @@ def _as_number(text: str) -> Fraction | None:
     return Fraction(text) if _PLAIN_NUMBER.match(text) else None
 
 
-def answers_match(predicted: str, gold: str) -> bool:
-    """Plain numbers are compared exactly (fast: the common case on the built-in task);
-    anything else (fractions, LaTeX, sets, expressions) goes through math-verify."""
+def answers_match(predicted: str, gold: str, numbers_only: bool = False) -> bool:
+    """Plain numbers are compared exactly, in-process (fast: the common case); anything else
+    (fractions, LaTeX, sets, expressions) goes to math-verify in a worker process. `numbers_only`: the
+    answer must be a plain number (the built-in task), anything else is wrong."""
     predicted_number, gold_number = _as_number(predicted), _as_number(gold)
     if predicted_number is not None and gold_number is not None:
         return predicted_number == gold_number
-    return _math_verify(predicted, gold)
+    if numbers_only:
+        return False
+    return _math_verify_with_deadline(predicted, gold)
+
+
+_VERIFIER = None  # a one-process pool, created on first use
+VERIFY_DEADLINE_SECONDS = 10.0
+
+
+def _math_verify_with_deadline(predicted: str, gold: str) -> bool:
+    """math-verify's own timeouts are signals, which cannot interrupt sympy inside C code: an answer
+    such as `1E55910418` hangs it for minutes. So it runs in a worker process that is killed (and
+    replaced) when it overruns the deadline; the overrunning answer counts as wrong."""
+    global _VERIFIER
+    if _VERIFIER is None:
+        _VERIFIER = multiprocessing.get_context("spawn").Pool(1)
+    try:
+        return _VERIFIER.apply_async(_math_verify, (predicted, gold)).get(VERIFY_DEADLINE_SECONDS)
+    except multiprocessing.TimeoutError:
+        _VERIFIER.terminate()
+        _VERIFIER = None
+        return False
 
 
 def _math_verify(predicted: str, gold: str) -> bool:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-    # signal-based timeouts only work in the main thread; elsewhere run without them
+    # signal-based timeouts only work in a process's main thread; elsewhere run without them
     in_main_thread = threading.current_thread() is threading.main_thread()
     timeout = 5 if in_main_thread else None
     configs = [LatexExtractionConfig(), ExprExtractionConfig()]
@@ -311,7 +335,7 @@ def check_answer(completion: str, gold: str, bare: bool = False) -> Score:
     predicted = extract_answer(completion, bare=bare)
     if predicted is None:
         return Score(correct=False, found=False)
-    return Score(correct=answers_match(predicted, gold), found=True)
+    return Score(correct=answers_match(predicted, gold, numbers_only=bare), found=True)
 
 
 def reward(completion: str, gold: str, task: str) -> float:

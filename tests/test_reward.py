@@ -199,3 +199,17 @@ def test_prompt_formatting(tiny):
     chat = format_prompt("What is 2+2?", ChatTokenizer(), "gsm8k")
     assert chat.startswith("<user>What is 2+2?") and "\\boxed{}" in chat and chat.endswith("<assistant>")
     assert format_prompt("What is 2+2?", ChatTokenizer(), "gsm8k", use_chat_template=False).startswith("Question:")
+
+
+def test_a_pathological_answer_cannot_hang_training(monkeypatch):
+    """`1E55910418` (sampled by the tiny model once) sends sympy into minutes of C code that
+    math-verify's signal timeout cannot interrupt; the worker is killed at the deadline instead."""
+    import time
+
+    monkeypatch.setattr(reward, "VERIFY_DEADLINE_SECONDS", 3.0)
+    assert check_answer("\\boxed{1}", "1.0").correct  # start the worker outside the timed part
+    start = time.time()
+    assert check_answer("\\boxed{1E55910418}", "134") == reward.Score(correct=False, found=True)
+    assert time.time() - start < 8
+    assert check_answer("\\boxed{\\frac{1}{4}}", "0.25").correct  # a fresh worker took over
+    assert reward.reward("1E55910418", "134", "arith") == 0.0  # the built-in task never calls math-verify

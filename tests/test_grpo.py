@@ -1,0 +1,251 @@
+"""grpo.py: the math against hand-computed values and brute force, then the script end to end."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from algorithms import grpo
+from common.rollout import Completion
+from conftest import only_run_dir, read_jsonl, run_script
+
+# --- advantages -------------------------------------------------------------------------------
+
+
+def test_group_normalized_advantages_by_hand():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: mean 0.75, std 0.5
+    std1, std2 = (1 / 3) ** 0.5, 0.5
+    expected = torch.tensor([[0.5 / (std1 + 1e-4), -0.5 / (std1 + 1e-4), -0.5 / (std1 + 1e-4), 0.5 / (std1 + 1e-4)],
+                             [0.25 / (std2 + 1e-4)] * 3 + [-0.75 / (std2 + 1e-4)]])
+    torch.testing.assert_close(grpo.compute_advantages(rewards), expected)
+    torch.testing.assert_close(grpo.compute_advantages(rewards, scale=False),
+                               torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.25, 0.25, 0.25, -0.75]]))
+
+
+def test_equal_rewards_give_zero_advantage():
+    for value in (0.0, 1.0):
+        rewards = torch.full((3, 8), value)
+        assert torch.equal(grpo.compute_advantages(rewards), torch.zeros(3, 8))
+        assert torch.equal(grpo.compute_advantages(rewards, scale=False), torch.zeros(3, 8))
+
+
+# --- clipped surrogate ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ratio, advantage, loss, active, gradient", [
+    # gradient = d loss / d log π = −ρA where the unclipped term is chosen, 0 where the clip is active
+    (1.0, 1.0, -1.0, False, -1.0),
+    (1.5, 1.0, -1.28, True, 0.0),        # above 1+ε_high with A > 0: clipped
+    (1.28, 1.0, -1.28, False, -1.28),    # exactly at the boundary: not clipped
+    (0.5, 1.0, -0.5, False, -0.5),       # below 1−ε_low with A > 0: the min keeps the unclipped term
+    (0.5, -1.0, 0.8, True, 0.0),         # below 1−ε_low with A < 0: clipped
+    (0.8, -1.0, 0.8, False, 0.8),        # exactly at the lower boundary
+    (1.5, -1.0, 1.5, False, 1.5),        # above 1+ε_high with A < 0: pessimistic, unclipped
+    (2.0, 0.0, 0.0, False, 0.0),         # zero advantage: no loss, no gradient
+])
+def test_clipped_surrogate_by_hand(ratio, advantage, loss, active, gradient):
+    old = torch.tensor([[-1.0]], dtype=torch.float64)
+    logprobs = (old + torch.log(torch.tensor(ratio, dtype=torch.float64))).requires_grad_()
+    token_loss, ratio_out, clip_active = grpo.clipped_surrogate_loss(
+        logprobs, old, torch.tensor([advantage], dtype=torch.float64), clip_low=0.2, clip_high=0.28)
+    token_loss.sum().backward()
+    assert token_loss.item() == pytest.approx(loss)
+    assert ratio_out.item() == pytest.approx(ratio)
+    assert clip_active.item() is active
+    assert logprobs.grad.item() == pytest.approx(gradient)
+
+
+def test_aggregation_token_mean_and_sequence_mean():
+    losses = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert grpo.aggregate(losses, mask, "token-mean", 4, 2).item() == pytest.approx(10 / 4)
+    assert grpo.aggregate(losses, mask, "sequence-mean", 4, 2).item() == pytest.approx((2 + 4) / 2)
+    # micro-batches each contribute their share; the shares add up to the minibatch mean
+    for mode in ("token-mean", "sequence-mean"):
+        parts = sum(grpo.aggregate(losses[i : i + 1], mask[i : i + 1], mode, 4, 2) for i in range(2))
+        assert parts.item() == pytest.approx(grpo.aggregate(losses, mask, mode, 4, 2).item())
+
+
+# --- the whole loss through padding and micro-batches vs. brute force ------------------------
+
+def _rollouts(tokenizer):
+    prompts = [tokenizer(q)["input_ids"] for q in ["Q: 1+2=", "Q: 45+51="]]
+    eos = tokenizer.eos_token_id
+    digits = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    responses = [digits("3") + [eos], digits("12"), digits("4") + [eos], digits("396"),
+                 digits("96") + [eos], digits("9"), digits("91") + [eos], digits("906") + [eos]]
+    completions = [Completion(r, [-1.0] * len(r), "stop") for r in responses]
+    return prompts, completions
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "sequence-mean"])
+def test_loss_gradient_matches_brute_force(tiny, aggregation):
+    """The script's path (left/right padding, position ids, trimmed micro-batches, accumulation)
+    against the objective written out per sequence without any padding."""
+    model, tokenizer = tiny
+    model = type(model)(model.config)
+    model.load_state_dict(tiny[0].state_dict())
+    prompts, completions = _rollouts(tokenizer)
+    group = 4
+    advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.3, -0.9, 0.4])
+    batch = grpo.make_batch(prompts, completions, group, tokenizer.pad_token_id, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    # old log-probs = current ones shifted by random amounts, so that some tokens are clipped
+    with torch.no_grad():
+        current = torch.cat([grpo.token_logprobs(model, m, 1.0)[0] for m in grpo.micro_batches(batch, torch.arange(8), 8)])
+    batch["old_logprobs"] = current + 0.4 * torch.randn(current.shape, generator=generator)
+    batch["advantages"] = advantages
+    tokens, sequences = batch["response_mask"].sum(), 8
+
+    model.zero_grad()
+    clipped_tokens = 0
+    for micro in grpo.micro_batches(batch, torch.tensor([5, 0, 3, 7, 1, 2, 6, 4]), 3):
+        logprobs, _ = grpo.token_logprobs(model, micro, temperature=1.0)
+        token_losses, _, clip_active = grpo.clipped_surrogate_loss(
+            logprobs, micro["old_logprobs"], micro["advantages"], 0.2, 0.28)
+        clipped_tokens += (clip_active.float() * micro["response_mask"]).sum().item()
+        grpo.aggregate(token_losses, micro["response_mask"], aggregation, tokens, sequences).backward()
+    script_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert 0 < clipped_tokens < tokens  # the example exercises both branches of the min
+
+    model.zero_grad()
+    objective = 0.0
+    for i, completion in enumerate(completions):
+        prompt, response = prompts[i // group], completion.token_ids
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+        ratio = torch.exp(logprobs - batch["old_logprobs"][i, : len(response)])
+        surrogate = torch.minimum(ratio * advantages[i], ratio.clamp(0.8, 1.28) * advantages[i])
+        objective = objective + (surrogate.sum() / tokens if aggregation == "token-mean"
+                                 else surrogate.mean() / sequences)
+    (-objective).backward()
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(script_grads[name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_micro_batches_trim_padding(tiny):
+    _, tokenizer = tiny
+    prompts, completions = _rollouts(tokenizer)
+    batch = grpo.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
+    assert batch["input_ids"].shape == (8, len(prompts[1]) + 4)  # longest response: "906<eos>"
+    (micro,) = grpo.micro_batches(batch, torch.tensor([0, 2]), 2)  # short prompt, responses of length 2
+    assert micro["input_ids"].shape == (2, len(prompts[0]) + 2)
+    assert micro["attention_mask"].all() and micro["response_mask"].all()
+    assert micro["position_ids"][0].tolist() == list(range(len(prompts[0]) + 2))
+
+
+def test_train_inference_mismatch_k3():
+    old = torch.tensor([[-1.0, -2.0, 0.0]])
+    sampler = torch.tensor([[-1.5, -2.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding: ignored
+    totals = grpo.train_inference_mismatch(old, sampler, mask)
+    expected_k3 = (torch.exp(torch.tensor(0.5)) - 1 - 0.5).item()  # ρ = π_old/μ = e^0.5 on the first token
+    assert totals["kl_sum"] == pytest.approx(expected_k3) and totals["tokens"] == 2
+    assert totals["max_abs_diff"] == pytest.approx(0.5)
+
+
+# --- the script ---------------------------------------------------------------------------------
+
+SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-prompts", 16, "--eval-k", 2]
+LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "charts/response_length_mean",
+          "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
+          "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
+          "losses/policy_loss", "losses/approx_kl", "losses/clip_fraction", "losses/ratio_min",
+          "losses/ratio_max", "losses/grad_norm", "mismatch/kl_k3", "mismatch/max_abs_logprob_diff",
+          "time/rollout", "time/train", "time/weight_sync", "time/step"]
+
+
+@pytest.mark.slow
+def test_two_steps_end_to_end(tmp_path, tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    run_script("algorithms/grpo.py", "--steps", 2, "--eval-every", 1, "--output-dir", tmp_path, *SMALL)
+    run_dir = only_run_dir(tmp_path)
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for key in LOGGED + ["eval/greedy_accuracy", "eval/avg@2", "eval/pass@2", "time/eval"]:
+        assert isinstance(records[-1][key], float), key
+    assert records[1]["losses/ratio_max"] == 1.0  # one update per batch: π_old = π_θ exactly
+    assert records[1]["mismatch/max_abs_logprob_diff"] < 1e-3
+    assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 10_000
+    checkpoint = os.path.join(run_dir, "checkpoints", "step_00000002")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)  # Hugging Face format
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert not torch.equal(model.model.embed_tokens.weight, initial.model.embed_tokens.weight)  # it trained
+
+
+@pytest.mark.slow
+def test_several_updates_per_batch_and_kl_penalty(tmp_path):
+    run_script("algorithms/grpo.py", "--steps", 2, "--eval-every", 0, "--output-dir", tmp_path, *SMALL,
+               "--num-minibatches", 2, "--update-epochs", 2, "--micro-batch-size", 5, "--kl-coef", 0.05,
+               "--lr", 1e-3, "--loss-aggregation", "sequence-mean")
+    records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    last = records[-1]
+    assert last["losses/ratio_max"] > 1.0 or last["losses/ratio_min"] < 1.0  # π_θ moved away from π_old
+    assert last["losses/approx_kl"] > 0 and last["losses/kl_ref"] > 0
+    assert last["mismatch/max_abs_logprob_diff"] < 1e-3
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tmp_path):
+    common_flags = ["--eval-every", 0, "--save-every", 2, *SMALL]
+    run_script("algorithms/grpo.py", "--steps", 4, "--output-dir", tmp_path / "straight", *common_flags)
+    run_script("algorithms/grpo.py", "--steps", 2, "--output-dir", tmp_path / "split", *common_flags)
+    run_script("algorithms/grpo.py", "--steps", 4, "--output-dir", tmp_path / "split", "--resume", "auto", *common_flags)
+    straight = read_jsonl(os.path.join(only_run_dir(tmp_path / "straight"), "metrics.jsonl"))
+    split = read_jsonl(os.path.join(only_run_dir(tmp_path / "split"), "metrics.jsonl"))
+    assert [r["step"] for r in split] == [1, 2, 3, 4]
+    for a, b in zip(straight, split):
+        for key in ("charts/reward", "losses/policy_loss", "losses/grad_norm", "charts/response_length_mean"):
+            assert a[key] == b[key], (a["step"], key)
+
+
+def test_non_finite_loss_skips_the_step(tmp_path, monkeypatch, tiny_dir):
+    """A NaN loss must never reach the weights: the step is skipped and counted."""
+    from transformers import AutoModelForCausalLM
+
+    real_loss = grpo.clipped_surrogate_loss
+
+    def nan_loss(*args, **kwargs):
+        token_losses, ratio, clip_active = real_loss(*args, **kwargs)
+        return token_losses * float("nan"), ratio, clip_active
+
+    monkeypatch.setattr(grpo, "clipped_surrogate_loss", nan_loss)
+    args = grpo.Args(steps=2, eval_every=0, output_dir=str(tmp_path), prompts_per_step=4, group_size=4)
+    grpo.main(args)
+    run_dir = only_run_dir(tmp_path)
+    assert [r["charts/skipped_steps"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2]
+    saved = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "step_00000002"))
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    for (name, p), q in zip(saved.named_parameters(), initial.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_help_documents_every_flag():
+    result = run_script("algorithms/grpo.py", "--help")
+    for field in dataclasses.fields(grpo.Args):
+        flag = "--" + field.name.replace("_", "-")
+        assert flag in result.stdout, flag
+    assert result.stdout.count("(default") >= len(dataclasses.fields(grpo.Args)) - 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--task", "gsm9k"], "unknown task 'gsm9k'"),
+    (["--group-size", 1], "--group-size must be >= 2"),
+    (["--temperature", 0], "--temperature must be > 0"),
+    (["--task", "missing.jsonl"], "task file not found: missing.jsonl"),
+    (["--resume", "no/such/run"], "--resume no/such/run: no such checkpoint"),
+    (["--steps", "many"], "--steps"),  # tyro's own message for a value of the wrong type
+])
+def test_bad_input_gets_a_clear_error(tmp_path, flags, message):
+    result = run_script("algorithms/grpo.py", "--output-dir", tmp_path, *flags, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-2000:]
+
+
+def test_missing_column_in_a_task_file(tmp_path):
+    path = tmp_path / "task.jsonl"
+    path.write_text('{"problem": "1+1", "solution": "2"}\n')
+    result = run_script("algorithms/grpo.py", "--task", path, "--output-dir", tmp_path, check=False)
+    assert result.returncode != 0 and "no column(s) ['question', 'answer']" in result.stderr
