@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Set-up and entry point.
+#   ./run.sh                      create .venv if missing, install, build the tiny model, train grpo.py
+#   ./run.sh test [pytest args]   install, then run the tests
+#   ./run.sh SCRIPT [flags]       install, then run a script: ./run.sh algorithms/grpo.py --steps 100
+# Environment: VENV (default .venv), PYTHON (default python3), TORCH_INDEX_URL (where the CPU torch
+# build comes from on machines that do not have it locally, e.g. https://download.pytorch.org/whl/cpu).
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${VENV:-.venv}
+PY="$VENV/bin/python"
+
+setup() {
+  if [ ! -x "$PY" ]; then
+    echo "creating $VENV" >&2
+    "${PYTHON:-python3}" -m venv "$VENV"
+  fi
+  local stamp="$VENV/.installed-$(cat requirements.txt | sha1sum | cut -c1-12)"
+  if [ ! -f "$stamp" ]; then
+    if ! command -v nvidia-smi >/dev/null 2>&1 && ! "$PY" -c "import torch" 2>/dev/null; then
+      # no GPU: the CPU build of torch, before anything else can pull a multi-GB CUDA build
+      "$PY" -m pip install --quiet torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+    fi
+    "$PY" -m pip install --quiet -r requirements.txt
+    touch "$stamp"
+  fi
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
+  export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
+  "$PY" -m common.tiny >/dev/null  # builds the built-in model on first use (about a minute)
+}
+
+case "${1:-}" in
+  "")   setup; exec "$PY" algorithms/grpo.py ;;
+  test) shift; setup; exec "$PY" -m pytest "$@" ;;
+  *)    setup; exec "$PY" "$@" ;;
+esac

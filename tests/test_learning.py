@@ -1,0 +1,23 @@
+"""The learning test: grpo.py with its defaults (exactly what `./run.sh` trains) must raise held-out
+accuracy on the built-in task by at least 10 points within 5 minutes of CPU."""
+
+import os
+import time
+
+import pytest
+
+from conftest import only_run_dir, read_jsonl, run_script
+
+
+@pytest.mark.slow
+def test_grpo_defaults_raise_held_out_accuracy(tmp_path):
+    start = time.time()
+    run_script("algorithms/grpo.py", "--output-dir", tmp_path, timeout=600)
+    seconds = time.time() - start
+    evals = [r for r in read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl")) if "eval/avg@4" in r]
+    first, last = evals[0], evals[-1]
+    assert first["step"] == 0 and last["step"] == 60
+    gains = {key: last[key] - first[key] for key in ("eval/avg@4", "eval/greedy_accuracy")}
+    print(f"held-out accuracy {first} -> {last}; gains {gains}; {seconds:.0f} s")
+    assert gains["eval/avg@4"] >= 0.10 and gains["eval/greedy_accuracy"] >= 0.10, gains
+    assert seconds < 300
