@@ -100,6 +100,8 @@ class Args:
     """engine weights' dtype; auto = the trainer's (another dtype creates a train-inference mismatch)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """trainer compute dtype (weights stay float32); auto = bfloat16 on GPU, float32 on CPU"""
+    cpu_offload: bool = False
+    """with several ranks (torchrun), keep sharded parameters and optimizer state in CPU memory"""
     steps: int = 60
     """training steps (one rollout batch each)"""
     prompts_per_step: int = 32
@@ -165,6 +167,9 @@ def check_args(args: Args) -> None:
         ("clip-high", args.clip_high < 0, ">= 0"),
         ("kl-coef", args.kl_coef < 0, ">= 0"),
     ] if bad]
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.prompts_per_step % world_size:
+        problems.append(f"--prompts-per-step must be divisible by the number of ranks ({world_size})")
     if problems:
         raise ValueError("invalid arguments: " + "; ".join(problems))
 
@@ -260,6 +265,75 @@ def train_inference_mismatch(old_logprobs, sampler_logprobs, mask, totals=None):
     return totals
 
 
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast) -> dict:
+    """Old and reference log-probs, then minibatch updates on one rollout batch (this rank's share).
+    Returns statistics summed over this rank's tokens (reduce them over ranks before dividing)."""
+    # old log-probs only when π_θ will move away from π_old within this batch (else ratio ≡ 1)
+    multiple_updates = args.num_minibatches * args.update_epochs > 1
+    every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
+    with torch.no_grad(), autocast:
+        for key, model in (("old_logprobs", policy if multiple_updates else None), ("ref_logprobs", reference)):
+            if model is not None:
+                batch[key] = torch.zeros_like(batch["sampler_logprobs"])
+                for micro in micro_batches(batch, every_row, args.micro_batch_size):
+                    logprobs = token_logprobs(model, micro, args.temperature)[0]
+                    batch[key][micro["rows"], : logprobs.shape[1]] = logprobs
+    stats = dict.fromkeys(["loss", "approx_kl", "clipped", "entropy", "kl_ref", "tokens", "grad_norm",
+                           "updates", "skipped"], 0.0)
+    stats.update(ratio_min=float("inf"), ratio_max=float("-inf"))
+    if multiple_updates:
+        stats["mismatch"] = train_inference_mismatch(batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
+
+    for epoch in range(args.update_epochs):
+        order = torch.randperm(len(every_row), device=every_row.device)
+        for minibatch in order.chunk(args.num_minibatches):
+            # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over ranks,
+            # so each rank's share is scaled by the world size
+            minibatch_tokens = fsdp.all_reduce(batch["response_mask"][minibatch].sum().item(), dist)
+            minibatch_sequences = len(minibatch) * dist.world_size
+            minibatch_loss = 0.0
+            for micro in micro_batches(batch, minibatch, args.micro_batch_size):
+                mask = micro["response_mask"]
+                with autocast:
+                    logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
+                old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
+                # ALGO LOGIC: the GRPO loss of this micro-batch
+                token_losses, ratio, clip_active = clipped_surrogate_loss(
+                    logprobs, old_logprobs, micro["advantages"], args.clip_low, args.clip_high)
+                if reference is not None:
+                    log_ref_ratio = micro["ref_logprobs"] - logprobs
+                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
+                    token_losses = token_losses + args.kl_coef * kl_ref
+                    stats["kl_ref"] += (kl_ref.detach() * mask).sum().item()
+                loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
+                # END ALGO LOGIC
+                (loss * dist.world_size).backward()
+                minibatch_loss += loss.item()
+                with torch.no_grad():
+                    log_ratio, valid = (logprobs - old_logprobs).detach(), mask.bool()
+                    stats["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum().item()
+                    stats["clipped"] += (clip_active.float() * mask).sum().item()
+                    stats["entropy"] += (entropy * mask).sum().item()
+                    stats["tokens"] += mask.sum().item()
+                    stats["ratio_min"] = min(stats["ratio_min"], ratio[valid].min().item())
+                    stats["ratio_max"] = max(stats["ratio_max"], ratio[valid].max().item())
+                    if not multiple_updates:  # this single pass sees every rollout once, under π_old
+                        stats["mismatch"] = train_inference_mismatch(
+                            old_logprobs, micro["sampler_logprobs"], mask, stats.get("mismatch"))
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm)
+            minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)
+            if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)):
+                optimizer.step()
+                scheduler.step()
+            else:
+                stats["skipped"] += 1  # never write NaN weights
+            optimizer.zero_grad(set_to_none=True)
+            stats["loss"] += minibatch_loss
+            stats["grad_norm"] += grad_norm.item()
+            stats["updates"] += 1
+    return stats
+
+
 def main(args: Args) -> None:
     check_args(args)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -296,35 +370,35 @@ def main(args: Args) -> None:
     train_rows, prompts = [train_rows[i] for i in keep], [prompts[i] for i in keep]
 
     policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32).to(device)
-    policy = fsdp.shard(policy, dist)
+    # one rank: the engine can share the trainer's module; several: it keeps a full copy per rank
+    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype,
+                         share_weights=dist.world_size == 1)
+    policy = fsdp.shard(policy, dist, bfloat16=bfloat16, cpu_offload=args.cpu_offload)
     reference = None
     if args.kl_coef > 0:
-        reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+        reference = fsdp.shard(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval(),
+                               dist, bfloat16=bfloat16, cpu_offload=args.cpu_offload)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype)
-
-    start_step = 0
+    start_step, skipped_steps = 0, 0
     if checkpoint:
-        state = fsdp.load_trainer_state(checkpoint)
-        optimizer.load_state_dict(state["optimizer"])
+        state = fsdp.load_checkpoint(checkpoint, policy, optimizer, dist)
         scheduler.load_state_dict(state["scheduler"])
         start_step, skipped_steps = state["step"], state["skipped_steps"]
-        fsdp.set_rng_state(state["rng"])
-    else:
-        skipped_steps = 0
     tracker = Tracker(run_dir, os.path.basename(run_dir), asdict(args), args.track, args.wandb_project_name,
                       args.wandb_entity, enabled=dist.is_main, resume_step=start_step if checkpoint else None)
+
     eval_kwargs = dict(task=eval_task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, use_chat_template=args.chat_template)
+                       temperature=args.temperature, use_chat_template=args.chat_template, dist=dist)
     if args.eval_every and start_step == 0:
         tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
     local_prompts = args.prompts_per_step // dist.world_size
 
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
-        step_start, mismatch = time.time(), None
+        step_start = time.time()
         # 1. rollout: G completions per prompt, with the sampler's log-probs μ of the sampled tokens
+        #    (each rank takes whole groups, so group statistics are those of one process)
         indices = sample_batch(len(train_rows), step, args.prompts_per_step, args.seed)
         indices = indices[dist.rank * local_prompts : (dist.rank + 1) * local_prompts]
         step_prompts = [prompts[i] for i in indices]
@@ -339,96 +413,56 @@ def main(args: Args) -> None:
         batch = make_batch(step_prompts, completions, args.group_size, tokenizer.pad_token_id, device)
         batch["advantages"] = advantages
 
-        # 3. old log-probs (only when π_θ will move away from π_old within this batch) and reference log-probs
+        # 3-4. old / reference log-probs, then the minibatch updates
         train_start = time.time()
-        every_row = torch.arange(len(completions), device=device)
-        multiple_updates = args.num_minibatches * args.update_epochs > 1
-        with torch.no_grad(), autocast:
-            for key, model in (("old_logprobs", policy if multiple_updates else None), ("ref_logprobs", reference)):
-                if model is not None:
-                    batch[key] = torch.zeros_like(batch["sampler_logprobs"])
-                    for micro in micro_batches(batch, every_row, args.micro_batch_size):
-                        logprobs = token_logprobs(model, micro, args.temperature)[0]
-                        batch[key][micro["rows"], : logprobs.shape[1]] = logprobs
-        sums = dict.fromkeys(["loss", "approx_kl", "clipped", "entropy", "kl_ref", "tokens", "grad_norm", "updates"], 0.0)
-        if multiple_updates:
-            mismatch = train_inference_mismatch(batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
-
-        # 4. minibatch updates
-        ratio_min, ratio_max = float("inf"), float("-inf")
-        for epoch in range(args.update_epochs):
-            order = torch.randperm(len(completions), device=device)
-            for minibatch in order.chunk(args.num_minibatches):
-                minibatch_tokens = batch["response_mask"][minibatch].sum().clamp(min=1)
-                minibatch_loss = 0.0
-                for micro in micro_batches(batch, minibatch, args.micro_batch_size):
-                    mask = micro["response_mask"]
-                    with autocast:
-                        logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
-                    old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
-                    # ALGO LOGIC: the GRPO loss of this micro-batch
-                    token_losses, ratio, clip_active = clipped_surrogate_loss(
-                        logprobs, old_logprobs, micro["advantages"], args.clip_low, args.clip_high)
-                    if reference is not None:
-                        log_ref_ratio = micro["ref_logprobs"] - logprobs
-                        kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
-                        token_losses = token_losses + args.kl_coef * kl_ref
-                        sums["kl_ref"] += (kl_ref.detach() * mask).sum().item()
-                    loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, len(minibatch))
-                    # END ALGO LOGIC
-                    loss.backward()
-                    minibatch_loss += loss.item()
-                    with torch.no_grad():
-                        log_ratio, valid = (logprobs - old_logprobs).detach(), mask.bool()
-                        sums["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum().item()
-                        sums["clipped"] += (clip_active.float() * mask).sum().item()
-                        sums["entropy"] += (entropy * mask).sum().item()
-                        sums["tokens"] += mask.sum().item()
-                        ratio_min = min(ratio_min, ratio[valid].min().item())
-                        ratio_max = max(ratio_max, ratio[valid].max().item())
-                        if not multiple_updates:  # this single pass sees every rollout once, under π_old
-                            mismatch = train_inference_mismatch(old_logprobs, micro["sampler_logprobs"], mask, mismatch)
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)):
-                    optimizer.step()
-                    scheduler.step()
-                else:
-                    skipped_steps += 1  # never write NaN weights
-                optimizer.zero_grad(set_to_none=True)
-                sums["loss"] += minibatch_loss
-                sums["grad_norm"] += grad_norm.item()
-                sums["updates"] += 1
+        stats = update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast)
+        skipped_steps += int(stats["skipped"])
         train_seconds = time.time() - train_start
 
-        # 5. push the new weights to the engine
+        # 5. push the new weights to the engine (every rank gathers each full tensor in turn)
         sync_start = time.time()
-        engine.load_weights(policy.state_dict().items())
+        engine.load_weights(fsdp.named_full_tensors(policy))
         sync_seconds = time.time() - sync_start
 
-        # 6. log, evaluate, checkpoint
+        # 6. log, evaluate, checkpoint: sums over ranks first, then ratios
         lengths = batch["response_mask"].sum(1)
+        mismatch = stats["mismatch"]
+        sums = fsdp.all_reduce_dict({
+            "reward": rewards.sum().item(), "correct": sum(s.correct for s in scores),
+            "no_answer": sum(not s.found for s in scores), "rollouts": len(scores), "length": lengths.sum().item(),
+            "truncated": sum(c.finish_reason == "length" for c in completions), "groups": len(rewards),
+            "zero_std_groups": (rewards.std(dim=1) == 0).sum().item(), "entropy": stats["entropy"],
+            "tokens": stats["tokens"], "approx_kl": stats["approx_kl"], "clipped": stats["clipped"],
+            "kl_ref": stats["kl_ref"], "mismatch_kl": mismatch["kl_sum"], "mismatch_tokens": mismatch["tokens"],
+        }, dist)
+        extremes = fsdp.all_reduce_dict({"length_max": lengths.max().item(), "ratio_max": stats["ratio_max"],
+                                         "mismatch_max": mismatch["max_abs_diff"], "neg_ratio_min": -stats["ratio_min"]},
+                                        dist, op="max")
+        step_seconds = time.time() - step_start
         metrics = {
-            "charts/reward": rewards.mean().item(),
-            "charts/accuracy": sum(s.correct for s in scores) / len(scores),
-            "charts/no_answer_rate": sum(not s.found for s in scores) / len(scores),
-            "charts/response_length_mean": lengths.mean().item(),
-            "charts/response_length_max": lengths.max().item(),
-            "charts/truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
-            "charts/zero_std_group_fraction": (rewards.std(dim=1) == 0).float().mean().item(),
+            "charts/reward": sums["reward"] / sums["rollouts"],
+            "charts/accuracy": sums["correct"] / sums["rollouts"],
+            "charts/no_answer_rate": sums["no_answer"] / sums["rollouts"],
+            "charts/response_length_mean": sums["length"] / sums["rollouts"],
+            "charts/response_length_max": extremes["length_max"],
+            "charts/truncation_rate": sums["truncated"] / sums["rollouts"],
+            "charts/zero_std_group_fraction": sums["zero_std_groups"] / sums["groups"],
             "charts/entropy": sums["entropy"] / sums["tokens"],
             "charts/lr": scheduler.get_last_lr()[0],
             "charts/skipped_steps": skipped_steps,
-            "losses/policy_loss": sums["loss"] / sums["updates"],
+            "charts/tokens_per_second": sums["length"] / step_seconds,
+            "losses/policy_loss": stats["loss"] / stats["updates"],  # already summed over ranks
             "losses/approx_kl": sums["approx_kl"] / sums["tokens"],
             "losses/clip_fraction": sums["clipped"] / sums["tokens"],
-            "losses/ratio_min": ratio_min,
-            "losses/ratio_max": ratio_max,
-            "losses/grad_norm": sums["grad_norm"] / sums["updates"],
-            "mismatch/kl_k3": mismatch["kl_sum"] / mismatch["tokens"],
-            "mismatch/max_abs_logprob_diff": mismatch["max_abs_diff"],
+            "losses/ratio_min": -extremes["neg_ratio_min"],
+            "losses/ratio_max": extremes["ratio_max"],
+            "losses/grad_norm": stats["grad_norm"] / stats["updates"],  # the global norm
+            "mismatch/kl_k3": sums["mismatch_kl"] / sums["mismatch_tokens"],
+            "mismatch/max_abs_logprob_diff": extremes["mismatch_max"],
             "time/rollout": rollout_seconds,
             "time/train": train_seconds,
             "time/weight_sync": sync_seconds,
+            "time/step": step_seconds,
         }
         if reference is not None:
             metrics["losses/kl_ref"] = sums["kl_ref"] / sums["tokens"]
@@ -436,17 +470,14 @@ def main(args: Args) -> None:
             eval_start = time.time()
             metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
             metrics["time/eval"] = time.time() - eval_start
-        metrics["time/step"] = time.time() - step_start
-        metrics["charts/tokens_per_second"] = lengths.sum().item() / metrics["time/step"]
-        metrics = fsdp.reduce_metrics(metrics, dist)
         tracker.log(metrics, step=step + 1)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}", **(
             {"eval_greedy": f"{metrics['eval/greedy_accuracy']:.3f}"} if "eval/greedy_accuracy" in metrics else {}))
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
-            state = {"step": step + 1, "skipped_steps": skipped_steps, "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "rng": fsdp.rng_state(), "args": asdict(args)}
-            if dist.is_main:
-                fsdp.save_checkpoint(run_dir, step + 1, policy, tokenizer, state, args.keep_checkpoints)
+            trainer_state = {"step": step + 1, "skipped_steps": skipped_steps, "scheduler": scheduler.state_dict(),
+                             "args": asdict(args)}
+            fsdp.save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist,
+                                 args.keep_checkpoints)
 
     plot = tracker.close(plot_keys=[
         "charts/reward", "eval/greedy_accuracy", f"eval/avg@{args.eval_k}", "charts/entropy",

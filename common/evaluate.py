@@ -19,9 +19,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(
     engine, tokenizer, rows, task: str, k: int, max_new_tokens: int, temperature: float = 1.0,
-    use_chat_template: bool = True,
+    use_chat_template: bool = True, dist=None,
 ) -> dict[str, float]:
-    """Greedy accuracy, avg@k (mean accuracy of k samples) and pass@k over `rows`."""
+    """Greedy accuracy, avg@k (mean accuracy of k samples) and pass@k over `rows`. With `dist` (several
+    ranks), each rank scores every world_size-th row and the means are combined over ranks."""
+    if dist is not None and dist.world_size > 1:
+        from common.fsdp import all_reduce, all_reduce_dict
+
+        local_rows = rows[dist.rank :: dist.world_size]
+        local = evaluate(engine, tokenizer, local_rows, task, k, max_new_tokens, temperature, use_chat_template)
+        weighted = all_reduce_dict({key: value * len(local_rows) for key, value in local.items()}, dist)
+        return {key: value / all_reduce(len(local_rows), dist) for key, value in weighted.items()}
     prompts = [encode_prompt(row.question, tokenizer, task, use_chat_template) for row in rows]
     bare = task == "arith"
 

@@ -1,26 +1,31 @@
-"""Distributed set-up, seeding, metric reduction and checkpoints.
+"""Distributed set-up (torchrun), FSDP2 sharding, seeding, metric reduction and checkpoints.
 
-    dist = setup()                      # reads torchrun's environment; world size 1 is a plain process
-    seed_everything(args.seed)
-    metrics = reduce_metrics(metrics, dist)
-    save_checkpoint(run_dir, step, model, tokenizer, trainer_state, keep=2)
-    path = find_checkpoint(args.resume, output_dir, run_prefix)   # "auto", a run dir, or a checkpoint
+    dist = setup()                          # reads torchrun's environment; world size 1 is a plain process
+    model = shard(model, dist)              # FSDP2: each decoder layer, then the root (no-op on one rank)
+    for name, tensor in named_full_tensors(model): ...   # full weights, one tensor at a time, all ranks
+    save_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist, keep=2)
+    trainer_state = load_checkpoint(path, model, optimizer, dist)
 
-World size 1 runs the same code as N ranks: every collective here is skipped when there is nothing to
-reduce. Sharding the model across ranks (FSDP2) plugs in at `shard`.
+One process and N processes run the same functions; collectives are skipped when there is no one to
+talk to. Launch several with `torchrun --nproc_per_node N algorithms/grpo.py ...` (nccl on GPUs, gloo
+on CPUs).
 
-A checkpoint is a folder `checkpoints/step_00000050/` with the policy in Hugging Face format
-(`save_pretrained`: loadable by transformers and vLLM) and `trainer_state.pt` (optimizer, scheduler,
-step, RNG states; the data position is the step, see reward.sample_batch). It is written to a temporary
-folder and renamed, so a kill at any moment leaves the previous checkpoint intact.
+A checkpoint is a folder `checkpoints/step_00000050/` holding the policy in Hugging Face format
+(`save_pretrained`: loadable by transformers and vLLM, float32 master weights), the optimizer state
+through `torch.distributed.checkpoint` (sharded: each rank writes its part; reloadable on another
+number of ranks), each rank's RNG states, and `trainer_state.pt` (step, scheduler; the data position is
+the step, see reward.sample_batch). It is written to `step_XXXXXXXX.tmp` and renamed once complete, so
+a kill at any moment leaves the previous checkpoint as the newest complete one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import random
 import shutil
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,17 +59,70 @@ def setup() -> Dist:
     return Dist(rank, world_size, local_rank, device)
 
 
-def shard(model, dist: Dist):
-    """Where FSDP2 sharding goes. One process: the model is used as it is."""
-    if dist.world_size > 1:
-        raise NotImplementedError(
-            "training on several ranks (FSDP2) is not implemented yet; run one process"
-        )
+def shard(model, dist: Dist, bfloat16: bool = False, cpu_offload: bool = False):
+    """FSDP2: `fully_shard` each decoder layer, then the root, over all ranks. On one rank the model is
+    returned as it is. `bfloat16`: compute in bf16 with float32 gradient reduction (weights stay float32
+    in the optimizer). `cpu_offload`: keep sharded parameters and optimizer state in CPU memory."""
+    if dist.world_size == 1:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    options = {"mesh": init_device_mesh(dist.device.type, (dist.world_size,))}
+    if bfloat16:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cpu_offload:  # pinned memory needs an accelerator
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
     return model
+
+
+def named_full_tensors(model, dtype: torch.dtype | None = None):
+    """(Hugging Face name, full tensor) for every weight, gathered one tensor at a time. Under FSDP2
+    every rank must iterate this to the end, in the same order: each gather is a collective."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in model.state_dict().items():
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        yield name, (tensor.to(dtype) if dtype is not None else tensor).detach()
+
+
+def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """Clip gradients to `max_norm`; returns the total norm before clipping as a plain tensor."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def all_reduce(value: float, dist: Dist, op: str = "sum") -> float:
+    """Sum / max / min of a number over ranks."""
+    return all_reduce_dict({"value": value}, dist, op)["value"]
+
+
+def all_reduce_dict(values: dict[str, float], dist: Dist, op: str = "sum") -> dict[str, float]:
+    """all_reduce of several numbers in one collective."""
+    if dist.world_size == 1:
+        return {k: float(v) for k, v in values.items()}
+    tensor = torch.tensor([float(v) for v in values.values()], dtype=torch.float64, device=dist.device)
+    torch_dist.all_reduce(tensor, op={"sum": torch_dist.ReduceOp.SUM, "max": torch_dist.ReduceOp.MAX,
+                                      "min": torch_dist.ReduceOp.MIN}[op])
+    return dict(zip(values, tensor.tolist()))
+
+
+def barrier(dist: Dist) -> None:
+    if dist.world_size > 1:
+        torch_dist.barrier()
 
 
 def cleanup() -> None:
     if torch_dist.is_initialized():
+        torch_dist.barrier()  # no rank tears down its connections while a peer still uses them
         torch_dist.destroy_process_group()
 
 
@@ -72,24 +130,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def reduce_metrics(metrics: dict[str, float], dist: Dist) -> dict[str, float]:
-    """Mean over ranks, except *_max / *_min (max / min over ranks)."""
-    if dist.world_size == 1:
-        return metrics
-    reduced = {}
-    for name, value in metrics.items():
-        tensor = torch.tensor(float(value), dtype=torch.float64, device=dist.device)
-        if name.endswith("_max"):
-            torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
-        elif name.endswith("_min"):
-            torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MIN)
-        else:
-            torch_dist.all_reduce(tensor)
-            tensor /= dist.world_size
-        reduced[name] = tensor.item()
-    return reduced
 
 
 def rng_state() -> dict:
@@ -107,25 +147,60 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: str, step: int, model, tokenizer, trainer_state: dict, keep: int) -> str:
-    """Write checkpoints/step_{step:08d} atomically and keep only the newest `keep` checkpoints."""
+def save_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist: Dist, keep: int) -> str:
+    """Write checkpoints/step_{step:08d} atomically (every rank calls this) and keep the newest `keep`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
     checkpoints = os.path.join(run_dir, "checkpoints")
     final = os.path.join(checkpoints, f"step_{step:08d}")
     temporary = final + ".tmp"
-    shutil.rmtree(temporary, ignore_errors=True)
-    os.makedirs(temporary)
-    model.save_pretrained(temporary)
-    tokenizer.save_pretrained(temporary)
-    torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(temporary, final)
-    for old in sorted(glob.glob(os.path.join(checkpoints, "step_*[0-9]")))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    if dist.is_main:
+        shutil.rmtree(temporary, ignore_errors=True)
+        os.makedirs(temporary)
+    barrier(dist)
+    # full weights, gathered on rank 0 only
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.is_main:
+        model.save_pretrained(temporary, state_dict=weights)
+        tokenizer.save_pretrained(temporary)
+        torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
+    del weights
+    with _single_process_is_intended():
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(temporary, "optimizer"))
+    torch.save(rng_state(), os.path.join(temporary, f"rng_rank{dist.rank}.pt"))
+    barrier(dist)
+    if dist.is_main:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(temporary, final)  # the checkpoint exists only once it is complete
+        for old in sorted(glob.glob(os.path.join(checkpoints, "step_*[0-9]")))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(dist)
     return final
 
 
-def load_trainer_state(checkpoint: str) -> dict:
-    return torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+@contextlib.contextmanager
+def _single_process_is_intended():
+    """torch.distributed.checkpoint warns when there is no process group; on one rank that is the plan."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def load_checkpoint(path: str, model, optimizer, dist: Dist) -> dict:
+    """Restore the optimizer and this rank's RNG (the weights were loaded with from_pretrained);
+    returns the trainer state (step, scheduler, ...)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    with _single_process_is_intended():
+        dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    rng_file = os.path.join(path, f"rng_rank{dist.rank}.pt")
+    if os.path.exists(rng_file):  # absent when resuming on more ranks than were saved
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
 
 
 def find_checkpoint(resume: str, output_dir: str, run_prefix: str) -> str:

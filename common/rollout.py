@@ -56,10 +56,12 @@ class _RecordSampledLogprobs(LogitsProcessor):
 class HFEngine:
     """Sampling with transformers' `generate` (the fallback when vLLM is absent; the CPU default)."""
 
-    def __init__(self, model, tokenizer, dtype: torch.dtype | None = None, max_batch_size: int = 1024):
-        if dtype is None or dtype == next(model.parameters()).dtype:
+    def __init__(self, model, tokenizer, dtype: torch.dtype | None = None, max_batch_size: int = 1024,
+                 share_weights: bool = True):
+        same_dtype = dtype is None or dtype == next(model.parameters()).dtype
+        if share_weights and same_dtype:
             self.model, self.shares_trainer_weights = model, True
-        else:
+        else:  # its own copy: another dtype, or a trainer whose weights will be sharded across ranks
             self.model, self.shares_trainer_weights = copy.deepcopy(model).to(dtype), False
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -141,12 +143,14 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def make_engine(kind: str, model, tokenizer, dtype: str = "auto", max_batch_size: int = 1024):
+def make_engine(kind: str, model, tokenizer, dtype: str = "auto", max_batch_size: int = 1024,
+                share_weights: bool = True):
     """`kind`: "auto" (vLLM when it is installed and a GPU is present; for now always "hf") or "hf".
-    `dtype`: "auto" (the trainer's) or "float32" / "bfloat16" / "float16" for a separate engine copy."""
+    `dtype`: "auto" (the trainer's) or "float32" / "bfloat16" / "float16" for a separate engine copy.
+    `share_weights`: the engine may generate with the trainer's own module (one process)."""
     if kind not in ("auto", "hf"):
         raise ValueError(f"unknown rollout engine {kind!r}: use 'auto' or 'hf'")
     torch_dtype = None if dtype == "auto" else getattr(torch, dtype, None)
     if dtype != "auto" and not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown engine dtype {dtype!r}: use auto, float32, bfloat16 or float16")
-    return HFEngine(model, tokenizer, dtype=torch_dtype, max_batch_size=max_batch_size)
+    return HFEngine(model, tokenizer, dtype=torch_dtype, max_batch_size=max_batch_size, share_weights=share_weights)

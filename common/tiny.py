@@ -118,7 +118,8 @@ def build(path: str, seed: int = 0, batch_size: int = 64, lr: float = 1e-3) -> N
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     generator = torch.Generator().manual_seed(seed)
     accuracy = 0.0
-    progress = tqdm(range(1, MAX_STEPS + 1), desc="building the tiny model (warm start)", file=sys.stderr)
+    progress = tqdm(range(1, MAX_STEPS + 1), desc="building the tiny model (warm start)", file=sys.stderr,
+                    mininterval=0.5 if sys.stderr.isatty() else 15)  # a log file gets a line every 15 s
     for step in progress:
         batch = [train[i] for i in torch.randint(len(train), (batch_size,), generator=generator).tolist()]
         input_ids, labels = _supervised_batch(batch, tokenizer)

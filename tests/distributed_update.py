@@ -1,0 +1,53 @@
+"""One call of grpo.update_policy on a fixed rollout batch, on however many ranks this is launched with
+(`python` or `torchrun --nproc_per_node N`). Writes the statistics as JSON to argv[1] and the updated weights to argv[1].weights.pt.
+
+The global batch is 4 prompts x 4 completions of very different lengths; rank r takes prompts
+[r*4/N, (r+1)*4/N), as grpo.main does, so the token-mean must be normalized across ranks to match."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from algorithms import grpo  # noqa: E402
+from common import fsdp  # noqa: E402
+from common.rollout import Completion  # noqa: E402
+from common.tiny import load, tiny_model_dir  # noqa: E402
+
+QUESTIONS = ["Q: 1+2=", "Q: 45+51=", "Q: 9+9=", "Q: 70+30="]
+RESPONSES = ["3", "12", "4", "396", "96", "9", "91", "906", "18", "1", "81", "188", "100", "10", "1000", "0"]
+
+
+def main(out_path):
+    dist = fsdp.setup()
+    torch.manual_seed(0)
+    model, tokenizer = load(tiny_model_dir())
+    prompts = [tokenizer(q)["input_ids"] for q in QUESTIONS]
+    completions = [Completion(tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+                              [-1.0] * (len(r) + 1), "stop") for r in RESPONSES]
+    rewards = torch.tensor([1.0 if i % 3 == 0 else 0.0 for i in range(16)]).view(4, 4)
+    advantages = grpo.compute_advantages(rewards).flatten()
+    per_rank = 4 // dist.world_size
+    mine = range(dist.rank * per_rank, (dist.rank + 1) * per_rank)
+    batch = grpo.make_batch([prompts[i] for i in mine], [completions[i * 4 + j] for i in mine for j in range(4)],
+                            4, tokenizer.pad_token_id, dist.device)
+    batch["advantages"] = advantages[mine.start * 4 : mine.stop * 4]
+    policy = fsdp.shard(model, dist)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)  # linear in the gradient: weights compare gradients
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    args = grpo.Args(update_epochs=2, micro_batch_size=3, clip_low=0.01, clip_high=0.01)
+    stats = grpo.update_policy(policy, None, optimizer, scheduler, batch, args, dist, torch.autocast("cpu", enabled=False))
+    sums = fsdp.all_reduce_dict({k: stats[k] for k in ("approx_kl", "clipped", "entropy", "tokens")}, dist)
+    weights = dict(fsdp.named_full_tensors(policy))
+    if dist.is_main:
+        with open(out_path, "w") as f:
+            json.dump({"loss": stats["loss"], "grad_norm": stats["grad_norm"], **sums}, f)
+        torch.save(weights, out_path + ".weights.pt")
+    fsdp.cleanup()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

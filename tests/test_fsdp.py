@@ -1,0 +1,146 @@
+"""Several ranks (FSDP2 over gloo on CPU, launched with torchrun), exact resume after SIGKILL, and
+deterministic runs."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import OFFLINE, REPO, only_run_dir, read_jsonl, run_script
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun(nproc, *args, timeout=600):
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return result
+
+
+def test_two_ranks_update_exactly_like_one(tmp_path, tiny_dir):
+    """Same global batch, 1 process vs 2 FSDP2 ranks: loss, grad norm and the updated weights agree.
+    The ranks hold different numbers of response tokens, so this checks the cross-rank token-mean."""
+    run_script("tests/distributed_update.py", tmp_path / "one.json")
+    torchrun(2, "tests/distributed_update.py", tmp_path / "two.json")
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert one["tokens"] == two["tokens"] == 2 * 49  # 49 response tokens, seen in each of the 2 epochs
+    for key in ("loss", "grad_norm", "approx_kl", "entropy"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+    assert one["approx_kl"] > 0  # the second epoch ran with π_θ ≠ π_old
+    weights_one = torch.load(tmp_path / "one.json.weights.pt")
+    weights_two = torch.load(tmp_path / "two.json.weights.pt")
+    assert weights_one.keys() == weights_two.keys()
+    for name in weights_one:
+        torch.testing.assert_close(weights_two[name], weights_one[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_grpo_on_two_ranks_end_to_end_and_resume(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    flags = ["--prompts-per-step", 4, "--group-size", 4, "--eval-prompts", 16, "--eval-k", 2, "--eval-every", 2,
+             "--save-every", 2, "--output-dir", tmp_path]
+    torchrun(2, "algorithms/grpo.py", "--steps", 2, *flags)
+    torchrun(2, "algorithms/grpo.py", "--steps", 3, "--resume", "auto", *flags)
+    run_dir = only_run_dir(tmp_path)
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(isinstance(records[-1][k], float) for k in ("charts/reward", "losses/grad_norm", "mismatch/kl_k3"))
+    assert records[-1]["mismatch/max_abs_logprob_diff"] < 1e-3  # the engine copy received the new weights
+    checkpoint = os.path.join(run_dir, "checkpoints", "step_00000003")
+    assert sorted(f for f in os.listdir(checkpoint) if f.startswith("rng")) == ["rng_rank0.pt", "rng_rank1.pt"]
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)  # full weights in Hugging Face format
+    assert model.model.embed_tokens.weight.shape == (100, 256)
+
+
+FLAGS = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0, "--num-minibatches", 2]
+
+
+def _start(output_dir, steps, *extra):
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "2"}
+    return subprocess.Popen([sys.executable, "algorithms/grpo.py", "--steps", str(steps), "--output-dir",
+                             str(output_dir), *map(str, FLAGS), *map(str, extra)],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_until(predicate, process, timeout=300):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert process.poll() is None, f"the run ended before the kill: {process.stderr.read()[-3000:]}"
+        assert time.time() < deadline, "timed out waiting to kill the run"
+        time.sleep(0.001)
+
+
+def _steps_logged(output_dir):
+    runs = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    path = os.path.join(output_dir, runs[0], "metrics.jsonl") if runs else ""
+    return len(read_jsonl(path)) if os.path.exists(path) else 0
+
+
+def test_sigkill_in_training_and_during_a_checkpoint_write_then_resume(tmp_path):
+    run_script("algorithms/grpo.py", "--steps", 6, "--save-every", 2, "--output-dir", tmp_path / "straight", *FLAGS)
+    straight = read_jsonl(os.path.join(only_run_dir(tmp_path / "straight"), "metrics.jsonl"))
+
+    # 1. killed in the middle of training (after step 3 was logged, the newest checkpoint is step 2)
+    killed = tmp_path / "killed"
+    process = _start(killed, 6, "--save-every", 2)
+    _wait_until(lambda: _steps_logged(killed) >= 3, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    run_script("algorithms/grpo.py", "--steps", 6, "--save-every", 2, "--output-dir", killed, "--resume", "auto", *FLAGS)
+    _assert_same_run(straight, read_jsonl(os.path.join(only_run_dir(killed), "metrics.jsonl")))
+
+    # 2. killed while a checkpoint is being written: the half-written folder is never "latest"
+    interrupted = tmp_path / "interrupted"
+    process = _start(interrupted, 6, "--save-every", 1)
+
+    def writing_step_3():
+        run = os.listdir(interrupted)[0] if os.path.isdir(interrupted) and os.listdir(interrupted) else None
+        return run and os.path.isdir(os.path.join(interrupted, run, "checkpoints", "step_00000003.tmp"))
+
+    _wait_until(writing_step_3, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    run_dir = only_run_dir(interrupted)
+    complete = sorted(d for d in os.listdir(os.path.join(run_dir, "checkpoints")) if not d.endswith(".tmp"))
+    assert complete[-1] == "step_00000002"
+    run_script("algorithms/grpo.py", "--steps", 6, "--save-every", 1, "--output-dir", interrupted, "--resume", "auto", *FLAGS)
+    _assert_same_run(straight, read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+    assert not any(d.endswith(".tmp") for d in os.listdir(os.path.join(run_dir, "checkpoints")))
+
+
+def _assert_same_run(expected, actual):
+    assert [r["step"] for r in actual] == [r["step"] for r in expected]
+    for a, b in zip(expected, actual):
+        for key, value in a.items():
+            if not key.startswith("time/") and key != "charts/tokens_per_second":
+                assert b[key] == value, (a["step"], key)
+
+
+def test_same_seed_same_metrics(tmp_path):
+    for name in ("a", "b"):
+        run_script("algorithms/grpo.py", "--steps", 2, "--output-dir", tmp_path / name, *FLAGS)
+    _assert_same_run(*(read_jsonl(os.path.join(only_run_dir(tmp_path / n), "metrics.jsonl")) for n in ("a", "b")))
+
+
+def test_resume_finds_only_complete_checkpoints(tmp_path):
+    from common.fsdp import find_checkpoint
+
+    run = tmp_path / "arith__grpo__1__100" / "checkpoints"
+    for name in ("step_00000002", "step_00000004", "step_00000006.tmp"):
+        (run / name).mkdir(parents=True)
+    for name in ("step_00000002", "step_00000006.tmp"):
+        (run / name / "trainer_state.pt").write_bytes(b"")
+    # step 4 has no trainer state (an older layout or a broken copy), step 6 is half-written
+    assert find_checkpoint("auto", str(tmp_path), "arith__grpo__1__") == str(run / "step_00000002")
+    assert find_checkpoint(str(tmp_path / "arith__grpo__1__100"), str(tmp_path), "x") == str(run / "step_00000002")
+    shutil.rmtree(run / "step_00000002")
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        find_checkpoint("auto", str(tmp_path), "arith__grpo__1__")
