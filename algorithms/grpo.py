@@ -22,6 +22,9 @@ Implementation details
    GRPO's original mean over each completion, then over completions.
 4. β = 0 (default) loads no reference model. A step whose loss or gradient norm is not finite is
    skipped (counted in charts/skipped_steps); weights never become NaN.
+5. Several ranks (torchrun): FSDP2 shards the policy; each rank samples whole groups for its share of
+   the prompts, and the token-mean divides by the token count of all ranks, so N ranks compute the
+   update of one process (FSDP averages gradients over ranks, hence the world-size factor).
 
 Logged metrics (metrics.jsonl in the run folder; wandb with --track; curves.png at the end)
   charts/reward, charts/accuracy       mean reward and fraction of correct rollouts of the step
@@ -45,6 +48,8 @@ Run it
   python algorithms/grpo.py --model Qwen/Qwen2.5-Math-1.5B --task gsm8k --eval-task gsm8k \\
       --steps 500 --prompts-per-step 64 --group-size 8 --max-new-tokens 1024 --lr 1e-6 \\
       --num-minibatches 4 --micro-batch-size 8 --dtype bfloat16 --eval-every 50 --eval-k 4 --track
+  torchrun --nproc_per_node 8 algorithms/grpo.py ...         # FSDP2 over 8 GPUs, same flags
+  python algorithms/grpo.py --resume auto                    # continue the newest run of this task/name/seed
 """
 
 import os
@@ -61,8 +66,9 @@ from tqdm import tqdm
 
 from common import fsdp
 from common.evaluate import evaluate, score_completions
-from common.reward import encode_prompt, load_task, sample_batch
-from common.rollout import make_engine
+from common.reward import encode_prompts, load_task, sample_batch
+from common.rollout import load_tokenizer, make_engine
+from common.tiny import resolve_model
 from common.tracking import Tracker
 
 
@@ -94,10 +100,14 @@ class Args:
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
     """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this exp/task/seed)"""
-    rollout_engine: Literal["auto", "hf"] = "auto"
-    """the rollout engine: hf (transformers generate); auto picks the best available"""
+    rollout_engine: Literal["auto", "hf", "vllm"] = "auto"
+    """vllm (in-process vLLM), hf (transformers generate), or auto: vllm on a GPU when installed, else hf"""
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """engine weights' dtype; auto = the trainer's (another dtype creates a train-inference mismatch)"""
+    """engine weights' dtype; auto = hf: the trainer's, vllm: bfloat16 on GPU (another dtype than the trainer's is a train-inference mismatch)"""
+    gpu_memory_utilization: float = 0.3
+    """vllm: fraction of GPU memory for the engine (weights and KV cache); the trainer gets the rest"""
+    vllm_sleep_mode: bool = False
+    """vllm on GPU: free the engine's GPU memory while training (sleep level 1)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """trainer compute dtype (weights stay float32); auto = bfloat16 on GPU, float32 on CPU"""
     cpu_offload: bool = False
@@ -168,6 +178,10 @@ def check_args(args: Args) -> None:
         ("kl-coef", args.kl_coef < 0, ">= 0"),
     ] if bad]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.rollout_engine == "vllm" and world_size > 1:
+        problems.append("--rollout-engine vllm runs on one rank for now (use hf with torchrun)")
+    if not 0 < args.gpu_memory_utilization < 1:
+        problems.append("--gpu-memory-utilization must be in (0, 1)")
     if args.prompts_per_step % world_size:
         problems.append(f"--prompts-per-step must be divisible by the number of ranks ({world_size})")
     if problems:
@@ -336,7 +350,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 
 def main(args: Args) -> None:
     check_args(args)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils.logging import disable_progress_bar
 
     disable_progress_bar()  # no "Loading weights" bars: the training bar is the one to watch
@@ -350,29 +364,23 @@ def main(args: Args) -> None:
     run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
     checkpoint = fsdp.find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
     run_dir = os.path.dirname(os.path.dirname(checkpoint)) if checkpoint else os.path.join(
-        args.output_dir, f"{run_prefix}{int(time.time())}")
+        args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))  # one name for all ranks
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
     eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)[: args.eval_prompts]
+    args.model = resolve_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    train_rows, prompts = encode_prompts(train_rows, tokenizer, args.task, args.chat_template, args.max_prompt_tokens)
 
-    if args.model == "tiny":
-        from common.tiny import tiny_model_dir
-
-        args.model = tiny_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    prompts = [encode_prompt(r.question, tokenizer, args.task, args.chat_template) for r in train_rows]
-    keep = [i for i, p in enumerate(prompts) if len(p) <= args.max_prompt_tokens]
-    if not keep:
-        raise ValueError(f"every prompt of {args.task} is longer than --max-prompt-tokens {args.max_prompt_tokens}")
-    train_rows, prompts = [train_rows[i] for i in keep], [prompts[i] for i in keep]
-
-    policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32).to(device)
-    # one rank: the engine can share the trainer's module; several: it keeps a full copy per rank
-    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype,
-                         share_weights=dist.world_size == 1)
+    # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
+    # One rank: the hf engine can share the trainer's module; several: it keeps a full copy per rank.
+    policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32)
+    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype, share_weights=dist.world_size == 1,
+                         model_path=checkpoint or args.model, max_model_len=min(args.max_prompt_tokens + args.max_new_tokens,
+                                           policy.config.max_position_embeddings),
+                         seed=args.seed + dist.rank, gpu_memory_utilization=args.gpu_memory_utilization,
+                         sleep_mode=args.vllm_sleep_mode, device=device)
+    policy = policy.to(device)
     policy = fsdp.shard(policy, dist, bfloat16=bfloat16, cpu_offload=args.cpu_offload)
     reference = None
     if args.kl_coef > 0:
@@ -413,15 +421,18 @@ def main(args: Args) -> None:
         batch = make_batch(step_prompts, completions, args.group_size, tokenizer.pad_token_id, device)
         batch["advantages"] = advantages
 
-        # 3-4. old / reference log-probs, then the minibatch updates
+        # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
         train_start = time.time()
+        engine.sleep()
         stats = update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast)
         skipped_steps += int(stats["skipped"])
         train_seconds = time.time() - train_start
 
         # 5. push the new weights to the engine (every rank gathers each full tensor in turn)
         sync_start = time.time()
+        engine.wake_up(["weights"])
         engine.load_weights(fsdp.named_full_tensors(policy))
+        engine.wake_up(["kv_cache"])
         sync_seconds = time.time() - sync_start
 
         # 6. log, evaluate, checkpoint: sums over ranks first, then ratios
@@ -485,7 +496,7 @@ def main(args: Args) -> None:
         "mismatch/kl_k3"])
     if dist.is_main:
         print(f"run folder: {run_dir}" + (f" (plot: {plot})" if plot else ""))
-    fsdp.cleanup()
+    fsdp.cleanup(dist)
 
 
 if __name__ == "__main__":

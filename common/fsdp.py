@@ -115,13 +115,23 @@ def all_reduce_dict(values: dict[str, float], dist: Dist, op: str = "sum") -> di
     return dict(zip(values, tensor.tolist()))
 
 
+def broadcast(value, dist: Dist):
+    """Rank 0's `value` on every rank (any picklable object)."""
+    if dist.world_size == 1:
+        return value
+    box = [value]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier(dist: Dist) -> None:
     if dist.world_size > 1:
         torch_dist.barrier()
 
 
-def cleanup() -> None:
-    if torch_dist.is_initialized():
+def cleanup(dist: Dist) -> None:
+    """Tear down the process group `setup` created (not one a library such as vLLM made for itself)."""
+    if dist.world_size > 1 and torch_dist.is_initialized():
         torch_dist.barrier()  # no rank tears down its connections while a peer still uses them
         torch_dist.destroy_process_group()
 

@@ -224,6 +224,15 @@ def encode_prompt(question: str, tokenizer, task: str, use_chat_template: bool =
     return tokenizer(text, add_special_tokens=not templated)["input_ids"]
 
 
+def encode_prompts(rows, tokenizer, task, use_chat_template=True, max_tokens=None):
+    """(rows, token ids) of every row whose prompt fits in `max_tokens`; the others are dropped."""
+    prompts = [encode_prompt(row.question, tokenizer, task, use_chat_template) for row in rows]
+    keep = [i for i, p in enumerate(prompts) if max_tokens is None or len(p) <= max_tokens]
+    if not keep:
+        raise ValueError(f"every prompt of task {task!r} is longer than --max-prompt-tokens {max_tokens}")
+    return [rows[i] for i in keep], [prompts[i] for i in keep]
+
+
 # ---------------------------------------------------------------------------------------------
 # Answer extraction and checking
 # ---------------------------------------------------------------------------------------------

