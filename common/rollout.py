@@ -135,7 +135,7 @@ class HFEngine:
     def sleep(self) -> None:  # nothing to free: the engine owns no cache between calls
         pass
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         pass
 
 
