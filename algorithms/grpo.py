@@ -178,8 +178,6 @@ def check_args(args: Args) -> None:
         ("kl-coef", args.kl_coef < 0, ">= 0"),
     ] if bad]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.rollout_engine == "vllm" and world_size > 1:
-        problems.append("--rollout-engine vllm runs on one rank for now (use hf with torchrun)")
     if not 0 < args.gpu_memory_utilization < 1:
         problems.append("--gpu-memory-utilization must be in (0, 1)")
     if args.prompts_per_step % world_size:
@@ -496,6 +494,8 @@ def main(args: Args) -> None:
         "mismatch/kl_k3"])
     if dist.is_main:
         print(f"run folder: {run_dir}" + (f" (plot: {plot})" if plot else ""))
+    fsdp.barrier(dist)
+    engine.close()
     fsdp.cleanup(dist)
 
 

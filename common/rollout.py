@@ -135,6 +135,9 @@ class HFEngine:
     def sleep(self) -> None:  # nothing to free: the engine owns no cache between calls
         pass
 
+    def close(self) -> None:
+        pass
+
     def wake_up(self, tags: list[str] | None = None) -> None:
         pass
 
@@ -185,6 +188,9 @@ class VLLMEngine:
         self.sampling_params = SamplingParams
         options = dict(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        logprobs_mode="processed_logprobs")
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size > 1:  # under torchrun: one engine per rank, each on its own prompts (data parallel)
+            options.update(distributed_executor_backend="external_launcher", data_parallel_size=world_size)
         if on_gpu:
             options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
         else:
@@ -231,6 +237,11 @@ class VLLMEngine:
         """Safe order: wake_up(["weights"]), load_weights(...), wake_up(["kv_cache"])."""
         if self.sleep_mode:
             self.llm.wake_up(tags)
+
+    def close(self) -> None:
+        """Shut the engine down while the process groups it uses still exist (under torchrun it also
+        destroys the default group, so call this after the last collective and before fsdp.cleanup)."""
+        self.llm.llm_engine.engine_core.shutdown()
 
 
 def vllm_available() -> bool:

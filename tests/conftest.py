@@ -38,6 +38,16 @@ def run_script(script, *flags, timeout=600, check=True):
     return result
 
 
+def torchrun(nproc, script, *flags, timeout=600):
+    """`torchrun --standalone --nproc_per_node nproc <script> <flags>` (gloo on CPU, one thread per rank)."""
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               os.path.join(REPO, script), *map(str, flags)]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"torchrun {script} failed:\n{result.stderr[-5000:]}"
+    return result
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

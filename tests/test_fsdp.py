@@ -12,17 +12,9 @@ import time
 import pytest
 import torch
 
-from conftest import OFFLINE, REPO, only_run_dir, read_jsonl, run_script
+from conftest import OFFLINE, REPO, only_run_dir, read_jsonl, run_script, torchrun
 
 pytestmark = pytest.mark.slow
-
-
-def torchrun(nproc, *args, timeout=600):
-    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-5000:]
-    return result
 
 
 def test_two_ranks_update_exactly_like_one(tmp_path, tiny_dir):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.rollout import VLLMEngine, make_engine, vllm_available
-from conftest import only_run_dir, read_jsonl, run_script
+from conftest import only_run_dir, read_jsonl, run_script, torchrun
 
 PROMPTS = ["Q: 12+30=", "Q: 7+5=", "Q: 99+99=", "Q: 3+4="]
 
@@ -130,3 +130,14 @@ def test_grpo_with_vllm_end_to_end(tmp_path):
         assert record["mismatch/max_abs_logprob_diff"] < 1e-3  # engine and trainer agree after every push
         assert record["time/weight_sync"] > 0
     assert records[-1]["losses/ratio_max"] != 1.0 or records[-1]["losses/ratio_min"] != 1.0
+
+
+@pytest.mark.slow
+def test_grpo_with_vllm_on_two_ranks(tmp_path):
+    """torchrun: every rank runs its own engine (vLLM's external launcher, data parallel) on its share
+    of the prompts, and receives the FSDP2-sharded weights gathered one tensor at a time."""
+    torchrun(2, "algorithms/grpo.py", "--rollout-engine", "vllm", "--steps", 2, "--eval-every", 2, "--eval-prompts", 16,
+             "--prompts-per-step", 8, "--num-minibatches", 2, "--output-dir", tmp_path)
+    records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["mismatch/max_abs_logprob_diff"] < 1e-3 for r in records[1:])
