@@ -1,11 +1,21 @@
 """Held-out evaluation: greedy accuracy, and avg@k / pass@k from k samples per prompt.
 
     metrics = evaluate(engine, tokenizer, rows, task="arith", k=4, max_new_tokens=16)
+
+As a command, it scores any checkpoint folder or Hugging Face model on a task's test split:
+
+    python -m common.evaluate --model runs/<run>/checkpoints/step_00000060 --task arith --k 16
+    python -m common.evaluate --model Qwen/Qwen2.5-Math-1.5B --task aime24 --k 16 --max-new-tokens 4096 --engine vllm
+
+It prints greedy accuracy, avg@k (the mean accuracy of k samples at --temperature, 1.0 as the papers
+report) and the unbiased pass@j for j = 1, 2, 4, ... up to k, as one JSON object.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from math import comb
+from typing import Literal
 
 from common.reward import check_answer, encode_prompt
 
@@ -42,7 +52,8 @@ def evaluate(
         sampled = score_completions(engine.generate(prompts, k, max_new_tokens, temperature), rows, k, tokenizer, bare)
         correct_per_prompt = [sum(s.correct for s in sampled[i * k : (i + 1) * k]) for i in range(len(rows))]
         metrics[f"eval/avg@{k}"] = sum(correct_per_prompt) / (k * len(rows))
-        metrics[f"eval/pass@{k}"] = sum(pass_at_k(k, c, k) for c in correct_per_prompt) / len(rows)
+        for j in sorted({2**i for i in range(k.bit_length()) if 2**i <= k} | {k}):
+            metrics[f"eval/pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct_per_prompt) / len(rows)
     return metrics
 
 
@@ -50,3 +61,65 @@ def score_completions(completions, rows, n: int, tokenizer, bare: bool):
     """Score each completion against its prompt's gold answer (prompt i owns completions[i*n:(i+1)*n])."""
     texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
     return [check_answer(text, rows[i // n].answer, bare) for i, text in enumerate(texts)]
+
+
+@dataclass
+class EvalArgs:
+    model: str = "tiny"
+    """a checkpoint folder, a Hugging Face model id or local folder, or `tiny`"""
+    task: str = "arith"
+    """task whose test split is scored (as in the training scripts' --task)"""
+    k: int = 16
+    """samples per prompt for avg@k and pass@j (j = 1, 2, 4, ... up to k)"""
+    prompts: int | None = None
+    """score only the first this many prompts (default: all)"""
+    max_new_tokens: int = 16
+    """maximum completion length"""
+    temperature: float = 1.0
+    """sampling temperature for the k samples (greedy accuracy is always computed)"""
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """rollout engine"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template when it has one"""
+    question_column: str = "question"
+    """question column of a local task file"""
+    answer_column: str = "answer"
+    """answer column of a local task file"""
+    seed: int = 0
+    """sampling seed"""
+
+
+
+def main() -> None:
+    import json
+
+    import torch
+    import tyro
+
+    from common.reward import load_task
+    from common.rollout import load_tokenizer, make_engine
+    from common.tiny import resolve_model
+
+    args = tyro.cli(EvalArgs, description="Score a model on a task's test split: greedy, avg@k, pass@j.")
+    if args.k < 1:
+        raise ValueError("--k must be >= 1")
+    torch.manual_seed(args.seed)
+    rows = load_task(args.task, "test", args.question_column, args.answer_column)[: args.prompts]
+    path = resolve_model(args.model)
+    tokenizer = load_tokenizer(path)
+    model = None
+    if args.engine != "vllm":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+    max_len = 4096 if model is None else model.config.max_position_embeddings
+    engine = make_engine(args.engine, model, tokenizer, model_path=path, max_model_len=max_len, seed=args.seed)
+    metrics = evaluate(engine, tokenizer, rows, args.task, args.k, args.max_new_tokens, args.temperature,
+                       args.chat_template)
+    engine.close()
+    print(json.dumps({"model": args.model, "task": args.task, "prompts": len(rows), **metrics}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

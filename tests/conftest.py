@@ -29,9 +29,11 @@ def tiny(tiny_dir):
 
 
 def run_script(script, *flags, timeout=600, check=True):
-    """Run `python <script> <flags>` from the repository root; returns the CompletedProcess."""
+    """Run `python <script> <flags>` (or `python -m <module> <flags>`) from the repository root;
+    returns the CompletedProcess."""
     env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    result = subprocess.run([sys.executable, os.path.join(REPO, script), *map(str, flags)], cwd=REPO, env=env,
+    target = [script, *map(str, flags)] if script == "-m" else [os.path.join(REPO, script), *map(str, flags)]
+    result = subprocess.run([sys.executable, *target], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")

@@ -141,3 +141,11 @@ def test_grpo_with_vllm_on_two_ranks(tmp_path):
     records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(r["mismatch/max_abs_logprob_diff"] < 1e-3 for r in records[1:])
+
+
+def test_evaluate_command_with_vllm():
+    import json
+
+    result = run_script("-m", "common.evaluate", "--engine", "vllm", "--k", 2, "--prompts", 16)
+    metrics = json.loads(result.stdout[result.stdout.index("{"):])
+    assert metrics["prompts"] == 16 and metrics["eval/pass@1"] == pytest.approx(metrics["eval/avg@2"])

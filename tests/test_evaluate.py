@@ -1,0 +1,31 @@
+"""Evaluation: the unbiased pass@k estimator, and the command that scores any model or checkpoint."""
+
+import itertools
+import json
+
+import pytest
+
+from common.evaluate import pass_at_k
+from conftest import run_script
+
+
+@pytest.mark.parametrize("n, c", [(4, 0), (4, 1), (5, 2), (6, 3), (8, 8)])
+def test_pass_at_k_is_the_chance_a_random_k_subset_holds_a_correct_sample(n, c):
+    samples = [True] * c + [False] * (n - c)
+    for k in range(1, n + 1):
+        subsets = list(itertools.combinations(samples, k))
+        assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+
+
+def test_evaluate_command_on_the_tiny_model():
+    result = run_script("-m", "common.evaluate", "--k", 4, "--prompts", 32, "--engine", "hf")
+    metrics = json.loads(result.stdout[result.stdout.index("{"):])
+    assert metrics["prompts"] == 32
+    assert metrics["eval/pass@1"] == pytest.approx(metrics["eval/avg@4"])  # pass@1 is the mean accuracy
+    assert metrics["eval/pass@1"] <= metrics["eval/pass@2"] <= metrics["eval/pass@4"]
+    assert 0 < metrics["eval/greedy_accuracy"] < 1
+
+
+def test_evaluate_command_rejects_bad_input():
+    assert "unknown task" in run_script("-m", "common.evaluate", "--task", "nope", check=False).stderr
+    assert "--k must be >= 1" in run_script("-m", "common.evaluate", "--k", 0, check=False).stderr
