@@ -1,9 +1,15 @@
-"""One call of grpo.update_policy on a fixed rollout batch, on however many ranks this is launched with
-(`python` or `torchrun --nproc_per_node N`). Writes the statistics as JSON to argv[1] and the updated weights to argv[1].weights.pt.
+"""One call of an algorithm's update_policy on a fixed rollout batch, on however many ranks this is
+launched with (`python` or `torchrun --nproc_per_node N`):
 
+    python tests/distributed_update.py OUT.json [ALGORITHM [ARGS_JSON]]      # ALGORITHM defaults to grpo
+
+Writes the statistics as JSON to OUT.json and the updated weights to OUT.json.weights.pt.
 The global batch is 4 prompts x 4 completions of very different lengths; rank r takes prompts
-[r*4/N, (r+1)*4/N), as grpo.main does, so the token-mean must be normalized across ranks to match."""
+[r*4/N, (r+1)*4/N), as the scripts' main() does, so batch-level means must be normalized across ranks
+to match. SGD (linear in the gradient) makes equal weights mean equal gradients."""
 
+import importlib
+import inspect
 import json
 import os
 import sys
@@ -12,16 +18,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from algorithms import grpo  # noqa: E402
 from common import fsdp  # noqa: E402
 from common.rollout import Completion  # noqa: E402
 from common.tiny import load, tiny_model_dir  # noqa: E402
 
 QUESTIONS = ["Q: 1+2=", "Q: 45+51=", "Q: 9+9=", "Q: 70+30="]
 RESPONSES = ["3", "12", "4", "396", "96", "9", "91", "906", "18", "1", "81", "188", "100", "10", "1000", "0"]
+DEFAULT_ARGS = {"update_epochs": 2, "micro_batch_size": 3, "clip_low": 0.01, "clip_high": 0.01, "lr": 0.5}
+# the extra inputs some methods' update_policy take, by parameter name
+EXTRAS = {
+    "gains": lambda algorithm, args: algorithm.gain_schedule(args, 8),  # ema_kpo: the filter's gains
+    "initial_entropy": lambda algorithm, args: 1.0,  # gtpo: ⟨H⟩_ini (above ln 2: the filter stays off)
+}
 
 
-def main(out_path):
+def main(out_path, algorithm_name="grpo", args_json="{}"):
+    algorithm = importlib.import_module(f"algorithms.{algorithm_name}")
     dist = fsdp.setup()
     torch.manual_seed(0)
     model, tokenizer = load(tiny_model_dir())
@@ -29,18 +41,23 @@ def main(out_path):
     completions = [Completion(tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
                               [-1.0] * (len(r) + 1), "stop") for r in RESPONSES]
     rewards = torch.tensor([1.0 if i % 3 == 0 else 0.0 for i in range(16)]).view(4, 4)
-    advantages = grpo.compute_advantages(rewards).flatten()
+    advantages = algorithm.compute_advantages(rewards).flatten()
     per_rank = 4 // dist.world_size
     mine = range(dist.rank * per_rank, (dist.rank + 1) * per_rank)
-    batch = grpo.make_batch([prompts[i] for i in mine], [completions[i * 4 + j] for i in mine for j in range(4)],
-                            4, tokenizer.pad_token_id, dist.device)
+    batch = algorithm.make_batch([prompts[i] for i in mine], [completions[i * 4 + j] for i in mine for j in range(4)],
+                                 4, tokenizer.pad_token_id, dist.device)
     batch["advantages"] = advantages[mine.start * 4 : mine.stop * 4]
     policy = fsdp.shard(model, dist)
-    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)  # linear in the gradient: weights compare gradients
+    args = algorithm.Args(**{**DEFAULT_ARGS, **json.loads(args_json)})
+    optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    args = grpo.Args(update_epochs=2, micro_batch_size=3, clip_low=0.01, clip_high=0.01)
-    stats = grpo.update_policy(policy, None, optimizer, scheduler, batch, args, dist, torch.autocast("cpu", enabled=False))
-    sums = fsdp.all_reduce_dict({k: stats[k] for k in ("approx_kl", "clipped", "entropy", "tokens")}, dist)
+    available = {"policy": policy, "reference": None, "optimizer": optimizer, "scheduler": scheduler, "batch": batch,
+                 "args": args, "dist": dist, "autocast": torch.autocast("cpu", enabled=False)}
+    parameters = inspect.signature(algorithm.update_policy).parameters
+    stats = algorithm.update_policy(**{name: available[name] if name in available else EXTRAS[name](algorithm, args)
+                                       for name in parameters})
+    summed = [k for k in ("approx_kl", "clipped", "entropy", "tokens", "rho_abs") if k in stats]
+    sums = fsdp.all_reduce_dict({k: stats[k] for k in summed}, dist)
     weights = dict(fsdp.named_full_tensors(policy))
     if dist.is_main:
         with open(out_path, "w") as f:
@@ -50,4 +67,4 @@ def main(out_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
