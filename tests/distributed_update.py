@@ -8,6 +8,7 @@ The global batch is 4 prompts x 4 completions of very different lengths; rank r 
 [r*4/N, (r+1)*4/N), as the scripts' main() does, so batch-level means must be normalized across ranks
 to match. SGD (linear in the gradient) makes equal weights mean equal gradients."""
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -48,7 +49,8 @@ def main(out_path, algorithm_name="grpo", args_json="{}"):
                                  4, tokenizer.pad_token_id, dist.device)
     batch["advantages"] = advantages[mine.start * 4 : mine.stop * 4]
     policy = fsdp.shard(model, dist)
-    args = algorithm.Args(**{**DEFAULT_ARGS, **json.loads(args_json)})
+    fields = {f.name for f in dataclasses.fields(algorithm.Args)}  # e.g. P3O has no clip range
+    args = algorithm.Args(**{k: v for k, v in {**DEFAULT_ARGS, **json.loads(args_json)}.items() if k in fields})
     optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     available = {"policy": policy, "reference": None, "optimizer": optimizer, "scheduler": scheduler, "batch": batch,
@@ -56,7 +58,7 @@ def main(out_path, algorithm_name="grpo", args_json="{}"):
     parameters = inspect.signature(algorithm.update_policy).parameters
     stats = algorithm.update_policy(**{name: available[name] if name in available else EXTRAS[name](algorithm, args)
                                        for name in parameters})
-    summed = [k for k in ("approx_kl", "clipped", "entropy", "tokens", "rho_abs") if k in stats]
+    summed = [k for k in ("approx_kl", "clipped", "entropy", "tokens", "rho_abs") if k in stats]  # per-rank sums
     sums = fsdp.all_reduce_dict({k: stats[k] for k in summed}, dist)
     weights = dict(fsdp.named_full_tensors(policy))
     if dist.is_main:

@@ -1,0 +1,419 @@
+"""p3o.py: the ESS and the loss against hand-computed values and brute force, the update across
+micro-batches and ranks, then the script end to end (on-policy, stale rollouts, a shifted temperature).
+
+Also a script: `python tests/test_p3o.py OUT` (or under torchrun) runs one p3o.update_policy on a fixed
+off-policy batch and writes its statistics and the gradient to OUT (see test_two_ranks_compute_one_ess)."""
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for the script mode
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from algorithms import p3o  # noqa: E402
+from common import fsdp  # noqa: E402
+from common.rollout import Completion  # noqa: E402
+from conftest import only_run_dir, read_jsonl, run_script, torchrun  # noqa: E402
+
+# --- the effective sample size --------------------------------------------------------------------
+
+
+def _ess_of(logprobs, sampler_logprobs, mask):
+    return p3o.effective_sample_size(p3o.ratio_sums(logprobs, sampler_logprobs, mask))
+
+
+def _random_batch(rows=6, width=7, seed=0, scale=0.5):
+    generator = torch.Generator().manual_seed(seed)
+    sampler = -torch.rand(rows, width, generator=generator, dtype=torch.float64) * 3
+    logprobs = sampler + scale * torch.randn(rows, width, generator=generator, dtype=torch.float64)
+    lengths = torch.randint(1, width + 1, (rows,), generator=generator)
+    mask = (torch.arange(width)[None] < lengths[:, None]).double()
+    sampler = sampler * mask  # make_batch pads μ with 0.0
+    logprobs = torch.where(mask.bool(), logprobs, torch.full_like(logprobs, -50.0))  # padding must not count
+    return logprobs, sampler, mask
+
+
+def test_ess_is_one_for_equal_ratios():
+    logprobs, sampler, mask = _random_batch()
+    ess, fell_back = _ess_of(sampler + 0.3, sampler, mask)  # ρ = e^0.3 on every valid token
+    assert ess == pytest.approx(1.0, abs=1e-12) and not fell_back
+    assert _ess_of(sampler, sampler, mask) == (1.0, False)  # ρ ≡ 1: exactly 1
+
+
+def test_ess_is_one_over_n_for_a_single_nonzero_ratio():
+    assert p3o.effective_sample_size({"ratio_sum": 3.0, "ratio_sq_sum": 9.0, "tokens": 4}) == (0.25, False)
+    # through the ratios: one token at ρ = 1, the other N − 1 as small as the log-ratio clamp allows (e^−10)
+    logprobs, sampler, mask = _random_batch()
+    tokens = int(mask.sum())
+    logprobs = sampler - 50.0
+    first = mask.nonzero()[0]
+    logprobs[first[0], first[1]] = sampler[first[0], first[1]]
+    ess, _ = _ess_of(logprobs, sampler, mask)
+    floor = math.exp(-10)  # not 0: the clamp keeps every ratio positive
+    assert ess == pytest.approx((1 + (tokens - 1) * floor) ** 2 / (tokens * (1 + (tokens - 1) * floor**2)), rel=1e-9)
+    assert ess == pytest.approx(1 / tokens, rel=1e-2)
+
+
+def test_ess_matches_the_formula_on_random_ratios():
+    logprobs, sampler, mask = _random_batch(scale=1.0)
+    ratios = torch.exp(logprobs - sampler)[mask.bool()].tolist()
+    expected = sum(ratios) ** 2 / (len(ratios) * sum(r * r for r in ratios))
+    ess, fell_back = _ess_of(logprobs, sampler, mask)
+    assert ess == pytest.approx(expected, rel=1e-12) and not fell_back
+    assert 1 / len(ratios) < ess < 0.9  # a genuinely spread batch
+
+
+def test_ess_is_the_same_whether_the_batch_is_split_or_not():
+    logprobs, sampler, mask = _random_batch(rows=9, scale=1.0)
+    whole, _ = _ess_of(logprobs, sampler, mask)
+    for parts in ([slice(0, 9)], [slice(0, 4), slice(4, 9)], [slice(i, i + 1) for i in range(9)]):
+        sums = {"ratio_sum": 0.0, "ratio_sq_sum": 0.0, "tokens": 0.0}
+        for part in parts:
+            width = int(mask[part].any(0).nonzero()[-1]) + 1  # trimmed like p3o.micro_batches
+            for key, value in p3o.ratio_sums(logprobs[part, :width], sampler[part, :width], mask[part, :width]).items():
+                sums[key] += value
+        assert p3o.effective_sample_size(sums)[0] == pytest.approx(whole, rel=1e-12)
+    # while the per-micro-batch values (the authors' scope) differ from the batch's
+    per_row = [_ess_of(logprobs[i : i + 1], sampler[i : i + 1], mask[i : i + 1])[0] for i in range(9)]
+    assert max(abs(e - whole) for e in per_row) > 1e-3
+
+
+def test_ess_fallback_without_tokens_or_with_non_finite_sums():
+    logprobs, sampler, mask = _random_batch()
+    assert _ess_of(logprobs, sampler, torch.zeros_like(mask)) == (1.0, True)
+    logprobs[tuple(mask.nonzero()[0])] = float("nan")
+    assert _ess_of(logprobs, sampler, mask) == (1.0, True)
+    # an infinite log-ratio is clamped, not a fallback
+    logprobs, sampler, mask = _random_batch()
+    sampler[tuple(mask.nonzero()[0])] = float("-inf")
+    ess, fell_back = _ess_of(logprobs, sampler, mask)
+    assert not fell_back and 0 < ess < 0.5
+
+
+# --- the loss ------------------------------------------------------------------------------------
+
+
+def _token_gradient(logprobs, sampler, advantages, mask, ess):
+    logprobs = logprobs.clone().requires_grad_()
+    token_losses, ratio, capped, kl = p3o.p3o_loss(logprobs, sampler, advantages, mask, ess)
+    p3o.aggregate(token_losses, mask, "token-mean", mask.sum(), len(mask)).backward()
+    return logprobs.grad * mask.sum(), ratio, capped, kl  # per-token gradient of the token sum
+
+
+def test_per_token_weights_are_min_of_ratio_and_ess_and_the_kl_gradient_is_exact():
+    logprobs, sampler, mask = _random_batch(scale=0.6)
+    ess, _ = _ess_of(logprobs, sampler, mask)
+    assert ess < 0.95
+    advantages = torch.linspace(-1.5, 2.0, len(mask), dtype=torch.float64)
+    with_advantage, ratio, capped, kl = _token_gradient(logprobs, sampler, advantages, mask, ess)
+    kl_only, *_ = _token_gradient(logprobs, sampler, torch.zeros_like(advantages), mask, ess)
+    valid = mask.bool()
+    rho = torch.exp(logprobs - sampler)
+    # the KL term: (1 − e_B)(1 − 1/ρ) ∇log π per token
+    torch.testing.assert_close(kl_only[valid], ((1 - ess) * (1 - 1 / rho))[valid], rtol=1e-12, atol=1e-14)
+    # the score-function weight: exactly min(ρ, e_B), detached (no ∇ρ term)
+    weights = (with_advantage - kl_only) / -advantages[:, None]
+    torch.testing.assert_close(weights[valid], torch.clamp(rho, max=ess)[valid], rtol=1e-10, atol=1e-14)
+    assert 0 < int(capped[valid].sum()) < int(valid.sum())  # both sides of the cap are exercised
+    assert torch.equal(capped[valid], (rho > ess)[valid])
+    torch.testing.assert_close(kl[valid], (torch.log(rho) + 1 / rho - 1)[valid])
+    assert (with_advantage[~valid] == 0).all()
+
+
+def test_on_policy_is_reinforce():
+    """ρ ≡ 1: e_B = 1, every weight 1, no KL: the gradient of token-mean −A·log π."""
+    logprobs, sampler, mask = _random_batch()
+    ess, _ = _ess_of(sampler, sampler, mask)
+    advantages = torch.linspace(-1.0, 1.0, len(mask), dtype=torch.float64)
+    gradient, *_ = _token_gradient(sampler, sampler, advantages, mask, ess)
+    assert torch.equal(gradient, -advantages[:, None] * mask)
+
+
+def test_clamped_log_ratio_never_flips_the_kl_gradient():
+    """|log ρ| > 10 is clamped: such a token keeps its capped score-function weight, and gets no KL
+    gradient (the authors' clamp of 1/ρ alone would push log π the wrong way there)."""
+    sampler = torch.tensor([[-1.0, -1.0, -1.0]], dtype=torch.float64)
+    logprobs = sampler + torch.tensor([[-15.0, 0.0, 12.0]], dtype=torch.float64)
+    mask = torch.ones_like(sampler)
+    gradient, ratio, _, _ = _token_gradient(logprobs, sampler, torch.tensor([1.0], dtype=torch.float64), mask, 0.5)
+    torch.testing.assert_close(ratio, torch.exp(torch.tensor([[-10.0, 0.0, 10.0]], dtype=torch.float64)))
+    assert gradient[0, 0].item() == pytest.approx(-math.exp(-10))  # weight e^−10, no KL gradient
+    assert gradient[0, 1].item() == pytest.approx(-0.5)  # ρ = 1 > e_B: weight e_B, KL gradient 0 at ρ = 1
+    assert gradient[0, 2].item() == pytest.approx(-0.5)  # capped weight, no KL gradient beyond the clamp
+
+
+# --- the update on a real model: micro-batches, padding and ranks vs brute force ---------------------
+
+QUESTIONS = ["Q: 1+2=", "Q: 45+51=", "Q: 9+9=", "Q: 70+30="]
+RESPONSES = ["3", "12", "4", "396", "96", "9", "91", "906", "18", "1", "81", "188", "100", "10", "1000", "0"]
+
+
+class GradRecorder:
+    """Stands in for the optimizer: records the gradient of each step and leaves the weights alone."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, []
+
+    def step(self):
+        self.grads.append({n: p.grad.clone() for n, p in self.model.named_parameters()})
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def _off_policy_batch(model, tokenizer, prompts_range=range(4), device=torch.device("cpu")):
+    """4 prompts x 4 completions; μ = π_θ's log-probs shifted by fixed noise (ratios around 1, some capped)."""
+    prompts = [tokenizer(q)["input_ids"] for q in QUESTIONS]
+    completions = [Completion(tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+                              [0.0] * (len(r) + 1), "stop") for r in RESPONSES]
+    full = p3o.make_batch(prompts, completions, 4, tokenizer.pad_token_id, device)
+    with torch.no_grad():
+        current = p3o.token_logprobs(model, full, 1.0)[0]
+    noise = 0.5 * torch.randn(current.shape, generator=torch.Generator().manual_seed(0))
+    sampler = (current + noise) * full["response_mask"]
+    for index, completion in enumerate(completions):
+        completion.logprobs = sampler[index, : len(completion.token_ids)].tolist()
+    advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.3, -0.9, 0.4, 1.1, -1.0, 0.2, -0.3, 0.0, 0.8, -0.6, -0.2])
+    mine = list(prompts_range)
+    batch = p3o.make_batch([prompts[i] for i in mine], [completions[i * 4 + j] for i in mine for j in range(4)],
+                           4, tokenizer.pad_token_id, device)
+    batch["advantages"] = advantages[mine[0] * 4 : (mine[-1] + 1) * 4]
+    return prompts, completions, advantages, batch
+
+
+def _update(model, batch, dist=fsdp.Dist(0, 1, 0, torch.device("cpu")), **overrides):
+    args = p3o.Args(max_grad_norm=1e9, **overrides)
+    recorder = GradRecorder(model)
+    stats = p3o.update_policy(model, None, recorder, types.SimpleNamespace(step=lambda: None), batch, args,
+                              dist, torch.autocast("cpu", enabled=False))
+    return stats, recorder.grads
+
+
+def _copy(tiny):
+    model = type(tiny[0])(tiny[0].config)
+    model.load_state_dict(tiny[0].state_dict())
+    return model.eval()
+
+
+def test_update_gradient_matches_brute_force_of_the_written_objective(tiny):
+    """update_policy (padding, trimmed micro-batches of 3, the no-grad ESS pass, accumulation) against
+    L = 1/N Σ_t [−sg(min(ρ, e_B))·A·log π + (1 − e_B)(log ρ + 1/ρ − 1)] written per unpadded sequence."""
+    model, tokenizer = _copy(tiny), tiny[1]
+    prompts, completions, advantages, batch = _off_policy_batch(model, tokenizer)
+    stats, grads = _update(model, batch, micro_batch_size=3)
+    assert len(grads) == 1 and stats["ess_fallbacks"] == 0
+
+    model.zero_grad()
+    logprobs, sampler, owner = [], [], []
+    for i, completion in enumerate(completions):
+        prompt, response = prompts[i // 4], completion.token_ids
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        logprobs.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1))
+        sampler.append(torch.tensor(completion.logprobs))
+        owner += [i] * len(response)
+    logprobs, sampler = torch.cat(logprobs), torch.cat(sampler)
+    rho = torch.exp(logprobs - sampler)
+    n = len(rho)
+    ess = (rho.detach().double().sum() ** 2 / (n * rho.detach().double().square().sum())).item()
+    objective = (-torch.clamp(rho.detach(), max=ess) * advantages[owner] * logprobs
+                 + (1 - ess) * (torch.log(rho) + 1 / rho - 1)).sum() / n
+    objective.backward()
+
+    assert stats["ess_min"] == pytest.approx(ess, abs=1e-6) and ess < 0.97
+    assert 0 < stats["clipped"] < n  # capped and uncapped tokens
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(grads[0][name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_update_ess_does_not_depend_on_the_micro_batch_size(tiny):
+    model, tokenizer = _copy(tiny), tiny[1]
+    *_, batch = _off_policy_batch(model, tokenizer)
+    torch.manual_seed(0)
+    split, split_grads = _update(model, dict(batch), micro_batch_size=3)  # 6 micro-batches + the ESS pass
+    torch.manual_seed(0)
+    whole, whole_grads = _update(model, dict(batch), micro_batch_size=16)  # one pass gives e_B
+    assert split["ess_min"] == pytest.approx(whole["ess_min"], rel=1e-6)
+    assert split["ess_tokens"] == pytest.approx(whole["ess_tokens"], rel=1e-6)  # one e_B for every token
+    for name in whole_grads[0]:
+        torch.testing.assert_close(split_grads[0][name], whole_grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
+    # the authors' scope: one e_B per micro-batch, hence another update
+    torch.manual_seed(0)
+    per_micro, per_micro_grads = _update(model, dict(batch), micro_batch_size=3, ess_scope="micro-batch")
+    assert per_micro["ess_tokens"] != pytest.approx(whole["ess_tokens"], rel=1e-4)
+    name = next(iter(whole_grads[0]))
+    assert not torch.allclose(per_micro_grads[0][name], whole_grads[0][name], rtol=1e-3)
+
+
+def test_several_updates_tighten_as_pi_drifts_from_mu(tiny):
+    """Ratios stay relative to μ: on-policy data, two minibatches x two epochs with real steps."""
+    model, tokenizer = _copy(tiny), tiny[1]
+    *_, batch = _off_policy_batch(model, tokenizer)
+    with torch.no_grad():
+        batch["sampler_logprobs"] = p3o.token_logprobs(model, batch, 1.0)[0] * batch["response_mask"]
+    args = p3o.Args(num_minibatches=2, update_epochs=2, micro_batch_size=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    torch.manual_seed(0)
+    stats = p3o.update_policy(model, None, optimizer, scheduler, batch, args, fsdp.Dist(0, 1, 0, torch.device("cpu")),
+                              torch.autocast("cpu", enabled=False))
+    assert stats["updates"] == 4 and stats["skipped"] == 0
+    assert stats["ess_min"] < 0.999  # the later updates see π_θ ≠ μ
+    assert stats["ratio_max"] > 1.01 or stats["ratio_min"] < 0.99
+
+
+def _distributed_update(out_path):
+    """One update_policy on the global batch of 4 prompts, this rank's share of them (as p3o.main)."""
+    dist = fsdp.setup()
+    from common.tiny import load, tiny_model_dir
+
+    model, tokenizer = load(tiny_model_dir())
+    model.eval()
+    per_rank = 4 // dist.world_size
+    *_, batch = _off_policy_batch(model, tokenizer, range(dist.rank * per_rank, (dist.rank + 1) * per_rank), dist.device)
+    policy = fsdp.shard(model, dist)
+    torch.manual_seed(0)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)  # linear in the gradient: weights compare gradients
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    args = p3o.Args(micro_batch_size=3, max_grad_norm=1e9)
+    stats = p3o.update_policy(policy, None, optimizer, scheduler, batch, args, dist, torch.autocast("cpu", enabled=False))
+    sums = fsdp.all_reduce_dict({k: stats[k] for k in ("ess_tokens", "tokens", "clipped", "kl_behavior")}, dist)
+    weights = dict(fsdp.named_full_tensors(policy))
+    if dist.is_main:
+        with open(out_path, "w") as f:
+            json.dump({"loss": stats["loss"], "ess_min": stats["ess_min"], **sums}, f)
+        torch.save(weights, out_path + ".weights.pt")
+    fsdp.cleanup(dist)
+
+
+@pytest.mark.slow
+def test_two_ranks_compute_one_ess(tmp_path):
+    """Same global batch on 1 process and on 2 FSDP2 ranks (different token counts per rank): e_B is
+    summed over ranks, so the ESS, the loss and the updated weights agree."""
+    run_script("tests/test_p3o.py", tmp_path / "one.json")
+    torchrun(2, "tests/test_p3o.py", tmp_path / "two.json")
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert one["tokens"] == two["tokens"] == 49
+    assert one["ess_min"] < 0.97
+    for key in ("ess_min", "ess_tokens", "loss", "clipped", "kl_behavior"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
+    weights_one = torch.load(tmp_path / "one.json.weights.pt")
+    weights_two = torch.load(tmp_path / "two.json.weights.pt")
+    for name in weights_one:
+        torch.testing.assert_close(weights_two[name], weights_one[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# --- the script ----------------------------------------------------------------------------------
+
+SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-prompts", 16, "--eval-k", 2]
+LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "charts/response_length_mean",
+          "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
+          "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
+          "losses/policy_loss", "losses/approx_kl", "losses/clip_fraction", "losses/ratio_min",
+          "losses/ratio_max", "losses/grad_norm", "mismatch/kl_k3", "mismatch/max_abs_logprob_diff",
+          "time/rollout", "time/train", "time/weight_sync", "time/step",
+          "losses/ratio_mean", "losses/kl_behavior", "losses/ess", "losses/ess_min", "losses/ess_fallbacks"]
+
+
+@pytest.mark.slow
+def test_two_steps_end_to_end_on_policy(tmp_path, tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    run_script("algorithms/p3o.py", "--steps", 2, "--eval-every", 2, "--output-dir", tmp_path, *SMALL)
+    run_dir = only_run_dir(tmp_path)
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for key in LOGGED + ["eval/greedy_accuracy", "eval/avg@2", "eval/pass@2", "time/eval"]:
+        assert isinstance(records[-1][key], float), key
+    for record in records[1:]:  # the float32 engine shares the trainer's weights: μ = π_θ up to rounding
+        assert 1 - 1e-9 < record["losses/ess"] <= 1 and record["losses/ess_fallbacks"] == 0
+        assert abs(record["losses/ratio_max"] - 1) < 1e-4 and abs(record["losses/ratio_min"] - 1) < 1e-4
+        assert record["losses/kl_behavior"] < 1e-9
+    assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 10_000
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "step_00000002"))
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert not torch.equal(model.model.embed_tokens.weight, initial.model.embed_tokens.weight)  # it trained
+
+
+@pytest.mark.slow
+def test_stale_rollouts_lower_the_ess(tmp_path):
+    """--sync-every 2: step 1 samples with the current weights, step 2 with the weights of one step ago."""
+    run_script("algorithms/p3o.py", "--steps", 2, "--eval-every", 0, "--sync-every", 2, "--output-dir", tmp_path, *SMALL)
+    fresh, stale = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    assert fresh["losses/ess"] > 1 - 1e-9 and fresh["mismatch/max_abs_logprob_diff"] < 1e-4
+    assert stale["losses/ess"] < 0.99 and stale["losses/ess"] == stale["losses/ess_min"]  # one e_B per step
+    assert stale["mismatch/max_abs_logprob_diff"] > 1e-2 and stale["losses/kl_behavior"] > 1e-3
+    assert stale["losses/ratio_max"] > 1 > stale["losses/ratio_min"]
+    assert stale["charts/skipped_steps"] == 0
+
+
+@pytest.mark.slow
+def test_sampling_temperature_makes_the_batch_off_policy(tmp_path):
+    run_script("algorithms/p3o.py", "--steps", 1, "--eval-every", 0, "--sampling-temperature", 1.2,
+               "--ess-scope", "micro-batch", "--micro-batch-size", 5, "--output-dir", tmp_path, *SMALL)
+    (record,) = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    assert record["losses/ess_min"] < record["losses/ess"] < 0.999  # four micro-batches, four e_B
+    assert record["losses/kl_behavior"] > 1e-3 and 0 < record["losses/clip_fraction"] < 1
+
+
+def test_non_finite_sums_fall_back_and_are_counted(tmp_path, monkeypatch):
+    monkeypatch.setattr(p3o, "ratio_sums", lambda *a: {"ratio_sum": float("nan"), "ratio_sq_sum": 1.0, "tokens": 1.0})
+    p3o.main(p3o.Args(steps=2, eval_every=0, output_dir=str(tmp_path), prompts_per_step=4, group_size=4,
+                      micro_batch_size=5))
+    records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    for record in records:
+        assert record["losses/ess_fallbacks"] == 1  # one optimizer step per rollout batch
+        assert record["losses/ess"] == 1.0 and record["charts/skipped_steps"] == 0
+
+
+def test_non_finite_loss_skips_the_step(tmp_path, monkeypatch, tiny_dir):
+    """A NaN loss must never reach the weights: the step is skipped and counted."""
+    from transformers import AutoModelForCausalLM
+
+    real_loss = p3o.p3o_loss
+
+    def nan_loss(*args, **kwargs):
+        token_losses, *rest = real_loss(*args, **kwargs)
+        return token_losses * float("nan"), *rest
+
+    monkeypatch.setattr(p3o, "p3o_loss", nan_loss)
+    p3o.main(p3o.Args(steps=2, eval_every=0, output_dir=str(tmp_path), prompts_per_step=4, group_size=4))
+    run_dir = only_run_dir(tmp_path)
+    assert [r["charts/skipped_steps"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2]
+    saved = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "step_00000002"))
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    for (name, p), q in zip(saved.named_parameters(), initial.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_help_documents_every_flag():
+    result = run_script("algorithms/p3o.py", "--help")
+    for field in dataclasses.fields(p3o.Args):
+        flag = "--" + field.name.replace("_", "-")
+        assert flag in result.stdout, flag
+    assert "--clip-low" not in result.stdout  # P3O has no clip hyper-parameter
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"sampling_temperature": 0.0}, "--sampling-temperature must be > 0"),
+    ({"sampling_temperature": float("nan")}, "--sampling-temperature must be > 0"),
+    ({"sync_every": 0}, "--sync-every must be >= 1"),
+    ({"group_size": 1}, "--group-size must be >= 2"),
+])
+def test_bad_flags_get_a_clear_error(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        p3o.check_args(p3o.Args(**overrides))
+
+
+def test_bad_ess_scope_is_refused_by_the_parser(tmp_path):
+    result = run_script("algorithms/p3o.py", "--ess-scope", "batch", "--output-dir", tmp_path, check=False)
+    assert result.returncode != 0 and "--ess-scope" in result.stderr
+
+
+if __name__ == "__main__":
+    _distributed_update(sys.argv[1])
