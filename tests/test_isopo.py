@@ -1,0 +1,612 @@
+"""isopo.py: every hook-built gradient against brute force (per-sequence autograd, the explicit Fisher
+estimate with the same overlap rows, an explicit NTK solve), the paper's special cases, then the script.
+
+Exact checks (<= 1e-8 relative) use a small pure-PyTorch float64 model: transformers' Llama keeps its
+norms, rotary embeddings and softmax in float32, so it is checked at 1e-5 (notes/cpu_feasibility.md)."""
+
+import dataclasses
+import os
+import re
+import types
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+from algorithms import isopo
+from common.rollout import Completion
+from conftest import only_run_dir, read_jsonl, run_script
+
+NO_AUTOCAST = torch.autocast("cpu", enabled=False)
+
+
+# --- a tiny float64 causal LM and its rollouts -------------------------------------------------
+
+class ScaleNorm(nn.Module):
+    """An RMSNorm-like module: a parameter that is not a Linear weight."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.3 * torch.randn(size))
+
+    def forward(self, x):
+        return self.weight * x / (x.square().mean(-1, keepdim=True) + 1e-3).sqrt()
+
+
+class TinyLM(nn.Module):
+    """Embedding -> Linear (with bias) and tanh -> causal prefix mean over non-pad positions -> norm ->
+    Linear -> residual -> output Linear (tied to the embedding or not). Pure float64."""
+
+    def __init__(self, vocab=10, hidden=6, inner=5, tied=False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.fc1 = nn.Linear(hidden, inner)
+        self.norm = ScaleNorm(inner)
+        self.fc2 = nn.Linear(inner, hidden, bias=False)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0):
+        mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask)[..., None].double()
+        x = self.embed(input_ids)
+        h = torch.tanh(self.fc1(x)) * mask
+        h = h.cumsum(1) / mask.cumsum(1).clamp(min=1)  # the causal mixing step
+        x = x + self.fc2(self.norm(h))
+        return types.SimpleNamespace(logits=self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x))
+
+
+def tiny_lm(tied, seed=0):
+    torch.manual_seed(seed)
+    return TinyLM(tied=tied).double()
+
+
+def untied_twin(model):
+    """The same function with lm_head's weight as a parameter of its own: its per-sequence gradients
+    separate the embedding lookup's part from lm_head's."""
+    twin = TinyLM(tied=False).double()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    twin.load_state_dict(state)
+    return twin
+
+
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+RESPONSES = [[3, 4, 2], [5], [9, 9, 1, 2], [2, 2], [7, 1, 3, 3], [8], [4, 6], [1, 5, 7], [3]]
+GROUP = 3
+ADVANTAGES = torch.tensor([1.0, -0.5, 0.7, 0.0, -1.2, 0.3, 0.9, -0.4, -0.8], dtype=torch.float64)
+
+
+def rollouts():
+    completions = [Completion(r, [-1.0] * len(r), "stop") for r in RESPONSES]
+    batch = isopo.make_batch(PROMPTS, completions, GROUP, 0, torch.device("cpu"))
+    batch["advantages"] = ADVANTAGES.clone()
+    return batch
+
+
+def token_logprobs64(model, micro, temperature, with_entropy=False):
+    """isopo.token_logprobs without its float32 cast of the logits (the models here are float64)."""
+    width = micro["response_ids"].shape[1]
+    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                   position_ids=micro["position_ids"], logits_to_keep=width + 1).logits[:, :-1]
+    logp = torch.log_softmax(logits / temperature, -1)
+    return logp.gather(-1, micro["response_ids"][..., None]).squeeze(-1), torch.zeros_like(logp[..., 0])
+
+
+@pytest.fixture
+def float64_logprobs(monkeypatch):
+    monkeypatch.setattr(isopo, "token_logprobs", token_logprobs64)
+
+
+def make_args(**overrides):
+    return isopo.Args(**{"n_overlap": 5, **overrides})
+
+
+def script_gradients(model, args, batch, order, micro_size, hooks=None):
+    """The script's path for one minibatch: isopo_backward per micro-batch, then set_gradients."""
+    hooks = hooks or isopo.IsopoHooks(model, args)
+    hooks.trace = []
+    micros = list(isopo.micro_batches(batch, order, micro_size))
+    for micro in micros:
+        isopo.isopo_backward(model, hooks, micro, 1.0, len(order), NO_AUTOCAST)
+    hooks.set_gradients()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads, hooks, micros
+
+
+# --- brute force --------------------------------------------------------------------------------
+
+def sequence_logprob(model, index):
+    """log π(o_i | q_i) of one rollout, run alone without any padding."""
+    prompt, response = PROMPTS[index // GROUP], RESPONSES[index]
+    logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).sum()
+
+
+def per_sequence_gradients(model):
+    """{parameter name: [sequences, *shape]}: v_i = ∇ log π(o_i | q_i) by plain autograd, one sequence at a time."""
+    names, params = zip(*model.named_parameters())
+    grads = [torch.autograd.grad(sequence_logprob(model, i), params) for i in range(len(RESPONSES))]
+    return {name: torch.stack([g[k] for g in grads]) for k, name in enumerate(names)}
+
+
+def token_gradients(model, micro):
+    """Inputs a_t and output gradients g_t (of Σ log π) of every Linear, for one padded micro-batch."""
+    saved, handles = {}, []
+
+    def keep(name, module, inputs, output):
+        output.retain_grad()
+        saved[name] = (inputs[0].detach(), output)
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            handles.append(module.register_forward_hook(partial(keep, name)))
+    logprobs, _ = token_logprobs64(model, micro, 1.0)
+    (logprobs * micro["response_mask"]).sum().backward()
+    for handle in handles:
+        handle.remove()
+    model.zero_grad(set_to_none=True)
+    return {name: (a, output.grad) for name, (a, output) in saved.items()}
+
+
+def explicit_fisher_norm(G, g0, a0):
+    """Eq. 6 with the matrix V = G written out: sqrt(Σ_j (g0_j · G a0_j)²) / sqrt(Σ_j ‖g0_j‖² ‖a0_j‖²)."""
+    return torch.einsum("jo,oi,ji->j", g0, G, a0).norm() / ((g0.norm(dim=1) * a0.norm(dim=1)).norm() + 1e-12)
+
+
+def explicit_reg2(x, coef, expectation, form):
+    if form == "authors" and coef > 0:
+        return (x**2 / (coef * expectation + 1e-8) + 1) ** 0.5
+    return (x**2 + coef * expectation + 1e-8) ** 0.5
+
+
+def reference_gradients(model, args, micros, trace, sequences):
+    """ISOPO's update from explicit per-sequence matrices V_i (first minibatch: E = micro-batch mean)."""
+    tied = model.lm_head.weight is model.embed.weight
+    twin = untied_twin(model)
+    v = per_sequence_gradients(twin)
+    weights = -ADVANTAGES / sequences
+    reinforce = {name: torch.einsum("s,s...->...", weights, v[name]) for name in v}
+    reference = {name: reinforce[name] for name in ("embed.weight", "fc1.bias", "norm.weight")}
+    by_layer = {}
+    for entry in trace:
+        by_layer.setdefault(entry["layer"], []).append(entry)
+    tokens = [token_gradients(twin, micro) for micro in micros]
+    for layer in ("fc1", "fc2", "lm_head"):
+        update = torch.zeros_like(v[f"{layer}.weight"][0])
+        for index, micro in enumerate(micros):
+            rows, entry = micro["rows"].tolist(), by_layer[layer][index]
+            G = v[f"{layer}.weight"][rows]
+            if args.variant == "interacting":
+                J = G.flatten(1)
+                K = J @ J.T
+                c = args.ntk_reg_coef * K.diagonal().mean()
+                solved = torch.linalg.solve(K + c * torch.eye(len(rows), dtype=K.dtype), weights[rows])
+                update += (J.T @ (c * solved if args.ntk_scale == "authors" else solved)).view_as(update)
+                continue
+            a, g = tokens[index][layer]
+            g0, a0 = g.flatten(0, 1)[entry["rows"]], a.flatten(0, 1)[entry["rows"]]
+            fisher = torch.stack([explicit_fisher_norm(Gi, g0, a0) for Gi in G])
+            euclid = G.flatten(1).norm(dim=1)
+            torch.testing.assert_close(entry["quantities"]["fisher"], fisher, rtol=1e-10, atol=0)
+            quantities = {"fisher": fisher, "euclid": euclid, "rel": fisher / (euclid + 1e-12)}
+            scales = torch.ones(len(rows), dtype=torch.float64)
+            for key, power in (("fisher", args.p), ("euclid", args.q), ("rel", args.r)):
+                if power:
+                    expectation = quantities[key].square().mean()  # no trailing minibatch yet
+                    scales *= explicit_reg2(quantities[key], args.reg_coef, expectation, args.reg_form) ** power
+            update += torch.einsum("s,soi->oi", weights[rows] * scales, G)
+        if tied and layer == "lm_head":
+            reference["embed.weight"] = reference["embed.weight"] + update  # the two uses of one tensor add
+        else:
+            reference[f"{layer}.weight"] = update
+    return reference, reinforce
+
+
+def relative_error(actual, expected):
+    assert expected.norm() > 0
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+# --- every gradient against brute force ---------------------------------------------------------
+
+CASES = {
+    "p=-1 (default: equal KL per sequence)": dict(),
+    "r=-2 (closest to the natural gradient)": dict(p=0.0, r=-2.0),
+    "q=-1, r=-2 (Fig. 4)": dict(p=0.0, q=-1.0, r=-2.0),
+    "q=-1 (Euclidean)": dict(p=0.0, q=-1.0),
+    "regularized": dict(reg_coef=0.7),
+    "mixed exponents, authors' regularization": dict(p=-0.5, q=0.3, r=1.0, reg_coef=0.4, reg_form="authors"),
+    "interacting": dict(variant="interacting"),
+    "interacting, authors' scale": dict(variant="interacting", ntk_reg_coef=0.3, ntk_scale="authors"),
+}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_gradient_matches_brute_force(float64_logprobs, case, tied):
+    """Linear weights: ISOPO from explicit V_i, the explicit Eq. 6 with the script's overlap rows, or an
+    explicit (K + cI)⁻¹A solve; everything else: REINFORCE. Micro-batches of 4, 4 and 1 sequences."""
+    model, args = tiny_lm(tied), make_args(**CASES[case])
+    order = torch.tensor([4, 0, 7, 2, 8, 1, 5, 3, 6])
+    grads, hooks, micros = script_gradients(model, args, rollouts(), order, micro_size=4)
+    reference, _ = reference_gradients(model, args, micros, hooks.trace, len(order))
+    assert set(grads) == set(reference)
+    for name in grads:
+        assert relative_error(grads[name], reference[name]) <= 1e-8, name
+    if args.variant == "non-interacting":
+        for entry in hooks.trace:  # distinct rows; 5 of them (a strict subsample) where there are more
+            assert len(set(entry["rows"].tolist())) == len(entry["rows"]) <= 5
+        assert sum(len(e["rows"]) == 5 for e in hooks.trace) >= 6
+
+
+def test_overlap_rows_are_distinct_non_pad_positions():
+    valid = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 0, 1, 1]]).bool()
+    positions = set(valid.flatten().nonzero().squeeze(1).tolist())
+    seen = set()
+    for _ in range(50):
+        rows = isopo.overlap_rows(valid, 4).tolist()
+        assert len(set(rows)) == 4 and set(rows) <= positions
+        seen |= set(rows)
+    assert seen == positions  # every non-pad row gets drawn
+    assert positions <= set(isopo.overlap_rows(valid, 100).tolist())  # more asked than there are: all of them
+
+
+# --- the paper's special cases, against the explicit Fisher matrix ---------------------------------
+
+@pytest.mark.parametrize("p, q, r", [(-1.0, 0.0, 0.0), (0.0, 0.0, -2.0), (0.0, -1.0, 0.0), (0.0, 0.0, 0.0)])
+def test_rescalings_of_the_paper(float64_logprobs, p, q, r):
+    """With F̂ = Σ_j vec(g0_j a0_jᵀ) vec(g0_j a0_jᵀ)ᵀ / Σ_j ‖g0_j‖²‖a0_j‖² the Fisher estimate (Eq. 3) as a
+    matrix: p = −1 gives every sequence's step unit Fisher norm (§2.0.1); r = −2 gives the multiple of v
+    closest to the natural gradient, vᵀv / vᵀF̂v (Eq. 7); q = −1 unit Euclidean norm; p = q = r = 0 s = 1."""
+    model, args = tiny_lm(False), make_args(p=p, q=q, r=r)
+    grads, hooks, micros = script_gradients(model, args, rollouts(), torch.arange(9), micro_size=5)
+    v = per_sequence_gradients(model)["fc2.weight"]
+    a, g = token_gradients(model, micros[0])["fc2"]
+    entry = next(e for e in hooks.trace if e["layer"] == "fc2")  # the first micro-batch's
+    g0, a0 = g.flatten(0, 1)[entry["rows"]], a.flatten(0, 1)[entry["rows"]]
+    samples = torch.einsum("jo,ji->joi", g0, a0).flatten(1)
+    fisher_matrix = samples.T @ samples / (g0.norm(dim=1) * a0.norm(dim=1)).square().sum()
+    for i in range(5):
+        vi, s = v[i].flatten(), entry["scales"][i]
+        quadratic = vi @ fisher_matrix @ vi
+        assert entry["quantities"]["fisher"][i].item() ** 2 == pytest.approx(quadratic.item(), rel=1e-10)
+        # tolerances: only Fig. 3's + 1e-8 under the root separates s from the ideal value
+        if (p, q, r) == (-1.0, 0.0, 0.0):  # the KL of each sequence's step is the same
+            assert (s**2 * quadratic).item() == pytest.approx(1.0, abs=1e-8 / quadratic.item() + 1e-12)
+        elif (p, q, r) == (0.0, 0.0, -2.0):  # Eq. 7's minimizer divided by A_i
+            ideal = (vi @ vi / quadratic).item()
+            assert s.item() == pytest.approx(ideal, rel=1e-8 * ideal + 1e-12)
+        elif (p, q, r) == (0.0, -1.0, 0.0):
+            assert (s * vi).norm().item() == pytest.approx(1.0, abs=1e-8 / (vi @ vi).item() + 1e-12)
+        else:
+            assert s.item() == 1.0
+
+
+@pytest.mark.parametrize("micro_size", [1, 4, 9])
+@pytest.mark.parametrize("overrides", [dict(p=0.0), dict(variant="interacting", ntk_scale="authors", ntk_reg_coef=1e12)],
+                         ids=["all s_i = 1", "interacting, c -> inf"])
+def test_unit_scales_give_vanilla_reinforce(float64_logprobs, overrides, micro_size):
+    """s_i = 1 for every sequence (p = q = r = 0), or c(K + cI)⁻¹ -> I: the whole model's gradient is the
+    REINFORCE gradient −(1/M) Σ_i A_i ∇ log π(o_i|q_i), tied embeddings included, for any micro-batching."""
+    model = tiny_lm(True)
+    grads, _, _ = script_gradients(model, make_args(**overrides), rollouts(), torch.arange(9), micro_size)
+    model.zero_grad()
+    (-(ADVANTAGES * torch.stack([sequence_logprob(model, i) for i in range(9)])).sum() / 9).backward()
+    tolerance = 1e-10 if overrides.get("variant") is None else 1e-9
+    for name, parameter in model.named_parameters():
+        assert relative_error(grads[name], parameter.grad) <= tolerance, name
+
+
+def test_non_linear_parameters_get_the_advantage_weighted_gradient(float64_logprobs):
+    """Under default ISOPO, the embedding, the norm and the bias take −(1/M) Σ_i A_i ∇ log π_i (the authors'
+    code gives them an advantage-free gradient); with tied embeddings lm_head's ISOPO update adds to it."""
+    model = tiny_lm(True)
+    grads, hooks, micros = script_gradients(model, make_args(), rollouts(), torch.arange(9), micro_size=4)
+    reference, reinforce = reference_gradients(model, make_args(), micros, hooks.trace, 9)
+    for name in ("fc1.bias", "norm.weight"):
+        assert relative_error(grads[name], reinforce[name]) <= 1e-10, name
+    lookup_only = reinforce["embed.weight"]
+    assert relative_error(grads["embed.weight"] - lookup_only, reference["embed.weight"] - lookup_only) <= 1e-8
+    assert relative_error(grads["embed.weight"], lookup_only + reinforce["lm_head.weight"]) > 1e-3  # ISOPO ≠ REINFORCE
+    advantage_free = -per_sequence_gradients(model)["norm.weight"].sum(0) / 9  # what the official code would use
+    assert relative_error(grads["norm.weight"], advantage_free) > 1e-2
+
+
+def test_regularization_uses_trailing_minibatches(float64_logprobs):
+    """E[F²] of a minibatch is the mean over the previous minibatch (then an EMA with decay 0.9), never
+    the minibatch itself; an uncommitted (skipped) minibatch leaves it unchanged."""
+    model, args = tiny_lm(False), make_args(reg_coef=1.0)
+    hooks = isopo.IsopoHooks(model, args)
+    batch, first, second = rollouts(), torch.arange(0, 5), torch.arange(5, 9)
+    _, _, _ = script_gradients(model, args, batch, first, 5, hooks)
+    first_fisher = {e["layer"]: e["quantities"]["fisher"] for e in hooks.trace}
+    hooks.end_minibatch(commit=True)
+    _, _, _ = script_gradients(model, args, batch, second, 4, hooks)
+    for entry in hooks.trace:
+        expected = first_fisher[entry["layer"]].square().mean().item()
+        assert entry["expectations"]["fisher"] == pytest.approx(expected, rel=1e-12)
+        torch.testing.assert_close(entry["scales"], (entry["quantities"]["fisher"] ** 2 + expected + 1e-8) ** -0.5)
+    hooks.end_minibatch(commit=False)  # a skipped step
+    assert hooks.stats.get(("fc2", "fisher")) == pytest.approx(first_fisher["fc2"].square().mean().item())
+    _, _, _ = script_gradients(model, args, batch, second, 4, hooks)
+    second_fisher = {e["layer"]: e["quantities"]["fisher"] for e in hooks.trace}
+    hooks.end_minibatch(commit=True)
+    expected = 0.9 * first_fisher["fc2"].square().mean() + 0.1 * second_fisher["fc2"].square().mean()
+    assert hooks.stats.get(("fc2", "fisher")) == pytest.approx(expected.item(), rel=1e-12)
+
+
+def test_trailing_means_by_hand():
+    means = isopo.TrailingMeans(decay=0.9)
+    assert means.get("x") is None
+    means.add("x", torch.tensor([1.0, 3.0]))
+    means.add("x", torch.tensor([5.0]))
+    assert means.get("x") is None  # not before the minibatch ends
+    means.end_minibatch()
+    assert means.get("x") == pytest.approx(3.0)
+    means.add("x", torch.tensor([13.0]))
+    means.end_minibatch(commit=False)
+    assert means.get("x") == pytest.approx(3.0)
+    means.add("x", torch.tensor([13.0]))
+    means.end_minibatch()
+    assert means.get("x") == pytest.approx(0.9 * 3.0 + 0.1 * 13.0)
+
+
+def test_reg2_forms_by_hand():
+    x = torch.tensor([0.0, 3.0])
+    torch.testing.assert_close(isopo.reg2(x, 0.0, 5.0), torch.sqrt(x**2 + 1e-8))
+    torch.testing.assert_close(isopo.reg2(x, 2.0, 8.0), torch.sqrt(x**2 + 16 + 1e-8))
+    torch.testing.assert_close(isopo.reg2(x, 2.0, 8.0, "authors"), torch.sqrt(x**2 / (16 + 1e-8) + 1))
+    # the regularized p = −1 scale is a soft clip: ≈ 1/sqrt(λE) for small x, ≈ 1/x for large x
+    scales = isopo.sequence_scales({"fisher": torch.tensor([1e-4, 1e3])}, -1.0, 0.0, 0.0, 1.0, {"fisher": 4.0})
+    torch.testing.assert_close(scales, torch.tensor([0.5, 1e-3]), rtol=1e-5, atol=0)
+
+
+# --- the Gram forms, the GEMM and the solve ------------------------------------------------------
+
+def _random_layer(B, T, out, inp, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    g = torch.randn(B, T, out, generator=generator, dtype=torch.float64)
+    g[0, :2] = 0  # padding rows carry no gradient
+    return g, torch.randn(B, T, inp, generator=generator, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 7, 6), (2, 30, 5, 3)], ids=["gram-cheaper", "materialize-cheaper"])
+def test_gram_and_materialized_forms_agree_with_explicit_matrices(shape):
+    g, a = _random_layer(*shape)
+    V = torch.einsum("bto,bti->boi", g, a)  # the per-sequence matrices the Gram forms avoid
+    for form in ("auto", "gram", "materialize"):
+        torch.testing.assert_close(isopo.sequence_norms(g, a, form), V.flatten(1).norm(dim=1), rtol=1e-12, atol=0)
+        torch.testing.assert_close(isopo.ntk(g, a, form), V.flatten(1) @ V.flatten(1).T, rtol=1e-12, atol=1e-12)
+    chunks = list(isopo.sequence_gradients(g, a, budget=2 * shape[0] * shape[3]))
+    assert len(chunks) > 1 and torch.allclose(torch.cat(chunks, 1), V)
+    weights = torch.randn(shape[0], dtype=torch.float64)
+    for gg, aa, VV in ((g, a, V), (a, g, V.transpose(1, 2))):  # both sides of weighted_gradient
+        torch.testing.assert_close(isopo.weighted_gradient(gg, aa, weights), torch.einsum("b,boi->oi", weights, VV))
+    rows = torch.tensor([5, 1, 2])
+    g0, a0 = g.flatten(0, 1)[rows], a.flatten(0, 1)[rows]
+    expected = torch.stack([explicit_fisher_norm(Vb, g0, a0) for Vb in V])
+    torch.testing.assert_close(isopo.fisher_norms(g, a, rows), expected, rtol=1e-12, atol=0)
+
+
+def test_preconditioner_is_the_regularized_solve():
+    g, a = _random_layer(4, 3, 2, 2)  # 4 sequences, rank-deficient NTK (4 > 2·2)
+    K, A = isopo.ntk(g, a), torch.tensor([1.0, -2.0, 0.5, 0.0], dtype=torch.float64)
+    solved = torch.linalg.solve(K + 0.3 * torch.eye(4, dtype=torch.float64), A)
+    torch.testing.assert_close(isopo.preconditioned_weights(K, A, 0.3), solved, rtol=1e-10, atol=0)
+    torch.testing.assert_close(isopo.preconditioned_weights(K, A, 0.3, "authors"), 0.3 * solved, rtol=1e-10, atol=0)
+    K[1, 2] = float("nan")
+    assert torch.isnan(isopo.preconditioned_weights(K, A, 0.3)).all()  # no eigh error: the step gets skipped
+
+
+# --- the hooks with a transformers Llama (float64 weights, float32 inside: 1e-5) ------------------
+
+def _llama_rollouts(tokenizer):
+    prompts = [tokenizer(q)["input_ids"] for q in ["Q: 1+2=", "Q: 45+51="]]
+    digits = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = tokenizer.eos_token_id
+    responses = [digits("3") + [eos], digits("12"), digits("4") + [eos], digits("396"),
+                 digits("96") + [eos], digits("9"), digits("91") + [eos], digits("906") + [eos]]
+    return prompts, responses
+
+
+@pytest.mark.parametrize("variant", ["non-interacting", "interacting", "reinforce"])
+def test_llama_linear_layers_match_brute_force(tiny, float64_logprobs, variant):
+    model, tokenizer = tiny
+    llama = type(model)(model.config)
+    llama.load_state_dict(model.state_dict())
+    llama = llama.double()
+    prompts, responses = _llama_rollouts(tokenizer)
+    batch = isopo.make_batch(prompts, [Completion(r, [0.0] * len(r), "stop") for r in responses], 4,
+                             tokenizer.pad_token_id, torch.device("cpu"))
+    advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.0, -0.9, 0.4], dtype=torch.float64)
+    batch["advantages"] = advantages
+    args = make_args(**{"non-interacting": {}, "interacting": {"variant": "interacting"}, "reinforce": {"p": 0.0}}[variant])
+    grads, hooks, micros = script_gradients(llama, args, batch, torch.arange(8), micro_size=4)
+
+    names, params = zip(*llama.named_parameters())
+    per_sequence = []
+    for i, response in enumerate(responses):
+        prompt = prompts[i // 4]
+        logits = llama(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        logprob = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).sum()
+        per_sequence.append(torch.autograd.grad(logprob, params))
+    v = {name: torch.stack([grads_i[k] for grads_i in per_sequence]) for k, name in enumerate(names)}
+    reinforce = {name: torch.einsum("s,s...->...", -advantages / 8, v[name]) for name in names}
+    if variant == "reinforce":  # every parameter, the tied embedding / lm_head included
+        for name in names:
+            assert relative_error(grads[name], reinforce[name]) <= 1e-5, name
+        return
+    tokens = [token_gradients(llama, micro) for micro in micros]
+    for name in names:
+        if not name.endswith("proj.weight"):  # norms, embedding (+ tied lm_head: checked on TinyLM)
+            if "norm" in name:
+                assert relative_error(grads[name], reinforce[name]) <= 1e-5, name
+            continue
+        layer = name[: -len(".weight")]
+        entries = [e for e in hooks.trace if e["layer"] == layer]
+        update = torch.zeros_like(v[name][0])
+        for micro, entry, token in zip(micros, entries, tokens):
+            rows = micro["rows"].tolist()
+            G = v[name][rows]
+            w = -advantages[rows] / 8
+            if variant == "interacting":
+                J = G.flatten(1)
+                K = J @ J.T
+                w = torch.linalg.solve(K + K.diagonal().mean() * torch.eye(len(rows), dtype=K.dtype), w)
+            else:
+                a, g = token[layer]
+                g0, a0 = g.flatten(0, 1)[entry["rows"]], a.flatten(0, 1)[entry["rows"]]
+                w = w / torch.stack([(explicit_fisher_norm(Gi, g0, a0) ** 2 + 1e-8) ** 0.5 for Gi in G])
+            update += torch.einsum("s,soi->oi", w, G)
+        assert relative_error(grads[name], update) <= 1e-5, name
+
+
+# --- hooks: scope and clear errors ---------------------------------------------------------------
+
+def test_hooks_are_idle_outside_capture():
+    model = tiny_lm(False)
+    hooks = isopo.IsopoHooks(model, make_args())
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()  # a plain pass: ordinary autograd
+    assert not hooks.roots and not hooks.grads and model.fc1.weight.grad is not None
+    hooks.remove()
+
+
+def test_a_linear_called_twice_is_refused():
+    class Twice(TinyLM):
+        def forward(self, input_ids, **kwargs):
+            x = self.embed(input_ids)
+            return types.SimpleNamespace(logits=self.lm_head(self.fc2(torch.tanh(self.fc1(x)) + self.fc1(x))))
+
+    model = Twice().double()
+    hooks = isopo.IsopoHooks(model, make_args())
+    with pytest.raises(ValueError, match="fc1 ran twice"), hooks.capture(torch.ones(1, 3), torch.ones(1)):
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_a_parameter_used_outside_its_module_is_refused(float64_logprobs):
+    class Bypass(TinyLM):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0):
+            x = self.embed(input_ids) * self.norm.weight[0]  # norm.weight outside the norm's forward
+            return types.SimpleNamespace(logits=self.lm_head(self.fc2(self.fc1(x)))[:, -logits_to_keep:])
+
+    model = Bypass().double()
+    batch = rollouts()
+    with pytest.raises(ValueError, match="no gradient reached parameter norm.weight"):
+        script_gradients(model, make_args(), batch, torch.arange(9), 9)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(n_overlap=0), "--n-overlap must be >= 1"),
+    (dict(reg_coef=-1.0), "--reg-coef must be >= 0"),
+    (dict(ntk_reg_coef=0.0), "--ntk-reg-coef must be > 0"),
+    (dict(ema_decay=1.0), "--ema-decay must be in [0, 1)"),
+    (dict(p=float("nan")), "--p must be a finite number"),
+    (dict(group_size=1), "--group-size must be >= 2"),
+])
+def test_bad_flag_values_name_the_flag(flags, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        isopo.check_args(isopo.Args(**flags))
+
+
+def test_several_ranks_are_refused_with_a_reason(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="isopo.py runs on one rank .*FSDP2"):
+        isopo.check_args(isopo.Args(prompts_per_step=4))
+
+
+def test_help_documents_every_flag():
+    result = run_script("algorithms/isopo.py", "--help")
+    for field in dataclasses.fields(isopo.Args):
+        flag = "--" + field.name.replace("_", "-")
+        assert flag in result.stdout, flag
+    assert result.stdout.count("(default") >= len(dataclasses.fields(isopo.Args)) - 2
+
+
+def test_bad_flag_gets_a_clear_error_from_the_command_line(tmp_path):
+    result = run_script("algorithms/isopo.py", "--output-dir", tmp_path, "--n-overlap", 0, check=False)
+    assert result.returncode != 0 and "--n-overlap must be >= 1" in result.stderr
+    result = run_script("algorithms/isopo.py", "--output-dir", tmp_path, "--variant", "both", check=False)
+    assert result.returncode != 0 and "--variant" in result.stderr
+
+
+# --- the script ---------------------------------------------------------------------------------
+
+SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0]
+LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "charts/response_length_mean",
+          "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
+          "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
+          "losses/policy_loss", "losses/approx_kl", "losses/grad_norm", "mismatch/kl_k3",
+          "mismatch/max_abs_logprob_diff", "time/rollout", "time/train", "time/weight_sync", "time/step"]
+GROUPS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+@pytest.mark.slow
+def test_non_interacting_two_steps_end_to_end(tmp_path, tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    run_script("algorithms/isopo.py", "--steps", 2, "--output-dir", tmp_path, *SMALL)
+    run_dir = only_run_dir(tmp_path)
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2]
+    per_group = ["fisher_norm", "scale_mean", "scale_min", "scale_max", "reg_fisher"]
+    for key in LOGGED + [f"isopo/{g}/{k}" for g in GROUPS for k in per_group]:
+        assert isinstance(records[-1][key], float), key
+    assert "losses/clip_fraction" not in records[-1] and "losses/ratio_max" not in records[-1]
+    assert records[-1]["losses/approx_kl"] == 0.0  # one update per batch: π_θ = π_old when it is measured
+    assert records[-1]["isopo/lm_head/fisher_norm"] > 0 and records[-1]["isopo/q_proj/scale_min"] > 0
+    assert records[-1]["isopo/lm_head/reg_fisher"] == 0.0  # --reg-coef 0, as in the paper's runs
+    assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 10_000
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "step_00000002"))
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    for (name, p), q in zip(model.named_parameters(), initial.parameters()):
+        assert not torch.equal(p, q), name  # every parameter trained (norms and the tied embedding included)
+
+
+@pytest.mark.slow
+def test_interacting_two_steps_end_to_end(tmp_path):
+    run_script("algorithms/isopo.py", "--steps", 2, "--output-dir", tmp_path, *SMALL, "--variant", "interacting",
+               "--num-minibatches", 2, "--micro-batch-size", 5, "--log-kl-ref", "--lr", 1e-3)
+    first, last = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    assert first["charts/zero_std_group_fraction"] < 1  # this seed's first batch carries signal
+    for key in LOGGED + ["losses/kl_ref"] + [f"isopo/{g}/{k}" for g in GROUPS
+                                            for k in ["ntk_eig_mean", "ntk_eig_max", "ntk_reg", "shrink"]]:
+        assert isinstance(first[key], float), key
+    assert first["losses/approx_kl"] > 0  # the second minibatch is trained off-policy, uncorrected
+    assert last["losses/kl_ref"] > 0  # the first step moved the policy away from the initial one
+    assert 0 < first["isopo/lm_head/shrink"] < 1 and first["isopo/lm_head/ntk_reg"] > 0
+    assert first["isopo/q_proj/ntk_eig_max"] >= first["isopo/q_proj/ntk_eig_mean"]
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly_with_the_regularization_state(tmp_path):
+    """With --reg-coef > 0 the update depends on the EMA of past minibatches: it must survive a resume."""
+    flags = ["--save-every", 2, *SMALL, "--p", 0, "--q", -1, "--r", -2, "--reg-coef", 1.0, "--reg-form", "authors"]
+    run_script("algorithms/isopo.py", "--steps", 4, "--output-dir", tmp_path / "straight", *flags)
+    run_script("algorithms/isopo.py", "--steps", 2, "--output-dir", tmp_path / "split", *flags)
+    run_script("algorithms/isopo.py", "--steps", 4, "--output-dir", tmp_path / "split", "--resume", "auto", *flags)
+    straight = read_jsonl(os.path.join(only_run_dir(tmp_path / "straight"), "metrics.jsonl"))
+    split = read_jsonl(os.path.join(only_run_dir(tmp_path / "split"), "metrics.jsonl"))
+    assert [r["step"] for r in split] == [1, 2, 3, 4]
+    assert straight[-1]["isopo/q_proj/reg_rel"] > 0 and "isopo/q_proj/euclid_norm" in straight[-1]
+    for a, b in zip(straight, split):
+        for key in ("charts/reward", "losses/policy_loss", "losses/grad_norm", "isopo/q_proj/scale_mean"):
+            assert a[key] == b[key], (a["step"], key)
+
+
+def test_non_finite_update_skips_the_step(tmp_path, monkeypatch, tiny_dir):
+    """A NaN in the ISOPO scales must never reach the weights: the step is skipped and counted."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(isopo, "sequence_scales", lambda quantities, *args, **kwargs: quantities["fisher"] * float("nan"))
+    isopo.main(isopo.Args(steps=2, eval_every=0, output_dir=str(tmp_path), prompts_per_step=4, group_size=4))
+    run_dir = only_run_dir(tmp_path)
+    assert [r["charts/skipped_steps"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2]
+    saved = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "step_00000002"))
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    for (name, p), q in zip(saved.named_parameters(), initial.parameters()):
+        assert torch.equal(p, q), name
+    state = torch.load(os.path.join(run_dir, "checkpoints", "step_00000002", "trainer_state.pt"), weights_only=False)
+    assert state["isopo"]["ema"] == {}  # skipped minibatches leave no trace in the regularization
