@@ -11,8 +11,8 @@ gradient g_l = (1/M) Σ_i A_i v_i (§1.2; g = (1/n) JᵀA in §3) becomes
 
   non-interacting (default; §2, Alg. 2, Fig. 3):
     u_l = (1/M) Σ_i A_i s_i v_i,     s_i = reg2(‖v_i‖_F)^p · reg2(‖v_i‖)^q · reg2(‖v_i‖_F / ‖v_i‖)^r
-    ‖v_i‖_F ≈ sqrt(Σ_j (g0_j · V_i a0_j)²) / sqrt(Σ_j (‖g0_j‖ ‖a0_j‖)²)          (Eq. 6; j over --n-overlap
-              random token rows: output gradient g0_j and input a0_j of the layer at that position)
+    ‖v_i‖_F ≈ sqrt(Σ_j (g0_j · V_i a0_j)²) / sqrt(Σ_j (‖g0_j‖ ‖a0_j‖)²)    (Eq. 6; V_i = v_i as a matrix,
+              j over --n-overlap random token rows: output gradient g0_j and input a0_j of the layer)
     reg2(x)  = sqrt(x² + λ·E[x²] + 1e-8),   E = EMA (decay 0.9) of trailing minibatch means, per layer
     p = −1, q = r = 0 (default): every sequence moves the policy by the same KL (§2.0.1); p = q = 0, r = −2:
     the multiple of v_i closest to the natural gradient (§2.0.3, Eq. 7); q = −1: Euclidean normalization.
@@ -382,9 +382,9 @@ def sequence_scales(quantities: dict, p: float, q: float, r: float, reg_coef: fl
     return scales
 
 
-def preconditioned_weights(K: torch.Tensor, weights: torch.Tensor, c, form: str = "paper") -> torch.Tensor:
-    """Alg. 6: (K + cI)⁻¹ A through K = U diag(D) Uᵀ (paper), or c (K + cI)⁻¹ A (authors). In float64;
-    a non-finite K gives a non-finite result (the step is then skipped) instead of an eigh error."""
+def preconditioned_weights(K: torch.Tensor, weights: torch.Tensor, c, form: str = "paper", eigenvalues=False):
+    """Alg. 6: (K + cI)⁻¹ A through K = U diag(D) Uᵀ (paper), or c (K + cI)⁻¹ A (authors); also D if asked.
+    In float64; a non-finite K gives a non-finite result (the step is then skipped), not an eigh error."""
     finite = torch.isfinite(K).all()
     D, U = torch.linalg.eigh(torch.where(finite, K, 0).double())
     c = torch.as_tensor(c, dtype=torch.float64, device=K.device)
@@ -392,7 +392,8 @@ def preconditioned_weights(K: torch.Tensor, weights: torch.Tensor, c, form: str 
     result = U @ (inverse * (U.T @ weights.double()))
     if form == "authors":
         result = c * result
-    return torch.where(finite, result, torch.nan).to(weights.dtype)
+    result = torch.where(finite, result, torch.nan).to(weights.dtype)
+    return (result, D) if eigenvalues else result
 
 
 def weighted_gradient(g: torch.Tensor, a: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -495,10 +496,13 @@ class IsopoHooks:
     # --- the hooks -----------------------------------------------------------------------------------------
     def _forward(self, name, module, args, kwargs, output):
         micro = self.micro
-        if micro is None or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+        if micro is None or not torch.is_grad_enabled():
+            return  # rollouts, evaluation, no-grad passes: nothing to do
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
         if isinstance(module, torch.nn.Linear) and name in micro["called"]:
-            raise ValueError(f"ISOPO: Linear {name} ran twice in one forward pass; its per-sequence statistics need one call")
+            raise ValueError(f"ISOPO: Linear {name} ran twice in one forward pass; "
+                             "its per-sequence statistics need one call")
         micro["called"].add(name)
         if output.dim() < 2 or output.shape[:1] != micro["valid"].shape[:1] or output.shape[1] > micro["valid"].shape[1]:
             raise ValueError(f"ISOPO: module {name} returned {tuple(output.shape)}; expected [batch, positions, ...]")
@@ -518,7 +522,8 @@ class IsopoHooks:
     def _linear_backward(self, name, module, a, micro, g):
         """A Linear layer's ISOPO update for one micro-batch, added to its weight's gradient."""
         if g.dim() != 3 or a.dim() != 3:
-            raise ValueError(f"ISOPO: Linear {name} saw {tuple(a.shape)} -> {tuple(g.shape)}; expected [batch, positions, features]")
+            raise ValueError(f"ISOPO: Linear {name} saw {tuple(a.shape)} -> {tuple(g.shape)}; "
+                             "expected [batch, positions, features]")
         valid = micro["valid"][:, -g.shape[1]:]  # lm_head sees only the last positions (logits_to_keep)
         dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
         g, a = g.to(dtype, copy=True).mul_(valid[..., None]), a.to(dtype)  # one copy of g, pads masked
@@ -561,10 +566,10 @@ class IsopoHooks:
         trailing = self.stats.get((name, "ntk_eig"))
         c = self.args.ntk_reg_coef * (K.diagonal().mean() if trailing is None else trailing)  # mean eig = trace/m
         self.stats.add((name, "ntk_eig"), K.diagonal())
-        preconditioned = preconditioned_weights(K, weights, c, self.args.ntk_scale)
+        preconditioned, eigenvalues = preconditioned_weights(K, weights, c, self.args.ntk_scale, eigenvalues=True)
         damped = preconditioned if self.args.ntk_scale == "authors" else c * preconditioned
         self._log(group, "ntk_eig_mean", K.diagonal())
-        self._log(group, "ntk_eig_max", torch.linalg.eigvalsh(K.double()), how="max")
+        self._log(group, "ntk_eig_max", eigenvalues, how="max")
         self._log(group, "ntk_reg", c)
         self._log(group, "shrink", damped.norm() / weights.norm())  # NaN (left out) when every A_i = 0
         if self.trace is not None:

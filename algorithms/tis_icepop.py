@@ -467,9 +467,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
     stats = dict.fromkeys(["loss", "approx_kl", "clipped", "entropy", "kl_ref", "tokens", "grad_norm",
                            "updates", "skipped", "masked", "truncated", "dropped", "sequences", "weight_sum",
                            "weight_sq_sum"], 0.0)
+    stats.update(ratio_min=float("inf"), ratio_max=float("-inf"))
     thresholds = {name: getattr(args, name) for name in (
         "tis_cap", "mis_low", "mis_high", "icepop_alpha", "icepop_beta", "kpop_phi", "seq_mask_delta")}
-    stats.update(ratio_min=float("inf"), ratio_max=float("-inf"))
     if multiple_updates:
         stats["mismatch"] = train_inference_mismatch(batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
 
