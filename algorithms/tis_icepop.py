@@ -640,7 +640,7 @@ def main(args: Args) -> None:
             "tokens": stats["tokens"], "approx_kl": stats["approx_kl"], "clipped": stats["clipped"],
             "kl_ref": stats["kl_ref"], "mismatch_kl": mismatch["kl_sum"], "mismatch_tokens": mismatch["tokens"],
             "mismatch_k1": mismatch["k1_sum"], "mismatch_nan": mismatch["nan"], "masked": stats["masked"],
-            "truncated": stats["truncated"], "dropped": stats["dropped"], "sequences": stats["sequences"],
+            "weight_truncated": stats["truncated"], "dropped": stats["dropped"], "sequences": stats["sequences"],
             "weight_sum": stats["weight_sum"], "weight_sq_sum": stats["weight_sq_sum"],
         }, dist)
         extremes = fsdp.all_reduce_dict({"length_max": lengths.max().item(), "ratio_max": stats["ratio_max"],
@@ -673,7 +673,7 @@ def main(args: Args) -> None:
             "mismatch/ratio_max": extremes["k_max"],
             "mismatch/nan_logprob_fraction": sums["mismatch_nan"] / sums["mismatch_tokens"],
             "correction/masked_token_fraction": sums["masked"] / sums["tokens"],
-            "correction/truncated_token_fraction": sums["truncated"] / sums["tokens"],
+            "correction/truncated_token_fraction": sums["weight_truncated"] / sums["tokens"],
             "correction/dropped_sequence_fraction": sums["dropped"] / sums["sequences"],
             "correction/weight_mean": sums["weight_sum"] / sums["tokens"],
             "correction/ess": effective_sample_size(sums["weight_sum"], sums["weight_sq_sum"], sums["tokens"]),

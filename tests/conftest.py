@@ -50,6 +50,30 @@ def torchrun(nproc, script, *flags, timeout=600):
     return result
 
 
+def help_text(script, args_class, count_defaults=True):
+    """`<script> --help`, checked to document every field of `args_class` as a flag; returns the text."""
+    import dataclasses
+
+    text = run_script(script, "--help").stdout
+    fields = dataclasses.fields(args_class)
+    for field in fields:
+        assert "--" + field.name.replace("_", "-") in text, field.name
+    if count_defaults:
+        assert text.count("(default") >= len(fields) - 2
+    return text
+
+
+def assert_weights_unchanged(checkpoint, tiny_dir):
+    """The checkpoint's weights are exactly the built-in model's (every step was skipped)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(checkpoint)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    for (name, p), q in zip(saved.named_parameters(), initial.parameters()):
+        assert torch.equal(p, q), name
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

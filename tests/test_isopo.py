@@ -4,7 +4,6 @@ estimate with the same overlap rows, an explicit NTK solve), the paper's special
 Exact checks (<= 1e-8 relative) use a small pure-PyTorch float64 model: transformers' Llama keeps its
 norms, rotary embeddings and softmax in float32, so it is checked at 1e-5 (notes/cpu_feasibility.md)."""
 
-import dataclasses
 import os
 import re
 import types
@@ -16,7 +15,7 @@ from torch import nn
 
 from algorithms import isopo
 from common.rollout import Completion
-from conftest import only_run_dir, read_jsonl, run_script
+from conftest import assert_weights_unchanged, help_text, only_run_dir, read_jsonl, run_script
 
 NO_AUTOCAST = torch.autocast("cpu", enabled=False)
 
@@ -518,11 +517,7 @@ def test_several_ranks_are_refused_with_a_reason(monkeypatch):
 
 
 def test_help_documents_every_flag():
-    result = run_script("algorithms/isopo.py", "--help")
-    for field in dataclasses.fields(isopo.Args):
-        flag = "--" + field.name.replace("_", "-")
-        assert flag in result.stdout, flag
-    assert result.stdout.count("(default") >= len(dataclasses.fields(isopo.Args)) - 2
+    help_text("algorithms/isopo.py", isopo.Args)
 
 
 def test_bad_flag_gets_a_clear_error_from_the_command_line(tmp_path):
@@ -598,15 +593,10 @@ def test_resume_continues_exactly_with_the_regularization_state(tmp_path):
 
 def test_non_finite_update_skips_the_step(tmp_path, monkeypatch, tiny_dir):
     """A NaN in the ISOPO scales must never reach the weights: the step is skipped and counted."""
-    from transformers import AutoModelForCausalLM
-
     monkeypatch.setattr(isopo, "sequence_scales", lambda quantities, *args, **kwargs: quantities["fisher"] * float("nan"))
     isopo.main(isopo.Args(steps=2, eval_every=0, output_dir=str(tmp_path), prompts_per_step=4, group_size=4))
     run_dir = only_run_dir(tmp_path)
     assert [r["charts/skipped_steps"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2]
-    saved = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "step_00000002"))
-    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    for (name, p), q in zip(saved.named_parameters(), initial.parameters()):
-        assert torch.equal(p, q), name
+    assert_weights_unchanged(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_dir)
     state = torch.load(os.path.join(run_dir, "checkpoints", "step_00000002", "trainer_state.pt"), weights_only=False)
     assert state["isopo"]["ema"] == {}  # skipped minibatches leave no trace in the regularization
