@@ -27,7 +27,9 @@ rollouts), --engine-dtype bfloat16 (a lower-precision engine), --num-minibatches
 
 Changes relative to grpo.py: the clipped surrogate (and --clip-low/--clip-high) is replaced by the loss
 above; ratios are taken against the engine's log-probs μ instead of π_old; a no-grad pass over each
-optimizer step's tokens gives e_B before its first backward; flags for the off-policy settings.
+optimizer step's tokens gives e_B before its first backward; flags for the off-policy settings;
+--loss clip, the paper's GRPO baseline on the same data (the clipped surrogate with ρ = π_θ/μ, --clip-eps),
+so that `./run.sh bench p3o` compares the two with everything else equal.
 
 Implementation details
 1. Ratios use the engine's own log-probs of the sampled tokens (as the authors' vLLM log-probs, notes §1):
@@ -78,7 +80,8 @@ Logged metrics (metrics.jsonl in the run folder; wandb with --track; curves.png 
                                        steps (micro-batches with --ess-scope micro-batch)
   losses/ess_fallbacks                 ESS computations of this step that fell back to e_B = 1
   losses/clip_fraction                 P3O has no clip: the fraction of capped tokens (ρ > e_B, weight
-                                       e_B). On-policy ρ and e_B are 1 ± 1e-6, so the fraction is noise
+                                       e_B). On-policy ρ and e_B are 1 ± 1e-6, so the fraction is noise.
+                                       With --loss clip: tokens whose clip is active
   losses/ratio_min|mean|max            ρ = π_θ/μ over the valid tokens of every update
   losses/kl_behavior                   k3 estimate of KL(π_θ ‖ μ), the regularizer before its (1 − e_B)
   losses/approx_kl                     k3 estimate of KL(π_old ‖ π_θ) (0 with one update per batch)
@@ -210,6 +213,10 @@ class Args:
     """rollout temperature of the engine (μ) when it differs from --temperature (π_θ): off-policy data, e.g. 1.2"""
     sync_every: int = 1
     """push the weights to the engine every this many steps (k > 1: stale rollouts, up to k-1 steps old)"""
+    loss: Literal["p3o", "clip"] = "p3o"
+    """p3o: the loss above; clip: the paper's GRPO baseline, the clipped surrogate on the same ratio ρ = π_θ/μ"""
+    clip_eps: float = 0.2
+    """ε of --loss clip: ρ is clipped to [1 − ε, 1 + ε] (the paper's GRPO baselines: 0.2, 0.4, 0.6)"""
     scale_advantages: bool = True
     """divide group-centred rewards by the group's std (GRPO); --no-scale-advantages is Dr. GRPO"""
     loss_aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
@@ -231,6 +238,7 @@ def check_args(args: Args) -> None:
         ("lr", not args.lr > 0, "> 0"),
         ("sampling-temperature", args.sampling_temperature is not None and not args.sampling_temperature > 0, "> 0"),
         ("sync-every", args.sync_every < 1, ">= 1"),
+        ("clip-eps", not 0 <= args.clip_eps < 1, "in [0, 1)"),
         ("kl-coef", args.kl_coef < 0, ">= 0"),
     ] if bad]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -286,6 +294,19 @@ def p3o_loss(logprobs, sampler_logprobs, advantages, mask, ess):
     kl_behavior = log_ratio + torch.exp(-log_ratio) - 1  # k3 of KL(π_θ ‖ μ) at the sampled token, ≥ 0
     token_losses = -weight * advantages[:, None] * logprobs + (1 - ess) * kl_behavior
     return token_losses, ratio.detach(), ratio.detach() > ess, kl_behavior.detach()
+
+
+def clipped_behavior_loss(logprobs, sampler_logprobs, advantages, mask, clip_eps):
+    """--loss clip, the paper's GRPO baseline: per-token −min(ρA, clip(ρ, 1 − ε, 1 + ε)A) on the same
+    ρ = π_θ/μ as P3O (FeynRL's GRPO also takes its old log-probs from the engine, notes §1), so the two
+    compare on identical data. Returns what p3o_loss returns; "capped" means the clip is active."""
+    log_ratio = behavior_log_ratio(logprobs, sampler_logprobs, mask)
+    ratio = torch.exp(log_ratio)
+    advantages = advantages[:, None]
+    token_losses = -torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    clip_active = ((ratio < 1 - clip_eps) & (advantages < 0)) | ((ratio > 1 + clip_eps) & (advantages > 0))
+    kl_behavior = log_ratio + torch.exp(-log_ratio) - 1
+    return token_losses, ratio.detach(), clip_active, kl_behavior.detach()
 
 
 def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
@@ -419,8 +440,12 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     ess, fell_back = effective_sample_size(
                         fsdp.all_reduce_dict(ratio_sums(logprobs, micro["sampler_logprobs"], mask), dist))
                     stats["ess_fallbacks"] += fell_back
-                token_losses, ratio, clip_active, kl_behavior = p3o_loss(
-                    logprobs, micro["sampler_logprobs"], micro["advantages"], mask, ess)
+                if args.loss == "p3o":
+                    token_losses, ratio, clip_active, kl_behavior = p3o_loss(
+                        logprobs, micro["sampler_logprobs"], micro["advantages"], mask, ess)
+                else:  # the GRPO baseline: e_B is only logged
+                    token_losses, ratio, clip_active, kl_behavior = clipped_behavior_loss(
+                        logprobs, micro["sampler_logprobs"], micro["advantages"], mask, args.clip_eps)
                 if reference is not None:
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
                     kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)

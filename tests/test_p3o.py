@@ -408,3 +408,32 @@ def test_bad_ess_scope_is_refused_by_the_parser(tmp_path):
 
 if __name__ == "__main__":
     _distributed_update(sys.argv[1])
+
+
+def test_clip_baseline_is_grpos_surrogate_on_the_behavior_ratio():
+    """--loss clip: grpo.py's clipped surrogate with π_old replaced by μ (an independent implementation),
+    same values and same gradients; P3O's ratio clamp does not bind for these log-ratios."""
+    from algorithms import grpo
+
+    torch.manual_seed(0)
+    logprobs = (-torch.rand(6, 5) * 3).requires_grad_()
+    sampler = logprobs.detach() + torch.randn(6, 5) * 0.5
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0])
+    mask = torch.ones(6, 5)
+    mask[2, 3:] = 0
+    ours, ratio, active, _ = p3o.clipped_behavior_loss(logprobs, sampler, advantages, mask, 0.2)
+    reference, ref_ratio, ref_active = grpo.clipped_surrogate_loss(logprobs, sampler, advantages, 0.2, 0.2)
+    valid = mask.bool()
+    assert torch.allclose(ours[valid], reference[valid]) and torch.equal(active[valid], ref_active[valid])
+    assert 0 < active[valid].float().mean() < 1  # the clip binds on some tokens and not on others
+    (grad_ours,) = torch.autograd.grad((ours * mask).sum(), logprobs)
+    (grad_ref,) = torch.autograd.grad((reference * mask).sum(), logprobs)
+    assert torch.allclose(grad_ours, grad_ref)
+
+
+@pytest.mark.slow
+def test_clip_baseline_end_to_end_off_policy(tmp_path):
+    run_script("algorithms/p3o.py", "--steps", 1, "--eval-every", 0, "--sampling-temperature", 1.2, "--loss", "clip",
+               "--clip-eps", 0.05, "--output-dir", tmp_path, *SMALL)
+    (record,) = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    assert record["losses/ess"] < 0.999 and 0 < record["losses/clip_fraction"] < 1
