@@ -2,6 +2,7 @@
 # Set-up and entry point.
 #   ./run.sh                      create .venv if missing, install, build the tiny model, train grpo.py
 #   ./run.sh test [pytest args]   install, then run the tests
+#   ./run.sh bench [args]         install, then benchmark every method (python -m common.bench --help)
 #   ./run.sh SCRIPT [flags]       install, then run a script: ./run.sh algorithms/grpo.py --steps 100
 # Environment: VENV (default .venv), PYTHON (default python3), TORCH_INDEX_URL (where the CPU torch
 # build comes from on machines that do not have it locally, e.g. https://download.pytorch.org/whl/cpu),
@@ -45,5 +46,6 @@ setup() {
 case "${1:-}" in
   "")   setup; exec "$PY" algorithms/grpo.py ;;
   test) shift; setup; exec "$PY" -m pytest "$@" ;;
+  bench) shift; setup; exec "$PY" -m common.bench "$@" ;;
   *)    setup; exec "$PY" "$@" ;;
 esac

@@ -1,0 +1,483 @@
+"""Benchmark every method on the built-in task, and put each paper's claim to the test: run, plot, tabulate.
+
+    ./run.sh bench                 # every method, 3 seeds, 60 steps (about 30 minutes of CPU)
+    ./run.sh bench --quick         # every method, 1 seed, 8 steps: a few minutes
+    ./run.sh bench ema_kpo p3o     # paper-claim experiments (ema_kpo, p3o, tis_icepop, gtpo, isopo)
+    ./run.sh bench all             # the benchmark and every experiment
+    ./run.sh bench isopo --plot-only   # redraw from the runs already there
+(`./run.sh bench ARGS` is `python -m common.bench ARGS`.)
+
+A run is `python algorithms/<method>.py <flags> --seed s`. Its folder under --output-dir is named after
+the method and a hash of its flags, so one run serves every suite that asks for the same flags (the
+GTPO experiment is the benchmark's GRPO and GTPO runs), and a killed bench goes on where it stopped:
+finished runs are kept, unfinished ones continue from their last checkpoint (--resume auto). Runs go
+in parallel, one thread each: on two cores, two one-thread runs take about as long as one run on two.
+
+For each suite, --results-dir gets <suite>.png (mean over seeds, shaded from the lowest to the highest
+seed), <suite>.md (a table of final accuracy ± std over seeds and seconds per step, with the date,
+machine and command) and <suite>.json (the same numbers). The full runs write to common/bench_results,
+the copy the README shows; --quick writes under its --output-dir.
+
+Every setting of an experiment is fixed in SUITES below, before it runs (paper defaults scaled to the
+built-in task); the README reports what came out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import tyro
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Config:
+    label: str  # the legend's name
+    script: str  # algorithms/<script>.py
+    flags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Panel:
+    key: str  # a metric of metrics.jsonl, or "kl_drift" (measured from the checkpoints)
+    title: str
+    x: str = "step"  # step | time (training seconds, evaluations excluded) | kl_drift
+    labels: tuple[str, ...] | None = None  # only these configs (default: all)
+
+
+@dataclass
+class Suite:
+    name: str
+    title: str
+    configs: list[Config]
+    panels: list[Panel]
+    steps: int = 60
+    flags: tuple[str, ...] = ()  # given to every config
+    kl_drift: bool = False  # measure KL(π_θ ‖ π_0) at every checkpoint
+    extra_figures: dict[str, list[Panel]] = field(default_factory=dict)
+
+
+ACCURACY = Panel("eval/greedy_accuracy", "held-out greedy accuracy")
+AVG_AT_4 = Panel("eval/avg@4", "held-out avg@4 (T = 1)")
+ENTROPY = Panel("charts/entropy", "entropy of π_θ at response tokens")
+
+
+def _p3o_suite() -> Suite:
+    settings = {"on-policy": (), "T=1.2": ("--sampling-temperature", "1.2"), "stale": ("--sync-every", "4")}
+    configs, panels = [], []
+    for setting, flags in settings.items():
+        group = [Config(f"{setting} · GRPO ε={eps}", "p3o", flags + ("--loss", "clip", "--clip-eps", eps))
+                 for eps in ("0.2", "0.4", "0.6")] + [Config(f"{setting} · P3O", "p3o", flags)]
+        configs += group
+        panels.append(Panel("eval/greedy_accuracy", f"{setting}: held-out greedy accuracy",
+                            labels=tuple(c.label for c in group)))
+    for setting in settings:
+        panels.append(Panel("losses/ess", f"{setting}: e_B (P3O) / batch ESS (GRPO)", labels=tuple(
+            c.label for c in configs if c.label.startswith(setting))))
+    return Suite("p3o", "P3O vs GRPO at ε = 0.2 / 0.4 / 0.6: on-policy, rollouts at T = 1.2, rollouts up to 3 steps stale",
+                 configs, panels, steps=30, flags=("--num-minibatches", "2", "--eval-prompts", "128"))
+
+
+SUITES = {suite.name: suite for suite in [
+    Suite("bench", "Every method with its defaults on the built-in task", [
+        Config("GRPO", "grpo"), Config("EMA-KPO", "ema_kpo"), Config("P3O", "p3o"), Config("GTPO", "gtpo"),
+        Config("ISOPO", "isopo"), Config("TIS (bf16 engine)", "tis_icepop", ("--engine-dtype", "bfloat16")),
+    ], [ACCURACY, Panel("eval/greedy_accuracy", "held-out greedy accuracy", x="time"), AVG_AT_4, ENTROPY,
+        Panel("charts/response_length_mean", "response length (tokens)"), Panel("charts/reward", "training reward")],
+        extra_figures={"bench_signals": [
+            Panel("losses/rho_hat_abs_mean", "EMA-KPO: mean |filtered log-ratio ρ̂|", labels=("EMA-KPO",)),
+            Panel("losses/ess", "P3O: batch ESS e_B", labels=("P3O",)),
+            Panel("conflict/masked_fraction", "GTPO: conflict-token fraction", labels=("GTPO",)),
+            Panel("isopo/lm_head/fisher_norm", "ISOPO: lm_head Fisher-norm estimate", labels=("ISOPO",)),
+            Panel("mismatch/kl_k3", "TIS: mismatch KL(μ ‖ π_old), k3", labels=("TIS (bf16 engine)",)),
+            Panel("losses/grad_norm", "gradient norm (before clipping)"),
+        ]}),
+    Suite("ema_kpo", "EMA-KPO vs KPO vs GRPO with 4 updates per batch, and the smoothing-strength ablation", [
+        Config("GRPO, 4 updates/batch", "grpo", ("--num-minibatches", "4")),
+        Config("EMA-KPO (scheduled EMA)", "ema_kpo"),
+        Config("KPO (Kalman, P0=0)", "ema_kpo", ("--smoother", "kalman", "--p0", "0")),
+        Config("fixed α=1e-4", "ema_kpo", ("--smoother", "fixed", "--alpha", "1e-4")),
+        Config("fixed α=1e-2", "ema_kpo", ("--smoother", "fixed", "--alpha", "1e-2")),
+    ], [ENTROPY, ACCURACY, AVG_AT_4, Panel("losses/rho_hat_abs_mean", "mean |ρ̂| (EMA-KPO variants)"),
+        Panel("losses/clip_fraction", "clip fraction"), Panel("charts/response_length_mean", "response length")]),
+    _p3o_suite(),
+    Suite("tis_icepop", "A bfloat16 engine beside a float32 trainer: no correction vs TIS, IcePop, KPop, sequence masking", [
+        Config(name, "tis_icepop", ("--engine-dtype", "bfloat16", "--correction", correction))
+        for name, correction in [("none", "none"), ("TIS (bf16 engine)", "tis"), ("IcePop", "icepop"),
+                                 ("KPop", "kpop"), ("seq-mask", "seq-mask")]
+    ], [ACCURACY, Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"), Panel("losses/grad_norm", "gradient norm"),
+        Panel("mismatch/max_abs_logprob_diff", "max |log μ − log π_old|"),
+        Panel("correction/masked_token_fraction", "masked token fraction"), ENTROPY]),
+    Suite("gtpo", "GTPO vs GRPO (the benchmark's runs)", [Config("GRPO", "grpo"), Config("GTPO", "gtpo")],
+          [ACCURACY, AVG_AT_4, ENTROPY, Panel("conflict/masked_fraction", "conflict-token fraction (GTPO)"),
+           Panel("charts/filtered_fraction", "entropy-filtered completions (GTPO)"),
+           Panel("charts/response_length_mean", "response length")]),
+    Suite("isopo", "ISOPO (p = −1, and interacting) vs REINFORCE vs GRPO: accuracy against KL drift from π_0", [
+        Config("GRPO", "grpo"), Config("ISOPO", "isopo"),
+        Config("ISOPO interacting", "isopo", ("--variant", "interacting")),
+        Config("REINFORCE (ISOPO p=0)", "isopo", ("--p", "0")),
+    ], [Panel("eval/greedy_accuracy", "held-out greedy accuracy vs KL(π_θ ‖ π_0)", x="kl_drift"),
+        Panel("kl_drift", "KL(π_θ ‖ π_0) per token"), ACCURACY, AVG_AT_4], kl_drift=True),
+]}
+QUICK = dict(steps=8, seeds=(1,), flags=("--eval-every", "4", "--eval-prompts", "64"))
+
+
+# running ---------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    config: Config
+    seed: int
+    steps: int
+    flags: tuple[str, ...]  # the config's and the suite's: what makes the run what it is
+    output_dir: str
+
+    @property
+    def exp_name(self) -> str:
+        identity = json.dumps([self.config.script, self.steps, list(self.flags)])
+        return f"{self.config.script}-{hashlib.sha1(identity.encode()).hexdigest()[:10]}"
+
+    @property
+    def prefix(self) -> str:  # the scripts name their run folders <task>__<exp_name>__<seed>__<time>
+        return f"arith__{self.exp_name}__{self.seed}__"
+
+    def folders(self) -> list[str]:
+        if not os.path.isdir(self.output_dir):
+            return []
+        return sorted(os.path.join(self.output_dir, d) for d in os.listdir(self.output_dir) if d.startswith(self.prefix))
+
+    def finished_folder(self) -> str | None:
+        for folder in reversed(self.folders()):
+            records = read_metrics(os.path.join(folder, "metrics.jsonl"))
+            if any(r["step"] == self.steps and "eval/greedy_accuracy" in r for r in records):
+                return folder
+        return None
+
+    def command(self) -> list[str]:
+        """The script's command line; continues the newest complete checkpoint of this run if there is one."""
+        checkpoints = [os.path.join(folder, "checkpoints", name) for folder in self.folders()
+                       if os.path.isdir(os.path.join(folder, "checkpoints"))
+                       for name in os.listdir(os.path.join(folder, "checkpoints"))]
+        resume = any(os.path.isfile(os.path.join(c, "trainer_state.pt")) for c in checkpoints)
+        if not resume:  # nothing to continue from: start clean
+            for folder in self.folders():
+                shutil.rmtree(folder)
+        save_every = max(1, self.steps // 3)  # checkpoints at 1/3, 2/3 and the end (the KL-drift points)
+        return [sys.executable, os.path.join(REPO, "algorithms", self.config.script + ".py"), *self.flags,
+                "--steps", str(self.steps), "--seed", str(self.seed), "--exp-name", self.exp_name,
+                "--output-dir", self.output_dir, "--save-every", str(save_every), "--keep-checkpoints", "3",
+                *(["--resume", "auto"] if resume else [])]
+
+
+def run_all(runs: list[Run], jobs: int) -> list[str]:
+    """Run every unfinished run, `jobs` at a time; returns the failures' descriptions."""
+    pending = [r for r in runs if r.finished_folder() is None]
+    print(f"{len(runs) - len(pending)} of {len(runs)} runs already finished; {len(pending)} to run, {jobs} at a time",
+          flush=True)
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    log_dir = os.path.join(pending[0].output_dir, "logs") if pending else None
+    running, failures, done = [], [], 0
+    while pending or running:
+        while pending and len(running) < jobs:
+            run = pending.pop(0)
+            os.makedirs(log_dir, exist_ok=True)
+            log_path = os.path.join(log_dir, f"{run.exp_name}__{run.seed}.log")
+            with open(log_path, "w") as log:
+                process = subprocess.Popen(run.command(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            running.append((run, process, log_path, time.time()))
+        time.sleep(0.5)
+        for entry in list(running):
+            run, process, log_path, start = entry
+            if process.poll() is None:
+                continue
+            running.remove(entry)
+            done += 1
+            status = "done" if process.returncode == 0 and run.finished_folder() else f"FAILED (log: {log_path})"
+            if status != "done":
+                failures.append(f"{run.config.label} seed {run.seed}: {log_path}")
+            print(f"[{done}/{done + len(pending) + len(running)}] {status}: {run.config.label}, seed {run.seed} "
+                  f"({time.time() - start:.0f} s)", flush=True)
+    return failures
+
+
+# measuring KL(π_θ ‖ π_0) ---------------------------------------------------------------------------------
+def kl_from_initial(model, initial, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, seed: int = 0) -> float:
+    """Mean per-token KL(π_θ ‖ π_0) on completions sampled from π_θ (T = 1): at each response position the
+    exact full-vocabulary KL Σ_v π_θ(v) (log π_θ(v) − log π_0(v)), averaged over all response tokens."""
+    import torch
+
+    from common.rollout import HFEngine
+
+    torch.manual_seed(seed)
+    completions = HFEngine(model, tokenizer).generate(prompt_ids, 1, max_new_tokens, 1.0)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for prompt, completion in zip(prompt_ids, completions):
+            ids = torch.tensor([prompt + completion.token_ids])
+            start = len(prompt) - 1  # the logits at position t predict token t + 1
+            stop = ids.shape[1] - 1
+            log_p = torch.log_softmax(model(ids).logits[0, start:stop].double(), -1)
+            log_q = torch.log_softmax(initial(ids).logits[0, start:stop].double(), -1)
+            total += (log_p.exp() * (log_p - log_q)).sum().item()
+            tokens += stop - start
+    return total / max(tokens, 1)
+
+
+def measure_kl_drift(folder: str, prompts: int = 128) -> dict[int, float]:
+    """KL(π_θ ‖ π_0) at step 0 and at every checkpoint of a run folder; cached in kl_drift.json."""
+    cache = os.path.join(folder, "kl_drift.json")
+    drift = {int(k): v for k, v in json.load(open(cache)).items()} if os.path.exists(cache) else {0: 0.0}
+    checkpoint_dir = os.path.join(folder, "checkpoints")
+    steps = {int(name.split("_")[1]): os.path.join(checkpoint_dir, name) for name in os.listdir(checkpoint_dir)
+             if name.startswith("step_") and name.split("_")[1].isdigit()}
+    missing = {step: path for step, path in steps.items() if step not in drift}
+    if missing:
+        from transformers import AutoModelForCausalLM
+
+        from common.reward import encode_prompt, load_task
+        from common.rollout import load_tokenizer
+        from common.tiny import tiny_model_dir
+
+        config = json.load(open(os.path.join(folder, "config.json")))
+        initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir()).eval()
+        tokenizer = load_tokenizer(tiny_model_dir())
+        rows = load_task("arith", "test")[:prompts]
+        prompt_ids = [encode_prompt(row.question, tokenizer, "arith") for row in rows]
+        for step, path in sorted(missing.items()):
+            model = AutoModelForCausalLM.from_pretrained(path).eval()
+            drift[step] = kl_from_initial(model, initial, tokenizer, prompt_ids, config["max_new_tokens"], seed=step)
+        with open(cache, "w") as f:
+            json.dump({str(k): v for k, v in sorted(drift.items())}, f)
+    return drift
+
+
+# summarising ------------------------------------------------------------------------------------------
+def read_metrics(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def series(records: list[dict], key: str, x: str, drift: dict[int, float] | None = None) -> list[tuple[float, float]]:
+    """(x, y) points of one run: y = the metric `key` (or the KL drift) at each step where it is logged."""
+    clock, elapsed = {}, 0.0
+    for record in sorted(records, key=lambda r: r["step"]):
+        elapsed += record.get("time/step", 0.0) if isinstance(record.get("time/step"), float) else 0.0
+        clock[record["step"]] = elapsed
+    clock[0] = 0.0
+    if key == "kl_drift":
+        values = dict(drift or {})
+    else:
+        values = {r["step"]: r[key] for r in records if isinstance(r.get(key), (int, float))}
+    if x == "step":
+        return sorted((float(step), value) for step, value in values.items())
+    if x == "time":
+        return sorted((clock[step], value) for step, value in values.items() if step in clock)
+    return sorted((drift[step], value) for step, value in values.items() if step in (drift or {}))
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
+    """One row per config: final held-out accuracy (mean and std over seeds), seconds per step, per phase."""
+    rows = []
+    for config in suite.configs:
+        finished = [(run, run.finished_folder()) for run in runs if run.config == config]
+        records = [read_metrics(os.path.join(folder, "metrics.jsonl")) for _, folder in finished if folder]
+        if not records:
+            continue
+        final = [r[-1] for r in records]
+        row = {"label": config.label, "script": f"algorithms/{config.script}.py", "flags": " ".join(config.flags),
+               "seeds": len(records)}
+        for key, name in [("eval/greedy_accuracy", "greedy"), ("eval/avg@4", "avg@4"), ("eval/pass@4", "pass@4")]:
+            row[name], row[name + "_std"] = mean_std([f.get(key) for f in final])
+        row["greedy_at_0"] = mean_std([next((r["eval/greedy_accuracy"] for r in rs if r["step"] == 0), None)
+                                       for rs in records])[0]
+        for key, name in [("time/step", "s_per_step"), ("time/rollout", "rollout_s"), ("time/train", "train_s")]:
+            row[name] = statistics.fmean(r[key] for rs in records for r in rs if isinstance(r.get(key), float))
+        if suite.kl_drift:
+            row["kl_drift"], row["kl_drift_std"] = mean_std(
+                [measure_kl_drift(folder).get(suite.steps) for _, folder in finished if folder])
+        rows.append(row)
+    return rows
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import torch
+
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, path: str) -> None:
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    lines = [f"**{suite.title}** — built-in task, {suite.steps} steps, seeds {', '.join(map(str, seeds))}; "
+             f"mean ± std over seeds at the last step (held-out greedy accuracy at step 0: "
+             f"{rows[0]['greedy_at_0']:.3f}). Seconds per step exclude evaluations; {jobs} runs at a time, "
+             f"{threads} thread(s) each.", "",
+             "| method | flags | greedy acc. | avg@4 | pass@4 |" + (" KL(π‖π₀) |" if suite.kl_drift else "")
+             + " s/step | rollout s | train s |",
+             "|---|---|---|---|---|" + ("---|" if suite.kl_drift else "") + "---|---|---|"]
+    for row in rows:
+        kl = f" {row['kl_drift']:.4f} ± {row['kl_drift_std']:.4f} |" if suite.kl_drift else ""
+        lines.append(f"| {row['label']} | `{row['flags'] or 'defaults'}` | {row['greedy']:.3f} ± {row['greedy_std']:.3f} "
+                     f"| {row['avg@4']:.3f} ± {row['avg@4_std']:.3f} | {row['pass@4']:.3f} ± {row['pass@4_std']:.3f} |"
+                     f"{kl} {row['s_per_step']:.2f} | {row['rollout_s']:.2f} | {row['train_s']:.2f} |")
+    lines += ["", f"Run {datetime.date.today().isoformat()} on {machine()}; command: `{command}`."]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: int = 5) -> None:
+    """One panel per metric: per config, the mean over seeds (a moving average of `smooth` steps for
+    per-step metrics), shaded between the lowest and highest seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {c.label: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(suite.configs)}
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
+    for axis, panel in zip(axes.flat, panels):
+        for config in suite.configs:
+            if panel.labels is not None and config.label not in panel.labels:
+                continue
+            per_seed = []
+            for run in runs:
+                folder = run.finished_folder() if run.config == config else None
+                if folder:
+                    drift = measure_kl_drift(folder) if (panel.x == "kl_drift" or panel.key == "kl_drift") else None
+                    points = series(read_metrics(os.path.join(folder, "metrics.jsonl")), panel.key, panel.x, drift)
+                    if points:
+                        per_seed.append(points)
+            if not per_seed:
+                continue
+            length = min(len(p) for p in per_seed)
+            xs = [statistics.fmean(p[i][0] for p in per_seed) for i in range(length)]
+            ys = [[p[i][1] for p in per_seed] for i in range(length)]
+            window = smooth if length > 3 * smooth and not panel.key.startswith("eval/") else 1
+            mean = _moving_average([statistics.fmean(y) for y in ys], window)
+            low = _moving_average([min(y) for y in ys], window)
+            high = _moving_average([max(y) for y in ys], window)
+            marker = "o" if length <= 12 else None
+            short_label = config.label.split(" · ")[-1] if panel.labels is not None else config.label
+            axis.plot(xs, mean, color=colors[config.label], marker=marker, markersize=3, label=short_label)
+            if len(per_seed) > 1:
+                axis.fill_between(xs, low, high, color=colors[config.label], alpha=0.15, linewidth=0)
+        axis.set_title(panel.title, fontsize=10)
+        axis.set_xlabel({"step": "step", "time": "training wall-clock (s)", "kl_drift": "KL(π_θ ‖ π_0) per token"}[panel.x])
+        axis.grid(alpha=0.3)
+        if axis.lines:
+            axis.legend(fontsize=7)
+    for axis in list(axes.flat)[len(panels):]:
+        axis.axis("off")
+    figure.suptitle(suite.title, fontsize=11)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+
+
+# command line -----------------------------------------------------------------------------------------
+@dataclass
+class BenchArgs:
+    suites: tyro.conf.Positional[tuple[str, ...]] = ("bench",)
+    """what to run: bench (every method), ema_kpo, p3o, tis_icepop, gtpo, isopo, or all"""
+    quick: bool = False
+    """a few minutes: 1 seed, 8 steps, smaller evaluations (results under --output-dir)"""
+    seeds: int | None = None
+    """seeds 1..n (default 3; 1 with --quick)"""
+    steps: int | None = None
+    """training steps of every run (default: each suite's own)"""
+    only: tuple[str, ...] = ()
+    """run only the configs with these labels (e.g. GRPO P3O)"""
+    jobs: int = max(1, os.cpu_count() or 1)
+    """runs at a time (each gets cores / jobs threads)"""
+    output_dir: str = "runs/bench"
+    """where the runs go"""
+    results_dir: str | None = None
+    """where plots and tables go (default: common/bench_results; with --quick: <output-dir>/results)"""
+    plot_only: bool = False
+    """draw plots and tables from the runs already there, run nothing"""
+
+
+def main(args: BenchArgs) -> int:
+    names = list(SUITES) if "all" in args.suites else list(args.suites)
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        raise SystemExit(f"unknown suite(s) {', '.join(unknown)}: choose from {', '.join(SUITES)} or all")
+    if args.jobs < 1 or (args.seeds is not None and args.seeds < 1) or (args.steps is not None and args.steps < 1):
+        raise SystemExit("--jobs, --seeds and --steps must be >= 1")
+    seeds = tuple(range(1, (args.seeds or (len(QUICK["seeds"]) if args.quick else 3)) + 1))
+    output_dir = os.path.abspath(args.output_dir)
+    results_dir = args.results_dir or (os.path.join(output_dir, "results") if args.quick
+                                       else os.path.join(REPO, "common", "bench_results"))
+    command = "./run.sh bench " + " ".join(sys.argv[1:])
+    planned = {}
+    for name in names:
+        suite = SUITES[name]
+        configs = [c for c in suite.configs if not args.only or c.label in args.only]
+        if not configs:
+            raise SystemExit(f"--only {' '.join(args.only)}: no such config in suite {name} "
+                             f"({', '.join(c.label for c in suite.configs)})")
+        steps = args.steps or (QUICK["steps"] if args.quick else suite.steps)
+        flags = suite.flags + (QUICK["flags"] if args.quick else ())
+        planned[name] = [Run(c, s, steps, c.flags + flags, output_dir) for s in seeds for c in configs]
+    failures = []
+    if not args.plot_only:
+        unique = list({(r.exp_name, r.seed): r for runs in planned.values() for r in runs}.values())
+        failures = run_all(unique, args.jobs)
+    os.makedirs(results_dir, exist_ok=True)
+    for name, runs in planned.items():
+        suite = SUITES[name]
+        suite = dataclasses.replace(suite, configs=[c for c in suite.configs if any(r.config == c for r in runs)],
+                                    steps=runs[0].steps)
+        rows = summarise(suite, runs)
+        if not rows:
+            print(f"{name}: no finished run to summarise", file=sys.stderr)
+            continue
+        write_table(suite, rows, seeds, args.jobs, command, os.path.join(results_dir, f"{name}.md"))
+        with open(os.path.join(results_dir, f"{name}.json"), "w") as f:
+            json.dump({"suite": name, "steps": suite.steps, "seeds": seeds, "rows": rows}, f, indent=1)
+        for figure_name, panels in {name: suite.panels, **suite.extra_figures}.items():
+            plot(suite, runs, panels, os.path.join(results_dir, f"{figure_name}.png"))
+        print(f"{name}: {results_dir}/{name}.md and .png")
+        print(open(os.path.join(results_dir, f"{name}.md")).read())
+    if failures:
+        print("failed runs:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(tyro.cli(BenchArgs, description=__doc__.split("\n")[0])))
