@@ -94,7 +94,7 @@ def _p3o_suite() -> Suite:
 SUITES = {suite.name: suite for suite in [
     Suite("bench", "Every method with its defaults on the built-in task", [
         Config("GRPO", "grpo"), Config("EMA-KPO", "ema_kpo"), Config("P3O", "p3o"), Config("GTPO", "gtpo"),
-        Config("ISOPO", "isopo"), Config("TIS (bf16 engine)", "tis_icepop", ("--engine-dtype", "bfloat16")),
+        Config("ISOPO", "isopo"), Config("TIS (bf16 engine)", "tis_icepop", ("--engine-dtype", "bfloat16", "--correction", "tis")),
     ], [ACCURACY, Panel("eval/greedy_accuracy", "held-out greedy accuracy", x="time"), AVG_AT_4, ENTROPY,
         Panel("charts/response_length_mean", "response length (tokens)"), Panel("charts/reward", "training reward")],
         extra_figures={"bench_signals": [
