@@ -103,6 +103,7 @@ the EMA-KPO code could not be read, so EMA-KPO follows its paper)
 
 Run it
   python algorithms/ema_kpo.py                               # built-in tiny task, CPU, a few minutes
+  ./run.sh bench ema_kpo                                     # the paper's claims on the built-in task (README)
   python algorithms/ema_kpo.py --smoother kalman             # KPO's Kalman filter (same numbers, slower)
   python algorithms/ema_kpo.py --smoother fixed --alpha 1e-2 # the paper's fixed-gain ablation
   python algorithms/ema_kpo.py --model Qwen/Qwen3-4B-Base --task dapo_math --eval-task aime24 \\

@@ -26,6 +26,12 @@ Implementation details
    the prompts, and the token-mean divides by the token count of all ranks, so N ranks compute the
    update of one process (FSDP averages gradients over ranks, hence the world-size factor).
 
+Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and clip-higher
+(ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip (--loss-aggregation
+sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04 (--kl-coef 0.04); DAPO's dynamic
+sampling (re-drawing groups whose rewards are all equal) is not done: those groups are counted in
+charts/zero_std_group_fraction and contribute no gradient; AdamW betas (0.9, 0.99).
+
 Logged metrics (metrics.jsonl in the run folder; wandb with --track; curves.png at the end)
   charts/reward, charts/accuracy       mean reward and fraction of correct rollouts of the step
   charts/no_answer_rate                fraction of rollouts with no extractable answer
@@ -45,6 +51,7 @@ Logged metrics (metrics.jsonl in the run folder; wandb with --track; curves.png 
 
 Run it
   python algorithms/grpo.py                                  # built-in tiny task, CPU, a few minutes
+  ./run.sh bench                                             # every method × 3 seeds on the built-in task (README)
   python algorithms/grpo.py --model Qwen/Qwen2.5-Math-1.5B --task gsm8k --eval-task gsm8k \\
       --steps 500 --prompts-per-step 64 --group-size 8 --max-new-tokens 1024 --lr 1e-6 \\
       --num-minibatches 4 --micro-batch-size 8 --dtype bfloat16 --eval-every 50 --eval-k 4 --track

@@ -100,6 +100,7 @@ Known differences from the authors' code (5d33811e), each a flag where it is che
 
 Run it
   python algorithms/gtpo.py                                  # built-in tiny task, CPU, a few minutes
+  ./run.sh bench gtpo                                        # GTPO vs GRPO on the built-in task (README)
   python algorithms/gtpo.py --model meta-llama/Llama-3.1-8B-Instruct --task gsm8k --eval-task gsm8k \\
       --steps 7473 --prompts-per-step 1 --group-size 12 --max-new-tokens 1500 --lr 1e-6 \\
       --max-grad-norm 0.1 --weight-decay 0.1 --entropy-coef 0.1 --micro-batch-size 4 --dtype bfloat16 \\

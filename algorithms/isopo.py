@@ -128,6 +128,7 @@ Known differences from the authors' code (commit 2686cda), each a deliberate cho
 
 Run it
   python algorithms/isopo.py                                  # built-in tiny task, CPU, a few minutes
+  ./run.sh bench isopo                                        # accuracy vs KL drift on the built-in task (README)
   python algorithms/isopo.py --variant interacting            # the NTK variant
   # the paper's setting (§2.1; run.sh of the official code): Qwen3-0.6B on GSM8K, one GPU
   python algorithms/isopo.py --model Qwen/Qwen3-0.6B --task gsm8k --eval-task gsm8k \\

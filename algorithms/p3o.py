@@ -93,6 +93,7 @@ Logged metrics (metrics.jsonl in the run folder; wandb with --track; curves.png 
 
 Run it
   python algorithms/p3o.py                                   # built-in tiny task, CPU: on-policy, = REINFORCE
+  ./run.sh bench p3o                                         # P3O vs GRPO ε = 0.2/0.4/0.6, three settings (README)
   python algorithms/p3o.py --sampling-temperature 1.2        # off-policy: rollouts at T = 1.2, π_θ at 1.0
   python algorithms/p3o.py --sync-every 2                    # stale rollouts (one step behind every other step)
   python algorithms/p3o.py --engine-dtype bfloat16 --num-minibatches 4   # bf16 engine, 4 updates per batch

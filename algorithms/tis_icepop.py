@@ -119,6 +119,7 @@ every correction act on this mismatch, as the tests do.
 
 Run it
   python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction icepop   # tiny task, CPU, minutes
+  ./run.sh bench tis_icepop                                  # none vs tis / icepop / kpop / seq-mask (README)
   # the TIS blog's GSM8K setting: Qwen2.5-0.5B-Instruct, bf16 vLLM rollouts, a trainer with fp32 weights and
   # bf16 compute, C = 2, 15 epochs of 256 prompts, one GPU (the blog trains PPO with a critic, this file GRPO)
   python algorithms/tis_icepop.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --eval-task gsm8k \\

@@ -1,0 +1,175 @@
+"""common/bench.py: run naming and resuming, summaries and plots from known metrics, the KL-drift
+measure against a direct computation, every suite's flags accepted by its script, and a quick bench."""
+
+import importlib
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from common import bench  # noqa: E402
+from conftest import run_script  # noqa: E402
+
+GRPO = bench.Config("GRPO", "grpo")
+
+
+def make_run(tmp_path, config=GRPO, seed=1, steps=4, flags=()):
+    return bench.Run(config, seed, steps, config.flags + flags, str(tmp_path))
+
+
+def write_run(run, records, checkpoint_steps=()):
+    """A run folder as the scripts leave it: metrics.jsonl, config.json, complete checkpoints."""
+    folder = os.path.join(run.output_dir, run.prefix + "1700000000")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"max_new_tokens": 16}, f)
+    for step in checkpoint_steps:
+        checkpoint = os.path.join(folder, "checkpoints", f"step_{step:08d}")
+        os.makedirs(checkpoint)
+        open(os.path.join(checkpoint, "trainer_state.pt"), "w").close()
+    return folder
+
+
+def records(steps, greedy, seconds=1.0):
+    """Step 0 evaluation, then one record per step, the last one with its evaluation."""
+    out = [{"step": 0, "eval/greedy_accuracy": 0.25, "eval/avg@4": 0.2, "eval/pass@4": 0.5}]
+    for step in range(1, steps + 1):
+        out.append({"step": step, "charts/reward": 0.1 * step, "time/step": seconds, "time/rollout": 0.25 * seconds,
+                    "time/train": 0.75 * seconds})
+    out[-1].update({"eval/greedy_accuracy": greedy, "eval/avg@4": greedy / 2, "eval/pass@4": greedy})
+    return out
+
+
+def test_a_run_is_named_by_its_script_steps_and_flags(tmp_path):
+    base = make_run(tmp_path)
+    assert make_run(tmp_path, seed=2).exp_name == base.exp_name  # seeds share the name, not the folder
+    assert make_run(tmp_path, seed=2).prefix != base.prefix
+    assert make_run(tmp_path, steps=5).exp_name != base.exp_name
+    assert make_run(tmp_path, flags=("--lr", "1e-3")).exp_name != base.exp_name
+    assert make_run(tmp_path, bench.Config("other label", "grpo")).exp_name == base.exp_name  # labels do not count
+    # the scripts name their folders <task>__<exp_name>__<seed>__<time> (run_prefix in grpo.py)
+    assert base.prefix == f"arith__{base.exp_name}__1__"
+
+
+def test_a_run_is_finished_only_with_its_last_evaluation(tmp_path):
+    run = make_run(tmp_path)
+    folder = write_run(run, records(4, 0.5)[:-1])
+    assert run.finished_folder() is None
+    write_run(run, records(4, 0.5))
+    assert run.finished_folder() == folder
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint_and_one_without_starts_clean(tmp_path):
+    run = make_run(tmp_path)
+    folder = write_run(run, records(4, 0.5)[:3], checkpoint_steps=[2])
+    command = run.command()
+    assert command[-2:] == ["--resume", "auto"] and os.path.isdir(folder)
+    assert command[command.index("--exp-name") + 1] == run.exp_name
+    assert command[command.index("--save-every") + 1] == "1"  # steps // 3: checkpoints for the KL drift
+    os.remove(os.path.join(folder, "checkpoints", "step_00000002", "trainer_state.pt"))  # incomplete
+    command = run.command()
+    assert "--resume" not in command and not os.path.exists(folder)
+
+
+def test_summary_table_and_plots_from_known_runs(tmp_path):
+    other = bench.Config("Other", "p3o", ("--sync-every", "2"))
+    suite = bench.Suite("demo", "demo suite", [GRPO, other], [
+        bench.Panel("eval/greedy_accuracy", "acc"), bench.Panel("eval/greedy_accuracy", "acc", x="time"),
+        bench.Panel("charts/reward", "reward", labels=("Other",))], steps=4)
+    greedy = {GRPO: [0.4, 0.5, 0.6], other: [0.7, 0.7, 0.7]}
+    runs = []
+    for config in suite.configs:
+        for seed, value in zip((1, 2, 3), greedy[config]):
+            run = make_run(tmp_path, config, seed)
+            write_run(run, records(4, value, seconds=2.0 if config is other else 1.0))
+            runs.append(run)
+    rows = bench.summarise(suite, runs)
+    assert [r["label"] for r in rows] == ["GRPO", "Other"]
+    assert rows[0]["greedy"] == pytest.approx(0.5) and rows[0]["greedy_std"] == pytest.approx(statistics.stdev([.4, .5, .6]))
+    assert rows[1]["greedy_std"] == 0 and rows[1]["s_per_step"] == pytest.approx(2.0)
+    assert rows[0]["greedy_at_0"] == 0.25 and rows[1]["train_s"] == pytest.approx(1.5)
+
+    table = tmp_path / "demo.md"
+    bench.write_table(suite, rows, (1, 2, 3), 2, "./run.sh bench demo", str(table))
+    text = table.read_text()
+    assert "| GRPO | `defaults` | 0.500 ± 0.100 |" in text and "| Other | `--sync-every 2` | 0.700 ± 0.000 |" in text
+    assert "./run.sh bench demo" in text
+
+    png = tmp_path / "demo.png"
+    bench.plot(suite, runs, suite.panels, str(png))
+    assert png.stat().st_size > 10_000
+
+    # wall-clock: cumulative seconds of the training steps, evaluations excluded
+    metrics = bench.read_metrics(os.path.join(runs[-1].finished_folder(), "metrics.jsonl"))
+    assert bench.series(metrics, "eval/greedy_accuracy", "time") == [(0.0, 0.25), (8.0, 0.7)]
+    assert bench.series(metrics, "eval/greedy_accuracy", "kl_drift", {0: 0.0, 4: 0.3}) == [(0.0, 0.25), (0.3, 0.7)]
+
+
+def test_kl_from_initial_is_zero_for_the_same_model_and_matches_a_direct_computation(tiny):
+    model, tokenizer = tiny
+    prompts = [tokenizer("3+4=")["input_ids"], tokenizer("12+9=")["input_ids"]]
+    assert abs(bench.kl_from_initial(model, model, tokenizer, prompts, 8)) < 1e-12
+
+    moved = type(model)(model.config).eval()
+    moved.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        moved.lm_head.weight.add_(0.05 * torch.randn_like(moved.lm_head.weight))
+    measured = bench.kl_from_initial(moved, model, tokenizer, prompts, 8, seed=3)
+
+    # the same samples (same seed), then KL per position with torch.distributions, averaged over tokens
+    from common.rollout import HFEngine
+
+    torch.manual_seed(3)
+    completions = HFEngine(moved, tokenizer).generate(prompts, 1, 8, 1.0)
+    values = []
+    with torch.no_grad():
+        for prompt, completion in zip(prompts, completions):
+            ids = torch.tensor([prompt + completion.token_ids])
+            for position in range(len(prompt) - 1, ids.shape[1] - 1):
+                p = torch.distributions.Categorical(logits=moved(ids).logits[0, position].double())
+                q = torch.distributions.Categorical(logits=model(ids).logits[0, position].double())
+                values.append(torch.distributions.kl_divergence(p, q).item())
+    assert measured > 1e-4 and measured == pytest.approx(sum(values) / len(values), rel=1e-9)
+
+
+@pytest.mark.parametrize("name", list(bench.SUITES))
+def test_every_suite_gives_its_scripts_flags_they_accept(name):
+    """A typo in a suite would only show after a long bench: parse each config as its script would."""
+    import tyro
+
+    for config in bench.SUITES[name].configs:
+        module = importlib.import_module(f"algorithms.{config.script}")
+        flags = [*config.flags, *bench.SUITES[name].flags, *bench.QUICK["flags"], "--steps", "60"]
+        args = tyro.cli(module.Args, args=flags)
+        module.check_args(args)
+
+
+def test_unknown_suite_and_bad_numbers_get_clear_errors(tmp_path):
+    result = run_script("-m", "common.bench", "grpo_typo", "--output-dir", tmp_path, check=False)
+    assert result.returncode != 0 and "unknown suite(s) grpo_typo" in result.stderr
+    result = run_script("-m", "common.bench", "--only", "NoSuchMethod", "--output-dir", tmp_path, check=False)
+    assert result.returncode != 0 and "--only NoSuchMethod: no such config" in result.stderr
+
+
+@pytest.mark.slow
+def test_quick_bench_end_to_end_then_nothing_to_redo(tmp_path):
+    flags = ["--quick", "--steps", 2, "--only", "GRPO", "P3O", "--output-dir", tmp_path / "runs",
+             "--results-dir", tmp_path / "results"]
+    first = run_script("-m", "common.bench", *flags)
+    assert "0 of 2 runs already finished" in first.stdout
+    table = (tmp_path / "results" / "bench.md").read_text()
+    assert "| GRPO |" in table and "| P3O |" in table
+    for png in ("bench.png", "bench_signals.png"):
+        assert (tmp_path / "results" / png).stat().st_size > 10_000
+    summary = json.loads((tmp_path / "results" / "bench.json").read_text())
+    assert [r["seeds"] for r in summary["rows"]] == [1, 1] and summary["steps"] == 2
+    again = run_script("-m", "common.bench", *flags)
+    assert "2 of 2 runs already finished; 0 to run" in again.stdout
