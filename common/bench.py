@@ -16,7 +16,8 @@ in parallel, one thread each: on two cores, two one-thread runs take about as lo
 For each suite, --results-dir gets <suite>.png (mean over seeds, shaded from the lowest to the highest
 seed), <suite>.md (a table of final accuracy ± std over seeds and seconds per step, with the date,
 machine and command) and <suite>.json (the same numbers). The full runs write to common/bench_results,
-the copy the README shows; --quick writes under its --output-dir.
+the copy the README shows, and replace the README's table between its `<!-- bench:<suite> -->` markers;
+--quick writes under its --output-dir.
 
 Every setting of an experiment is fixed in SUITES below, before it runs (paper defaults scaled to the
 built-in task); the README reports what came out.
@@ -353,6 +354,20 @@ def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, 
         f.write("\n".join(lines) + "\n")
 
 
+def update_readme(readme: str, name: str, table: str) -> bool:
+    """Replace the text between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` in the README with the
+    suite's table, so the README's numbers are those of the committed run. False if there are no markers."""
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    with open(readme) as f:
+        text = f.read()
+    if start not in text or end not in text:
+        return False
+    head, rest = text.split(start, 1)
+    with open(readme, "w") as f:
+        f.write(head + start + "\n" + table.strip() + "\n" + end + rest.split(end, 1)[1])
+    return True
+
+
 def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: int = 5) -> None:
     """One panel per metric: per config, the mean over seeds (a moving average of `smooth` steps for
     per-step metrics), shaded between the lowest and highest seed."""
@@ -455,8 +470,10 @@ def main(args: BenchArgs) -> int:
         planned[name] = [Run(c, s, steps, c.flags + flags, output_dir) for s in seeds for c in configs]
     failures = []
     if not args.plot_only:
-        unique = list({(r.exp_name, r.seed): r for runs in planned.values() for r in runs}.values())
-        failures = run_all(unique, args.jobs)
+        unique = {}  # a run two suites share runs once (under the first suite's label)
+        for run in (r for runs in planned.values() for r in runs):
+            unique.setdefault((run.exp_name, run.seed), run)
+        failures = run_all(list(unique.values()), args.jobs)
     os.makedirs(results_dir, exist_ok=True)
     for name, runs in planned.items():
         suite = SUITES[name]
@@ -471,8 +488,11 @@ def main(args: BenchArgs) -> int:
             json.dump({"suite": name, "steps": suite.steps, "seeds": seeds, "rows": rows}, f, indent=1)
         for figure_name, panels in {name: suite.panels, **suite.extra_figures}.items():
             plot(suite, runs, panels, os.path.join(results_dir, f"{figure_name}.png"))
-        print(f"{name}: {results_dir}/{name}.md and .png")
-        print(open(os.path.join(results_dir, f"{name}.md")).read())
+        table = open(os.path.join(results_dir, f"{name}.md")).read()
+        print(f"{name}: {results_dir}/{name}.md and .png\n{table}")
+        if os.path.abspath(results_dir) == os.path.join(REPO, "common", "bench_results") and not args.quick:
+            if update_readme(os.path.join(REPO, "README.md"), name, table):
+                print(f"README.md: the {name} table is updated")
     if failures:
         print("failed runs:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1
