@@ -457,7 +457,6 @@ def main(args: BenchArgs) -> int:
     output_dir = os.path.abspath(args.output_dir)
     results_dir = args.results_dir or (os.path.join(output_dir, "results") if args.quick
                                        else os.path.join(REPO, "common", "bench_results"))
-    command = "./run.sh bench " + " ".join(sys.argv[1:])
     planned = {}
     for name in names:
         suite = SUITES[name]
@@ -483,6 +482,9 @@ def main(args: BenchArgs) -> int:
         if not rows:
             print(f"{name}: no finished run to summarise", file=sys.stderr)
             continue
+        # the command that makes these runs (whatever this invocation was: --plot-only, other suites)
+        command = " ".join(["./run.sh bench", *([name] if name != "bench" else []), *(["--quick"] if args.quick else []),
+                            *([f"--seeds {args.seeds}"] if args.seeds else []), *([f"--steps {args.steps}"] if args.steps else [])])
         write_table(suite, rows, seeds, args.jobs, command, os.path.join(results_dir, f"{name}.md"))
         with open(os.path.join(results_dir, f"{name}.json"), "w") as f:
             json.dump({"suite": name, "steps": suite.steps, "seeds": seeds, "rows": rows}, f, indent=1)

@@ -4,7 +4,7 @@ launched with (`python` or `torchrun --nproc_per_node N`):
     python tests/distributed_update.py OUT.json [ALGORITHM [ARGS_JSON]]      # ALGORITHM defaults to grpo
 
 Writes the statistics as JSON to OUT.json and the updated weights to OUT.json.weights.pt.
-The global batch is 4 prompts x 4 completions of very different lengths; rank r takes prompts
+The global batch is 4 prompts x 4 completions (group_size 4) of very different lengths; rank r takes prompts
 [r*4/N, (r+1)*4/N), as the scripts' main() does, so batch-level means must be normalized across ranks
 to match. SGD (linear in the gradient) makes equal weights mean equal gradients."""
 
@@ -25,7 +25,7 @@ from common.tiny import load, tiny_model_dir  # noqa: E402
 
 QUESTIONS = ["Q: 1+2=", "Q: 45+51=", "Q: 9+9=", "Q: 70+30="]
 RESPONSES = ["3", "12", "4", "396", "96", "9", "91", "906", "18", "1", "81", "188", "100", "10", "1000", "0"]
-DEFAULT_ARGS = {"update_epochs": 2, "micro_batch_size": 3, "clip_low": 0.01, "clip_high": 0.01, "lr": 0.5}
+DEFAULT_ARGS = {"group_size": 4, "update_epochs": 2, "micro_batch_size": 3, "clip_low": 0.01, "clip_high": 0.01, "lr": 0.5}
 # the extra inputs some methods' update_policy take, by parameter name
 EXTRAS = {
     "gains": lambda algorithm, args: algorithm.gain_schedule(args, 8),  # ema_kpo: the filter's gains
