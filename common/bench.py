@@ -17,7 +17,7 @@ For each suite, --results-dir gets <suite>.png (mean over seeds, shaded from the
 seed), <suite>.md (a table of final accuracy ± std over seeds and seconds per step, with the date,
 machine and command) and <suite>.json (the same numbers). The full runs write to common/bench_results,
 the copy the README shows, and replace the README's table between its `<!-- bench:<suite> -->` markers;
---quick writes under its --output-dir.
+--quick, --only, --seeds or --steps write under --output-dir instead.
 
 Every setting of an experiment is fixed in SUITES below, before it runs (paper defaults scaled to the
 built-in task); the README reports what came out.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import fcntl
 import hashlib
 import json
 import math
@@ -51,12 +52,19 @@ class Config:
     flags: tuple[str, ...] = ()
 
 
+X_AXES = {"step": "step", "time": "training wall-clock (s)", "kl_drift": "KL(π_θ ‖ π_0) per token"}
+
+
 @dataclass(frozen=True)
 class Panel:
     key: str  # a metric of metrics.jsonl, or "kl_drift" (measured from the checkpoints)
     title: str
     x: str = "step"  # step | time (training seconds, evaluations excluded) | kl_drift
     labels: tuple[str, ...] | None = None  # only these configs (default: all)
+
+    def __post_init__(self):
+        if self.x not in X_AXES:
+            raise ValueError(f"Panel {self.title!r}: x must be one of {', '.join(X_AXES)}, not {self.x!r}")
 
 
 @dataclass
@@ -147,12 +155,15 @@ class Run:
 
     @property
     def exp_name(self) -> str:
+        # what the run computes, as far as flags say: after editing an algorithm file, delete its runs
+        # (or use another --output-dir), or the bench reuses them as they are
         identity = json.dumps([self.config.script, self.steps, list(self.flags)])
         return f"{self.config.script}-{hashlib.sha1(identity.encode()).hexdigest()[:10]}"
 
     @property
     def prefix(self) -> str:  # the scripts name their run folders <task>__<exp_name>__<seed>__<time>
-        return f"arith__{self.exp_name}__{self.seed}__"
+        task = self.flags[self.flags.index("--task") + 1] if "--task" in self.flags else "arith"
+        return f"{os.path.basename(task)}__{self.exp_name}__{self.seed}__"
 
     def folders(self) -> list[str]:
         if not os.path.isdir(self.output_dir):
@@ -161,8 +172,7 @@ class Run:
 
     def finished_folder(self) -> str | None:
         for folder in reversed(self.folders()):
-            records = read_metrics(os.path.join(folder, "metrics.jsonl"))
-            if any(r["step"] == self.steps and "eval/greedy_accuracy" in r for r in records):
+            if final_record(read_metrics(os.path.join(folder, "metrics.jsonl")), self.steps) is not None:
                 return folder
         return None
 
@@ -175,15 +185,27 @@ class Run:
         if not resume:  # nothing to continue from: start clean
             for folder in self.folders():
                 shutil.rmtree(folder)
-        save_every = max(1, self.steps // 3)  # checkpoints at 1/3, 2/3 and the end (the KL-drift points)
+        save_every = math.ceil(self.steps / 3)  # at most 3 checkpoints, the last at the end: the KL-drift points
         return [sys.executable, os.path.join(REPO, "algorithms", self.config.script + ".py"), *self.flags,
                 "--steps", str(self.steps), "--seed", str(self.seed), "--exp-name", self.exp_name,
                 "--output-dir", self.output_dir, "--save-every", str(save_every), "--keep-checkpoints", "3",
                 *(["--resume", "auto"] if resume else [])]
 
 
-def run_all(runs: list[Run], jobs: int) -> list[str]:
-    """Run every unfinished run, `jobs` at a time; returns the failures' descriptions."""
+def run_all(runs: list[Run], jobs: int, output_dir: str) -> list[str]:
+    """Run every unfinished run, `jobs` at a time; returns the failures' descriptions. One bench at a time
+    per output folder (a lock): two would start the same runs and delete each other's folders."""
+    os.makedirs(output_dir, exist_ok=True)
+    lock = open(os.path.join(output_dir, ".bench.lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit(f"another bench is running in {output_dir}; wait for it or pick another --output-dir")
+    with lock:
+        return _run_all(runs, jobs)
+
+
+def _run_all(runs: list[Run], jobs: int) -> list[str]:
     pending = [r for r in runs if r.finished_folder() is None]
     print(f"{len(runs) - len(pending)} of {len(runs)} runs already finished; {len(pending)} to run, {jobs} at a time",
           flush=True)
@@ -192,26 +214,31 @@ def run_all(runs: list[Run], jobs: int) -> list[str]:
            "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     log_dir = os.path.join(pending[0].output_dir, "logs") if pending else None
     running, failures, done = [], [], 0
-    while pending or running:
-        while pending and len(running) < jobs:
-            run = pending.pop(0)
-            os.makedirs(log_dir, exist_ok=True)
-            log_path = os.path.join(log_dir, f"{run.exp_name}__{run.seed}.log")
-            with open(log_path, "w") as log:
-                process = subprocess.Popen(run.command(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-            running.append((run, process, log_path, time.time()))
-        time.sleep(0.5)
-        for entry in list(running):
-            run, process, log_path, start = entry
-            if process.poll() is None:
-                continue
-            running.remove(entry)
-            done += 1
-            status = "done" if process.returncode == 0 and run.finished_folder() else f"FAILED (log: {log_path})"
-            if status != "done":
-                failures.append(f"{run.config.label} seed {run.seed}: {log_path}")
-            print(f"[{done}/{done + len(pending) + len(running)}] {status}: {run.config.label}, seed {run.seed} "
-                  f"({time.time() - start:.0f} s)", flush=True)
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                run = pending.pop(0)
+                os.makedirs(log_dir, exist_ok=True)
+                log_path = os.path.join(log_dir, f"{run.exp_name}__{run.seed}.log")
+                with open(log_path, "a") as log:  # a resumed run's log follows its first attempt's
+                    process = subprocess.Popen(run.command(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                running.append((run, process, log_path, time.time()))
+            time.sleep(0.5)
+            for entry in list(running):
+                run, process, log_path, start = entry
+                if process.poll() is None:
+                    continue
+                running.remove(entry)
+                done += 1
+                status = "done" if process.returncode == 0 and run.finished_folder() else f"FAILED (log: {log_path})"
+                if status != "done":
+                    failures.append(f"{run.config.label} seed {run.seed}: {log_path}")
+                print(f"[{done}/{done + len(pending) + len(running)}] {status}: {run.config.label}, seed {run.seed} "
+                      f"({time.time() - start:.0f} s)", flush=True)
+    finally:  # interrupted (Ctrl-C): stop the runs too; they resume from their checkpoints next time
+        for _, process, _, _ in running:
+            process.terminate()
+            process.wait()
     return failures
 
 
@@ -251,13 +278,16 @@ def measure_kl_drift(folder: str, prompts: int = 128) -> dict[int, float]:
 
         from common.reward import encode_prompt, load_task
         from common.rollout import load_tokenizer
-        from common.tiny import tiny_model_dir
+        from common.tiny import resolve_model
 
-        config = json.load(open(os.path.join(folder, "config.json")))
-        initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir()).eval()
-        tokenizer = load_tokenizer(tiny_model_dir())
-        rows = load_task("arith", "test")[:prompts]
-        prompt_ids = [encode_prompt(row.question, tokenizer, "arith") for row in rows]
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)  # the run's own arguments: its initial model, held-out task, prompt format
+        initial_path = resolve_model(config["model"])
+        initial = AutoModelForCausalLM.from_pretrained(initial_path).eval()
+        tokenizer = load_tokenizer(initial_path)
+        task = config.get("eval_task") or config["task"]
+        rows = load_task(task, "test", config["question_column"], config["answer_column"])[:prompts]
+        prompt_ids = [encode_prompt(row.question, tokenizer, task, config["chat_template"]) for row in rows]
         for step, path in sorted(missing.items()):
             model = AutoModelForCausalLM.from_pretrained(path).eval()
             drift[step] = kl_from_initial(model, initial, tokenizer, prompt_ids, config["max_new_tokens"], seed=step)
@@ -268,28 +298,40 @@ def measure_kl_drift(folder: str, prompts: int = 128) -> dict[int, float]:
 
 # summarising ------------------------------------------------------------------------------------------
 def read_metrics(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a metrics.jsonl; a line that is not JSON (a run killed while writing it) is skipped
+    with a warning that names the file."""
+    records = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    print(f"warning: {path}:{number} is not JSON; skipped", file=sys.stderr)
+    return records
 
 
-def series(records: list[dict], key: str, x: str, drift: dict[int, float] | None = None) -> list[tuple[float, float]]:
-    """(x, y) points of one run: y = the metric `key` (or the KL drift) at each step where it is logged."""
-    clock, elapsed = {}, 0.0
+def final_record(records: list[dict], steps: int) -> dict | None:
+    """The record of the last step, if it has its evaluation (the run finished)."""
+    return next((r for r in records if r["step"] == steps and "eval/greedy_accuracy" in r), None)
+
+
+def series(records: list[dict], key: str, x: str, drift: dict[int, float] | None = None) -> dict[int, tuple[float, float]]:
+    """step -> (x, y) for one run, at every step where the metric `key` (or the KL drift) is a finite
+    number; x is the step, the training seconds so far (evaluations excluded), or the KL drift."""
+    clock, elapsed = {0: 0.0}, 0.0
     for record in sorted(records, key=lambda r: r["step"]):
-        elapsed += record.get("time/step", 0.0) if isinstance(record.get("time/step"), float) else 0.0
+        seconds = record.get("time/step")
+        elapsed += seconds if isinstance(seconds, (int, float)) else 0.0
         clock[record["step"]] = elapsed
-    clock[0] = 0.0
     if key == "kl_drift":
         values = dict(drift or {})
     else:
-        values = {r["step"]: r[key] for r in records if isinstance(r.get(key), (int, float))}
-    if x == "step":
-        return sorted((float(step), value) for step, value in values.items())
-    if x == "time":
-        return sorted((clock[step], value) for step, value in values.items() if step in clock)
-    return sorted((drift[step], value) for step, value in values.items() if step in (drift or {}))
+        values = {r["step"]: r[key] for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])}
+    axis = {"step": {step: float(step) for step in values}, "time": clock, "kl_drift": drift or {}}[x]
+    return {step: (axis[step], value) for step, value in sorted(values.items()) if step in axis}
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -307,9 +349,10 @@ def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
         records = [read_metrics(os.path.join(folder, "metrics.jsonl")) for _, folder in finished if folder]
         if not records:
             continue
-        final = [r[-1] for r in records]
+        final = [final_record(r, suite.steps) for r in records]
         row = {"label": config.label, "script": f"algorithms/{config.script}.py", "flags": " ".join(config.flags),
-               "seeds": len(records)}
+               "seeds": len(records), "finished": max(os.path.getmtime(os.path.join(folder, "metrics.jsonl"))
+                                                      for _, folder in finished if folder)}
         for key, name in [("eval/greedy_accuracy", "greedy"), ("eval/avg@4", "avg@4"), ("eval/pass@4", "pass@4")]:
             row[name], row[name + "_std"] = mean_std([f.get(key) for f in final])
         row["greedy_at_0"] = mean_std([next((r["eval/greedy_accuracy"] for r in rs if r["step"] == 0), None)
@@ -335,7 +378,8 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, path: str) -> None:
+def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, path: str, date: str) -> None:
+    """The markdown table; a config with fewer finished seeds than asked for shows its count."""
     threads = max(1, (os.cpu_count() or 1) // jobs)
     lines = [f"**{suite.title}** — built-in task, {suite.steps} steps, seeds {', '.join(map(str, seeds))}; "
              f"mean ± std over seeds at the last step (held-out greedy accuracy at step 0: "
@@ -346,10 +390,11 @@ def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, 
              "|---|---|---|---|---|" + ("---|" if suite.kl_drift else "") + "---|---|---|"]
     for row in rows:
         kl = f" {row['kl_drift']:.4f} ± {row['kl_drift_std']:.4f} |" if suite.kl_drift else ""
-        lines.append(f"| {row['label']} | `{row['flags'] or 'defaults'}` | {row['greedy']:.3f} ± {row['greedy_std']:.3f} "
+        label = row["label"] + (f" (n = {row['seeds']})" if row["seeds"] < len(seeds) else "")
+        lines.append(f"| {label} | `{row['flags'] or 'defaults'}` | {row['greedy']:.3f} ± {row['greedy_std']:.3f} "
                      f"| {row['avg@4']:.3f} ± {row['avg@4_std']:.3f} | {row['pass@4']:.3f} ± {row['pass@4_std']:.3f} |"
                      f"{kl} {row['s_per_step']:.2f} | {row['rollout_s']:.2f} | {row['train_s']:.2f} |")
-    lines += ["", f"Run {datetime.date.today().isoformat()} on {machine()}; command: `{command}`."]
+    lines += ["", f"Run {date} on {machine()}; command: `{command}`."]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -363,8 +408,12 @@ def update_readme(readme: str, name: str, table: str) -> bool:
     if start not in text or end not in text:
         return False
     head, rest = text.split(start, 1)
-    with open(readme, "w") as f:
+    if end not in rest:
+        print(f"warning: {readme}: {end} comes before {start}; the table is not updated", file=sys.stderr)
+        return False
+    with open(readme + ".tmp", "w") as f:
         f.write(head + start + "\n" + table.strip() + "\n" + end + rest.split(end, 1)[1])
+    os.replace(readme + ".tmp", readme)
     return True
 
 
@@ -384,19 +433,20 @@ def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: 
         for config in suite.configs:
             if panel.labels is not None and config.label not in panel.labels:
                 continue
-            per_seed = []
+            per_seed = []  # one {step: (x, y)} per seed
             for run in runs:
                 folder = run.finished_folder() if run.config == config else None
                 if folder:
-                    drift = measure_kl_drift(folder) if (panel.x == "kl_drift" or panel.key == "kl_drift") else None
+                    drift = measure_kl_drift(folder) if "kl_drift" in (panel.x, panel.key) else None
                     points = series(read_metrics(os.path.join(folder, "metrics.jsonl")), panel.key, panel.x, drift)
                     if points:
                         per_seed.append(points)
-            if not per_seed:
+            steps = sorted(set.intersection(*(set(p) for p in per_seed))) if per_seed else []
+            if not steps:
                 continue
-            length = min(len(p) for p in per_seed)
-            xs = [statistics.fmean(p[i][0] for p in per_seed) for i in range(length)]
-            ys = [[p[i][1] for p in per_seed] for i in range(length)]
+            xs = [statistics.fmean(p[step][0] for p in per_seed) for step in steps]  # the same step of every seed
+            ys = [[p[step][1] for p in per_seed] for step in steps]
+            length = len(steps)
             window = smooth if length > 3 * smooth and not panel.key.startswith("eval/") else 1
             mean = _moving_average([statistics.fmean(y) for y in ys], window)
             low = _moving_average([min(y) for y in ys], window)
@@ -407,7 +457,7 @@ def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: 
             if len(per_seed) > 1:
                 axis.fill_between(xs, low, high, color=colors[config.label], alpha=0.15, linewidth=0)
         axis.set_title(panel.title, fontsize=10)
-        axis.set_xlabel({"step": "step", "time": "training wall-clock (s)", "kl_drift": "KL(π_θ ‖ π_0) per token"}[panel.x])
+        axis.set_xlabel(X_AXES[panel.x])
         axis.grid(alpha=0.3)
         if axis.lines:
             axis.legend(fontsize=7)
@@ -441,9 +491,18 @@ class BenchArgs:
     output_dir: str = "runs/bench"
     """where the runs go"""
     results_dir: str | None = None
-    """where plots and tables go (default: common/bench_results; with --quick: <output-dir>/results)"""
+    """where plots and tables go (default: common/bench_results and the README's tables for a complete default
+    run; <output-dir>/results with --quick, --only, --seeds or --steps)"""
     plot_only: bool = False
     """draw plots and tables from the runs already there, run nothing"""
+
+
+PUBLISHED = os.path.join(REPO, "common", "bench_results")  # the results the README shows
+
+
+def is_complete(args: BenchArgs) -> bool:
+    """Only a complete run with the default settings replaces the published results and README tables."""
+    return not (args.quick or args.only or args.seeds or args.steps)
 
 
 def main(args: BenchArgs) -> int:
@@ -455,46 +514,50 @@ def main(args: BenchArgs) -> int:
         raise SystemExit("--jobs, --seeds and --steps must be >= 1")
     seeds = tuple(range(1, (args.seeds or (len(QUICK["seeds"]) if args.quick else 3)) + 1))
     output_dir = os.path.abspath(args.output_dir)
-    results_dir = args.results_dir or (os.path.join(output_dir, "results") if args.quick
-                                       else os.path.join(REPO, "common", "bench_results"))
+    complete = is_complete(args)
+    results_dir = os.path.abspath(args.results_dir or (PUBLISHED if complete else os.path.join(output_dir, "results")))
     planned = {}
     for name in names:
         suite = SUITES[name]
         configs = [c for c in suite.configs if not args.only or c.label in args.only]
-        if not configs:
-            raise SystemExit(f"--only {' '.join(args.only)}: no such config in suite {name} "
-                             f"({', '.join(c.label for c in suite.configs)})")
-        steps = args.steps or (QUICK["steps"] if args.quick else suite.steps)
-        flags = suite.flags + (QUICK["flags"] if args.quick else ())
-        planned[name] = [Run(c, s, steps, c.flags + flags, output_dir) for s in seeds for c in configs]
+        if configs:
+            steps = args.steps or (QUICK["steps"] if args.quick else suite.steps)
+            flags = suite.flags + (QUICK["flags"] if args.quick else ())
+            planned[name] = [Run(c, s, steps, c.flags + flags, output_dir) for s in seeds for c in configs]
+    if not planned:
+        raise SystemExit(f"--only {' '.join(args.only)}: no such config in {', '.join(names)} (labels: "
+                         f"{', '.join(c.label for n in names for c in SUITES[n].configs)})")
     failures = []
     if not args.plot_only:
         unique = {}  # a run two suites share runs once (under the first suite's label)
         for run in (r for runs in planned.values() for r in runs):
             unique.setdefault((run.exp_name, run.seed), run)
-        failures = run_all(list(unique.values()), args.jobs)
+        failures = run_all(list(unique.values()), args.jobs, output_dir)
     os.makedirs(results_dir, exist_ok=True)
     for name, runs in planned.items():
-        suite = SUITES[name]
-        suite = dataclasses.replace(suite, configs=[c for c in suite.configs if any(r.config == c for r in runs)],
-                                    steps=runs[0].steps)
+        suite = dataclasses.replace(SUITES[name], configs=[c for c in SUITES[name].configs
+                                                           if any(r.config == c for r in runs)], steps=runs[0].steps)
         rows = summarise(suite, runs)
         if not rows:
             print(f"{name}: no finished run to summarise", file=sys.stderr)
             continue
-        # the command that makes these runs (whatever this invocation was: --plot-only, other suites)
+        # the command that makes these runs, whatever this invocation was (--plot-only, several suites)
         command = " ".join(["./run.sh bench", *([name] if name != "bench" else []), *(["--quick"] if args.quick else []),
-                            *([f"--seeds {args.seeds}"] if args.seeds else []), *([f"--steps {args.steps}"] if args.steps else [])])
-        write_table(suite, rows, seeds, args.jobs, command, os.path.join(results_dir, f"{name}.md"))
+                            *([f"--seeds {args.seeds}"] if args.seeds else []),
+                            *([f"--steps {args.steps}"] if args.steps else []),
+                            *(["--only", *args.only] if args.only else [])])
+        date = datetime.date.fromtimestamp(max(row["finished"] for row in rows)).isoformat()  # of the runs
+        table_path = os.path.join(results_dir, f"{name}.md")
+        write_table(suite, rows, seeds, args.jobs, command, table_path, date)
         with open(os.path.join(results_dir, f"{name}.json"), "w") as f:
             json.dump({"suite": name, "steps": suite.steps, "seeds": seeds, "rows": rows}, f, indent=1)
         for figure_name, panels in {name: suite.panels, **suite.extra_figures}.items():
             plot(suite, runs, panels, os.path.join(results_dir, f"{figure_name}.png"))
-        table = open(os.path.join(results_dir, f"{name}.md")).read()
-        print(f"{name}: {results_dir}/{name}.md and .png\n{table}")
-        if os.path.abspath(results_dir) == os.path.join(REPO, "common", "bench_results") and not args.quick:
-            if update_readme(os.path.join(REPO, "README.md"), name, table):
-                print(f"README.md: the {name} table is updated")
+        with open(table_path) as f:
+            table = f.read()
+        print(f"{name}: {table_path} and {name}.png\n{table}")
+        if results_dir == PUBLISHED and complete and update_readme(os.path.join(REPO, "README.md"), name, table):
+            print(f"README.md: the {name} table is updated")
     if failures:
         print("failed runs:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1

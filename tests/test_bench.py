@@ -73,7 +73,7 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_and_one_without_starts_c
     command = run.command()
     assert command[-2:] == ["--resume", "auto"] and os.path.isdir(folder)
     assert command[command.index("--exp-name") + 1] == run.exp_name
-    assert command[command.index("--save-every") + 1] == "1"  # steps // 3: checkpoints for the KL drift
+    assert command[command.index("--save-every") + 1] == "2"  # ceil(4 / 3): checkpoints at 2 and 4 (KL drift)
     os.remove(os.path.join(folder, "checkpoints", "step_00000002", "trainer_state.pt"))  # incomplete
     command = run.command()
     assert "--resume" not in command and not os.path.exists(folder)
@@ -98,10 +98,12 @@ def test_summary_table_and_plots_from_known_runs(tmp_path):
     assert rows[0]["greedy_at_0"] == 0.25 and rows[1]["train_s"] == pytest.approx(1.5)
 
     table = tmp_path / "demo.md"
-    bench.write_table(suite, rows, (1, 2, 3), 2, "./run.sh bench demo", str(table))
+    bench.write_table(suite, rows, (1, 2, 3), 2, "./run.sh bench demo", str(table), "2026-01-02")
     text = table.read_text()
     assert "| GRPO | `defaults` | 0.500 ± 0.100 |" in text and "| Other | `--sync-every 2` | 0.700 ± 0.000 |" in text
-    assert "./run.sh bench demo" in text
+    assert "Run 2026-01-02 on" in text and "./run.sh bench demo" in text
+    bench.write_table(suite, rows, (1, 2, 3, 4), 2, "./run.sh bench demo", str(table), "2026-01-02")
+    assert "| GRPO (n = 3) |" in table.read_text()  # fewer finished seeds than asked for: said
 
     png = tmp_path / "demo.png"
     bench.plot(suite, runs, suite.panels, str(png))
@@ -109,8 +111,40 @@ def test_summary_table_and_plots_from_known_runs(tmp_path):
 
     # wall-clock: cumulative seconds of the training steps, evaluations excluded
     metrics = bench.read_metrics(os.path.join(runs[-1].finished_folder(), "metrics.jsonl"))
-    assert bench.series(metrics, "eval/greedy_accuracy", "time") == [(0.0, 0.25), (8.0, 0.7)]
-    assert bench.series(metrics, "eval/greedy_accuracy", "kl_drift", {0: 0.0, 4: 0.3}) == [(0.0, 0.25), (0.3, 0.7)]
+    assert bench.series(metrics, "eval/greedy_accuracy", "time") == {0: (0.0, 0.25), 4: (8.0, 0.7)}
+    assert bench.series(metrics, "eval/greedy_accuracy", "kl_drift", {0: 0.0, 4: 0.3}) == {0: (0.0, 0.25), 4: (0.3, 0.7)}
+
+
+def test_seeds_are_averaged_step_by_step_even_with_a_nan_or_a_torn_line(tmp_path):
+    """A NaN (logged as "nan") or an unreadable line must not shift one seed against the others."""
+    config = bench.Config("A", "grpo")
+    suite = bench.Suite("demo", "demo", [config], [bench.Panel("charts/reward", "r")], steps=4)
+    first, second = make_run(tmp_path, config, 1), make_run(tmp_path, config, 2)
+    write_run(first, records(4, 0.5))
+    values = records(4, 0.5)
+    values[2]["charts/reward"] = "nan"  # step 2
+    folder = write_run(second, values)
+    with open(os.path.join(folder, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 5, "charts/rew')  # killed mid-write
+    points = bench.series(bench.read_metrics(os.path.join(folder, "metrics.jsonl")), "charts/reward", "step")
+    assert sorted(points) == [1, 3, 4] and points[3] == (3.0, pytest.approx(0.3))
+
+    captured = {}
+    import matplotlib.axes
+
+    original = matplotlib.axes.Axes.plot
+
+    def spy(self, xs, ys, *args, **kwargs):
+        captured["xs"], captured["ys"] = list(xs), list(ys)
+        return original(self, xs, ys, *args, **kwargs)
+
+    matplotlib.axes.Axes.plot = spy
+    try:
+        bench.plot(suite, [first, second], suite.panels, str(tmp_path / "p.png"))
+    finally:
+        matplotlib.axes.Axes.plot = original
+    assert captured["xs"] == [1.0, 3.0, 4.0]  # step 2 is left out: one seed has no number there
+    assert captured["ys"] == pytest.approx([0.1, 0.3, 0.4])
 
 
 def test_kl_from_initial_is_zero_for_the_same_model_and_matches_a_direct_computation(tiny):
@@ -124,7 +158,8 @@ def test_kl_from_initial_is_zero_for_the_same_model_and_matches_a_direct_computa
         moved.lm_head.weight.add_(0.05 * torch.randn_like(moved.lm_head.weight))
     measured = bench.kl_from_initial(moved, model, tokenizer, prompts, 8, seed=3)
 
-    # the same samples (same seed), then KL per position with torch.distributions, averaged over tokens
+    # the same samples (same seed); for each response token, the KL of the next-token distributions
+    # given exactly the text before it (a prefix forward, not a slice of one forward)
     from common.rollout import HFEngine
 
     torch.manual_seed(3)
@@ -132,31 +167,61 @@ def test_kl_from_initial_is_zero_for_the_same_model_and_matches_a_direct_computa
     values = []
     with torch.no_grad():
         for prompt, completion in zip(prompts, completions):
-            ids = torch.tensor([prompt + completion.token_ids])
-            for position in range(len(prompt) - 1, ids.shape[1] - 1):
-                p = torch.distributions.Categorical(logits=moved(ids).logits[0, position].double())
-                q = torch.distributions.Categorical(logits=model(ids).logits[0, position].double())
+            text = prompt + completion.token_ids
+            for length in range(len(prompt), len(text)):  # predicting text[length]
+                prefix = torch.tensor([text[:length]])
+                p = torch.distributions.Categorical(logits=moved(prefix).logits[0, -1].double())
+                q = torch.distributions.Categorical(logits=model(prefix).logits[0, -1].double())
                 values.append(torch.distributions.kl_divergence(p, q).item())
-    assert measured > 1e-4 and measured == pytest.approx(sum(values) / len(values), rel=1e-9)
+    assert len(values) == sum(len(c.token_ids) for c in completions)
+    assert measured > 1e-4 and measured == pytest.approx(sum(values) / len(values), rel=1e-6)
 
 
 @pytest.mark.parametrize("name", list(bench.SUITES))
-def test_every_suite_gives_its_scripts_flags_they_accept(name):
-    """A typo in a suite would only show after a long bench: parse each config as its script would."""
+@pytest.mark.parametrize("quick", [False, True])
+def test_every_suite_gives_its_scripts_flags_they_accept(name, quick, tmp_path):
+    """A typo in a suite would only show after a long bench: parse each run's whole command line as its
+    script would (the bench's own --exp-name, --save-every, --keep-checkpoints, --output-dir included)."""
     import tyro
 
-    for config in bench.SUITES[name].configs:
+    suite = bench.SUITES[name]
+    for config in suite.configs:
+        flags = config.flags + suite.flags + (bench.QUICK["flags"] if quick else ())
+        run = bench.Run(config, 1, bench.QUICK["steps"] if quick else suite.steps, flags, str(tmp_path))
+        script, *command = run.command()[1:]
+        assert script.endswith(f"algorithms/{config.script}.py")
         module = importlib.import_module(f"algorithms.{config.script}")
-        flags = [*config.flags, *bench.SUITES[name].flags, *bench.QUICK["flags"], "--steps", "60"]
-        args = tyro.cli(module.Args, args=flags)
+        args = tyro.cli(module.Args, args=command)
         module.check_args(args)
+        assert args.exp_name == run.exp_name and args.steps == run.steps and args.keep_checkpoints == 3
 
 
-def test_unknown_suite_and_bad_numbers_get_clear_errors(tmp_path):
-    result = run_script("-m", "common.bench", "grpo_typo", "--output-dir", tmp_path, check=False)
-    assert result.returncode != 0 and "unknown suite(s) grpo_typo" in result.stderr
-    result = run_script("-m", "common.bench", "--only", "NoSuchMethod", "--output-dir", tmp_path, check=False)
-    assert result.returncode != 0 and "--only NoSuchMethod: no such config" in result.stderr
+@pytest.mark.parametrize("flags, message", [
+    (["grpo_typo"], "unknown suite(s) grpo_typo"),
+    (["--only", "NoSuchMethod"], "--only NoSuchMethod: no such config"),
+    (["--jobs", "0"], "--jobs, --seeds and --steps must be >= 1"),
+    (["--seeds", "0"], "--jobs, --seeds and --steps must be >= 1"),
+])
+def test_bad_suites_and_numbers_get_clear_errors(tmp_path, flags, message):
+    result = run_script("-m", "common.bench", *flags, "--output-dir", tmp_path, check=False)
+    assert result.returncode != 0 and message in result.stderr
+
+
+def test_only_a_complete_default_run_publishes_results():
+    assert bench.is_complete(bench.BenchArgs())
+    for partial in [dict(quick=True), dict(only=("GRPO",)), dict(seeds=1), dict(steps=5)]:
+        assert not bench.is_complete(bench.BenchArgs(**partial)), partial
+
+
+def test_finished_runs_are_not_rerun_and_other_seeds_are_left_alone(tmp_path, capsys):
+    finished, seed_11 = make_run(tmp_path), make_run(tmp_path, seed=11)
+    finished_folder = write_run(finished, records(4, 0.5))  # no checkpoint left: must not matter
+    other = write_run(seed_11, records(4, 0.5)[:2])
+    assert bench.run_all([finished], jobs=1, output_dir=str(tmp_path)) == []
+    assert "1 of 1 runs already finished; 0 to run" in capsys.readouterr().out
+    assert os.path.isdir(finished_folder)
+    make_run(tmp_path, seed=1, steps=5).command()  # seed 1 starting clean does not touch seed 11's folder
+    assert os.path.isdir(other)
 
 
 @pytest.mark.slow
@@ -182,3 +247,6 @@ def test_readme_table_is_replaced_between_its_markers_only(tmp_path):
     assert readme.read_text() == ("intro\n<!-- bench:demo -->\n| new | table |\n<!-- /bench:demo -->\nafter\n"
                                   "<!-- bench:other -->\nx\n<!-- /bench:other -->\n")
     assert not bench.update_readme(str(readme), "missing", "t")
+    readme.write_text("<!-- /bench:demo -->\nx\n<!-- bench:demo -->\n")  # reversed: refused, file untouched
+    assert not bench.update_readme(str(readme), "demo", "t")
+    assert readme.read_text() == "<!-- /bench:demo -->\nx\n<!-- bench:demo -->\n"
