@@ -425,7 +425,9 @@ def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {c.label: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(suite.configs)}
+    # one color per method: "setting · method" labels keep the method's color across settings
+    methods = list(dict.fromkeys(c.label.split(" · ")[-1] for c in suite.configs))
+    colors = {c.label: plt.get_cmap("tab10")(methods.index(c.label.split(" · ")[-1]) % 10) for c in suite.configs}
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
