@@ -275,11 +275,13 @@ def measure_kl_drift(folder: str, prompts: int = 128) -> dict[int, float]:
     missing = {step: path for step, path in steps.items() if step not in drift}
     if missing:
         from transformers import AutoModelForCausalLM
+        from transformers.utils.logging import disable_progress_bar
 
         from common.reward import encode_prompt, load_task
         from common.rollout import load_tokenizer
         from common.tiny import resolve_model
 
+        disable_progress_bar()
         with open(os.path.join(folder, "config.json")) as f:
             config = json.load(f)  # the run's own arguments: its initial model, held-out task, prompt format
         initial_path = resolve_model(config["model"])
