@@ -408,18 +408,19 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device):
 
 
 def micro_batches(batch, indices, size):
-    """Slices of the batch, each trimmed of columns that are padding in all of its rows."""
+    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the sequence
+    tensors [B, prompt + response] and every per-response-token tensor [B, response] alike."""
+    full_width, response_width = batch["input_ids"].shape[1], batch["response_ids"].shape[1]
     for start in range(0, len(indices), size):
         rows = indices[start : start + size]
         micro = {"rows": rows, **{k: v[rows] for k, v in batch.items()}}
         first = int(micro["attention_mask"].any(0).nonzero()[0])  # leftmost non-pad prompt column
         width = int(micro["response_mask"].any(0).nonzero()[-1]) + 1  # rightmost response column
-        prompt_width = micro["input_ids"].shape[1] - micro["response_ids"].shape[1]
-        for key in ("input_ids", "attention_mask", "position_ids"):
-            micro[key] = micro[key][:, first : prompt_width + width]
-        for key in ("response_ids", "response_mask", "sampler_logprobs", "old_logprobs", "ref_logprobs"):
-            if key in micro:
-                micro[key] = micro[key][:, :width]
+        for key, value in micro.items():
+            if value.dim() == 2 and value.shape[1] == full_width:
+                micro[key] = value[:, first : full_width - response_width + width]
+            elif value.dim() == 2 and value.shape[1] == response_width:
+                micro[key] = value[:, :width]
         yield micro
 
 

@@ -132,6 +132,12 @@ def test_micro_batches_trim_padding(tiny):
     assert micro["input_ids"].shape == (2, len(prompts[0]) + 2)
     assert micro["attention_mask"].all() and micro["response_mask"].all()
     assert micro["position_ids"][0].tolist() == list(range(len(prompts[0]) + 2))
+    # a fork's own per-token tensor is trimmed like the response mask, with no list to extend
+    batch["token_weights"] = torch.arange(8 * 4.0).view(8, 4)
+    batch["advantages"] = torch.arange(8.0)
+    (micro,) = grpo.micro_batches(batch, torch.tensor([0, 2]), 2)
+    assert torch.equal(micro["token_weights"], batch["token_weights"][[0, 2], :2])
+    assert torch.equal(micro["advantages"], torch.tensor([0.0, 2.0]))
 
 
 def test_train_inference_mismatch_k3():
