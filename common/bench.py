@@ -103,7 +103,8 @@ def _p3o_suite() -> Suite:
 SUITES = {suite.name: suite for suite in [
     Suite("bench", "Every method with its defaults on the built-in task", [
         Config("GRPO", "grpo"), Config("EMA-KPO", "ema_kpo"), Config("P3O", "p3o"), Config("GTPO", "gtpo"),
-        Config("ISOPO", "isopo"), Config("TIS (bf16 engine)", "tis_icepop", ("--engine-dtype", "bfloat16", "--correction", "tis")),
+        Config("ISOPO", "isopo"),
+        Config("TIS (bf16 engine)", "tis_icepop", ("--engine-dtype", "bfloat16", "--correction", "tis")),
     ], [ACCURACY, Panel("eval/greedy_accuracy", "held-out greedy accuracy", x="time"), AVG_AT_4, ENTROPY,
         Panel("charts/response_length_mean", "response length (tokens)"), Panel("charts/reward", "training reward")],
         extra_figures={"bench_signals": [
@@ -347,14 +348,14 @@ def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
     """One row per config: final held-out accuracy (mean and std over seeds), seconds per step, per phase."""
     rows = []
     for config in suite.configs:
-        finished = [(run, run.finished_folder()) for run in runs if run.config == config]
-        records = [read_metrics(os.path.join(folder, "metrics.jsonl")) for _, folder in finished if folder]
-        if not records:
+        folders = [folder for folder in (run.finished_folder() for run in runs if run.config == config) if folder]
+        if not folders:
             continue
+        records = [read_metrics(os.path.join(folder, "metrics.jsonl")) for folder in folders]
         final = [final_record(r, suite.steps) for r in records]
         row = {"label": config.label, "script": f"algorithms/{config.script}.py", "flags": " ".join(config.flags),
-               "seeds": len(records), "finished": max(os.path.getmtime(os.path.join(folder, "metrics.jsonl"))
-                                                      for _, folder in finished if folder)}
+               "seeds": len(folders),
+               "finished": max(os.path.getmtime(os.path.join(folder, "metrics.jsonl")) for folder in folders)}
         for key, name in [("eval/greedy_accuracy", "greedy"), ("eval/avg@4", "avg@4"), ("eval/pass@4", "pass@4")]:
             row[name], row[name + "_std"] = mean_std([f.get(key) for f in final])
         row["greedy_at_0"] = mean_std([next((r["eval/greedy_accuracy"] for r in rs if r["step"] == 0), None)
@@ -363,7 +364,7 @@ def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
             row[name] = statistics.fmean(r[key] for rs in records for r in rs if isinstance(r.get(key), float))
         if suite.kl_drift:
             row["kl_drift"], row["kl_drift_std"] = mean_std(
-                [measure_kl_drift(folder).get(suite.steps) for _, folder in finished if folder])
+                [measure_kl_drift(folder).get(suite.steps) for folder in folders])
         rows.append(row)
     return rows
 

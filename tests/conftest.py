@@ -27,6 +27,14 @@ def tiny(tiny_dir):
     model, tokenizer = load(tiny_dir)
     return model.eval(), tokenizer
 
+# what every script logs each step (DESIGN.md); a method's tests add its own metrics
+BASE_LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "charts/response_length_mean",
+               "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
+               "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
+               "losses/policy_loss", "losses/approx_kl", "losses/grad_norm", "mismatch/kl_k3",
+               "mismatch/max_abs_logprob_diff", "time/rollout", "time/train", "time/weight_sync", "time/step"]
+CLIP_LOGGED = ["losses/clip_fraction", "losses/ratio_min", "losses/ratio_max"]  # scripts with a ratio
+
 
 def run_script(script, *flags, timeout=600, check=True):
     """Run `python <script> <flags>` (or `python -m <module> <flags>`) from the repository root;
@@ -74,6 +82,16 @@ def assert_weights_unchanged(checkpoint, tiny_dir):
         assert torch.equal(p, q), name
 
 
+def assert_weights_changed(checkpoint, tiny_dir):
+    """The checkpoint's embedding differs from the built-in model's (the run trained)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(checkpoint)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert not torch.equal(saved.model.embed_tokens.weight, initial.model.embed_tokens.weight)
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -83,3 +101,18 @@ def only_run_dir(output_dir):
     runs = [os.path.join(output_dir, d) for d in os.listdir(output_dir)]
     assert len(runs) == 1, runs
     return runs[0]
+
+
+def two_group_rollouts(tokenizer, responses=("3$", "12", "4$", "396", "96$", "9", "91$", "906$")):
+    """Two prompts ("Q: 1+2=", "Q: 45+51=") with four completions each, of different lengths, for the
+    brute-force tests; a `$` ending a response is EOS. Returns the prompts' token ids and the Completions
+    (placeholder log-probs -1.0)."""
+    from common.rollout import Completion
+
+    prompts = [tokenizer(q)["input_ids"] for q in ["Q: 1+2=", "Q: 45+51="]]
+    completions = []
+    for text in responses:
+        ids = tokenizer(text.removesuffix("$"), add_special_tokens=False)["input_ids"]
+        ids += [tokenizer.eos_token_id] if text.endswith("$") else []
+        completions.append(Completion(ids, [-1.0] * len(ids), "stop"))
+    return prompts, completions

@@ -242,7 +242,8 @@ def test_quick_bench_end_to_end_then_nothing_to_redo(tmp_path):
 
 def test_readme_table_is_replaced_between_its_markers_only(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- bench:demo -->\nold table\n<!-- /bench:demo -->\nafter\n<!-- bench:other -->\nx\n<!-- /bench:other -->\n")
+    readme.write_text("intro\n<!-- bench:demo -->\nold table\n<!-- /bench:demo -->\nafter\n"
+                      "<!-- bench:other -->\nx\n<!-- /bench:other -->\n")
     assert bench.update_readme(str(readme), "demo", "| new | table |\n")
     assert readme.read_text() == ("intro\n<!-- bench:demo -->\n| new | table |\n<!-- /bench:demo -->\nafter\n"
                                   "<!-- bench:other -->\nx\n<!-- /bench:other -->\n")

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from algorithms import ema_kpo
-from common.rollout import Completion
-from conftest import help_text, only_run_dir, read_jsonl, run_script, torchrun
+from conftest import (
+    BASE_LOGGED, CLIP_LOGGED, assert_weights_changed, help_text, only_run_dir, read_jsonl, run_script,
+    torchrun, two_group_rollouts,
+)
 
 Q, V = 1e-6, 1.0
 
@@ -238,16 +240,6 @@ def test_surrogate_gradient_through_the_filtered_ratio(rho_hat, advantage, activ
 
 # --- the whole loss through padding and micro-batches vs. brute force ------------------------
 
-def _rollouts(tokenizer):
-    prompts = [tokenizer(q)["input_ids"] for q in ["Q: 1+2=", "Q: 45+51="]]
-    eos = tokenizer.eos_token_id
-    digits = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    responses = [digits("3") + [eos], digits("12"), digits("4") + [eos], digits("3961"),
-                 digits("96") + [eos], digits("9"), digits("91") + [eos], digits("906") + [eos]]
-    completions = [Completion(r, [-1.0] * len(r), "stop") for r in responses]
-    return prompts, completions
-
-
 @pytest.mark.parametrize("smoother, aggregation", [
     ("ema", "sequence-mean"), ("ema", "token-mean"), ("kalman", "sequence-mean"), ("fixed", "sequence-mean")])
 def test_loss_gradient_matches_brute_force(tiny, smoother, aggregation):
@@ -256,7 +248,7 @@ def test_loss_gradient_matches_brute_force(tiny, smoother, aggregation):
     model, tokenizer = tiny
     model = type(model)(model.config)
     model.load_state_dict(tiny[0].state_dict())
-    prompts, completions = _rollouts(tokenizer)
+    prompts, completions = two_group_rollouts(tokenizer, ("3$", "12", "4$", "3961", "96$", "9", "91$", "906$"))
     group = 4
     advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.3, -0.9, 0.4])
     batch = ema_kpo.make_batch(prompts, completions, group, tokenizer.pad_token_id, torch.device("cpu"))
@@ -327,7 +319,7 @@ def test_update_policy_matches_two_epochs_of_sgd_by_hand(tiny, smoother, aggrega
     model, tokenizer = tiny
     policy = type(model)(model.config)
     policy.load_state_dict(model.state_dict())
-    prompts, completions = _rollouts(tokenizer)
+    prompts, completions = two_group_rollouts(tokenizer, ("3$", "12", "4$", "3961", "96$", "9", "91$", "906$"))
     group, lr = 4, 0.05
     advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.3, -0.9, 0.4])
     batch = ema_kpo.make_batch(prompts, completions, group, tokenizer.pad_token_id, torch.device("cpu"))
@@ -402,13 +394,7 @@ def test_defaults_are_the_papers():
 # --- the script ---------------------------------------------------------------------------------
 
 SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0]
-LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "charts/response_length_mean",
-          "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
-          "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
-          "losses/policy_loss", "losses/approx_kl", "losses/clip_fraction", "losses/ratio_min",
-          "losses/ratio_max", "losses/grad_norm", "mismatch/kl_k3", "mismatch/max_abs_logprob_diff",
-          "time/rollout", "time/train", "time/weight_sync", "time/step",
-          "losses/rho_hat_abs_mean", "losses/rho_hat_abs_max"]
+LOGGED = BASE_LOGGED + CLIP_LOGGED + ["losses/rho_hat_abs_mean", "losses/rho_hat_abs_max"]
 SMOOTHERS = {"ema": [], "kalman": ["--smoother", "kalman"], "fixed": ["--smoother", "fixed", "--alpha", 0.01]}
 
 
@@ -427,8 +413,6 @@ def two_step_runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("smoother", list(SMOOTHERS))
 def test_two_steps_end_to_end(two_step_runs, smoother, tiny_dir):
-    from transformers import AutoModelForCausalLM
-
     run_dir, records = two_step_runs[smoother]
     assert [r["step"] for r in records] == [1, 2]
     for key in LOGGED:
@@ -442,9 +426,7 @@ def test_two_steps_end_to_end(two_step_runs, smoother, tiny_dir):
         min(first["losses/ratio_min"], 1 / first["losses/ratio_max"]), rel=1e-5)  # r̃ = exp(ρ̂)
     assert first["losses/clip_fraction"] > 0
     assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 10_000
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "step_00000002"))
-    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    assert not torch.equal(model.model.embed_tokens.weight, initial.model.embed_tokens.weight)  # it trained
+    assert_weights_changed(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_dir)
 
 
 @pytest.mark.slow

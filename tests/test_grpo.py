@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from algorithms import grpo
-from common.rollout import Completion
-from conftest import assert_weights_unchanged, help_text, only_run_dir, read_jsonl, run_script
+from conftest import (
+    BASE_LOGGED, CLIP_LOGGED, assert_weights_changed, assert_weights_unchanged, help_text, only_run_dir,
+    read_jsonl, run_script, two_group_rollouts,
+)
 
 # --- advantages -------------------------------------------------------------------------------
 
@@ -68,16 +70,6 @@ def test_aggregation_token_mean_and_sequence_mean():
 
 # --- the whole loss through padding and micro-batches vs. brute force ------------------------
 
-def _rollouts(tokenizer):
-    prompts = [tokenizer(q)["input_ids"] for q in ["Q: 1+2=", "Q: 45+51="]]
-    eos = tokenizer.eos_token_id
-    digits = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    responses = [digits("3") + [eos], digits("12"), digits("4") + [eos], digits("396"),
-                 digits("96") + [eos], digits("9"), digits("91") + [eos], digits("906") + [eos]]
-    completions = [Completion(r, [-1.0] * len(r), "stop") for r in responses]
-    return prompts, completions
-
-
 @pytest.mark.parametrize("aggregation", ["token-mean", "sequence-mean"])
 def test_loss_gradient_matches_brute_force(tiny, aggregation):
     """The script's path (left/right padding, position ids, trimmed micro-batches, accumulation)
@@ -85,7 +77,7 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation):
     model, tokenizer = tiny
     model = type(model)(model.config)
     model.load_state_dict(tiny[0].state_dict())
-    prompts, completions = _rollouts(tokenizer)
+    prompts, completions = two_group_rollouts(tokenizer)
     group = 4
     advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.3, -0.9, 0.4])
     batch = grpo.make_batch(prompts, completions, group, tokenizer.pad_token_id, torch.device("cpu"))
@@ -125,7 +117,7 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation):
 
 def test_micro_batches_trim_padding(tiny):
     _, tokenizer = tiny
-    prompts, completions = _rollouts(tokenizer)
+    prompts, completions = two_group_rollouts(tokenizer)
     batch = grpo.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
     assert batch["input_ids"].shape == (8, len(prompts[1]) + 4)  # longest response: "906<eos>"
     (micro,) = grpo.micro_batches(batch, torch.tensor([0, 2]), 2)  # short prompt, responses of length 2
@@ -153,18 +145,11 @@ def test_train_inference_mismatch_k3():
 # --- the script ---------------------------------------------------------------------------------
 
 SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-prompts", 16, "--eval-k", 2]
-LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "charts/response_length_mean",
-          "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
-          "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
-          "losses/policy_loss", "losses/approx_kl", "losses/clip_fraction", "losses/ratio_min",
-          "losses/ratio_max", "losses/grad_norm", "mismatch/kl_k3", "mismatch/max_abs_logprob_diff",
-          "time/rollout", "time/train", "time/weight_sync", "time/step"]
+LOGGED = BASE_LOGGED + CLIP_LOGGED
 
 
 @pytest.mark.slow
 def test_two_steps_end_to_end(tmp_path, tiny_dir):
-    from transformers import AutoModelForCausalLM
-
     run_script("algorithms/grpo.py", "--steps", 2, "--eval-every", 1, "--output-dir", tmp_path, *SMALL)
     run_dir = only_run_dir(tmp_path)
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -175,9 +160,7 @@ def test_two_steps_end_to_end(tmp_path, tiny_dir):
     assert records[1]["mismatch/max_abs_logprob_diff"] < 1e-3
     assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 10_000
     checkpoint = os.path.join(run_dir, "checkpoints", "step_00000002")
-    model = AutoModelForCausalLM.from_pretrained(checkpoint)  # Hugging Face format
-    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    assert not torch.equal(model.model.embed_tokens.weight, initial.model.embed_tokens.weight)  # it trained
+    assert_weights_changed(checkpoint, tiny_dir)  # it loads as a Hugging Face model, and it trained
 
 
 @pytest.mark.slow

@@ -11,8 +11,11 @@ import torch
 
 from algorithms import gtpo, grpo
 from common import fsdp
-from common.rollout import Completion, HFEngine
-from conftest import assert_weights_unchanged, help_text, only_run_dir, read_jsonl, run_script, torchrun
+from common.rollout import HFEngine
+from conftest import (
+    BASE_LOGGED, CLIP_LOGGED, assert_weights_changed, assert_weights_unchanged, help_text, only_run_dir,
+    read_jsonl, run_script, torchrun, two_group_rollouts,
+)
 
 CPU = fsdp.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 EOS = "$"  # in the hand-built groups below, each character is one token and "$" plays the EOS
@@ -218,12 +221,7 @@ def _copy(tiny):
 
 def _rollouts(tokenizer):
     """Two groups of four: shared first digits and EOS give forward and backward conflicts."""
-    prompts = [tokenizer(q)["input_ids"] for q in ["Q: 1+2=", "Q: 45+51="]]
-    eos = tokenizer.eos_token_id
-    digits = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    responses = [digits("3") + [eos], digits("12"), digits("4") + [eos], digits("31") + [eos],
-                 digits("96") + [eos], digits("9"), digits("91") + [eos], digits("906") + [eos]]
-    completions = [Completion(r, [-1.0] * len(r), "stop") for r in responses]
+    prompts, completions = two_group_rollouts(tokenizer, ("3$", "12", "4$", "31$", "96$", "9", "91$", "906$"))
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0]])
     return prompts, completions, rewards
 
@@ -352,20 +350,13 @@ def test_rank_shares_cover_every_prompt_once(world_size, count):
 # --- the script ---------------------------------------------------------------------------------
 
 SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0, "--entropy-ini-prompts", 20]
-LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "charts/response_length_mean",
-          "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
-          "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
-          "losses/policy_loss", "losses/approx_kl", "losses/clip_fraction", "losses/ratio_min",
-          "losses/ratio_max", "losses/grad_norm", "mismatch/kl_k3", "mismatch/max_abs_logprob_diff",
-          "time/rollout", "time/train", "time/weight_sync", "time/step"]
+LOGGED = BASE_LOGGED + CLIP_LOGGED
 GTPO_LOGGED = ["charts/completion_entropy", "charts/entropy_ini", "charts/filtered_fraction",
                "conflict/forward_fraction", "conflict/backward_fraction", "conflict/masked_fraction"]
 
 
 @pytest.mark.slow
 def test_two_steps_end_to_end(tmp_path, tiny_dir):
-    from transformers import AutoModelForCausalLM
-
     result = run_script("algorithms/gtpo.py", "--steps", 2, "--output-dir", tmp_path, *SMALL)
     run_dir = only_run_dir(tmp_path)
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -385,9 +376,7 @@ def test_two_steps_end_to_end(tmp_path, tiny_dir):
     assert f"<H>_ini = {entropy_ini:.4f}" in result.stdout
     checkpoint = os.path.join(run_dir, "checkpoints", "step_00000002")
     assert torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)["entropy_ini"] == entropy_ini
-    model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    assert not torch.equal(model.model.embed_tokens.weight, initial.model.embed_tokens.weight)  # it trained
+    assert_weights_changed(checkpoint, tiny_dir)
 
 
 @pytest.mark.slow
@@ -449,7 +438,6 @@ def test_two_ranks_end_to_end(tmp_path):
 
 
 def test_non_finite_loss_skips_the_step(tmp_path, monkeypatch, tiny_dir):
-
     real_loss = gtpo.clipped_surrogate_loss
 
     def nan_loss(*args, **kwargs):

@@ -15,7 +15,10 @@ from torch import nn
 
 from algorithms import isopo
 from common.rollout import Completion
-from conftest import assert_weights_unchanged, help_text, only_run_dir, read_jsonl, run_script
+from conftest import (
+    BASE_LOGGED, assert_weights_unchanged, help_text, only_run_dir, read_jsonl, run_script,
+    two_group_rollouts,
+)
 
 NO_AUTOCAST = torch.autocast("cpu", enabled=False)
 
@@ -402,22 +405,14 @@ def test_preconditioner_is_the_regularized_solve():
 
 # --- the hooks with a transformers Llama (float64 weights, float32 inside: 1e-5) ------------------
 
-def _llama_rollouts(tokenizer):
-    prompts = [tokenizer(q)["input_ids"] for q in ["Q: 1+2=", "Q: 45+51="]]
-    digits = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    eos = tokenizer.eos_token_id
-    responses = [digits("3") + [eos], digits("12"), digits("4") + [eos], digits("396"),
-                 digits("96") + [eos], digits("9"), digits("91") + [eos], digits("906") + [eos]]
-    return prompts, responses
-
-
 @pytest.mark.parametrize("variant", ["non-interacting", "interacting", "reinforce"])
 def test_llama_linear_layers_match_brute_force(tiny, float64_logprobs, variant):
     model, tokenizer = tiny
     llama = type(model)(model.config)
     llama.load_state_dict(model.state_dict())
     llama = llama.double()
-    prompts, responses = _llama_rollouts(tokenizer)
+    prompts, completions = two_group_rollouts(tokenizer)
+    responses = [c.token_ids for c in completions]
     batch = isopo.make_batch(prompts, [Completion(r, [0.0] * len(r), "stop") for r in responses], 4,
                              tokenizer.pad_token_id, torch.device("cpu"))
     advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.0, -0.9, 0.4], dtype=torch.float64)
@@ -530,11 +525,7 @@ def test_bad_flag_gets_a_clear_error_from_the_command_line(tmp_path):
 # --- the script ---------------------------------------------------------------------------------
 
 SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0]
-LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "charts/response_length_mean",
-          "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
-          "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
-          "losses/policy_loss", "losses/approx_kl", "losses/grad_norm", "mismatch/kl_k3",
-          "mismatch/max_abs_logprob_diff", "time/rollout", "time/train", "time/weight_sync", "time/step"]
+LOGGED = BASE_LOGGED  # no ratio, no clip
 GROUPS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 

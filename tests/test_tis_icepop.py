@@ -11,7 +11,7 @@ import torch
 
 from algorithms import tis_icepop as tim
 from common.rollout import Completion
-from conftest import help_text, only_run_dir, read_jsonl, run_script, torchrun
+from conftest import BASE_LOGGED, CLIP_LOGGED, help_text, only_run_dir, read_jsonl, run_script, torchrun, two_group_rollouts
 
 MODES = ["none", "tis", "tis-seq", "mis", "mis-seq", "icepop", "kpop", "seq-mask"]
 F64 = torch.float64
@@ -263,15 +263,6 @@ def test_effective_sample_size():
 
 # --- the weighted update vs. brute force ----------------------------------------------------------
 
-def _rollouts(tokenizer):
-    prompts = [tokenizer(q)["input_ids"] for q in ["Q: 1+2=", "Q: 45+51="]]
-    eos = tokenizer.eos_token_id
-    digits = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    responses = [digits("3") + [eos], digits("12"), digits("4") + [eos], digits("396"),
-                 digits("96") + [eos], digits("9"), digits("91") + [eos], digits("906") + [eos]]
-    return prompts, responses
-
-
 @pytest.mark.parametrize("correction", ["icepop", "tis-seq"])
 def test_update_policy_applies_the_weights(tiny, correction):
     """One SGD step of update_policy (lr 1, no clipping) moves the weights by minus the gradient of
@@ -279,7 +270,8 @@ def test_update_policy_applies_the_weights(tiny, correction):
     model, tokenizer = tiny
     policy = type(model)(model.config)
     policy.load_state_dict(model.state_dict())
-    prompts, responses = _rollouts(tokenizer)
+    prompts, completions = two_group_rollouts(tokenizer)
+    responses = [c.token_ids for c in completions]
     group, generator = 4, torch.Generator().manual_seed(0)
     # μ = the model's own log-probs minus a random shift in {0, ±1.2, ±2.4}: k = e^shift, and IcePop keeps
     # the shifts 0 and 1.2 (k = 1, 3.3), masks the others (k = 0.30, 0.09, 11)
@@ -363,15 +355,10 @@ def test_help_documents_every_flag():
 # --- the script -----------------------------------------------------------------------------------
 
 TINY = ["--steps", 2, "--prompts-per-step", 2, "--group-size", 4, "--max-new-tokens", 8, "--eval-every", 0]
-LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "charts/response_length_mean",
-          "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
-          "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
-          "losses/policy_loss", "losses/approx_kl", "losses/clip_fraction", "losses/ratio_min",
-          "losses/ratio_max", "losses/grad_norm", "mismatch/kl_k3", "mismatch/max_abs_logprob_diff",
-          "time/rollout", "time/train", "time/weight_sync", "time/step",
-          "mismatch/kl_k1", "mismatch/ratio_min", "mismatch/ratio_max", "mismatch/nan_logprob_fraction",
-          "correction/masked_token_fraction", "correction/truncated_token_fraction",
-          "correction/dropped_sequence_fraction", "correction/weight_mean", "correction/ess"]
+LOGGED = BASE_LOGGED + CLIP_LOGGED + [
+    "mismatch/kl_k1", "mismatch/ratio_min", "mismatch/ratio_max", "mismatch/nan_logprob_fraction",
+    "correction/masked_token_fraction", "correction/truncated_token_fraction",
+    "correction/dropped_sequence_fraction", "correction/weight_mean", "correction/ess"]
 
 # The bfloat16 engine's mismatch on the tiny model is small (|log k| up to ~0.05), so the papers' thresholds
 # leave it alone; these settings make every mode act, and the test checks that it did.
