@@ -61,7 +61,7 @@ Implementation details
    token, so ρ̂ ≈ 0 and r̃ ≈ 1 (never clipped) over the first few hundred tokens: 0.5% of a constant
    z at t = 100, 11% at t = 500, 35% at t = 1000. Both schedules reach K_∞ ≈ 9.995e-4 (Eq. 8), within
    1% after about 2650 tokens. On the built-in task (≤ 16 tokens), --p0 0 leaves r̃ ≈ 1 everywhere.
-9. Loss aggregation: token mean within each response, then mean over the minibatch's responses
+9. Loss aggregation: token mean within each response, then mean over the minibatch's non-empty responses
    (sequence-mean, the official seq-mean-token-mean; --loss-aggregation token-mean is DAPO's). β = 0,
    skipped non-finite steps and several ranks (FSDP2; the filter is per sequence, hence rank-local) work
    as in grpo.py.
@@ -361,7 +361,8 @@ def clipped_surrogate_loss(ratio, advantages, clip_low, clip_high):
 
 
 def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
-    """Sum of this micro-batch's share of the minibatch loss (micro-batch shares add up to the mean)."""
+    """Sum of this micro-batch's share of the minibatch loss (micro-batch shares add up to the mean).
+    minibatch_sequences counts the completions with at least one response token, on all ranks."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / minibatch_tokens
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
@@ -415,7 +416,8 @@ def micro_batches(batch, indices, size):
         rows = indices[start : start + size]
         micro = {"rows": rows, **{k: v[rows] for k, v in batch.items()}}
         first = int(micro["attention_mask"].any(0).nonzero()[0])  # leftmost non-pad prompt column
-        width = int(micro["response_mask"].any(0).nonzero()[-1]) + 1  # rightmost response column
+        columns = micro["response_mask"].any(0).nonzero()
+        width = int(columns[-1]) + 1 if len(columns) else 0  # rightmost response column
         for key, value in micro.items():
             if value.dim() == 2 and value.shape[1] == full_width:
                 micro[key] = value[:, first : full_width - response_width + width]
@@ -459,8 +461,14 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
         for minibatch in order.chunk(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over ranks,
             # so each rank's share is scaled by the world size
-            minibatch_tokens = fsdp.all_reduce(batch["response_mask"][minibatch].sum().item(), dist)
-            minibatch_sequences = len(minibatch) * dist.world_size
+            # sequence-mean counts the completions that have a response token (an empty one adds nothing)
+            response_mask = batch["response_mask"][minibatch]
+            counts = fsdp.all_reduce_dict({"tokens": response_mask.sum().item(),
+                                           "sequences": response_mask.any(1).sum().item()}, dist)
+            minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
+            if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
+                stats["skipped"] += 1
+                continue
             minibatch_loss = 0.0
             for micro in micro_batches(batch, minibatch, args.micro_batch_size):
                 mask = micro["response_mask"]
@@ -626,14 +634,14 @@ def main(args: Args) -> None:
             "charts/lr": scheduler.get_last_lr()[0],
             "charts/skipped_steps": skipped_steps,
             "charts/tokens_per_second": sums["length"] / step_seconds,
-            "losses/policy_loss": stats["loss"] / stats["updates"],  # already summed over ranks
+            "losses/policy_loss": stats["loss"] / max(stats["updates"], 1),  # already summed over ranks
             "losses/approx_kl": sums["approx_kl"] / sums["tokens"],
             "losses/clip_fraction": sums["clipped"] / sums["tokens"],
             "losses/ratio_min": -extremes["neg_ratio_min"],
             "losses/ratio_max": extremes["ratio_max"],
             "losses/rho_hat_abs_mean": sums["rho_abs"] / sums["tokens"],
             "losses/rho_hat_abs_max": extremes["rho_abs_max"],
-            "losses/grad_norm": stats["grad_norm"] / stats["updates"],  # the global norm
+            "losses/grad_norm": stats["grad_norm"] / max(stats["updates"], 1),  # the global norm
             "mismatch/kl_k3": sums["mismatch_kl"] / sums["mismatch_tokens"],
             "mismatch/max_abs_logprob_diff": extremes["mismatch_max"],
             "time/rollout": rollout_seconds,

@@ -19,7 +19,7 @@ Implementation details
    With more updates, old log-probs come from one no-grad pass before the first update.
 3. Token-mean (DAPO): the loss is summed over all response tokens of a minibatch and divided by their
    count, across micro-batches, so every token weighs the same. --loss-aggregation sequence-mean is
-   GRPO's original mean over each completion, then over completions.
+   GRPO's original mean over each completion, then over the completions that have a response token.
 4. β = 0 (default) loads no reference model. A step whose loss or gradient norm is not finite is
    skipped (counted in charts/skipped_steps); weights never become NaN.
 5. Several ranks (torchrun): FSDP2 shards the policy; each rank samples whole groups for its share of
@@ -212,7 +212,8 @@ def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_hi
 
 
 def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
-    """Sum of this micro-batch's share of the minibatch loss (micro-batch shares add up to the mean)."""
+    """Sum of this micro-batch's share of the minibatch loss (micro-batch shares add up to the mean).
+    minibatch_sequences counts the completions with at least one response token, on all ranks."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / minibatch_tokens
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
@@ -266,7 +267,8 @@ def micro_batches(batch, indices, size):
         rows = indices[start : start + size]
         micro = {"rows": rows, **{k: v[rows] for k, v in batch.items()}}
         first = int(micro["attention_mask"].any(0).nonzero()[0])  # leftmost non-pad prompt column
-        width = int(micro["response_mask"].any(0).nonzero()[-1]) + 1  # rightmost response column
+        columns = micro["response_mask"].any(0).nonzero()
+        width = int(columns[-1]) + 1 if len(columns) else 0  # rightmost response column
         for key, value in micro.items():
             if value.dim() == 2 and value.shape[1] == full_width:
                 micro[key] = value[:, first : full_width - response_width + width]
@@ -309,8 +311,14 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
         for minibatch in order.chunk(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over ranks,
             # so each rank's share is scaled by the world size
-            minibatch_tokens = fsdp.all_reduce(batch["response_mask"][minibatch].sum().item(), dist)
-            minibatch_sequences = len(minibatch) * dist.world_size
+            # sequence-mean counts the completions that have a response token (an empty one adds nothing)
+            response_mask = batch["response_mask"][minibatch]
+            counts = fsdp.all_reduce_dict({"tokens": response_mask.sum().item(),
+                                           "sequences": response_mask.any(1).sum().item()}, dist)
+            minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
+            if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
+                stats["skipped"] += 1
+                continue
             minibatch_loss = 0.0
             for micro in micro_batches(batch, minibatch, args.micro_batch_size):
                 mask = micro["response_mask"]
@@ -468,12 +476,12 @@ def main(args: Args) -> None:
             "charts/lr": scheduler.get_last_lr()[0],
             "charts/skipped_steps": skipped_steps,
             "charts/tokens_per_second": sums["length"] / step_seconds,
-            "losses/policy_loss": stats["loss"] / stats["updates"],  # already summed over ranks
+            "losses/policy_loss": stats["loss"] / max(stats["updates"], 1),  # already summed over ranks
             "losses/approx_kl": sums["approx_kl"] / sums["tokens"],
             "losses/clip_fraction": sums["clipped"] / sums["tokens"],
             "losses/ratio_min": -extremes["neg_ratio_min"],
             "losses/ratio_max": extremes["ratio_max"],
-            "losses/grad_norm": stats["grad_norm"] / stats["updates"],  # the global norm
+            "losses/grad_norm": stats["grad_norm"] / max(stats["updates"], 1),  # the global norm
             "mismatch/kl_k3": sums["mismatch_kl"] / sums["mismatch_tokens"],
             "mismatch/max_abs_logprob_diff": extremes["mismatch_max"],
             "time/rollout": rollout_seconds,

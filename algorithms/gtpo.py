@@ -51,8 +51,9 @@ Implementation details
    by the engine from the initial policy at the training temperature, averaged over completions of the
    same ⟨H⟩_i. Several ranks share these prompts and reduce the sum. It is saved in every checkpoint, so
    --resume keeps the initial value. ⟨H⟩_ini = ln 2 exactly (undefined in Eq. 6) leaves the filter off.
+   Both tests of Eq. 6 use --entropy-threshold (ln 2); ⟨H⟩_i equal to it is kept.
 6. The loss is Eq. 7's 1/G Σ_i 1/|o_i| Σ_t (grpo.py's sequence-mean, the default here; G counts the
-   completions of all prompts and ranks of a minibatch). λ and δ reweight tokens, not denominators:
+   completions of all prompts and ranks of a minibatch that have a response token). λ and δ reweight tokens, not denominators:
    filtered completions stay in G, masked tokens in |o_i|. --loss-aggregation token-mean is DAPO's.
 7. Entropies and log-probs use logits divided by the sampling temperature (grpo.py's convention: the
    distribution that was sampled); identical to the paper's at temperature 1.
@@ -67,7 +68,7 @@ Logged metrics (metrics.jsonl in the run folder; wandb with --track; curves.png 
   charts/zero_std_group_fraction       groups whose rewards are all equal (only the entropy shift moves them)
   charts/entropy                       mean full-vocabulary entropy of π_θ at response tokens (token mean)
   charts/completion_entropy            mean over completions of ⟨H⟩_i under π_old, the quantity δ_i tests
-  charts/entropy_ini                   ⟨H⟩_ini; with --entropy-filter auto the filter is on iff it is < ln 2
+  charts/entropy_ini                   ⟨H⟩_ini; with --entropy-filter auto the filter is on iff it is < --entropy-threshold
   charts/filtered_fraction             fraction of completions with δ_i = 0
   conflict/forward_fraction            fraction of response tokens in a forward span M^fw
   conflict/backward_fraction           fraction of response tokens in a backward span M^bw
@@ -89,14 +90,15 @@ Known differences from the authors' code (5d33811e), each a flag where it is che
   completion's spans overlap (--mask-combine product).
 - Normalisation: the paper's 1/G Σ_i 1/|o_i|; the code divides each completion by |o_i|·n_i with n_i =
   max(|M^fw_i|, |M^bw_i|, 1) and has no 1/G (--divide-by-conflict-count; the 1/G is a constant factor).
-- δ_i: the paper's ⟨H⟩_ini test (--entropy-filter auto); the code never measures ⟨H⟩_ini and filters
-  always at 0.7 ≈ ln 2 for LLaMA (--entropy-filter on) and never for Qwen (--entropy-filter off).
+- δ_i: the paper's ⟨H⟩_ini test at ln 2 (--entropy-filter auto); the code never measures ⟨H⟩_ini and
+  filters always at 0.7 for LLaMA (--entropy-filter on --entropy-threshold 0.7) and never for Qwen
+  (--entropy-filter off).
 - Entropy at the sampling temperature here; the code takes the raw logits (the same at temperature 1).
 - The code trains LoRA (r = 128) on a 4-bit model with paged AdamW-8bit (β1 = β2 = 0.999999), one prompt
   per step, format + correctness rewards and a <reasoning>/<answer> system prompt; this file trains all
   weights with AdamW and the task's own prompt and 0/1 correctness reward.
   The official configuration: --no-scale-advantages --mask-combine product --divide-by-conflict-count
-  --entropy-filter on.
+  --entropy-filter on --entropy-threshold 0.7.
 
 Run it
   python algorithms/gtpo.py                                  # built-in tiny task, CPU, a few minutes
@@ -226,7 +228,9 @@ class Args:
     entropy_coef: float = 0.1
     """γ: advantages become A_i − γ⟨H⟩_i, ⟨H⟩_i detached (Eq. 7's entropy term as the authors' code applies it)"""
     entropy_filter: Literal["auto", "on", "off"] = "auto"
-    """δ_i (Eq. 6): auto drops completions with ⟨H⟩_i > ln 2 iff ⟨H⟩_ini < ln 2; on: always (the code); off: never"""
+    """δ_i (Eq. 6): auto drops completions with ⟨H⟩_i > threshold iff ⟨H⟩_ini < threshold; on: always (the code); off: never"""
+    entropy_threshold: float = math.log(2)
+    """δ_i's entropy threshold: ln 2 ≈ 0.693 (the paper, Eq. 6); the authors' code filters at 0.7"""
     entropy_ini_prompts: int = 100
     """⟨H⟩_ini is measured on this many of the first training prompts, one completion each, before training"""
 
@@ -246,6 +250,7 @@ def check_args(args: Args) -> None:
         ("clip-high", args.clip_high < 0, ">= 0"),
         ("entropy-coef", not args.entropy_coef >= 0, ">= 0 (γ)"),
         ("entropy-ini-prompts", args.entropy_ini_prompts < 1, ">= 1"),
+        ("entropy-threshold", not args.entropy_threshold > 0, "> 0 (an entropy in nats)"),
     ] if bad]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if not 0 < args.gpu_memory_utilization < 1:
@@ -278,8 +283,9 @@ def conflict_masks(response_ids, response_mask, advantages, group_size):
 
 def _leading_conflict_span(ids, valid, advantages, group_size):
     """Conflict tokens in aligned columns, then each completion's run of them that starts at column 0."""
-    ids, valid = ids.view(-1, group_size, ids.shape[1]), valid.view(-1, group_size, valid.shape[1])
-    sign = torch.sign(advantages).view(-1, group_size)
+    groups = len(ids) // group_size
+    ids, valid = ids.view(groups, group_size, ids.shape[1]), valid.view(groups, group_size, valid.shape[1])
+    sign = torch.sign(advantages).view(groups, group_size)
     # same[g, i, j, t]: completions i and j of group g hold the same token in column t
     same = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :]
     opposite = (sign[:, :, None] * sign[:, None, :] < 0)[..., None]  # one has A > 0, the other A < 0
@@ -290,10 +296,10 @@ def _leading_conflict_span(ids, valid, advantages, group_size):
 def conflict_weights(forward, backward, advantages, combine="or"):
     """λ_it of Eq. 5: 1 outside the mask; inside, 0 for A_i < 0 and 2 for A_i > 0. combine="or" masks
     M^fw ∨ M^bw (the paper); "product" multiplies the two spans' λ (the authors' code: 4 on overlaps)."""
-    inside = torch.where(advantages > 0, 2.0, 0.0)[:, None]  # A_i = 0 never has a span
+    inside = torch.where(advantages > 0, 2.0, 0.0).to(advantages.dtype)[:, None]  # A_i = 0 never has a span
 
     def weights(mask):
-        return torch.where(mask, inside, torch.ones_like(inside))
+        return torch.where(mask, inside, torch.ones_like(inside))  # in the advantages' dtype (float64 stays exact)
 
     return weights(forward | backward) if combine == "or" else weights(forward) * weights(backward)
 
@@ -305,7 +311,7 @@ def completion_entropy(token_entropy, mask):
 
 def entropy_filter(entropy, initial_entropy, mode="auto", threshold=math.log(2)):
     """δ_i of Eq. 6 from ⟨H⟩_i [B] and ⟨H⟩_ini: 0 drops a completion. auto: the paper (filter iff
-    ⟨H⟩_ini < ln 2); on: filter whatever ⟨H⟩_ini (the authors' code); off: keep everything."""
+    ⟨H⟩_ini < threshold, ln 2 in Eq. 6); on: filter whatever ⟨H⟩_ini (the authors' code, at 0.7); off: keep everything."""
     if mode == "off" or (mode == "auto" and not initial_entropy < threshold):
         return torch.ones_like(entropy)
     return (entropy <= threshold).to(entropy.dtype)
@@ -328,7 +334,8 @@ def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_hi
 
 
 def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
-    """Sum of this micro-batch's share of the minibatch loss (micro-batch shares add up to the mean)."""
+    """Sum of this micro-batch's share of the minibatch loss (micro-batch shares add up to the mean).
+    minibatch_sequences counts the completions with at least one response token, on all ranks."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / minibatch_tokens
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
@@ -382,7 +389,8 @@ def micro_batches(batch, indices, size):
         rows = indices[start : start + size]
         micro = {"rows": rows, **{k: v[rows] for k, v in batch.items()}}
         first = int(micro["attention_mask"].any(0).nonzero()[0])  # leftmost non-pad prompt column
-        width = int(micro["response_mask"].any(0).nonzero()[-1]) + 1  # rightmost response column
+        columns = micro["response_mask"].any(0).nonzero()
+        width = int(columns[-1]) + 1 if len(columns) else 0  # rightmost response column
         for key, value in micro.items():
             if value.dim() == 2 and value.shape[1] == full_width:
                 micro[key] = value[:, first : full_width - response_width + width]
@@ -458,8 +466,14 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, ini
         for minibatch in order.chunk(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over ranks,
             # so each rank's share is scaled by the world size
-            minibatch_tokens = fsdp.all_reduce(batch["response_mask"][minibatch].sum().item(), dist)
-            minibatch_sequences = len(minibatch) * dist.world_size
+            # sequence-mean counts the completions that have a response token (an empty one adds nothing)
+            response_mask = batch["response_mask"][minibatch]
+            counts = fsdp.all_reduce_dict({"tokens": response_mask.sum().item(),
+                                           "sequences": response_mask.any(1).sum().item()}, dist)
+            minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
+            if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
+                stats["skipped"] += 1
+                continue
             minibatch_loss = 0.0
             for micro in micro_batches(batch, minibatch, args.micro_batch_size):
                 mask = micro["response_mask"]
@@ -471,7 +485,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, ini
                     entropy_i = micro["completion_entropy"]
                 else:  # π_θ = π_old: this forward's entropy is ⟨H⟩_i, no extra pass
                     entropy_i = batch["completion_entropy"][micro["rows"]] = completion_entropy(entropy, mask)
-                delta = entropy_filter(entropy_i, initial_entropy, args.entropy_filter)  # Eq. 6
+                delta = entropy_filter(entropy_i, initial_entropy, args.entropy_filter, args.entropy_threshold)  # Eq. 6
                 advantages = shaped_advantages(micro["advantages"], entropy_i, delta, args.entropy_coef)
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
                     logprobs, old_logprobs, advantages, args.clip_low, args.clip_high)
@@ -502,7 +516,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, ini
             stats["loss"] += minibatch_loss
             stats["grad_norm"] += grad_norm.item()
             stats["updates"] += 1
-    delta = entropy_filter(batch["completion_entropy"], initial_entropy, args.entropy_filter)
+    delta = entropy_filter(batch["completion_entropy"], initial_entropy, args.entropy_filter, args.entropy_threshold)
     stats.update(completion_entropy=batch["completion_entropy"].sum().item(), filtered=(delta == 0).sum().item(),
                  forward_conflict=forward.sum().item(), backward_conflict=backward.sum().item(),
                  masked=(forward | backward).sum().item())
@@ -557,9 +571,10 @@ def main(args: Args) -> None:
     if initial_entropy is None:
         initial_entropy = measure_initial_entropy(policy, engine, prompts[: args.entropy_ini_prompts], args, dist,
                                                   autocast, tokenizer.pad_token_id)
-    filter_on = args.entropy_filter == "on" or (args.entropy_filter == "auto" and initial_entropy < math.log(2))
+    threshold = args.entropy_threshold
+    filter_on = args.entropy_filter == "on" or (args.entropy_filter == "auto" and initial_entropy < threshold)
     if dist.is_main:
-        print(f"<H>_ini = {initial_entropy:.4f} (ln 2 = {math.log(2):.4f}): entropy filter {'on' if filter_on else 'off'}")
+        print(f"<H>_ini = {initial_entropy:.4f} (threshold {threshold:.4f}): entropy filter {'on' if filter_on else 'off'}")
     # END ALGO LOGIC
 
     eval_kwargs = dict(task=eval_task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
@@ -635,12 +650,12 @@ def main(args: Args) -> None:
             "charts/lr": scheduler.get_last_lr()[0],
             "charts/skipped_steps": skipped_steps,
             "charts/tokens_per_second": sums["length"] / step_seconds,
-            "losses/policy_loss": stats["loss"] / stats["updates"],  # already summed over ranks
+            "losses/policy_loss": stats["loss"] / max(stats["updates"], 1),  # already summed over ranks
             "losses/approx_kl": sums["approx_kl"] / sums["tokens"],
             "losses/clip_fraction": sums["clipped"] / sums["tokens"],
             "losses/ratio_min": -extremes["neg_ratio_min"],
             "losses/ratio_max": extremes["ratio_max"],
-            "losses/grad_norm": stats["grad_norm"] / stats["updates"],  # the global norm
+            "losses/grad_norm": stats["grad_norm"] / max(stats["updates"], 1),  # the global norm
             "mismatch/kl_k3": sums["mismatch_kl"] / sums["mismatch_tokens"],
             "mismatch/max_abs_logprob_diff": extremes["mismatch_max"],
             "time/rollout": rollout_seconds,

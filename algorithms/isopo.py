@@ -6,7 +6,8 @@ GRPO (DeepSeekMath, Shao et al., 2024, arXiv:2402.03300).
 
 Objective. No π_old, no ratio, no clip: one plain gradient step, whose direction is built per Linear layer
 l (lm_head included). With v_i = ∇_{θ_l} log π_θ(o_i | q_i) the gradient of a whole sequence's log-prob,
-A_i the group-normalized advantage and M the number of sequences in the minibatch, the vanilla policy
+A_i the group-normalized advantage and M the number of sequences in the minibatch (those with a response
+token), the vanilla policy
 gradient g_l = (1/M) Σ_i A_i v_i (§1.2; g = (1/n) JᵀA in §3) becomes
 
   non-interacting (default; §2, Alg. 2, Fig. 3):
@@ -657,7 +658,8 @@ def micro_batches(batch, indices, size):
         rows = indices[start : start + size]
         micro = {"rows": rows, **{k: v[rows] for k, v in batch.items()}}
         first = int(micro["attention_mask"].any(0).nonzero()[0])  # leftmost non-pad prompt column
-        width = int(micro["response_mask"].any(0).nonzero()[-1]) + 1  # rightmost response column
+        columns = micro["response_mask"].any(0).nonzero()
+        width = int(columns[-1]) + 1 if len(columns) else 0  # rightmost response column
         for key, value in micro.items():
             if value.dim() == 2 and value.shape[1] == full_width:
                 micro[key] = value[:, first : full_width - response_width + width]
@@ -696,7 +698,14 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
     for epoch in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
         for minibatch in order.chunk(args.num_minibatches):
-            minibatch_sequences = len(minibatch) * dist.world_size
+            # sequence-mean counts the completions that have a response token (an empty one adds nothing)
+            response_mask = batch["response_mask"][minibatch]
+            counts = fsdp.all_reduce_dict({"tokens": response_mask.sum().item(),
+                                           "sequences": response_mask.any(1).sum().item()}, dist)
+            minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
+            if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
+                stats["skipped"] += 1
+                continue
             minibatch_loss = 0.0
             for micro in micro_batches(batch, minibatch, args.micro_batch_size):
                 mask = micro["response_mask"]
@@ -850,9 +859,9 @@ def main(args: Args) -> None:
             "charts/lr": scheduler.get_last_lr()[0],
             "charts/skipped_steps": skipped_steps,
             "charts/tokens_per_second": sums["length"] / step_seconds,
-            "losses/policy_loss": stats["loss"] / stats["updates"],  # already summed over ranks
+            "losses/policy_loss": stats["loss"] / max(stats["updates"], 1),  # already summed over ranks
             "losses/approx_kl": sums["approx_kl"] / sums["tokens"],
-            "losses/grad_norm": stats["grad_norm"] / stats["updates"],  # the global norm
+            "losses/grad_norm": stats["grad_norm"] / max(stats["updates"], 1),  # the global norm
             "mismatch/kl_k3": sums["mismatch_kl"] / sums["mismatch_tokens"],
             "mismatch/max_abs_logprob_diff": extremes["mismatch_max"],
             "time/rollout": rollout_seconds,

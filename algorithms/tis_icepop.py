@@ -36,7 +36,7 @@ Objective (decoupled: three policies μ, π_old, π_θ). For each prompt, G comp
       seq-mask  M_i = 0 if A_i < 0 and 1/|o_i| Σ_t log(μ(o_it)/π_θ(o_it)) > δ, else 1    DeepSeek-V3.2 eq. 9, δ = 0.5
 
 What changes relative to grpo.py: Args gets --correction and its thresholds (checked in check_args); a
-second ALGO LOGIC section holds `safe_log_ratio`, `binary_kl`, `correction_weights` and
+second ALGO LOGIC section holds `safe_log_ratio`, `sequence_log_ratio`, `binary_kl`, `correction_weights` and
 `effective_sample_size`; update_policy multiplies the per-token clipped loss by the weights and counts
 what they did; `train_inference_mismatch` also sums k1, min / max k and NaN log-probs; main logs the new
 metrics. Rollout, advantages, clip, aggregation, weight push, checkpoints and multi-rank behaviour are
@@ -48,14 +48,16 @@ Implementation details
    update per batch (the default) grpo.py takes π_old = π_θ detached from the loss's own forward pass: that
    is the trainer's recompute, so no extra forward pass is spent; with several updates, π_old comes from the
    no-grad pass before the first one.
-2. Log space (notes §1): d_t = log π_old − log μ, clamped to ±20 before exp (verl's SAFETY_BOUND), sums over a
-   completion too. A NaN log-prob (either side) is neutralized: d_t = 0, i.e. that token counts as matched
+2. Log space: d_t = log π_old − log μ, clamped to ±20 before exp (verl's SAFETY_BOUND). A completion's
+   Σ_t d_t is summed unclamped and clamped once (verl clamps the masked sum); seq-mask's mean has no exp
+   and is never clamped. A NaN log-prob (either side) is neutralized: d_t = 0, i.e. that token counts as matched
    (k = 1, kept by every mask). Interval tests compare log-ratios with log-bounds, inclusive at both ends.
 3. The weight is detached and multiplies the per-token clipped loss after the clip, before aggregation
    (verl PR #2953, the original TIS); the KL-to-reference term (--kl-coef) is not weighted. With one
    update, ρ ≡ 1 and the gradient is w·A·∇log π_θ.
 4. Masked tokens stay in the denominator: token-mean still divides by all response tokens (IcePop, TRL,
-   slime, AReaL; notes §3), so masking shrinks the update instead of re-weighting the kept tokens.
+   slime, AReaL), and sequence-mean by every completion that has a response token, dropped ones included,
+   so masking shrinks the update instead of re-weighting the kept tokens.
 5. tis caps from above only (Yao et al.; verl and slime defaults). tis-seq and mis-seq use the product of
    the token ratios (the sum of log-ratios), not the geometric mean (notes §2, §10.4).
 6. KPop (notes §5): probabilities clamped to [1e-8, 1−1e-8] as in AReaL, computed in float64 (1 − 1e-8 is 1
@@ -309,7 +311,8 @@ def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_hi
 
 
 def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
-    """Sum of this micro-batch's share of the minibatch loss (micro-batch shares add up to the mean)."""
+    """Sum of this micro-batch's share of the minibatch loss (micro-batch shares add up to the mean).
+    minibatch_sequences counts the completions with at least one response token, on all ranks."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / minibatch_tokens
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
@@ -321,12 +324,20 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
 LOG_RATIO_BOUND = 20.0  # |log k| is clamped here before exp, as verl's SAFETY_BOUND: e^20 ≈ 5e8
 
 
-def safe_log_ratio(logp, logq, mask):
-    """log(p/q) per token [B, T], detached: NaN (an unscored token) -> 0, i.e. no mismatch; ±inf and
-    anything beyond ±20 clamped to ±20; 0 at padding."""
+def safe_log_ratio(logp, logq, mask, bound=LOG_RATIO_BOUND):
+    """log(p/q) per token [B, T], detached: NaN (an unscored token) -> 0, i.e. no mismatch; clamped to
+    ±bound (bound=math.inf: not clamped, for sums and means that are clamped afterwards); 0 at padding."""
     log_ratio = (logp - logq).detach()
-    log_ratio = torch.where(torch.isnan(log_ratio), torch.zeros_like(log_ratio), log_ratio)
-    return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND) * mask
+    log_ratio = torch.where(torch.isnan(log_ratio) | ~mask.bool(), torch.zeros_like(log_ratio), log_ratio)
+    return log_ratio.clamp(-bound, bound)
+
+
+def sequence_log_ratio(logp, logq, mask):
+    """Σ_t log(p_t/q_t) per completion [B, 1], the log of the product of the token ratios. The tokens are
+    summed unclamped and only the sum is clamped to ±20 (verl clamps the masked sum): clamping each
+    token first would turn d = [+30, −13, −12] (Σ = +5) into −5. ±inf − inf (undefined) counts as 0."""
+    total = safe_log_ratio(logp, logq, mask, bound=math.inf).sum(1, keepdim=True)
+    return torch.nan_to_num(total, nan=0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
 def binary_kl(logp, logq, eps=1e-8):
@@ -347,7 +358,7 @@ def correction_weights(old_logprobs, sampler_logprobs, mask, correction, advanta
     the current log-probs (π_θ) [B, T]. Defaults are the papers' (see the module docstring)."""
     valid = mask.bool()
     log_k = safe_log_ratio(old_logprobs, sampler_logprobs, mask)  # log k_t, k_t = π_old/μ (notes §1)
-    log_k_seq = log_k.sum(1, keepdim=True).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # log Π_t k_t
+    log_k_seq = sequence_log_ratio(old_logprobs, sampler_logprobs, mask)  # log Π_t k_t
     log_bound = lambda x: math.log(x) if x > 0 else -math.inf  # noqa: E731  (interval tests in log space)
     keep, truncated = torch.ones_like(valid), torch.zeros_like(valid)
     if correction == "none":
@@ -373,7 +384,9 @@ def correction_weights(old_logprobs, sampler_logprobs, mask, correction, advanta
     elif correction == "seq-mask":  # DeepSeek-V3.2 eq. 9: drop if A < 0 and mean_t log(μ/π_θ) > δ (notes §6)
         if advantages is None or logprobs is None:
             raise ValueError("correction 'seq-mask' needs the advantages and the current log-probs")
-        mean_log_ratio = safe_log_ratio(sampler_logprobs, logprobs, mask).sum(1) / mask.sum(1).clamp(min=1)
+        # no exponential here, so nothing is clamped: one token at +30 among 50 matched ones is a mean of 0.6
+        log_ratio = safe_log_ratio(sampler_logprobs, logprobs, mask, bound=math.inf)
+        mean_log_ratio = log_ratio.sum(1) / mask.sum(1).clamp(min=1)
         keep = ~((advantages < 0) & (mean_log_ratio > seq_mask_delta))[:, None].expand_as(valid)
         weights = torch.ones_like(log_k)
     else:
@@ -435,7 +448,8 @@ def micro_batches(batch, indices, size):
         rows = indices[start : start + size]
         micro = {"rows": rows, **{k: v[rows] for k, v in batch.items()}}
         first = int(micro["attention_mask"].any(0).nonzero()[0])  # leftmost non-pad prompt column
-        width = int(micro["response_mask"].any(0).nonzero()[-1]) + 1  # rightmost response column
+        columns = micro["response_mask"].any(0).nonzero()
+        width = int(columns[-1]) + 1 if len(columns) else 0  # rightmost response column
         for key, value in micro.items():
             if value.dim() == 2 and value.shape[1] == full_width:
                 micro[key] = value[:, first : full_width - response_width + width]
@@ -488,8 +502,14 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
         for minibatch in order.chunk(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over ranks,
             # so each rank's share is scaled by the world size
-            minibatch_tokens = fsdp.all_reduce(batch["response_mask"][minibatch].sum().item(), dist)
-            minibatch_sequences = len(minibatch) * dist.world_size
+            # sequence-mean counts the completions that have a response token (an empty one adds nothing)
+            response_mask = batch["response_mask"][minibatch]
+            counts = fsdp.all_reduce_dict({"tokens": response_mask.sum().item(),
+                                           "sequences": response_mask.any(1).sum().item()}, dist)
+            minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
+            if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
+                stats["skipped"] += 1
+                continue
             minibatch_loss = 0.0
             for micro in micro_batches(batch, minibatch, args.micro_batch_size):
                 mask = micro["response_mask"]
@@ -662,12 +682,12 @@ def main(args: Args) -> None:
             "charts/lr": scheduler.get_last_lr()[0],
             "charts/skipped_steps": skipped_steps,
             "charts/tokens_per_second": sums["length"] / step_seconds,
-            "losses/policy_loss": stats["loss"] / stats["updates"],  # already summed over ranks
+            "losses/policy_loss": stats["loss"] / max(stats["updates"], 1),  # already summed over ranks
             "losses/approx_kl": sums["approx_kl"] / sums["tokens"],
             "losses/clip_fraction": sums["clipped"] / sums["tokens"],
             "losses/ratio_min": -extremes["neg_ratio_min"],
             "losses/ratio_max": extremes["ratio_max"],
-            "losses/grad_norm": stats["grad_norm"] / stats["updates"],  # the global norm
+            "losses/grad_norm": stats["grad_norm"] / max(stats["updates"], 1),  # the global norm
             "mismatch/kl_k3": sums["mismatch_kl"] / sums["mismatch_tokens"],
             "mismatch/max_abs_logprob_diff": extremes["mismatch_max"],
             "mismatch/kl_k1": sums["mismatch_k1"] / sums["mismatch_tokens"],

@@ -53,10 +53,23 @@ def tiny_model_dir() -> str:
     return path
 
 
+MODEL_CHOICES = "`tiny` (the built-in model), a Hugging Face model id such as Qwen/Qwen2.5-Math-1.5B, or a local folder holding a model (config.json, weights, tokenizer)"
+
+
 def resolve_model(name: str) -> str:
-    """`tiny` -> the built-in model's folder (built if needed); anything else is returned unchanged
-    (a Hugging Face model id or a local folder)."""
-    return tiny_model_dir() if name == "tiny" else name
+    """`tiny` -> the built-in model's folder (built if needed); a Hugging Face model id or a local model
+    folder is returned unchanged. A local folder without config.json, or a local path that does not
+    exist, is an error that says so (transformers would otherwise try to convert a tokenizer and fail
+    with a message about sentencepiece and tiktoken)."""
+    if name == "tiny":
+        return tiny_model_dir()
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise FileNotFoundError(f"--model {name}: this folder holds no model (no config.json); "
+                                    f"--model takes {MODEL_CHOICES}")
+    elif name.startswith((".", "/", "~")) or os.path.exists(name):
+        raise FileNotFoundError(f"--model {name}: no such model folder; --model takes {MODEL_CHOICES}")
+    return name
 
 
 def _is_valid(path: str) -> bool:

@@ -27,7 +27,7 @@ def tiny(tiny_dir):
     model, tokenizer = load(tiny_dir)
     return model.eval(), tokenizer
 
-# what every script logs each step (DESIGN.md); a method's tests add its own metrics
+# what every script logs each step; a method's tests add its own metrics
 BASE_LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "charts/response_length_mean",
                "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
                "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
@@ -36,10 +36,10 @@ BASE_LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "cha
 CLIP_LOGGED = ["losses/clip_fraction", "losses/ratio_min", "losses/ratio_max"]  # scripts with a ratio
 
 
-def run_script(script, *flags, timeout=600, check=True):
-    """Run `python <script> <flags>` (or `python -m <module> <flags>`) from the repository root;
-    returns the CompletedProcess."""
-    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+def run_script(script, *flags, timeout=600, check=True, env=None):
+    """Run `python <script> <flags>` (or `python -m <module> <flags>`) from the repository root, with
+    `env` on top of the offline environment; returns the CompletedProcess."""
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **(env or {})}
     target = [script, *map(str, flags)] if script == "-m" else [os.path.join(REPO, script), *map(str, flags)]
     result = subprocess.run([sys.executable, *target], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=timeout)

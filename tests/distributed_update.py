@@ -28,9 +28,22 @@ RESPONSES = ["3", "12", "4", "396", "96", "9", "91", "906", "18", "1", "81", "18
 DEFAULT_ARGS = {"group_size": 4, "update_epochs": 2, "micro_batch_size": 3, "clip_low": 0.01, "clip_high": 0.01, "lr": 0.5}
 # the extra inputs some methods' update_policy take, by parameter name
 EXTRAS = {
-    "gains": lambda algorithm, args: algorithm.gain_schedule(args, 8),  # ema_kpo: the filter's gains
-    "initial_entropy": lambda algorithm, args: 1.0,  # gtpo: ⟨H⟩_ini (above ln 2: the filter stays off)
+    "gains": lambda algorithm, args, policy: algorithm.gain_schedule(args, 64),  # ema_kpo: the filter's gains
+    "initial_entropy": lambda algorithm, args, policy: 1.0,  # gtpo: ⟨H⟩_ini (above ln 2: the filter stays off)
+    "hooks": lambda algorithm, args, policy: algorithm.IsopoHooks(policy, args),  # isopo: its backward hooks
 }
+
+
+def update_policy(algorithm, policy, batch, args, dist, optimizer=None):
+    """algorithm.update_policy on `batch` with SGD at args.lr, no reference model and no autocast, whatever
+    extra inputs the method's update_policy takes. Returns its statistics."""
+    optimizer = optimizer or torch.optim.SGD(policy.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    available = {"policy": policy, "reference": None, "optimizer": optimizer, "scheduler": scheduler, "batch": batch,
+                 "args": args, "dist": dist, "autocast": torch.autocast("cpu", enabled=False)}
+    parameters = inspect.signature(algorithm.update_policy).parameters
+    return algorithm.update_policy(**{name: available[name] if name in available else EXTRAS[name](algorithm, args, policy)
+                                      for name in parameters})
 
 
 def main(out_path, algorithm_name="grpo", args_json="{}"):
@@ -51,13 +64,7 @@ def main(out_path, algorithm_name="grpo", args_json="{}"):
     policy = fsdp.shard(model, dist)
     fields = {f.name for f in dataclasses.fields(algorithm.Args)}  # e.g. P3O has no clip range
     args = algorithm.Args(**{k: v for k, v in {**DEFAULT_ARGS, **json.loads(args_json)}.items() if k in fields})
-    optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    available = {"policy": policy, "reference": None, "optimizer": optimizer, "scheduler": scheduler, "batch": batch,
-                 "args": args, "dist": dist, "autocast": torch.autocast("cpu", enabled=False)}
-    parameters = inspect.signature(algorithm.update_policy).parameters
-    stats = algorithm.update_policy(**{name: available[name] if name in available else EXTRAS[name](algorithm, args)
-                                       for name in parameters})
+    stats = update_policy(algorithm, policy, batch, args, dist)
     summed = [k for k in ("approx_kl", "clipped", "entropy", "tokens", "rho_abs") if k in stats]  # per-rank sums
     sums = fsdp.all_reduce_dict({k: stats[k] for k in summed}, dist)
     weights = dict(fsdp.named_full_tensors(policy))

@@ -134,6 +134,18 @@ def test_lambda_values():
         [2, 4, 2, 2], [0, 1, 1, 0], [1, 1, 1, 1], [2, 1, 1, 1]]
 
 
+def test_lambda_is_built_in_the_advantages_dtype():
+    """λ and the code's 1/n_i in float64 when the advantages are float64 (a float32 λ divided by n_i = 3
+    carries a 3e-8 relative error into a float64 computation)."""
+    forward = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]]).bool()
+    backward = torch.zeros_like(forward)
+    for dtype in (torch.float64, torch.float32):
+        weights = gtpo.conflict_weights(forward, backward, torch.tensor([1.0, -1.0], dtype=dtype))
+        assert weights.dtype == dtype
+    weights = gtpo.conflict_weights(forward, backward, torch.tensor([1.0, -1.0], dtype=torch.float64))
+    assert (weights[0] / 3).tolist() == [2 / 3, 2 / 3, 2 / 3, 1 / 3]  # exact in float64
+
+
 def test_lambda_from_masks_of_a_group():
     sequences, advantages, _ = GROUPS["different lengths"]
     tokens = [[ord(c) for c in s] for s in sequences]
@@ -164,6 +176,19 @@ def test_entropy_filter_three_cases():
     # the authors' code: always on (whatever ⟨H⟩_ini); and off
     assert gtpo.entropy_filter(entropy, 0.9, mode="on").tolist() == [1, 1, 0, 0]
     assert gtpo.entropy_filter(entropy, 0.5, mode="off").tolist() == [1, 1, 1, 1]
+    # the authors' code's threshold 0.7 (--entropy-threshold 0.7): 0.7 itself is kept, ln 2 < 0.7 kept
+    assert gtpo.entropy_filter(entropy, 0.9, mode="on", threshold=0.7).tolist() == [1, 1, 1, 0]
+    # auto compares ⟨H⟩_ini with the same threshold: 0.695 is above ln 2 (off) and below 0.7 (on)
+    assert gtpo.entropy_filter(entropy, 0.695).tolist() == [1, 1, 1, 1]
+    assert gtpo.entropy_filter(entropy, 0.695, threshold=0.7).tolist() == [1, 1, 1, 0]
+
+
+def test_entropy_threshold_flag_is_checked():
+    """--entropy-filter on --entropy-threshold 0.7 (the authors' configuration) parses and is checked."""
+    args = gtpo.Args(entropy_filter="on", entropy_threshold=0.7)
+    gtpo.check_args(args)
+    with pytest.raises(ValueError, match="entropy-threshold"):
+        gtpo.check_args(gtpo.Args(entropy_threshold=0.0))
 
 
 def test_advantage_shift_by_hand_and_detached():

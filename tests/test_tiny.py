@@ -73,3 +73,24 @@ def test_rebuilds_when_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny_module, "load", lambda path: None)
     assert tiny_module.tiny_model_dir() == str(tmp_path / "model") and built == [str(tmp_path / "model")]
     assert tiny_module.tiny_model_dir() == str(tmp_path / "model") and len(built) == 1  # cached now
+
+
+def test_model_folder_without_a_model_gets_a_clear_error(tmp_path):
+    import pytest
+
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(FileNotFoundError, match=r"holds no model \(no config.json\).*Hugging Face model id"):
+        tiny_module.resolve_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no such model folder"):
+        tiny_module.resolve_model(str(tmp_path / "missing"))
+    assert tiny_module.resolve_model("Qwen/Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"  # a hub id: unchanged
+    (tmp_path / "config.json").write_text("{}")
+    assert tiny_module.resolve_model(str(tmp_path)) == str(tmp_path)
+
+
+def test_a_script_given_an_empty_folder_says_so(tmp_path):
+    from conftest import run_script
+
+    result = run_script("algorithms/grpo.py", "--model", tmp_path, "--steps", 1, check=False)
+    assert result.returncode != 0
+    assert "holds no model (no config.json)" in result.stderr and "sentencepiece" not in result.stderr

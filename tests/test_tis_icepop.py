@@ -139,6 +139,33 @@ def test_mis_seq_rejects_completions_above_C():
     assert masked.tolist() == [[False] * 3, [False] * 3, [True] * 3] and not truncated.any()
 
 
+def test_sequence_ratios_clamp_the_sum_not_each_token():
+    """ρ(y) = exp(Σ_t d_t): a token at d = +30 must not be clamped to +20 before the sum. Regression for
+    d = [+30, −13, −12] (Σ = +5) and d = [−30, 9, 9] (Σ = −12), with C = 2."""
+    d = [[30.0, -13.0, -12.0], [-30.0, 9.0, 9.0]]
+    old, sampler, mask = _shifted(d, [[1, 1, 1]] * 2, base=-40.0)
+    weights, _, truncated = _weights("tis-seq", old, sampler, mask)
+    torch.testing.assert_close(weights, _lp([[2.0] * 3, [math.exp(-12.0)] * 3]))  # min(e^5, 2) = 2; e^-12
+    assert truncated.tolist() == [[True] * 3, [False] * 3]
+    weights, masked, _ = _weights("mis-seq", old, sampler, mask)
+    assert masked.tolist() == [[True] * 3, [False] * 3]  # e^5 > C: rejected
+    torch.testing.assert_close(weights, _lp([[0.0] * 3, [math.exp(-12.0)] * 3]))
+    # the sum itself is still clamped: Σ = +60 gives the capped e^20, not an overflow
+    old, sampler, mask = _shifted([[30.0, 30.0]], [[1, 1]], base=-70.0)
+    assert tim.sequence_log_ratio(old, sampler, mask).item() == tim.LOG_RATIO_BOUND
+
+
+def test_seq_mask_statistic_is_not_clamped():
+    """One token with log μ − log π_θ = +30 among 50 matched tokens, A < 0, δ = 0.5: mean 0.6 > δ, dropped
+    (clamping the token to 20 first gives 0.4 and would keep it)."""
+    sampler = torch.full((1, 50), -1.0, dtype=F64)
+    logprobs = sampler.clone()
+    logprobs[0, 7] = -31.0
+    mask = torch.ones_like(sampler)
+    weights, masked, _ = _weights("seq-mask", sampler, sampler, mask, advantages=_lp([-1.0]), logprobs=logprobs)
+    assert masked.all() and (weights == 0).all()
+
+
 def test_seq_mask_drops_negative_advantage_completions_far_from_the_sampler():
     """DeepSeek-V3.2 eq. 9: M_i = 0 iff A_i < 0 and mean_t log(μ/π_θ) > δ, with π_θ the current policy."""
     sampler = _lp([[-1.0, -1.0, -1.0]] * 5)
