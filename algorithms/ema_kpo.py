@@ -128,6 +128,7 @@ from tqdm import tqdm
 
 from common import fsdp
 from common.evaluate import evaluate, score_completions
+from common.logprobs import output_layer_scores
 from common.reward import encode_prompts, load_task, sample_batch
 from common.rollout import load_tokenizer, make_engine
 from common.tiny import resolve_model
@@ -174,6 +175,8 @@ class Args:
     """trainer compute dtype (weights stay float32); auto = bfloat16 on GPU, float32 on CPU"""
     cpu_offload: bool = False
     """with several ranks (torchrun), keep sharded parameters and optimizer state in CPU memory"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer's activations in the backward: less memory for long responses, more compute"""
     steps: int = 60
     """training steps (one rollout batch each)"""
     prompts_per_step: int = 32
@@ -371,19 +374,15 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
 
 
 def token_logprobs(model, micro, temperature, with_entropy=False):
-    """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their entropy)."""
-    response_width = micro["response_ids"].shape[1]
-    logits = model(
-        input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"],
-        logits_to_keep=response_width + 1,  # the lm_head only runs where a response token is predicted
-    ).logits[:, :-1].float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logprobs = logp_all.gather(-1, micro["response_ids"][..., None]).squeeze(-1)
-    if not with_entropy:
-        return logprobs, None
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logprobs, entropy
+    """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their entropy, no
+    gradient). The output layer scores a chunk of positions at a time: no [B, T, vocabulary] logits."""
+    targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))  # the last position predicts past the end
+    with output_layer_scores(model, targets, temperature, with_entropy):
+        scores = model(
+            input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"],
+            logits_to_keep=targets.shape[1], use_cache=False,  # the output layer only runs where a response token is predicted
+        ).logits[:, :-1]
+    return scores[..., 0], (scores[..., 1].detach() if with_entropy else None)
 
 
 def make_batch(prompt_ids, completions, group_size, pad_id, device):
@@ -408,10 +407,14 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device):
     }
 
 
-def micro_batches(batch, indices, size):
+def micro_batches(batch, indices, size, by_length=True):
     """Slices of the batch, each trimmed of columns that are padding in all of its rows: the sequence
-    tensors [B, prompt + response] and every per-response-token tensor [B, response] alike."""
+    tensors [B, prompt + response] and every per-response-token tensor [B, response] alike. by_length:
+    rows sorted by response length first, so a long response does not pad many short ones (token sums
+    do not depend on the order)."""
     full_width, response_width = batch["input_ids"].shape[1], batch["response_ids"].shape[1]
+    if by_length:
+        indices = indices[batch["response_mask"][indices].sum(1).argsort(descending=True, stable=True)]
     for start in range(0, len(indices), size):
         rows = indices[start : start + size]
         micro = {"rows": rows, **{k: v[rows] for k, v in batch.items()}}
@@ -503,7 +506,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     if not multiple_updates:  # this single pass sees every rollout once, under π_old
                         stats["mismatch"] = train_inference_mismatch(
                             old_logprobs, micro["sampler_logprobs"], mask, stats.get("mismatch"))
-            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm)
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)
             if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)):
                 optimizer.step()
@@ -550,11 +553,13 @@ def main(args: Args) -> None:
                          seed=args.seed + dist.rank, gpu_memory_utilization=args.gpu_memory_utilization,
                          sleep_mode=args.vllm_sleep_mode, device=device)
     policy = policy.to(device)
-    policy = fsdp.shard(policy, dist, bfloat16=bfloat16, cpu_offload=args.cpu_offload)
+    if args.gradient_checkpointing:  # before sharding; non-reentrant, as FSDP2 requires
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = fsdp.shard(policy, dist, cpu_offload=args.cpu_offload)
     reference = None
     if args.kl_coef > 0:
         reference = fsdp.shard(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval(),
-                               dist, bfloat16=bfloat16, cpu_offload=args.cpu_offload)
+                               dist, cpu_offload=args.cpu_offload)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     start_step, skipped_steps = 0, 0
@@ -601,7 +606,7 @@ def main(args: Args) -> None:
         # 5. push the new weights to the engine (every rank gathers each full tensor in turn)
         sync_start = time.time()
         engine.wake_up(["weights"])
-        engine.load_weights(fsdp.named_full_tensors(policy))
+        engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
         engine.wake_up(["kv_cache"])
         sync_seconds = time.time() - sync_start
 

@@ -203,6 +203,8 @@ class Args:
     """trainer compute dtype (weights stay float32); auto = bfloat16 on GPU, float32 on CPU"""
     cpu_offload: bool = False
     """with several ranks (torchrun), keep sharded parameters and optimizer state in CPU memory"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer's activations in the backward: less memory for long responses, more compute"""
     steps: int = 60
     """training steps (one rollout batch each)"""
     prompts_per_step: int = 32
@@ -617,7 +619,7 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     response_width = micro["response_ids"].shape[1]
     logits = model(
         input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"],
-        logits_to_keep=response_width + 1,  # the lm_head only runs where a response token is predicted
+        logits_to_keep=response_width + 1, use_cache=False,  # the lm_head only runs where a response token is predicted
     ).logits[:, :-1].float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logprobs = logp_all.gather(-1, micro["response_ids"][..., None]).squeeze(-1)
@@ -650,10 +652,14 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device):
     }
 
 
-def micro_batches(batch, indices, size):
+def micro_batches(batch, indices, size, by_length=True):
     """Slices of the batch, each trimmed of columns that are padding in all of its rows: the sequence
-    tensors [B, prompt + response] and every per-response-token tensor [B, response] alike."""
+    tensors [B, prompt + response] and every per-response-token tensor [B, response] alike. by_length:
+    rows sorted by response length first, so a long response does not pad many short ones (token sums
+    do not depend on the order)."""
     full_width, response_width = batch["input_ids"].shape[1], batch["response_ids"].shape[1]
+    if by_length:
+        indices = indices[batch["response_mask"][indices].sum(1).argsort(descending=True, stable=True)]
     for start in range(0, len(indices), size):
         rows = indices[start : start + size]
         micro = {"rows": rows, **{k: v[rows] for k, v in batch.items()}}
@@ -707,7 +713,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 stats["skipped"] += 1
                 continue
             minibatch_loss = 0.0
-            for micro in micro_batches(batch, minibatch, args.micro_batch_size):
+            # ISOPO's micro-batch is the block that shares one Fisher-estimate pool and one NTK (part of the
+            # method): its rows stay a random draw, not sorted by length
+            for micro in micro_batches(batch, minibatch, args.micro_batch_size, by_length=False):
                 mask = micro["response_mask"]
                 # ALGO LOGIC: one backward of Σ log π; the hooks build this micro-batch's share of the update
                 logprobs, entropy, loss = isopo_backward(policy, hooks, micro, args.temperature, minibatch_sequences,
@@ -728,7 +736,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                         stats["mismatch"] = train_inference_mismatch(
                             old_logprobs, micro["sampler_logprobs"], mask, stats.get("mismatch"))
             hooks.set_gradients()
-            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm)
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)
             finite = bool(torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)))
             if finite:
@@ -777,12 +785,14 @@ def main(args: Args) -> None:
                          seed=args.seed + dist.rank, gpu_memory_utilization=args.gpu_memory_utilization,
                          sleep_mode=args.vllm_sleep_mode, device=device)
     policy = policy.to(device)
-    policy = fsdp.shard(policy, dist, bfloat16=bfloat16, cpu_offload=args.cpu_offload)
+    if args.gradient_checkpointing:  # before sharding; non-reentrant, as FSDP2 requires
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = fsdp.shard(policy, dist, cpu_offload=args.cpu_offload)
     hooks = IsopoHooks(policy, args)  # inactive outside IsopoHooks.capture (rollouts, evaluation)
     reference = None
     if args.log_kl_ref:
         reference = fsdp.shard(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval(),
-                               dist, bfloat16=bfloat16, cpu_offload=args.cpu_offload)
+                               dist, cpu_offload=args.cpu_offload)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     start_step, skipped_steps = 0, 0
@@ -829,7 +839,7 @@ def main(args: Args) -> None:
         # 5. push the new weights to the engine (every rank gathers each full tensor in turn)
         sync_start = time.time()
         engine.wake_up(["weights"])
-        engine.load_weights(fsdp.named_full_tensors(policy))
+        engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
         engine.wake_up(["kv_cache"])
         sync_seconds = time.time() - sync_start
 

@@ -96,8 +96,10 @@ def main() -> None:
     import torch
     import tyro
 
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from common.reward import load_task
-    from common.rollout import load_tokenizer, make_engine
+    from common.rollout import engine_kind, load_tokenizer, make_engine
     from common.tiny import resolve_model
 
     args = tyro.cli(EvalArgs, description="Score a model on a task's test split: greedy, avg@k, pass@j.")
@@ -107,13 +109,20 @@ def main() -> None:
     rows = load_task(args.task, "test", args.question_column, args.answer_column)[: args.prompts]
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path)
+    # the engine's context holds the longest prompt plus --max-new-tokens (the trainer bounds it the same
+    # way): checked before any weights are loaded
+    longest = max(len(encode_prompt(row.question, tokenizer, args.task, args.chat_template)) for row in rows)
+    model_limit = AutoConfig.from_pretrained(path).max_position_embeddings
+    if longest + args.max_new_tokens > model_limit:
+        raise ValueError(f"the longest prompt ({longest} tokens) + --max-new-tokens {args.max_new_tokens} exceeds "
+                         f"{args.model}'s context of {model_limit} tokens: lower --max-new-tokens")
+    kind = engine_kind(args.engine)
     model = None
-    if args.engine != "vllm":
-        from transformers import AutoModelForCausalLM
-
+    if kind == "hf":  # vLLM loads its own weights: no second copy on the GPU
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.to("cuda" if torch.cuda.is_available() else "cpu")
-    engine = make_engine(args.engine, model, tokenizer, model_path=path, seed=args.seed)
+    engine = make_engine(kind, model, tokenizer, model_path=path, seed=args.seed,
+                         max_model_len=longest + args.max_new_tokens)
     metrics = evaluate(engine, tokenizer, rows, args.task, args.k, args.max_new_tokens, args.temperature,
                        args.chat_template)
     engine.close()

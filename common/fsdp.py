@@ -55,22 +55,24 @@ def setup() -> Dist:
     else:
         device = torch.device("cpu")
     if world_size > 1 and not torch_dist.is_initialized():
-        torch_dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # on GPUs, CUDA tensors go through nccl and CPU tensors (--cpu-offload's shards and gradients)
+        # through gloo: an nccl-only group cannot reduce a CPU tensor
+        torch_dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo")
     return Dist(rank, world_size, local_rank, device)
 
 
-def shard(model, dist: Dist, bfloat16: bool = False, cpu_offload: bool = False):
+def shard(model, dist: Dist, cpu_offload: bool = False):
     """FSDP2: `fully_shard` each decoder layer, then the root, over all ranks. On one rank the model is
-    returned as it is. `bfloat16`: compute in bf16 with float32 gradient reduction (weights stay float32
-    in the optimizer). `cpu_offload`: keep sharded parameters and optimizer state in CPU memory."""
+    returned as it is. Parameters, gathers and gradient reductions stay float32: bf16 compute comes from
+    the caller's torch.autocast, as on one rank, so N ranks compute what one process computes (FSDP2's
+    MixedPrecisionPolicy would instead round every weight to bf16 before the forward, norms included).
+    `cpu_offload`: keep sharded parameters and optimizer state in CPU memory."""
     if dist.world_size == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     options = {"mesh": init_device_mesh(dist.device.type, (dist.world_size,))}
-    if bfloat16:
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cpu_offload:  # pinned memory needs an accelerator
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())
@@ -83,21 +85,27 @@ def shard(model, dist: Dist, bfloat16: bool = False, cpu_offload: bool = False):
     return model
 
 
-def named_full_tensors(model, dtype: torch.dtype | None = None):
-    """(Hugging Face name, full tensor) for every weight, gathered one tensor at a time. Under FSDP2
-    every rank must iterate this to the end, in the same order: each gather is a collective."""
+def named_full_tensors(model, device: torch.device, dtype: torch.dtype | None = None):
+    """(Hugging Face name, full tensor on `device`, in `dtype`) for every weight, gathered one tensor at a
+    time. A shard is moved to the compute device and cast before its gather (a CPU-offloaded shard cannot
+    go through nccl; the engine's dtype halves the traffic for bf16). Under FSDP2 every rank must iterate
+    this to the end, in the same order: each gather is a collective."""
     from torch.distributed.tensor import DTensor
 
     for name, tensor in model.state_dict().items():
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        yield name, (tensor.to(dtype) if dtype is not None else tensor).detach()
+        tensor = tensor.detach().to(device=device, dtype=dtype)
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """Clip gradients to `max_norm`; returns the total norm before clipping as a plain tensor."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+def clip_grad_norm(model, max_norm: float, device: torch.device) -> torch.Tensor:
+    """Clip gradients to `max_norm`; returns the total norm before clipping as a plain tensor on `device`.
+    The norm of sharded gradients is reduced over ranks and moved to the compute device before it scales
+    them, wherever they live (CPU-offloaded gradients included, as verl's fsdp2_clip_grad_norm_ does)."""
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).to(device)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm
 
 
 def all_reduce(value: float, dist: Dist, op: str = "sum") -> float:
@@ -143,9 +151,10 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
+    """This rank's generators (its own GPU's only: a resume may see fewer or more GPUs)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -153,8 +162,8 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if isinstance(state.get("cuda"), torch.Tensor) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])  # a list (all devices) is from an older checkpoint: skipped
 
 
 def save_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist: Dist, keep: int) -> str:

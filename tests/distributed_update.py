@@ -1,7 +1,7 @@
 """One call of an algorithm's update_policy on a fixed rollout batch, on however many ranks this is
 launched with (`python` or `torchrun --nproc_per_node N`):
 
-    python tests/distributed_update.py OUT.json [ALGORITHM [ARGS_JSON]]      # ALGORITHM defaults to grpo
+    python tests/distributed_update.py OUT.json [ALGORITHM [ARGS_JSON [CHUNK_BYTES]]]   # ALGORITHM defaults to grpo
 
 Writes the statistics as JSON to OUT.json and the updated weights to OUT.json.weights.pt.
 The global batch is 4 prompts x 4 completions (group_size 4) of very different lengths; rank r takes prompts
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common import fsdp  # noqa: E402
+from common import fsdp, logprobs  # noqa: E402
 from common.rollout import Completion  # noqa: E402
 from common.tiny import load, tiny_model_dir  # noqa: E402
 
@@ -35,19 +35,22 @@ EXTRAS = {
 
 
 def update_policy(algorithm, policy, batch, args, dist, optimizer=None):
-    """algorithm.update_policy on `batch` with SGD at args.lr, no reference model and no autocast, whatever
+    """algorithm.update_policy on `batch` with SGD at args.lr, no reference model, bf16 autocast iff args.dtype says so, whatever
     extra inputs the method's update_policy takes. Returns its statistics."""
     optimizer = optimizer or torch.optim.SGD(policy.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     available = {"policy": policy, "reference": None, "optimizer": optimizer, "scheduler": scheduler, "batch": batch,
-                 "args": args, "dist": dist, "autocast": torch.autocast("cpu", enabled=False)}
+                 "args": args, "dist": dist, "autocast": torch.autocast("cpu", torch.bfloat16, enabled=args.dtype == "bfloat16")}
     parameters = inspect.signature(algorithm.update_policy).parameters
     return algorithm.update_policy(**{name: available[name] if name in available else EXTRAS[name](algorithm, args, policy)
                                       for name in parameters})
 
 
-def main(out_path, algorithm_name="grpo", args_json="{}"):
+def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):
+    """chunk_bytes: score the output layer in chunks of this many bytes of logits (5 tokens: 2000)."""
     algorithm = importlib.import_module(f"algorithms.{algorithm_name}")
+    if chunk_bytes:
+        logprobs.CHUNK_BYTES = int(chunk_bytes)
     dist = fsdp.setup()
     torch.manual_seed(0)
     model, tokenizer = load(tiny_model_dir())
@@ -67,7 +70,7 @@ def main(out_path, algorithm_name="grpo", args_json="{}"):
     stats = update_policy(algorithm, policy, batch, args, dist)
     summed = [k for k in ("approx_kl", "clipped", "entropy", "tokens", "rho_abs") if k in stats]  # per-rank sums
     sums = fsdp.all_reduce_dict({k: stats[k] for k in summed}, dist)
-    weights = dict(fsdp.named_full_tensors(policy))
+    weights = dict(fsdp.named_full_tensors(policy, dist.device))
     if dist.is_main:
         with open(out_path, "w") as f:
             json.dump({"loss": stats["loss"], "grad_norm": stats["grad_norm"], **sums}, f)

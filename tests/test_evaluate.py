@@ -29,3 +29,10 @@ def test_evaluate_command_on_the_tiny_model():
 def test_evaluate_command_rejects_bad_input():
     assert "unknown task" in run_script("-m", "common.evaluate", "--task", "nope", check=False).stderr
     assert "--k must be >= 1" in run_script("-m", "common.evaluate", "--k", 0, check=False).stderr
+
+
+def test_evaluate_command_refuses_a_generation_longer_than_the_context_before_loading():
+    """The built-in model's context is 256 tokens: prompt + 250 new tokens cannot fit, say so up front."""
+    result = run_script("-m", "common.evaluate", "--max-new-tokens", 250, "--prompts", 4, check=False)
+    assert result.returncode != 0
+    assert "+ --max-new-tokens 250 exceeds" in result.stderr and "context of 256 tokens" in result.stderr

@@ -285,7 +285,7 @@ def _distributed_update(out_path):
     args = p3o.Args(micro_batch_size=3, max_grad_norm=1e9)
     stats = p3o.update_policy(policy, None, optimizer, scheduler, batch, args, dist, torch.autocast("cpu", enabled=False))
     sums = fsdp.all_reduce_dict({k: stats[k] for k in ("ess_tokens", "tokens", "clipped", "kl_behavior")}, dist)
-    weights = dict(fsdp.named_full_tensors(policy))
+    weights = dict(fsdp.named_full_tensors(policy, dist.device))
     if dist.is_main:
         with open(out_path, "w") as f:
             json.dump({"loss": stats["loss"], "ess_min": stats["ess_min"], **sums}, f)

