@@ -109,7 +109,7 @@ def script_gradients(model, args, batch, order, micro_size, hooks=None):
     """The script's path for one minibatch: isopo_backward per micro-batch, then set_gradients."""
     hooks = hooks or isopo.IsopoHooks(model, args)
     hooks.trace = []
-    micros = list(isopo.micro_batches(batch, order, micro_size))
+    micros = list(isopo.micro_batches(batch, order, micro_size, by_length=False))
     for micro in micros:
         isopo.isopo_backward(model, hooks, micro, 1.0, len(order), NO_AUTOCAST)
     hooks.set_gradients()
