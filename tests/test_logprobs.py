@@ -34,7 +34,6 @@ def test_chunks_equal_full_logits_in_float64(chunk_tokens, with_bias):
     expected_logp, expected_entropy = _reference(hidden, weight, bias, targets, 0.7)
     torch.testing.assert_close(scores[..., 0], expected_logp, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(scores[..., 1], expected_entropy, rtol=1e-10, atol=1e-12)
-    assert not scores[..., 1].requires_grad or scores.grad_fn is not None
     inputs = [hidden, weight] + ([bias] if with_bias else [])
     grads = torch.autograd.grad((scores[..., 0] * upstream).sum(), inputs)
     expected = torch.autograd.grad((expected_logp * upstream).sum(), inputs)
