@@ -11,55 +11,18 @@ Objective. For each prompt q, sample a group of G completions o_1..o_G from the 
     ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t)
     A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
 
-Implementation details
-1. Log-probs divide the logits by the sampling temperature, so the trainer scores the very distribution
-   the engine sampled from. Prompt and pad tokens are masked everywhere, statistics included.
-2. With one update per rollout batch (--num-minibatches 1 --update-epochs 1) π_old = π_θ, the ratio is
-   exactly 1 and its gradient is the policy gradient: no extra forward pass computes old log-probs.
-   With more updates, old log-probs come from one no-grad pass before the first update.
-3. Token-mean (DAPO): the loss is summed over all response tokens of a minibatch and divided by their
-   count, across micro-batches, so every token weighs the same. --loss-aggregation sequence-mean is
-   GRPO's original mean over each completion, then over the completions that have a response token.
-4. β = 0 (default) loads no reference model. A step whose loss or gradient norm is not finite is
-   skipped (counted in charts/skipped_steps); weights never become NaN.
-5. Several ranks (torchrun): FSDP2 shards the policy; each rank samples whole groups for its share of
-   the prompts, and the token-mean divides by the token count of all ranks, so N ranks compute the
-   update of one process (FSDP averages gradients over ranks, hence the world-size factor). bf16 is
-   autocast over float32 weights on one rank and on several alike.
-6. Memory grows with the work: the output layer scores a chunk of positions at a time (no [B, T, V]
-   logits), micro-batches hold rows of similar response length, --gradient-checkpointing recomputes layers.
-
-Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and clip-higher
-(ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip (--loss-aggregation
-sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04 (--kl-coef 0.04); DAPO's dynamic
-sampling (re-drawing groups whose rewards are all equal) is not done: those groups are counted in
-charts/zero_std_group_fraction and contribute no gradient; AdamW betas (0.9, 0.99).
-
-Logged metrics (metrics.jsonl in the run folder; wandb with --track; curves.png at the end)
-  charts/reward, charts/accuracy       mean reward and fraction of correct rollouts of the step
-  charts/no_answer_rate                fraction of rollouts with no extractable answer
-  charts/response_length_mean|max      completion length in tokens (EOS included)
-  charts/truncation_rate               fraction stopped by --max-new-tokens
-  charts/zero_std_group_fraction       groups whose rewards are all equal (they carry no signal)
-  charts/entropy                       mean full-vocabulary entropy of π_θ at response tokens
-  charts/lr, charts/tokens_per_second, charts/skipped_steps
-  losses/policy_loss                   the clipped surrogate (plus the KL term when β > 0)
-  losses/approx_kl                     k3 estimate of KL(π_old ‖ π_θ) over response tokens
-  losses/clip_fraction                 tokens whose clipped term is active (no gradient)
-  losses/ratio_min|max, losses/grad_norm (before clipping), losses/kl_ref (β > 0)
-  mismatch/kl_k3, mismatch/max_abs_logprob_diff   KL(μ ‖ π_old) and max |log μ − log π_old|, with μ the
-                                       engine's log-probs: the train-inference mismatch
-  time/rollout|train|weight_sync|eval|step   seconds per phase
-  eval/greedy_accuracy, eval/avg@k, eval/pass@k    on held-out prompts, every --eval-every steps
+How to read this file. main() is one training step after another: sample G completions per prompt,
+score them and compute advantages, update the policy on minibatches, push the new weights to the
+rollout engine, then log, evaluate and checkpoint. The method lives between `# ALGO LOGIC` and
+`# END ALGO LOGIC`; `# TRY NOT TO MODIFY` marks the plumbing every fork keeps as it is. Implementation
+details are comments at the code they explain, each metric is defined where it is recorded, and the
+paper-scale command and the differences from the papers' settings close the file.
 
 Run it
-  python algorithms/grpo.py                                  # built-in tiny task, CPU, a few minutes
-  ./run.sh bench                                             # every method × 3 seeds on the built-in task (README)
-  python algorithms/grpo.py --model Qwen/Qwen2.5-Math-1.5B --task gsm8k --eval-task gsm8k \\
-      --steps 500 --prompts-per-step 64 --group-size 8 --max-new-tokens 1024 --lr 1e-6 \\
-      --num-minibatches 4 --micro-batch-size 8 --dtype bfloat16 --eval-every 50 --eval-k 4 --track
-  torchrun --nproc_per_node 8 algorithms/grpo.py ...         # FSDP2 over 8 GPUs, same flags
-  python algorithms/grpo.py --resume auto                    # continue the newest run of this task/name/seed
+  python algorithms/grpo.py                      # the built-in task on a CPU, about two minutes
+  python algorithms/grpo.py --help               # every flag, with its default
+  python algorithms/grpo.py --resume auto        # continue the newest run of this task/name/seed
+  ./run.sh bench                                 # every method × 3 seeds on the built-in task (README)
 """
 
 import os
@@ -75,12 +38,13 @@ import tyro
 from tqdm import tqdm
 
 from common import fsdp
+from common.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
 from common.evaluate import evaluate, score_completions
 from common.logprobs import output_layer_scores
 from common.reward import encode_prompts, load_task, sample_batch
 from common.rollout import load_tokenizer, make_engine
 from common.tiny import resolve_model
-from common.tracking import Tracker
+from common.tracking import StepMetrics, Tracker
 
 
 @dataclass
@@ -175,37 +139,7 @@ class Args:
     """β of the k3 KL penalty to the initial policy (0: no reference model is loaded)"""
 
 
-def check_args(args: Args) -> None:
-    problems = [f"--{name} must be {rule}" for name, bad, rule in [
-        ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
-        ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
-        ("max-new-tokens", args.max_new_tokens < 1, ">= 1"),
-        ("temperature", not args.temperature > 0, "> 0"),
-        ("num-minibatches", not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
-         "between 1 and the number of rollouts per step"),
-        ("update-epochs", args.update_epochs < 1, ">= 1"),
-        ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
-        ("lr", not args.lr > 0, "> 0"),
-        ("clip-low", not 0 <= args.clip_low < 1, "in [0, 1)"),
-        ("clip-high", args.clip_high < 0, ">= 0"),
-        ("kl-coef", args.kl_coef < 0, ">= 0"),
-    ] if bad]
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if not 0 < args.gpu_memory_utilization < 1:
-        problems.append("--gpu-memory-utilization must be in (0, 1)")
-    if args.prompts_per_step % world_size:
-        problems.append(f"--prompts-per-step must be divisible by the number of ranks ({world_size})")
-    if problems:
-        raise ValueError("invalid arguments: " + "; ".join(problems))
-
-
-# ALGO LOGIC: advantages, the clipped surrogate and how token losses are averaged
-def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
-    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
-
-
+# ALGO LOGIC: the clipped surrogate, advantages, and how token losses are averaged
 def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
     """Per-token −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), and where the clip is active (no gradient).
     logprobs / old_logprobs: [B, T]; advantages: [B] (one per completion)."""
@@ -217,9 +151,16 @@ def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_hi
     return -torch.minimum(unclipped, clipped), ratio, clip_active
 
 
+def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
+
+
 def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
-    """Sum of this micro-batch's share of the minibatch loss (micro-batch shares add up to the mean).
-    minibatch_sequences counts the completions with at least one response token, on all ranks."""
+    """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to the mean).
+    token-mean (DAPO): every response token of the minibatch, on all ranks, weighs the same.
+    sequence-mean (GRPO): a mean over each completion, then over the completions that have a token."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / minibatch_tokens
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
@@ -227,9 +168,12 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
 # END ALGO LOGIC
 
 
+# TRY NOT TO MODIFY: log-probs, rollout batches, micro-batches and the train-inference mismatch
 def token_logprobs(model, micro, temperature, with_entropy=False):
     """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their entropy, no
-    gradient). The output layer scores a chunk of positions at a time: no [B, T, vocabulary] logits."""
+    gradient). The logits are divided by the sampling temperature, so the trainer scores the very
+    distribution the engine sampled from. Memory grows with the work: the output layer scores a chunk
+    of positions at a time (no [B, T, vocabulary] logits)."""
     targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))  # the last position predicts past the end
     with output_layer_scores(model, targets, temperature, with_entropy):
         scores = model(
@@ -283,20 +227,37 @@ def micro_batches(batch, indices, size, by_length=True):
         yield micro
 
 
-def train_inference_mismatch(old_logprobs, sampler_logprobs, mask, totals=None):
-    """Running sums for k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ], ρ = π_old/μ, and max |log μ − log π_old|."""
-    totals = totals or {"kl_sum": 0.0, "tokens": 0.0, "max_abs_diff": 0.0}
+def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
+    """The train-inference mismatch over response tokens, μ being the engine's log-probs:
+    mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ; mismatch/max_abs_logprob_diff."""
     log_ratio = (old_logprobs - sampler_logprobs).detach()
-    totals["kl_sum"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum().item()
-    totals["tokens"] += mask.sum().item()
-    totals["max_abs_diff"] = max(totals["max_abs_diff"], (log_ratio.abs() * mask).max().item())
-    return totals
+    metrics.mean("mismatch/kl_k3", ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum(), mask.sum())
+    metrics.max("mismatch/max_abs_logprob_diff", (log_ratio.abs() * mask).max())
 
 
-def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast) -> dict:
-    """Old and reference log-probs, then minibatch updates on one rollout batch (this rank's share).
-    Returns statistics summed over this rank's tokens (reduce them over ranks before dividing)."""
-    # old log-probs only when π_θ will move away from π_old within this batch (else ratio ≡ 1)
+def record_rollouts(metrics, scores, completions, rewards, response_mask):
+    """What the engine sampled this step: the reward and how it came about."""
+    lengths, rollouts = response_mask.sum(1), len(scores)  # tokens per completion, EOS included
+    metrics.mean("charts/reward", rewards.sum(), rollouts)
+    metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
+    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)  # no answer to extract
+    metrics.mean("charts/response_length_mean", lengths.sum(), rollouts)
+    metrics.max("charts/response_length_max", lengths)
+    metrics.mean("charts/truncation_rate", sum(c.finish_reason == "length" for c in completions), rollouts)
+    # groups whose rewards are all equal: their advantages are 0, they carry no signal
+    metrics.mean("charts/zero_std_group_fraction", (rewards.std(dim=1) == 0).sum(), len(rewards))
+
+
+PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/response_length_mean",
+           "losses/approx_kl", "losses/clip_fraction", "losses/grad_norm", "mismatch/kl_k3"]  # curves.png
+# END TRY NOT TO MODIFY
+
+
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics) -> int:
+    """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
+    Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
+    # old log-probs only when π_θ will move away from π_old within this batch. With one update per batch
+    # π_old = π_θ: the ratio is exactly 1, its gradient is the policy gradient, and no pass is needed
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     with torch.no_grad(), autocast:
@@ -306,12 +267,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 for micro in micro_batches(batch, every_row, args.micro_batch_size):
                     logprobs = token_logprobs(model, micro, args.temperature)[0]
                     batch[key][micro["rows"], : logprobs.shape[1]] = logprobs
-    stats = dict.fromkeys(["loss", "approx_kl", "clipped", "entropy", "kl_ref", "tokens", "grad_norm",
-                           "updates", "skipped"], 0.0)
-    stats.update(ratio_min=float("inf"), ratio_max=float("-inf"))
     if multiple_updates:
-        stats["mismatch"] = train_inference_mismatch(batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
+        record_mismatch(metrics, batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
 
+    skipped = 0
     for epoch in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
         for minibatch in order.chunk(args.num_minibatches):
@@ -323,7 +282,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                                            "sequences": response_mask.any(1).sum().item()}, dist)
             minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
             if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
-                stats["skipped"] += 1
+                skipped += 1
                 continue
             minibatch_loss = 0.0
             for micro in micro_batches(batch, minibatch, args.micro_batch_size):
@@ -334,38 +293,63 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 # ALGO LOGIC: the GRPO loss of this micro-batch
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
                     logprobs, old_logprobs, micro["advantages"], args.clip_low, args.clip_high)
-                if reference is not None:
+                if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
                     kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
-                    stats["kl_ref"] += (kl_ref.detach() * mask).sum().item()
+                    metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
                 # END ALGO LOGIC
                 (loss * dist.world_size).backward()
                 minibatch_loss += loss.item()
-                with torch.no_grad():
-                    log_ratio, valid = (logprobs - old_logprobs).detach(), mask.bool()
-                    stats["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum().item()
-                    stats["clipped"] += (clip_active.float() * mask).sum().item()
-                    stats["entropy"] += (entropy * mask).sum().item()
-                    stats["tokens"] += mask.sum().item()
-                    stats["ratio_min"] = min(stats["ratio_min"], ratio[valid].min().item())
-                    stats["ratio_max"] = max(stats["ratio_max"], ratio[valid].max().item())
+                with torch.no_grad():  # statistics of the response tokens
+                    log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
+                    k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
+                    metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
+                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)  # no gradient
+                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
+                    metrics.min("losses/ratio_min", ratio[valid])
+                    metrics.max("losses/ratio_max", ratio[valid])
                     if not multiple_updates:  # this single pass sees every rollout once, under π_old
-                        stats["mismatch"] = train_inference_mismatch(
-                            old_logprobs, micro["sampler_logprobs"], mask, stats.get("mismatch"))
+                        record_mismatch(metrics, old_logprobs, micro["sampler_logprobs"], mask)
+            # TRY NOT TO MODIFY: the optimizer step; a step whose loss or gradient norm is not finite is
+            # skipped (counted in charts/skipped_steps), so weights never become NaN
             grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)
             if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)):
                 optimizer.step()
                 scheduler.step()
             else:
-                stats["skipped"] += 1  # never write NaN weights
+                skipped += 1
             optimizer.zero_grad(set_to_none=True)
-            stats["loss"] += minibatch_loss
-            stats["grad_norm"] += grad_norm.item()
-            stats["updates"] += 1
-    return stats
+            # the loss of all ranks and the global norm (before clipping): the same numbers on every rank
+            metrics.mean("losses/policy_loss", minibatch_loss, 1)
+            metrics.mean("losses/grad_norm", grad_norm, 1)
+    return skipped
+
+
+def check_args(args: Args) -> None:
+    problems = [f"--{name} must be {rule}" for name, bad, rule in [
+        ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
+        ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
+        ("max-new-tokens", args.max_new_tokens < 1, ">= 1"),
+        ("temperature", not args.temperature > 0, "> 0"),
+        ("num-minibatches", not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
+         "between 1 and the number of rollouts per step"),
+        ("update-epochs", args.update_epochs < 1, ">= 1"),
+        ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
+        ("lr", not args.lr > 0, "> 0"),
+        ("clip-low", not 0 <= args.clip_low < 1, "in [0, 1)"),
+        ("clip-high", args.clip_high < 0, ">= 0"),
+        ("kl-coef", args.kl_coef < 0, ">= 0"),
+    ] if bad]
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if not 0 < args.gpu_memory_utilization < 1:
+        problems.append("--gpu-memory-utilization must be in (0, 1)")
+    if args.prompts_per_step % world_size:
+        problems.append(f"--prompts-per-step must be divisible by the number of ranks ({world_size})")
+    if problems:
+        raise ValueError("invalid arguments: " + "; ".join(problems))
 
 
 def main(args: Args) -> None:
@@ -375,16 +359,18 @@ def main(args: Args) -> None:
 
     disable_progress_bar()  # no "Loading weights" bars: the training bar is the one to watch
 
-    # TRY NOT TO MODIFY: set-up
+    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; bf16 autocast over float32 weights)
     dist = fsdp.setup()
-    fsdp.seed_everything(args.seed + dist.rank)
+    seed_everything(args.seed + dist.rank)
     device = dist.device
     bfloat16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)  # weights stay float32
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)
     run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
-    checkpoint = fsdp.find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
-    run_dir = os.path.dirname(os.path.dirname(checkpoint)) if checkpoint else os.path.join(
-        args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))  # one name for all ranks
+    checkpoint = find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
+    if checkpoint:  # <run_dir>/checkpoints/step_N
+        run_dir = os.path.dirname(os.path.dirname(checkpoint))
+    else:  # a new run folder, one name for all ranks
+        run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
     eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)[: args.eval_prompts]
@@ -395,29 +381,28 @@ def main(args: Args) -> None:
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
     # One rank: the hf engine can share the trainer's module; several: it keeps a full copy per rank.
     policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32)
-    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype, share_weights=dist.world_size == 1,
-                         model_path=checkpoint or args.model, max_model_len=min(args.max_prompt_tokens + args.max_new_tokens,
-                                           policy.config.max_position_embeddings),
-                         seed=args.seed + dist.rank, gpu_memory_utilization=args.gpu_memory_utilization,
-                         sleep_mode=args.vllm_sleep_mode, device=device)
+    max_model_len = min(args.max_prompt_tokens + args.max_new_tokens, policy.config.max_position_embeddings)
+    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype, device=device,
+                         share_weights=dist.world_size == 1, model_path=checkpoint or args.model,
+                         max_model_len=max_model_len, seed=args.seed + dist.rank,
+                         gpu_memory_utilization=args.gpu_memory_utilization, sleep_mode=args.vllm_sleep_mode)
     policy = policy.to(device)
     if args.gradient_checkpointing:  # before sharding; non-reentrant, as FSDP2 requires
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = fsdp.shard(policy, dist, cpu_offload=args.cpu_offload)
     reference = None
     if args.kl_coef > 0:
-        reference = fsdp.shard(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval(),
-                               dist, cpu_offload=args.cpu_offload)
+        reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+        reference = fsdp.shard(reference, dist, cpu_offload=args.cpu_offload)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     start_step, skipped_steps = 0, 0
     if checkpoint:
-        state = fsdp.load_checkpoint(checkpoint, policy, optimizer, dist)
+        state = load_checkpoint(checkpoint, policy, optimizer, dist)
         scheduler.load_state_dict(state["scheduler"])
         start_step, skipped_steps = state["step"], state["skipped_steps"]
-    tracker = Tracker(run_dir, os.path.basename(run_dir), asdict(args), args.track, args.wandb_project_name,
-                      args.wandb_entity, enabled=dist.is_main, resume_step=start_step if checkpoint else None)
-
+    tracker = Tracker(run_dir, asdict(args), enabled=dist.is_main, resume_step=start_step if checkpoint else None,
+                      track=args.track, project=args.wandb_project_name, entity=args.wandb_entity)
     eval_kwargs = dict(task=eval_task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, use_chat_template=args.chat_template, dist=dist)
     if args.eval_every and start_step == 0:
@@ -426,96 +411,52 @@ def main(args: Args) -> None:
 
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
-        step_start = time.time()
+        step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions per prompt, with the sampler's log-probs μ of the sampled tokens
         #    (each rank takes whole groups, so group statistics are those of one process)
-        indices = sample_batch(len(train_rows), step, args.prompts_per_step, args.seed)
-        indices = indices[dist.rank * local_prompts : (dist.rank + 1) * local_prompts]
-        step_prompts = [prompts[i] for i in indices]
-        completions = engine.generate(step_prompts, args.group_size, args.max_new_tokens, args.temperature)
-        rollout_seconds = time.time() - step_start
+        with metrics.timer("time/rollout"):
+            indices = sample_batch(len(train_rows), step, args.prompts_per_step, args.seed)
+            indices = indices[dist.rank * local_prompts : (dist.rank + 1) * local_prompts]
+            step_prompts = [prompts[i] for i in indices]
+            completions = engine.generate(step_prompts, args.group_size, args.max_new_tokens, args.temperature)
 
         # 2. rewards and advantages
         scores = score_completions(completions, [train_rows[i] for i in indices], args.group_size, tokenizer,
                                    bare=args.task == "arith")
         rewards = torch.tensor([s.reward for s in scores], device=device).view(-1, args.group_size)
-        advantages = compute_advantages(rewards, args.scale_advantages).flatten()
         batch = make_batch(step_prompts, completions, args.group_size, tokenizer.pad_token_id, device)
-        batch["advantages"] = advantages
+        batch["advantages"] = compute_advantages(rewards, args.scale_advantages).flatten()
+        record_rollouts(metrics, scores, completions, rewards, batch["response_mask"])
 
         # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
-        train_start = time.time()
-        engine.sleep()
-        stats = update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast)
-        skipped_steps += int(stats["skipped"])
-        train_seconds = time.time() - train_start
+        with metrics.timer("time/train"):
+            engine.sleep()
+            skipped_steps += update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics)
 
-        # 5. push the new weights to the engine (every rank gathers each full tensor in turn)
-        sync_start = time.time()
-        engine.wake_up(["weights"])
-        engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
-        engine.wake_up(["kv_cache"])
-        sync_seconds = time.time() - sync_start
+        # TRY NOT TO MODIFY: 5. push the new weights to the engine (every rank gathers each full tensor in turn)
+        with metrics.timer("time/weight_sync"):
+            engine.wake_up(["weights"])
+            engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
+            engine.wake_up(["kv_cache"])
 
-        # 6. log, evaluate, checkpoint: sums over ranks first, then ratios
-        lengths = batch["response_mask"].sum(1)
-        mismatch = stats["mismatch"]
-        sums = fsdp.all_reduce_dict({
-            "reward": rewards.sum().item(), "correct": sum(s.correct for s in scores),
-            "no_answer": sum(not s.found for s in scores), "rollouts": len(scores), "length": lengths.sum().item(),
-            "truncated": sum(c.finish_reason == "length" for c in completions), "groups": len(rewards),
-            "zero_std_groups": (rewards.std(dim=1) == 0).sum().item(), "entropy": stats["entropy"],
-            "tokens": stats["tokens"], "approx_kl": stats["approx_kl"], "clipped": stats["clipped"],
-            "kl_ref": stats["kl_ref"], "mismatch_kl": mismatch["kl_sum"], "mismatch_tokens": mismatch["tokens"],
-        }, dist)
-        extremes = fsdp.all_reduce_dict({"length_max": lengths.max().item(), "ratio_max": stats["ratio_max"],
-                                         "mismatch_max": mismatch["max_abs_diff"], "neg_ratio_min": -stats["ratio_min"]},
-                                        dist, op="max")
-        step_seconds = time.time() - step_start
-        metrics = {
-            "charts/reward": sums["reward"] / sums["rollouts"],
-            "charts/accuracy": sums["correct"] / sums["rollouts"],
-            "charts/no_answer_rate": sums["no_answer"] / sums["rollouts"],
-            "charts/response_length_mean": sums["length"] / sums["rollouts"],
-            "charts/response_length_max": extremes["length_max"],
-            "charts/truncation_rate": sums["truncated"] / sums["rollouts"],
-            "charts/zero_std_group_fraction": sums["zero_std_groups"] / sums["groups"],
-            "charts/entropy": sums["entropy"] / sums["tokens"],
-            "charts/lr": scheduler.get_last_lr()[0],
-            "charts/skipped_steps": skipped_steps,
-            "charts/tokens_per_second": sums["length"] / step_seconds,
-            "losses/policy_loss": stats["loss"] / max(stats["updates"], 1),  # already summed over ranks
-            "losses/approx_kl": sums["approx_kl"] / sums["tokens"],
-            "losses/clip_fraction": sums["clipped"] / sums["tokens"],
-            "losses/ratio_min": -extremes["neg_ratio_min"],
-            "losses/ratio_max": extremes["ratio_max"],
-            "losses/grad_norm": stats["grad_norm"] / max(stats["updates"], 1),  # the global norm
-            "mismatch/kl_k3": sums["mismatch_kl"] / sums["mismatch_tokens"],
-            "mismatch/max_abs_logprob_diff": extremes["mismatch_max"],
-            "time/rollout": rollout_seconds,
-            "time/train": train_seconds,
-            "time/weight_sync": sync_seconds,
-            "time/step": step_seconds,
-        }
-        if reference is not None:
-            metrics["losses/kl_ref"] = sums["kl_ref"] / sums["tokens"]
+        # TRY NOT TO MODIFY: 6. log, evaluate, checkpoint
+        metrics.set("charts/lr", scheduler.get_last_lr()[0])
+        metrics.set("charts/skipped_steps", skipped_steps)  # optimizer steps skipped so far (not finite, no token)
+        metrics.set("time/step", time.time() - step_start)  # evaluation excluded
+        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))  # all ranks
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-            eval_start = time.time()
-            metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
-            metrics["time/eval"] = time.time() - eval_start
-        tracker.log(metrics, step=step + 1)
-        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}", **(
-            {"eval_greedy": f"{metrics['eval/greedy_accuracy']:.3f}"} if "eval/greedy_accuracy" in metrics else {}))
+            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k on held-out prompts
+                metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
+        logged = metrics.reduce(dist)  # one collective for every statistic of the step
+        tracker.log(logged, step=step + 1)
+        progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in ("charts/reward", "eval/greedy_accuracy")
+                              if k in logged})
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
-            trainer_state = {"step": step + 1, "skipped_steps": skipped_steps, "scheduler": scheduler.state_dict(),
-                             "args": asdict(args)}
-            fsdp.save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist,
-                                 args.keep_checkpoints)
+            trainer_state = {"step": step + 1, "skipped_steps": skipped_steps, "args": asdict(args),
+                             "scheduler": scheduler.state_dict()}
+            save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist, args.keep_checkpoints)
 
-    plot = tracker.close(plot_keys=[
-        "charts/reward", "eval/greedy_accuracy", f"eval/avg@{args.eval_k}", "charts/entropy",
-        "charts/response_length_mean", "losses/approx_kl", "losses/clip_fraction", "losses/grad_norm",
-        "mismatch/kl_k3"])
+    plot = tracker.close(plot_keys=PLOTTED + [f"eval/avg@{args.eval_k}"])
     if dist.is_main:
         print(f"run folder: {run_dir}" + (f" (plot: {plot})" if plot else ""))
     fsdp.barrier(dist)
@@ -525,3 +466,16 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+
+
+# Paper scale: the settings of the papers' smaller runs, on one GPU or on 8 with torchrun (FSDP2, same flags)
+#   python algorithms/grpo.py --model Qwen/Qwen2.5-Math-1.5B --task gsm8k --eval-task gsm8k \
+#       --steps 500 --prompts-per-step 64 --group-size 8 --max-new-tokens 1024 --lr 1e-6 \
+#       --num-minibatches 4 --micro-batch-size 8 --dtype bfloat16 --eval-every 50 --eval-k 4 --track
+#   torchrun --nproc_per_node 8 algorithms/grpo.py ...
+#
+# Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and clip-higher
+# (ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip (--loss-aggregation
+# sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04 (--kl-coef 0.04); DAPO's dynamic
+# sampling (re-drawing groups whose rewards are all equal) is not done: those groups are counted in
+# charts/zero_std_group_fraction and contribute no gradient; AdamW betas (0.9, 0.99).

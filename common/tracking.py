@@ -1,8 +1,13 @@
-"""Metrics: a JSONL file in the run folder always, wandb with --track, a PNG of the curves at the end.
+"""Metrics: recorded where they are computed, reduced over ranks once per step, written to a JSONL file
+in the run folder always, to wandb with --track, and drawn as a PNG of the curves at the end.
 
-    tracker = Tracker(run_dir, run_name, config=vars(args), track=args.track, ...)
-    tracker.log({"charts/reward": 0.4, ...}, step)
-    tracker.close(plot_keys=[...])      # writes curves.png
+    metrics = StepMetrics()
+    metrics.mean("charts/entropy", entropy_sum, token_count)   # Σ sums / Σ counts, over every call and rank
+    metrics.max("losses/ratio_max", ratio)                     # the largest number (or tensor element) seen
+    with metrics.timer("time/train"): ...                      # seconds, this rank's
+    tracker = Tracker(run_dir, config=vars(args), track=args.track, ...)
+    tracker.log(metrics.reduce(dist), step)                    # one collective for the whole step
+    tracker.close(plot_keys=[...])                             # writes curves.png
 
 On resume, records after the checkpoint's step are dropped from the JSONL (they are about to be
 recomputed), so the file reads as one uninterrupted run.
@@ -10,14 +15,94 @@ recomputed), so the file reads as one uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import time
+
+
+class StepMetrics:
+    """One step's statistics on this rank. `reduce(dist)` combines every rank's in one collective: a
+    mean is the sum of its numerators over its denominator's sum (so a token mean over ranks is the
+    mean over all their tokens), sums add, maxima and minima compare; `set` values are this rank's."""
+
+    def __init__(self):
+        self.means: dict[str, list[float]] = {}  # name -> [Σ numerators, Σ denominators]
+        self.sums: dict[str, float] = {}
+        self.maxima: dict[str, float] = {}
+        self.minima: dict[str, float] = {}
+        self.values: dict[str, float] = {}
+
+    def mean(self, name: str, total, count) -> None:
+        """Add `total` (a sum of values) and `count` (how many values it sums) to the mean `name`."""
+        accumulated = self.means.setdefault(name, [0.0, 0.0])
+        accumulated[0] += float(total)
+        accumulated[1] += float(count)
+
+    def sum(self, name: str, value) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(value)
+
+    def max(self, name: str, value) -> None:
+        """The largest number recorded under `name`."""
+        if hasattr(value, "numel"):  # a tensor: its largest element, none if it is empty
+            if value.numel() == 0:
+                return
+            value = value.max()
+        self.maxima[name] = max(self.maxima.get(name, -math.inf), float(value))
+
+    def min(self, name: str, value) -> None:
+        """The smallest number recorded under `name`."""
+        if hasattr(value, "numel"):  # a tensor: its smallest element, none if it is empty
+            if value.numel() == 0:
+                return
+            value = value.min()
+        self.minima[name] = min(self.minima.get(name, math.inf), float(value))
+
+    def set(self, name: str, value) -> None:
+        """A value that is not reduced (the same on every rank, or rank 0's is the one logged)."""
+        self.values[name] = float(value)
+
+    def update(self, values: dict) -> None:
+        for name, value in values.items():
+            self.set(name, value)
+
+    @contextlib.contextmanager
+    def timer(self, name: str):
+        start = time.time()
+        yield
+        self.set(name, time.time() - start)
+
+    def reduce(self, dist=None) -> dict[str, float]:
+        """{name: number} over all ranks (every rank calls this; one all_gather). A mean whose counts
+        add up to 0 is NaN: nothing was measured."""
+        parts = [(self.means, self.sums, self.maxima, self.minima)]
+        if dist is not None and dist.world_size > 1:
+            import torch.distributed
+
+            parts = [None] * dist.world_size
+            torch.distributed.all_gather_object(parts, (self.means, self.sums, self.maxima, self.minima))
+        means, sums, maxima, minima = {}, {}, {}, {}
+        for rank_means, rank_sums, rank_maxima, rank_minima in parts:  # in rank order: deterministic sums
+            for name, (total, count) in rank_means.items():
+                accumulated = means.setdefault(name, [0.0, 0.0])
+                accumulated[0] += total
+                accumulated[1] += count
+            for name, value in rank_sums.items():
+                sums[name] = sums.get(name, 0.0) + value
+            for name, value in rank_maxima.items():
+                maxima[name] = max(maxima.get(name, -math.inf), value)
+            for name, value in rank_minima.items():
+                minima[name] = min(minima.get(name, math.inf), value)
+        reduced = {name: total / count if count else math.nan for name, (total, count) in means.items()}
+        return {**reduced, **sums, **maxima, **minima, **self.values}
 
 
 class Tracker:
-    def __init__(self, run_dir, run_name, config, track=False, project="clean-llm-rl", entity=None,
-                 enabled=True, resume_step: int | None = None):
+    """Writes a run's metrics (rank 0: enabled=True); the run is named after its folder."""
+
+    def __init__(self, run_dir, config, track=False, project="clean-llm-rl", entity=None, enabled=True,
+                 resume_step: int | None = None):
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.run_dir = run_dir
@@ -34,6 +119,7 @@ class Tracker:
         if track:
             import wandb
 
+            run_name = os.path.basename(os.path.normpath(run_dir))
             self.wandb = wandb.init(project=project, entity=entity, name=run_name, config=config,
                                     dir=run_dir, save_code=True, resume="allow", id=run_name.replace("/", "_"))
 

@@ -1,4 +1,4 @@
-"""common/bench.py: run naming and resuming, summaries and plots from known metrics, the KL-drift
+"""common/bench/runner.py: run naming and resuming, summaries and plots from known metrics, the KL-drift
 measure against a direct computation, every suite's flags accepted by its script, and a quick bench."""
 
 import importlib
@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from common import bench  # noqa: E402
+from common.bench import runner as bench  # noqa: E402
 from conftest import run_script  # noqa: E402
 
 GRPO = bench.Config("GRPO", "grpo")

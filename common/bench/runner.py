@@ -5,7 +5,8 @@
     ./run.sh bench ema_kpo p3o     # paper-claim experiments (ema_kpo, p3o, tis_icepop, gtpo, isopo)
     ./run.sh bench all             # the benchmark and every experiment
     ./run.sh bench isopo --plot-only   # redraw from the runs already there
-(`./run.sh bench ARGS` is `python -m common.bench ARGS`.)
+(`./run.sh bench ARGS` is `python -m common.bench ARGS`; `python -m common.bench.engines` times the
+rollout engines.)
 
 A run is `python algorithms/<method>.py <flags> --seed s`. Its folder under --output-dir is named after
 the method and a hash of its flags, so one run serves every suite that asks for the same flags (the
@@ -15,7 +16,7 @@ in parallel, one thread each: on two cores, two one-thread runs take about as lo
 
 For each suite, --results-dir gets <suite>.png (mean over seeds, shaded from the lowest to the highest
 seed), <suite>.md (a table of final accuracy ± std over seeds and seconds per step, with the date,
-machine and command) and <suite>.json (the same numbers). The full runs write to common/bench_results,
+machine and command) and <suite>.json (the same numbers). The full runs write to common/bench/results,
 the copy the README shows, and replace the README's table between its `<!-- bench:<suite> -->` markers;
 --quick, --only, --seeds or --steps write under --output-dir instead.
 
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 
 import tyro
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass(frozen=True)
@@ -496,13 +497,13 @@ class BenchArgs:
     output_dir: str = "runs/bench"
     """where the runs go"""
     results_dir: str | None = None
-    """where plots and tables go (default: common/bench_results and the README's tables for a complete default
+    """where plots and tables go (default: common/bench/results and the README's tables for a complete default
     run; <output-dir>/results with --quick, --only, --seeds or --steps)"""
     plot_only: bool = False
     """draw plots and tables from the runs already there, run nothing"""
 
 
-PUBLISHED = os.path.join(REPO, "common", "bench_results")  # the results the README shows
+PUBLISHED = os.path.join(REPO, "common", "bench", "results")  # the results the README shows
 
 
 def is_complete(args: BenchArgs) -> bool:
@@ -567,7 +568,3 @@ def main(args: BenchArgs) -> int:
         print("failed runs:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(tyro.cli(BenchArgs, description=__doc__.split("\n")[0])))
