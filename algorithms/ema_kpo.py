@@ -1,117 +1,37 @@
 """EMA-KPO: KPO's causal filter of token log-ratios as a scheduled EMA, with the Kalman filter it simplifies.
 
-Papers: EMA-KPO, "Simplifying Kalman Policy Optimization with Fixed-Gain Exponential Smoothing" (FARS,
-2026; no arXiv id, code gitlab.com/fars-a/kpo-simple-smoothing); KPO, "Online Causal Kalman Filtering for
-Stable and Effective Policy Optimization" (He et al., 2026, arXiv:2602.10609). Groups and advantages are
-GRPO's (arXiv:2402.03300), as in grpo.py.
+Papers: EMA-KPO, "Simplifying Kalman Policy Optimization with Fixed-Gain Exponential Smoothing" (FARS, 2026;
+no arXiv id, code gitlab.com/fars-a/kpo-simple-smoothing); KPO, "Online Causal Kalman Filtering for Stable
+and Effective Policy Optimization" (He et al., 2026, arXiv:2602.10609); GRPO (arXiv:2402.03300).
 
-Objective. GRPO's groups and advantages A_i, but each token's ratio is replaced by a causal low-pass
-filter of the token log-ratios along its response (equation numbers are the EMA-KPO paper's):
+Objective. GRPO's, with each token's ratio replaced by a causal low-pass filter of the token log-ratios
+along its response (equation numbers are the EMA-KPO paper's; A_i: GRPO's group-normalized advantages):
 
     z_t   = log π_θ(o_t | q, o_<t) − log π_old(o_t | q, o_<t)                   (Eq. 1; detached)
-    P_t|t−1 = P_t−1|t−1 + Q,  K_t = P_t|t−1 / (P_t|t−1 + V),  P_t|t = (1 − K_t) P_t|t−1   (Eqs. 4, 5, 7)
-    ρ̂_t   = (1 − α_t) ρ̂_t−1 + α_t z_t,   ρ̂_0 = 0,   α_t = K_t                   (Eqs. 6, 9)
+    ρ̂_t   = (1 − α_t) ρ̂_t−1 + α_t z_t,  ρ̂_0 = 0,  α_t = K_t, the Kalman gains of Eqs. 4, 5, 7   (Eqs. 6, 9)
     r̃_t   = exp( log π_θ(o_t) − sg(log π_θ(o_t)) + sg(ρ̂_t) )     value exp(ρ̂_t), gradient exp(ρ̂_t)·∇log π_θ(o_t)
-    J(θ)  = 1/N Σ_i 1/|o_i| Σ_t min( r̃_it A_i , clip(r̃_it, 1 − ε−, 1 + ε+) A_i ),   ε− = 3e-4, ε+ = 4e-4
+    J(θ)  = 1/N Σ_i 1/|o_i| Σ_t min( r̃_it A_i , clip(r̃_it, 1 − ε_low, 1 + ε_high) A_i )   (the paper's ε−, ε+)
 
-The model behind it is a random walk ρ_t = ρ_t−1 + η (variance Q = 1e-6) observed as z_t = ρ_t + ε
-(variance V = 1) (Eqs. 2-3). The covariance recursion never sees z, so the gains K_t depend only on the
-position t: the Kalman filter IS an EMA with a schedule computed once before training (Eq. 9), which
-is what EMA-KPO runs.
+The model behind it: a random walk ρ_t = ρ_t−1 + η (variance Q = 1e-6) observed as z_t = ρ_t + ε (variance
+V = 1) (Eqs. 2-3). The covariance recursion never sees z, so the gains K_t depend only on the position t:
+the Kalman filter IS an EMA with a schedule computed once before training (Eq. 9), which EMA-KPO runs.
 
-What this file changes relative to grpo.py: the ratio (filtered, in update_policy), the filter and its
-gain schedule (ALGO LOGIC sections), the defaults ε− = 3e-4, ε+ = 4e-4, --num-minibatches 4 and
---loss-aggregation sequence-mean, the flags --smoother --kalman-q --kalman-v --p0 --alpha, and two
-metrics. Everything else (rollouts, advantages, FSDP2 over ranks, logging, checkpoints) is grpo.py's.
+How to read this file. main() is one training step after another: sample G completions per prompt,
+score them and compute advantages, update the policy on minibatches, push the new weights to the
+rollout engine, then log, evaluate and checkpoint. The method lives between `# ALGO LOGIC` and
+`# END ALGO LOGIC`; `# TRY NOT TO MODIFY` marks the plumbing every fork keeps as it is. Implementation
+details are comments at the code they explain, each metric is defined where it is recorded, and the
+paper-scale command and the differences from the papers' settings close the file.
 
-Implementation details
-1. z_t is detached, computed in float32 from the trainer's log-probs at the sampling temperature, and
-   zeroed at pad tokens. Responses are right-padded, so pads come after every valid token of their row
-   and a causal filter cannot carry them into a valid position. The filter runs on every micro-batch of
-   every update, on the current π_θ: ρ̂ changes as π_θ moves away from π_old.
-2. --smoother ema (default, EMA-KPO): the gains α_t = K_t of Eqs. 4, 5, 7 with P_0|0 = --p0 are
-   computed once, in float64, for --max-new-tokens positions; the first response token gets
-   K_1 = (P0 + Q)/(P0 + Q + V), the paper's "K_0 ≈ 0.5". Eq. 9 then runs with no covariance state.
-3. The EMA is vectorized over the batch and the tokens (no Python loop over tokens). Unrolled,
-   ρ̂_t = Σ_i≤t α_i exp(L_t − L_i) z_i with L_t = Σ_j≤t log(1 − α_j). It is evaluated in blocks of 64
-   tokens: one matrix product within each block, one across the block ends (the carry). Every exponent
-   is a difference L_t − L_i ≤ 0, so nothing overflows; exp can only underflow to 0. The form
-   exp(L_t)·Σ_i α_i exp(−L_i) z_i used by the official KPO code overflows float32 once L_t < −88
-   (α = 0.1 after 840 tokens) and, with that code's clamp exp(L) ≥ 1e-30, silently stops decaying once
-   L_t < −69 (α = 0.01 after about 6,870 tokens). The arithmetic is float64 inside: relative error < 1e-7
-   against a float64 loop at 8192 tokens for gains up to 0.1.
-4. --smoother kalman (KPO): Eqs. 4-7 run literally, token by token, with the covariance state of every
-   row: the same numbers to rounding, at the price of T sequential steps. It is the machinery EMA-KPO
-   removes, kept for comparison. --smoother fixed --alpha A: a constant gain (the paper's ablation,
-   α = 1e-4 collapses training, α = 1e-2 is worse than the schedule).
-5. No gradient through the filter: r̃'s value is exp(ρ̂) and its gradient exp(ρ̂)·∇log π (KPO's
-   construction, as GSPO-token's). log r̃ is clamped at 10, as in the official code.
-6. Several updates per rollout batch are what makes the method act. With a single update
-   (--num-minibatches 1 --update-epochs 1) π_old = π_θ, so z ≡ 0, ρ̂ ≡ 0 and r̃ ≡ 1: EMA-KPO would be a
-   plain policy gradient. The default --num-minibatches 4 is the setting of the KPO script that EMA-KPO
-   follows (32 prompts × 8 per batch, 64 completions per optimizer step). The first minibatch of each
-   batch is still on-policy (r̃ = 1); minibatches 2-4 see ρ̂ ≠ 0.
-7. The clip range is tiny (ε− = 3e-4, ε+ = 4e-4). A token stops contributing a gradient as soon as its
-   smoothed log-ratio passes log(1 + ε+) ≈ 4e-4 with A > 0, or log(1 − ε−) ≈ −3e-4 with A < 0: the clip
-   is a trust region on ρ̂, not on the raw, noisy z.
-8. --p0 (the prior variance P_0|0). The EMA-KPO paper assumes P0 = 1 (default): K ≈ 0.5 at the first
-   token, then K_t ≈ 1/(t + 1) for t ≪ 1/√Q = 1000, so ρ̂_t is about the causal prefix mean of z (a
-   causal, token-level GSPO ratio). For a constant z, ρ̂ reaches 50% of it at t = 1 and 99% at t = 100.
-   The official KPO code uses P0 = 0 (--p0 0): K starts at Q/(Q + V) ≈ 1e-6 and grows by about Q per
-   token, so ρ̂ ≈ 0 and r̃ ≈ 1 (never clipped) over the first few hundred tokens: 0.5% of a constant
-   z at t = 100, 11% at t = 500, 35% at t = 1000. Both schedules reach K_∞ ≈ 9.995e-4 (Eq. 8), within
-   1% after about 2650 tokens. On the built-in task (≤ 16 tokens), --p0 0 leaves r̃ ≈ 1 everywhere.
-9. Loss aggregation: token mean within each response, then mean over the minibatch's non-empty responses
-   (sequence-mean, the official seq-mean-token-mean; --loss-aggregation token-mean is DAPO's). β = 0,
-   skipped non-finite steps and several ranks (FSDP2; the filter is per sequence, hence rank-local) work
-   as in grpo.py.
-
-Logged metrics (metrics.jsonl in the run folder; wandb with --track; curves.png at the end)
-  charts/reward, charts/accuracy       mean reward and fraction of correct rollouts of the step
-  charts/no_answer_rate                fraction of rollouts with no extractable answer
-  charts/response_length_mean|max      completion length in tokens (EOS included)
-  charts/truncation_rate               fraction stopped by --max-new-tokens
-  charts/zero_std_group_fraction       groups whose rewards are all equal (they carry no signal)
-  charts/entropy                       mean full-vocabulary entropy of π_θ at response tokens (the
-                                       paper's stability claim: GRPO's entropy collapses, KPO's recovers)
-  charts/lr, charts/tokens_per_second, charts/skipped_steps
-  losses/policy_loss                   the clipped surrogate of r̃ (plus the KL term when β > 0)
-  losses/approx_kl                     k3 estimate of KL(π_old ‖ π_θ) from the raw token log-ratios z
-  losses/clip_fraction                 tokens whose clipped term of r̃ is active (no gradient)
-  losses/ratio_min|max                 smallest / largest filtered ratio r̃ = exp(ρ̂)
-  losses/rho_hat_abs_mean|max          mean / largest |ρ̂_t| over response tokens: how far the smoothed
-                                       log-ratio moves (compare with ε− and ε+)
-  losses/grad_norm (before clipping), losses/kl_ref (β > 0)
-  mismatch/kl_k3, mismatch/max_abs_logprob_diff   KL(μ ‖ π_old) and max |log μ − log π_old|, with μ the
-                                       engine's log-probs: the train-inference mismatch
-  time/rollout|train|weight_sync|eval|step   seconds per phase
-  eval/greedy_accuracy, eval/avg@k, eval/pass@k    on held-out prompts, every --eval-every steps
-
-Known differences from the authors' code (official KPO: github.com/shuohe1995/verl-kpo, core_algos.py;
-the EMA-KPO code could not be read, so EMA-KPO follows its paper)
-- P0: 1 here, as the EMA-KPO paper states; 0 in the KPO code. --p0 0 gives the official schedule.
-- The KPO code evaluates the gains in closed form and clamps them to [1e-6, 1 − 1e-6]; here they come
-  from the recursion itself in float64 (they agree to 1e-10), unclamped (K_1 = 9.99999e-7 instead of
-  1e-6 when P0 = 0; for 0 ≤ P0 ≤ 1 no other gain is affected).
-- The KPO code filters with the cumsum form in float32 (see 3); for Q = 1e-6 the results agree (its
-  exponents stay above −15 at 8k tokens); for larger gains this file stays exact where it would not.
-- Its seq-mean-token-mean averages per micro-batch and rescales; here the mean is over the minibatch's
-  responses on all ranks (the same when micro-batches are of equal size). Advantages divide by
-  std + 1e-4 here, std + 1e-6 there.
-- Its script also warms the lr up over 5% of the optimizer steps, uses weight decay 0.1 and samples
-  Qwen3-4B without thinking; the command below adds the warm-up and weight decay.
+What this file changes relative to grpo.py: the filtered ratio (the filter, its gains and their flags) and
+the defaults ε_low = 3e-4, ε_high = 4e-4, --num-minibatches 4, --loss-aggregation sequence-mean.
 
 Run it
-  python algorithms/ema_kpo.py                               # built-in tiny task, CPU, a few minutes
-  ./run.sh bench ema_kpo                                     # the paper's claims on the built-in task (README)
+  python algorithms/ema_kpo.py                               # the built-in task on a CPU, a few minutes
+  python algorithms/ema_kpo.py --help                        # every flag, with its default
   python algorithms/ema_kpo.py --smoother kalman             # KPO's Kalman filter (same numbers, slower)
-  python algorithms/ema_kpo.py --smoother fixed --alpha 1e-2 # the paper's fixed-gain ablation
-  python algorithms/ema_kpo.py --model Qwen/Qwen3-4B-Base --task dapo_math --eval-task aime24 \\
-      --steps 500 --prompts-per-step 32 --group-size 8 --max-new-tokens 4096 --max-prompt-tokens 1024 \\
-      --lr 1e-6 --warmup-steps 100 --weight-decay 0.1 --num-minibatches 4 --micro-batch-size 4 \\
-      --dtype bfloat16 --vllm-sleep-mode --eval-every 50 --eval-k 16 --track
-  torchrun --nproc_per_node 8 algorithms/ema_kpo.py ...      # the paper's 8 GPUs: FSDP2, one vLLM engine per rank
-  python algorithms/ema_kpo.py --resume auto                 # continue the newest run of this task/name/seed
+  python algorithms/ema_kpo.py --smoother fixed --alpha 1e-2 # the paper's fixed-gain ablation (and 1e-4)
+  ./run.sh bench ema_kpo                                     # the paper's claims on the built-in task (README)
 """
 
 import os
@@ -127,12 +47,13 @@ import tyro
 from tqdm import tqdm
 
 from common import fsdp
+from common.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
 from common.evaluate import evaluate, score_completions
 from common.logprobs import output_layer_scores
 from common.reward import encode_prompts, load_task, sample_batch
 from common.rollout import load_tokenizer, make_engine
 from common.tiny import resolve_model
-from common.tracking import Tracker
+from common.tracking import StepMetrics, Tracker
 
 
 @dataclass
@@ -198,7 +119,7 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping threshold"""
     num_minibatches: int = 4
-    """optimizer steps per rollout batch and epoch (EMA-KPO needs > 1: with one update the ratio is exactly 1)"""
+    """optimizer steps per rollout batch and epoch (EMA-KPO needs > 1: with one update r̃ ≡ 1; 4: the KPO script's)"""
     update_epochs: int = 1
     """passes over each rollout batch"""
     micro_batch_size: int = 64
@@ -224,62 +145,26 @@ class Args:
     p0: float = 1.0
     """P_0|0, prior variance of the latent log-ratio: 1 = EMA-KPO paper (first gain ≈ 0.5), 0 = official KPO code (≈ Q)"""
     alpha: float | None = None
-    """the constant gain of --smoother fixed (the paper's ablation: 1e-4 and 1e-2)"""
+    """the constant gain of --smoother fixed (the paper's ablation: 1e-4 collapses training, 1e-2 is worse than the schedule)"""
     clip_low: float = 3e-4
-    """ε−: the ratio is clipped below 1 − ε− (KPO / EMA-KPO: 3e-4)"""
+    """ε_low: lower clip range of the ratio"""
     clip_high: float = 4e-4
-    """ε+: the ratio is clipped above 1 + ε+ (KPO / EMA-KPO: 4e-4)"""
+    """ε_high: upper clip range (DAPO's clip-higher; = clip_low for PPO's symmetric clip)"""
     scale_advantages: bool = True
     """divide group-centred rewards by the group's std (GRPO); --no-scale-advantages is Dr. GRPO"""
     loss_aggregation: Literal["token-mean", "sequence-mean"] = "sequence-mean"
-    """mean per completion then over completions (KPO's seq-mean-token-mean), or token-mean over the minibatch (DAPO)"""
+    """token-mean over the minibatch (DAPO), or mean per completion then over completions (GRPO)"""
     kl_coef: float = 0.0
     """β of the k3 KL penalty to the initial policy (0: no reference model is loaded)"""
 
 
-def check_args(args: Args) -> None:
-    problems = [f"--{name} must be {rule}" for name, bad, rule in [
-        ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
-        ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
-        ("max-new-tokens", args.max_new_tokens < 1, ">= 1"),
-        ("temperature", not args.temperature > 0, "> 0"),
-        ("num-minibatches", not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
-         "between 1 and the number of rollouts per step"),
-        ("update-epochs", args.update_epochs < 1, ">= 1"),
-        ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
-        ("lr", not args.lr > 0, "> 0"),
-        ("clip-low", not 0 <= args.clip_low < 1, "in [0, 1)"),
-        ("clip-high", args.clip_high < 0, ">= 0"),
-        ("kl-coef", args.kl_coef < 0, ">= 0"),
-        ("kalman-q", not args.kalman_q > 0, "> 0"),
-        ("kalman-v", not args.kalman_v > 0, "> 0"),
-        ("p0", not 0 <= args.p0 < float("inf"), ">= 0 and finite"),
-        ("alpha", args.alpha is not None and not 0 < args.alpha < 1, "in (0, 1)"),
-    ] if bad]
-    if args.smoother == "fixed" and args.alpha is None:
-        problems.append("--alpha is required with --smoother fixed")
-    if args.smoother != "fixed" and args.alpha is not None:
-        problems.append(f"--alpha applies to --smoother fixed only (--smoother {args.smoother} takes its gains from "
-                        "--kalman-q, --kalman-v and --p0)")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if not 0 < args.gpu_memory_utilization < 1:
-        problems.append("--gpu-memory-utilization must be in (0, 1)")
-    if args.prompts_per_step % world_size:
-        problems.append(f"--prompts-per-step must be divisible by the number of ranks ({world_size})")
-    if problems:
-        raise ValueError("invalid arguments: " + "; ".join(problems))
-
-
-# ALGO LOGIC: advantages, the filter of the token log-ratios, the filtered ratio and its clipped surrogate
-def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
-    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
-
-
+# ALGO LOGIC: the filter of the token log-ratios and its ratio, the clipped surrogate, advantages, loss averaging
 def kalman_gains(length: int, q: float = 1e-6, v: float = 1.0, p0: float = 1.0) -> torch.Tensor:
-    """Gains K_1..K_length (float64) of the Kalman filter of Eqs. 2-3, from P_0|0 = p0. The covariance
-    recursion never sees an observation: the gains are a fixed schedule of the position alone."""
+    """Gains K_1..K_length (float64) of the Kalman filter of Eqs. 2-3 from P_0|0 = p0: a schedule of the position.
+    p0 = 1 (the EMA-KPO paper): K_1 = (P0 + Q)/(P0 + Q + V) ≈ 0.5, then K_t ≈ 1/(t + 1) for t ≪ 1/√Q = 1000, so
+    ρ̂_t ≈ the causal prefix mean of z (a constant z is followed to 50% at t = 1, 99% at t = 100). p0 = 0 (the KPO
+    code): K grows from Q/(Q + V) ≈ 1e-6 by about Q per token: r̃ ≈ 1, never clipped, for hundreds of tokens (0.5%
+    of a constant z at t = 100, 11% at 500, 35% at 1000). Both reach K_∞ ≈ 9.995e-4 (Eq. 8), within 1% at t ≈ 2650."""
     gains, posterior = [], p0
     for _ in range(length):
         prior = posterior + q  # P_t|t−1 = P_t−1|t−1 + Q             (Eq. 4)
@@ -297,17 +182,16 @@ def gain_schedule(args, length: int) -> torch.Tensor:
 
 
 def ema_filter(z: torch.Tensor, alphas: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """ρ̂_t = (1 − α_t) ρ̂_t−1 + α_t z_t with ρ̂_0 = 0 (Eq. 9) along each row of z [B, T], all at once.
+    """ρ̂_t = (1 − α_t) ρ̂_t−1 + α_t z_t with ρ̂_0 = 0 (Eq. 9) along each row of z [B, T], no loop over tokens.
     alphas: at least T gains in [0, 1), shared by the rows. Unrolled, ρ̂_t = Σ_i≤t α_i exp(L_t − L_i) z_i
-    with L_t = Σ_j≤t log(1 − α_j): a matrix product within blocks of `block` tokens, then each block
-    starts from the previous block's last value, decayed. Every exponent is ≤ 0. Float64 inside."""
+    with L_t = Σ_j≤t log(1 − α_j), a matrix product within blocks of `block` tokens, then across them. Every
+    exponent is ≤ 0: nothing overflows. Float64 inside: relative error < 1e-7 against a loop at 8192 tokens."""
     rows, length = z.shape
     if len(alphas) < length:
         raise ValueError(f"ema_filter: {len(alphas)} gains for {length} tokens")
     blocks = -(-length // block)
-    alpha = torch.zeros(blocks * block, dtype=torch.float64, device=z.device)  # α = 0 and z = 0 past the end
-    alpha[:length] = alphas[:length]
-    alpha = alpha.view(blocks, block)
+    alpha = torch.zeros(blocks, block, dtype=torch.float64, device=z.device)  # α = 0 and z = 0 past the end
+    alpha.view(-1)[:length] = alphas[:length]
     x = torch.nn.functional.pad(z.double(), (0, blocks * block - length)).view(rows, blocks, block)
     # L_t from the start of each block (the clamp only acts where α rounds to 1: log 0 = −inf)
     log_decay = torch.log1p(-alpha).clamp(min=-50).cumsum(1)
@@ -340,22 +224,16 @@ def kalman_filter(z: torch.Tensor, q: float, v: float, p0: float) -> torch.Tenso
     return filtered.to(z.dtype)
 
 
-def filter_log_ratios(z: torch.Tensor, args, gains: torch.Tensor) -> torch.Tensor:
-    """ρ̂ [B, T] of the token log-ratios z [B, T] with the chosen --smoother (gains: gain_schedule's)."""
-    if args.smoother == "kalman":
-        return kalman_filter(z, args.kalman_q, args.kalman_v, args.p0)
-    return ema_filter(z, gains)
-
-
 def filtered_ratio(logprobs: torch.Tensor, rho_hat: torch.Tensor, max_log_ratio: float = 10.0) -> torch.Tensor:
     """r̃ = exp(log π − sg(log π) + sg(ρ̂)): value exp(ρ̂), gradient exp(ρ̂)·∇log π; no gradient through the
-    filter. log r̃ is clamped at `max_log_ratio`, as in the official KPO code."""
+    filter (KPO's construction, as GSPO-token's). log r̃ is clamped at `max_log_ratio`, as in the KPO code."""
     return torch.exp(torch.clamp(logprobs - logprobs.detach() + rho_hat.detach(), max=max_log_ratio))
 
 
 def clipped_surrogate_loss(ratio, advantages, clip_low, clip_high):
-    """Per-token −min(r̃A, clip(r̃, 1−ε−, 1+ε+)A), and where the clip is active (no gradient).
-    ratio: [B, T], the filtered r̃; advantages: [B] (one per completion)."""
+    """Per-token −min(r̃A, clip(r̃, 1−ε_low, 1+ε_high)A), and where the clip is active (no gradient).
+    ratio: [B, T], the filtered r̃; advantages: [B] (one per completion). With the tiny default range, a token
+    stops contributing once ρ̂ passes log(1 + ε_high) (A > 0) or log(1 − ε_low) (A < 0): a trust region on ρ̂."""
     advantages = advantages[:, None]
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
@@ -363,9 +241,16 @@ def clipped_surrogate_loss(ratio, advantages, clip_low, clip_high):
     return -torch.minimum(unclipped, clipped), clip_active
 
 
+def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
+
+
 def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
-    """Sum of this micro-batch's share of the minibatch loss (micro-batch shares add up to the mean).
-    minibatch_sequences counts the completions with at least one response token, on all ranks."""
+    """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to the mean).
+    token-mean (DAPO): every response token of the minibatch, on all ranks, weighs the same.
+    sequence-mean (GRPO): a mean over each completion, then over the completions that have a token."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / minibatch_tokens
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
@@ -373,9 +258,12 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
 # END ALGO LOGIC
 
 
+# TRY NOT TO MODIFY: log-probs, rollout batches, micro-batches and the train-inference mismatch
 def token_logprobs(model, micro, temperature, with_entropy=False):
     """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their entropy, no
-    gradient). The output layer scores a chunk of positions at a time: no [B, T, vocabulary] logits."""
+    gradient). The logits are divided by the sampling temperature, so the trainer scores the very
+    distribution the engine sampled from. Memory grows with the work: the output layer scores a chunk
+    of positions at a time (no [B, T, vocabulary] logits)."""
     targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))  # the last position predicts past the end
     with output_layer_scores(model, targets, temperature, with_entropy):
         scores = model(
@@ -429,21 +317,38 @@ def micro_batches(batch, indices, size, by_length=True):
         yield micro
 
 
-def train_inference_mismatch(old_logprobs, sampler_logprobs, mask, totals=None):
-    """Running sums for k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ], ρ = π_old/μ, and max |log μ − log π_old|."""
-    totals = totals or {"kl_sum": 0.0, "tokens": 0.0, "max_abs_diff": 0.0}
+def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
+    """The train-inference mismatch over response tokens, μ being the engine's log-probs:
+    mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ; mismatch/max_abs_logprob_diff."""
     log_ratio = (old_logprobs - sampler_logprobs).detach()
-    totals["kl_sum"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum().item()
-    totals["tokens"] += mask.sum().item()
-    totals["max_abs_diff"] = max(totals["max_abs_diff"], (log_ratio.abs() * mask).max().item())
-    return totals
+    metrics.mean("mismatch/kl_k3", ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum(), mask.sum())
+    metrics.max("mismatch/max_abs_logprob_diff", (log_ratio.abs() * mask).max())
 
 
-def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, gains) -> dict:
-    """Old and reference log-probs, then minibatch updates on one rollout batch (this rank's share).
-    gains: the EMA's α_t (gain_schedule). Returns statistics summed over this rank's tokens (reduce them
-    over ranks before dividing)."""
-    # old log-probs only when π_θ will move away from π_old within this batch (else ratio ≡ 1)
+def record_rollouts(metrics, scores, completions, rewards, response_mask):
+    """What the engine sampled this step: the reward and how it came about."""
+    lengths, rollouts = response_mask.sum(1), len(scores)  # tokens per completion, EOS included
+    metrics.mean("charts/reward", rewards.sum(), rollouts)
+    metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
+    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)  # no answer to extract
+    metrics.mean("charts/response_length_mean", lengths.sum(), rollouts)
+    metrics.max("charts/response_length_max", lengths)
+    metrics.mean("charts/truncation_rate", sum(c.finish_reason == "length" for c in completions), rollouts)
+    # groups whose rewards are all equal: their advantages are 0, they carry no signal
+    metrics.mean("charts/zero_std_group_fraction", (rewards.std(dim=1) == 0).sum(), len(rewards))
+
+
+PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/response_length_mean",
+           "losses/approx_kl", "losses/clip_fraction", "losses/grad_norm", "losses/rho_hat_abs_mean",
+           "mismatch/kl_k3"]  # curves.png
+# END TRY NOT TO MODIFY
+
+
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics, gains) -> int:
+    """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
+    Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
+    # old log-probs only when π_θ will move away from π_old within this batch. With one update per batch
+    # π_old = π_θ: the ratio is exactly 1, its gradient is the policy gradient, and no pass is needed
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     with torch.no_grad(), autocast:
@@ -453,12 +358,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 for micro in micro_batches(batch, every_row, args.micro_batch_size):
                     logprobs = token_logprobs(model, micro, args.temperature)[0]
                     batch[key][micro["rows"], : logprobs.shape[1]] = logprobs
-    stats = dict.fromkeys(["loss", "approx_kl", "clipped", "entropy", "kl_ref", "tokens", "grad_norm",
-                           "updates", "skipped", "rho_abs", "rho_abs_max"], 0.0)
-    stats.update(ratio_min=float("inf"), ratio_max=float("-inf"))
     if multiple_updates:
-        stats["mismatch"] = train_inference_mismatch(batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
+        record_mismatch(metrics, batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
 
+    skipped = 0
     for epoch in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
         for minibatch in order.chunk(args.num_minibatches):
@@ -470,7 +373,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                                            "sequences": response_mask.any(1).sum().item()}, dist)
             minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
             if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
-                stats["skipped"] += 1
+                skipped += 1
                 continue
             minibatch_loss = 0.0
             for micro in micro_batches(batch, minibatch, args.micro_batch_size):
@@ -479,45 +382,82 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the EMA-KPO loss of this micro-batch
-                z = (logprobs - old_logprobs).detach() * mask  # token log-ratios (Eq. 1), 0 at the trailing pads
-                rho_hat = filter_log_ratios(z, args, gains)  # ρ̂_t, causal along each response (Eq. 9 / Eqs. 4-7)
-                ratio = filtered_ratio(logprobs, rho_hat)  # r̃_t: value exp(ρ̂_t), gradient exp(ρ̂_t)·∇log π
+                # z of the current π_θ, 0 at the right padding (a causal filter cannot carry it into a valid token)
+                z = (logprobs - old_logprobs).detach() * mask  # token log-ratios (Eq. 1), float32
+                if args.smoother == "kalman":  # ρ̂_t, causal along each response, per sequence (so rank-local)
+                    rho_hat = kalman_filter(z, args.kalman_q, args.kalman_v, args.p0)  # KPO (Eqs. 4-7)
+                else:
+                    rho_hat = ema_filter(z, gains)  # EMA-KPO (Eq. 9)
+                ratio = filtered_ratio(logprobs, rho_hat)  # r̃_t (losses/clip_fraction, ratio_min|max are r̃'s)
                 token_losses, clip_active = clipped_surrogate_loss(
                     ratio, micro["advantages"], args.clip_low, args.clip_high)
-                if reference is not None:
+                if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
                     kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
-                    stats["kl_ref"] += (kl_ref.detach() * mask).sum().item()
+                    metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
                 # END ALGO LOGIC
                 (loss * dist.world_size).backward()
                 minibatch_loss += loss.item()
-                with torch.no_grad():
-                    log_ratio, valid = (logprobs - old_logprobs).detach(), mask.bool()
-                    stats["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum().item()
-                    stats["clipped"] += (clip_active.float() * mask).sum().item()
-                    stats["entropy"] += (entropy * mask).sum().item()
-                    stats["tokens"] += mask.sum().item()
-                    stats["ratio_min"] = min(stats["ratio_min"], ratio[valid].min().item())
-                    stats["ratio_max"] = max(stats["ratio_max"], ratio[valid].max().item())
-                    stats["rho_abs"] += (rho_hat.abs() * mask).sum().item()
-                    stats["rho_abs_max"] = max(stats["rho_abs_max"], rho_hat[valid].abs().max().item())
+                with torch.no_grad():  # statistics of the response tokens
+                    log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
+                    k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
+                    metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
+                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)  # no gradient
+                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
+                    metrics.min("losses/ratio_min", ratio[valid])
+                    metrics.max("losses/ratio_max", ratio[valid])
+                    metrics.mean("losses/rho_hat_abs_mean", (rho_hat.abs() * mask).sum(), tokens)  # how far ρ̂ moves
+                    metrics.max("losses/rho_hat_abs_max", rho_hat[valid].abs())  # (compare with ε_low, ε_high)
                     if not multiple_updates:  # this single pass sees every rollout once, under π_old
-                        stats["mismatch"] = train_inference_mismatch(
-                            old_logprobs, micro["sampler_logprobs"], mask, stats.get("mismatch"))
+                        record_mismatch(metrics, old_logprobs, micro["sampler_logprobs"], mask)
+            # TRY NOT TO MODIFY: the optimizer step; a step whose loss or gradient norm is not finite is
+            # skipped (counted in charts/skipped_steps), so weights never become NaN
             grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)
             if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)):
                 optimizer.step()
                 scheduler.step()
             else:
-                stats["skipped"] += 1  # never write NaN weights
+                skipped += 1
             optimizer.zero_grad(set_to_none=True)
-            stats["loss"] += minibatch_loss
-            stats["grad_norm"] += grad_norm.item()
-            stats["updates"] += 1
-    return stats
+            # the loss of all ranks and the global norm (before clipping): the same numbers on every rank
+            metrics.mean("losses/policy_loss", minibatch_loss, 1)
+            metrics.mean("losses/grad_norm", grad_norm, 1)
+    return skipped
+
+
+def check_args(args: Args) -> None:
+    problems = [f"--{name} must be {rule}" for name, bad, rule in [
+        ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
+        ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
+        ("max-new-tokens", args.max_new_tokens < 1, ">= 1"),
+        ("temperature", not args.temperature > 0, "> 0"),
+        ("num-minibatches", not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
+         "between 1 and the number of rollouts per step"),
+        ("update-epochs", args.update_epochs < 1, ">= 1"),
+        ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
+        ("lr", not args.lr > 0, "> 0"),
+        ("clip-low", not 0 <= args.clip_low < 1, "in [0, 1)"),
+        ("clip-high", args.clip_high < 0, ">= 0"),
+        ("kl-coef", args.kl_coef < 0, ">= 0"),
+        ("kalman-q", not args.kalman_q > 0, "> 0"),
+        ("kalman-v", not args.kalman_v > 0, "> 0"),
+        ("p0", not 0 <= args.p0 < float("inf"), ">= 0 and finite"),
+        ("alpha", args.alpha is not None and not 0 < args.alpha < 1, "in (0, 1)"),
+    ] if bad]
+    if args.smoother == "fixed" and args.alpha is None:
+        problems.append("--alpha is required with --smoother fixed")
+    if args.smoother != "fixed" and args.alpha is not None:
+        problems.append(f"--alpha applies to --smoother fixed only (--smoother {args.smoother} uses --kalman-q/v, --p0)")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if not 0 < args.gpu_memory_utilization < 1:
+        problems.append("--gpu-memory-utilization must be in (0, 1)")
+    if args.prompts_per_step % world_size:
+        problems.append(f"--prompts-per-step must be divisible by the number of ranks ({world_size})")
+    if problems:
+        raise ValueError("invalid arguments: " + "; ".join(problems))
 
 
 def main(args: Args) -> None:
@@ -527,16 +467,18 @@ def main(args: Args) -> None:
 
     disable_progress_bar()  # no "Loading weights" bars: the training bar is the one to watch
 
-    # TRY NOT TO MODIFY: set-up
+    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; bf16 autocast over float32 weights)
     dist = fsdp.setup()
-    fsdp.seed_everything(args.seed + dist.rank)
+    seed_everything(args.seed + dist.rank)
     device = dist.device
     bfloat16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)  # weights stay float32
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)
     run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
-    checkpoint = fsdp.find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
-    run_dir = os.path.dirname(os.path.dirname(checkpoint)) if checkpoint else os.path.join(
-        args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))  # one name for all ranks
+    checkpoint = find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
+    if checkpoint:  # <run_dir>/checkpoints/step_N
+        run_dir = os.path.dirname(os.path.dirname(checkpoint))
+    else:  # a new run folder, one name for all ranks
+        run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
     eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)[: args.eval_prompts]
@@ -547,132 +489,83 @@ def main(args: Args) -> None:
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
     # One rank: the hf engine can share the trainer's module; several: it keeps a full copy per rank.
     policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32)
-    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype, share_weights=dist.world_size == 1,
-                         model_path=checkpoint or args.model, max_model_len=min(args.max_prompt_tokens + args.max_new_tokens,
-                                           policy.config.max_position_embeddings),
-                         seed=args.seed + dist.rank, gpu_memory_utilization=args.gpu_memory_utilization,
-                         sleep_mode=args.vllm_sleep_mode, device=device)
+    max_model_len = min(args.max_prompt_tokens + args.max_new_tokens, policy.config.max_position_embeddings)
+    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype, device=device,
+                         share_weights=dist.world_size == 1, model_path=checkpoint or args.model,
+                         max_model_len=max_model_len, seed=args.seed + dist.rank,
+                         gpu_memory_utilization=args.gpu_memory_utilization, sleep_mode=args.vllm_sleep_mode)
     policy = policy.to(device)
     if args.gradient_checkpointing:  # before sharding; non-reentrant, as FSDP2 requires
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = fsdp.shard(policy, dist, cpu_offload=args.cpu_offload)
     reference = None
     if args.kl_coef > 0:
-        reference = fsdp.shard(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval(),
-                               dist, cpu_offload=args.cpu_offload)
+        reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+        reference = fsdp.shard(reference, dist, cpu_offload=args.cpu_offload)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     start_step, skipped_steps = 0, 0
     if checkpoint:
-        state = fsdp.load_checkpoint(checkpoint, policy, optimizer, dist)
+        state = load_checkpoint(checkpoint, policy, optimizer, dist)
         scheduler.load_state_dict(state["scheduler"])
         start_step, skipped_steps = state["step"], state["skipped_steps"]
-    tracker = Tracker(run_dir, os.path.basename(run_dir), asdict(args), args.track, args.wandb_project_name,
-                      args.wandb_entity, enabled=dist.is_main, resume_step=start_step if checkpoint else None)
-
+    tracker = Tracker(run_dir, asdict(args), enabled=dist.is_main, resume_step=start_step if checkpoint else None,
+                      track=args.track, project=args.wandb_project_name, entity=args.wandb_entity)
     eval_kwargs = dict(task=eval_task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, use_chat_template=args.chat_template, dist=dist)
     if args.eval_every and start_step == 0:
         tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
     local_prompts = args.prompts_per_step // dist.world_size
-    gains = gain_schedule(args, args.max_new_tokens).to(device)  # ALGO LOGIC: α_t, once, before training
+    gains = gain_schedule(args, args.max_new_tokens).to(device)  # ALGO LOGIC: the EMA's α_t (Eq. 9), once
 
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
-        step_start = time.time()
+        step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions per prompt, with the sampler's log-probs μ of the sampled tokens
         #    (each rank takes whole groups, so group statistics are those of one process)
-        indices = sample_batch(len(train_rows), step, args.prompts_per_step, args.seed)
-        indices = indices[dist.rank * local_prompts : (dist.rank + 1) * local_prompts]
-        step_prompts = [prompts[i] for i in indices]
-        completions = engine.generate(step_prompts, args.group_size, args.max_new_tokens, args.temperature)
-        rollout_seconds = time.time() - step_start
+        with metrics.timer("time/rollout"):
+            indices = sample_batch(len(train_rows), step, args.prompts_per_step, args.seed)
+            indices = indices[dist.rank * local_prompts : (dist.rank + 1) * local_prompts]
+            step_prompts = [prompts[i] for i in indices]
+            completions = engine.generate(step_prompts, args.group_size, args.max_new_tokens, args.temperature)
 
         # 2. rewards and advantages
         scores = score_completions(completions, [train_rows[i] for i in indices], args.group_size, tokenizer,
                                    bare=args.task == "arith")
         rewards = torch.tensor([s.reward for s in scores], device=device).view(-1, args.group_size)
-        advantages = compute_advantages(rewards, args.scale_advantages).flatten()
         batch = make_batch(step_prompts, completions, args.group_size, tokenizer.pad_token_id, device)
-        batch["advantages"] = advantages
+        batch["advantages"] = compute_advantages(rewards, args.scale_advantages).flatten()
+        record_rollouts(metrics, scores, completions, rewards, batch["response_mask"])
 
         # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
-        train_start = time.time()
-        engine.sleep()
-        stats = update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, gains)
-        skipped_steps += int(stats["skipped"])
-        train_seconds = time.time() - train_start
+        with metrics.timer("time/train"):
+            engine.sleep()
+            skipped_steps += update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics, gains)
 
-        # 5. push the new weights to the engine (every rank gathers each full tensor in turn)
-        sync_start = time.time()
-        engine.wake_up(["weights"])
-        engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
-        engine.wake_up(["kv_cache"])
-        sync_seconds = time.time() - sync_start
+        # TRY NOT TO MODIFY: 5. push the new weights to the engine (every rank gathers each full tensor in turn)
+        with metrics.timer("time/weight_sync"):
+            engine.wake_up(["weights"])
+            engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
+            engine.wake_up(["kv_cache"])
 
-        # 6. log, evaluate, checkpoint: sums over ranks first, then ratios
-        lengths = batch["response_mask"].sum(1)
-        mismatch = stats["mismatch"]
-        sums = fsdp.all_reduce_dict({
-            "reward": rewards.sum().item(), "correct": sum(s.correct for s in scores),
-            "no_answer": sum(not s.found for s in scores), "rollouts": len(scores), "length": lengths.sum().item(),
-            "truncated": sum(c.finish_reason == "length" for c in completions), "groups": len(rewards),
-            "zero_std_groups": (rewards.std(dim=1) == 0).sum().item(), "entropy": stats["entropy"],
-            "tokens": stats["tokens"], "approx_kl": stats["approx_kl"], "clipped": stats["clipped"],
-            "kl_ref": stats["kl_ref"], "mismatch_kl": mismatch["kl_sum"], "mismatch_tokens": mismatch["tokens"],
-            "rho_abs": stats["rho_abs"],
-        }, dist)
-        extremes = fsdp.all_reduce_dict({"length_max": lengths.max().item(), "ratio_max": stats["ratio_max"],
-                                         "mismatch_max": mismatch["max_abs_diff"], "neg_ratio_min": -stats["ratio_min"],
-                                         "rho_abs_max": stats["rho_abs_max"]},
-                                        dist, op="max")
-        step_seconds = time.time() - step_start
-        metrics = {
-            "charts/reward": sums["reward"] / sums["rollouts"],
-            "charts/accuracy": sums["correct"] / sums["rollouts"],
-            "charts/no_answer_rate": sums["no_answer"] / sums["rollouts"],
-            "charts/response_length_mean": sums["length"] / sums["rollouts"],
-            "charts/response_length_max": extremes["length_max"],
-            "charts/truncation_rate": sums["truncated"] / sums["rollouts"],
-            "charts/zero_std_group_fraction": sums["zero_std_groups"] / sums["groups"],
-            "charts/entropy": sums["entropy"] / sums["tokens"],
-            "charts/lr": scheduler.get_last_lr()[0],
-            "charts/skipped_steps": skipped_steps,
-            "charts/tokens_per_second": sums["length"] / step_seconds,
-            "losses/policy_loss": stats["loss"] / max(stats["updates"], 1),  # already summed over ranks
-            "losses/approx_kl": sums["approx_kl"] / sums["tokens"],
-            "losses/clip_fraction": sums["clipped"] / sums["tokens"],
-            "losses/ratio_min": -extremes["neg_ratio_min"],
-            "losses/ratio_max": extremes["ratio_max"],
-            "losses/rho_hat_abs_mean": sums["rho_abs"] / sums["tokens"],
-            "losses/rho_hat_abs_max": extremes["rho_abs_max"],
-            "losses/grad_norm": stats["grad_norm"] / max(stats["updates"], 1),  # the global norm
-            "mismatch/kl_k3": sums["mismatch_kl"] / sums["mismatch_tokens"],
-            "mismatch/max_abs_logprob_diff": extremes["mismatch_max"],
-            "time/rollout": rollout_seconds,
-            "time/train": train_seconds,
-            "time/weight_sync": sync_seconds,
-            "time/step": step_seconds,
-        }
-        if reference is not None:
-            metrics["losses/kl_ref"] = sums["kl_ref"] / sums["tokens"]
+        # TRY NOT TO MODIFY: 6. log, evaluate, checkpoint
+        metrics.set("charts/lr", scheduler.get_last_lr()[0])
+        metrics.set("charts/skipped_steps", skipped_steps)  # optimizer steps skipped so far (not finite, no token)
+        metrics.set("time/step", time.time() - step_start)  # evaluation excluded
+        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))  # all ranks
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-            eval_start = time.time()
-            metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
-            metrics["time/eval"] = time.time() - eval_start
-        tracker.log(metrics, step=step + 1)
-        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}", **(
-            {"eval_greedy": f"{metrics['eval/greedy_accuracy']:.3f}"} if "eval/greedy_accuracy" in metrics else {}))
+            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k on held-out prompts
+                metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
+        logged = metrics.reduce(dist)  # one collective for every statistic of the step
+        tracker.log(logged, step=step + 1)
+        progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in ("charts/reward", "eval/greedy_accuracy")
+                              if k in logged})
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
-            trainer_state = {"step": step + 1, "skipped_steps": skipped_steps, "scheduler": scheduler.state_dict(),
-                             "args": asdict(args)}
-            fsdp.save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist,
-                                 args.keep_checkpoints)
+            trainer_state = {"step": step + 1, "skipped_steps": skipped_steps, "args": asdict(args),
+                             "scheduler": scheduler.state_dict()}
+            save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist, args.keep_checkpoints)
 
-    plot = tracker.close(plot_keys=[
-        "charts/reward", "eval/greedy_accuracy", f"eval/avg@{args.eval_k}", "charts/entropy",
-        "charts/response_length_mean", "losses/approx_kl", "losses/clip_fraction", "losses/grad_norm",
-        "losses/rho_hat_abs_mean", "mismatch/kl_k3"])
+    plot = tracker.close(plot_keys=PLOTTED + [f"eval/avg@{args.eval_k}"])
     if dist.is_main:
         print(f"run folder: {run_dir}" + (f" (plot: {plot})" if plot else ""))
     fsdp.barrier(dist)
@@ -682,3 +575,23 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+
+
+# Paper scale: the KPO script's setting that EMA-KPO follows, on one GPU or on 8 with torchrun (FSDP2, same flags)
+#   python algorithms/ema_kpo.py --model Qwen/Qwen3-4B-Base --task dapo_math --eval-task aime24 \
+#       --steps 500 --prompts-per-step 32 --group-size 8 --max-new-tokens 4096 --max-prompt-tokens 1024 \
+#       --lr 1e-6 --warmup-steps 100 --weight-decay 0.1 --num-minibatches 4 --micro-batch-size 4 \
+#       --dtype bfloat16 --vllm-sleep-mode --eval-every 50 --eval-k 16 --track
+#   torchrun --nproc_per_node 8 algorithms/ema_kpo.py ...
+#
+# Differences from the authors' code (KPO's: github.com/shuohe1995/verl-kpo, core_algos.py; EMA-KPO's is unread):
+# - P0 = 1 here, as the EMA-KPO paper states; 0 in the KPO code (--p0 0). Its gains come in closed form, clamped
+#   to [1e-6, 1 − 1e-6]; here from the float64 recursion, unclamped: they agree to 1e-10, except K_1 = 9.99999e-7
+#   here, 1e-6 there, when P0 = 0 (no other gain is affected for 0 ≤ P0 ≤ 1).
+# - Its filter is exp(L_t)·Σ_i α_i exp(−L_i) z_i (see ema_filter) in float32: it overflows once L_t < −88 (α = 0.1
+#   after 840 tokens) and, with its clamp exp(L) ≥ 1e-30, stops decaying once L_t < −69 (α = 0.01 after about
+#   6,870 tokens). For Q = 1e-6 the two agree (its exponents stay above −15 at 8k tokens).
+# - Its seq-mean-token-mean averages per micro-batch and rescales; here the mean is over the minibatch's responses
+#   on all ranks (the same when micro-batches are of equal size). Advantages divide by std + 1e-4 here, 1e-6 there.
+# - Its script also warms the lr up over 5% of the optimizer steps, uses weight decay 0.1 and samples Qwen3-4B
+#   without thinking; the command above adds the warm-up and weight decay.

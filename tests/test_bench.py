@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from common.bench import runner as bench  # noqa: E402
-from conftest import run_script  # noqa: E402
+from helpers import run_script  # noqa: E402
 
 GRPO = bench.Config("GRPO", "grpo")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from algorithms import ema_kpo
-from conftest import (
+from helpers import (
     BASE_LOGGED, CLIP_LOGGED, assert_weights_changed, help_text, only_run_dir, read_jsonl, run_script,
     torchrun, two_group_rollouts,
 )

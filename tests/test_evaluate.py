@@ -6,7 +6,7 @@ import json
 import pytest
 
 from common.evaluate import pass_at_k
-from conftest import run_script
+from helpers import run_script
 
 
 @pytest.mark.parametrize("n, c", [(4, 0), (4, 1), (5, 2), (6, 3), (8, 8)])

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import OFFLINE, REPO, only_run_dir, read_jsonl, run_script, torchrun
+from helpers import OFFLINE, REPO, only_run_dir, read_jsonl, run_script, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +23,10 @@ def test_two_ranks_update_exactly_like_one(tmp_path, tiny_dir):
     run_script("tests/distributed_update.py", tmp_path / "one.json")
     torchrun(2, "tests/distributed_update.py", tmp_path / "two.json")
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
-    assert one["tokens"] == two["tokens"] == 2 * 49  # 49 response tokens, seen in each of the 2 epochs
-    for key in ("loss", "grad_norm", "approx_kl", "entropy"):
+    assert one.keys() == two.keys() and len(one) >= 10
+    for key in one:  # every statistic the update logs
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
-    assert one["approx_kl"] > 0  # the second epoch ran with π_θ ≠ π_old
+    assert one["losses/approx_kl"] > 0  # the second epoch ran with π_θ ≠ π_old
     weights_one = torch.load(tmp_path / "one.json.weights.pt")
     weights_two = torch.load(tmp_path / "two.json.weights.pt")
     assert weights_one.keys() == weights_two.keys()
@@ -46,12 +46,12 @@ def test_two_ranks_equal_one_with_the_output_layer_in_chunks(tmp_path):
     """Chunks of 5 positions through the tied output layer, recomputed in the backward: under FSDP2 the
     root unit still gathers the embedding / output weight and reduces its gradient."""
     one, two, (weights_one, weights_two) = _one_and_two_ranks(tmp_path, "grpo", "{}", 4 * 100 * 5)
-    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    assert two["losses/grad_norm"] == pytest.approx(one["losses/grad_norm"], rel=1e-4)
     for name in weights_one:
         torch.testing.assert_close(weights_two[name], weights_one[name], rtol=1e-4, atol=1e-6, msg=name)
     run_script("tests/distributed_update.py", tmp_path / "plain.json")
     plain = json.loads((tmp_path / "plain.json").read_text())
-    assert one["loss"] == pytest.approx(plain["loss"], rel=1e-5)  # chunks change no number
+    assert one["losses/policy_loss"] == pytest.approx(plain["losses/policy_loss"], rel=1e-5)  # chunks change no number
 
 
 def test_two_ranks_equal_one_in_bfloat16(tmp_path):
@@ -59,7 +59,7 @@ def test_two_ranks_equal_one_in_bfloat16(tmp_path):
     compute the same update, up to bf16 rounding of rows padded differently on each rank (one update:
     a second epoch would amplify those differences through the first step)."""
     one, two, (weights_one, weights_two) = _one_and_two_ranks(tmp_path, "grpo", '{"dtype": "bfloat16", "update_epochs": 1}')
-    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-2)
+    assert two["losses/grad_norm"] == pytest.approx(one["losses/grad_norm"], rel=1e-2)
     for name in weights_one:
         torch.testing.assert_close(weights_two[name], weights_one[name], rtol=1e-3, atol=1e-3, msg=name)
 
@@ -153,7 +153,7 @@ def test_same_seed_same_metrics(tmp_path):
 
 
 def test_resume_finds_only_complete_checkpoints(tmp_path):
-    from common.fsdp import find_checkpoint
+    from common.checkpoint import find_checkpoint
 
     run = tmp_path / "arith__grpo__1__100" / "checkpoints"
     for name in ("step_00000002", "step_00000004", "step_00000006.tmp"):

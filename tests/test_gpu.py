@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from conftest import only_run_dir, read_jsonl, run_script, torchrun
+from helpers import only_run_dir, read_jsonl, run_script, torchrun
 
 
 def _vllm_version():

@@ -12,7 +12,7 @@ import torch
 from algorithms import gtpo, grpo
 from common import fsdp
 from common.rollout import HFEngine
-from conftest import (
+from helpers import (
     BASE_LOGGED, CLIP_LOGGED, assert_weights_changed, assert_weights_unchanged, help_text, only_run_dir,
     read_jsonl, run_script, torchrun, two_group_rollouts,
 )

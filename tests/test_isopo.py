@@ -15,7 +15,7 @@ from torch import nn
 
 from algorithms import isopo
 from common.rollout import Completion
-from conftest import (
+from helpers import (
     BASE_LOGGED, assert_weights_unchanged, help_text, only_run_dir, read_jsonl, run_script,
     two_group_rollouts,
 )

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import only_run_dir, read_jsonl, run_script
+from helpers import only_run_dir, read_jsonl, run_script
 
 
 @pytest.mark.slow

@@ -108,7 +108,7 @@ for T in (1024, 4096):
     chunked_scores(hidden, weight, None, torch.randint(0, V, (1, T)), 1.0, True)[..., 0].sum().backward()
     print(T, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1e6)
 """
-    from conftest import REPO
+    from helpers import REPO
 
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     growth = {int(t): float(gb) for t, gb in (line.split() for line in out.strip().splitlines())}

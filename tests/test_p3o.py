@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from algorithms import p3o  # noqa: E402
 from common import fsdp  # noqa: E402
 from common.rollout import Completion  # noqa: E402
-from conftest import (  # noqa: E402
+from helpers import (  # noqa: E402
     BASE_LOGGED, CLIP_LOGGED, assert_weights_changed, assert_weights_unchanged, help_text, only_run_dir,
     read_jsonl, run_script, torchrun,
 )

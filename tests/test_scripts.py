@@ -1,20 +1,100 @@
-"""Checks every algorithm script gets, parametrized over the six files (a method's own math is tested in
-its test_<method>.py)."""
+"""Checks every algorithm script gets, parametrized over the six files: its flags, a run end to end, a
+non-finite step, two ranks against one, and empty completions. A method's own math is tested in its
+test_<method>.py."""
 
 import copy
 import dataclasses
 import importlib
+import json
+import os
+import re
 
 import pytest
 import torch
 
 from common import fsdp
 from common.rollout import Completion
-from conftest import two_group_rollouts
 from distributed_update import update_policy
+from helpers import (
+    ALGORITHMS, BASE_LOGGED, REPO, assert_weights_changed, assert_weights_unchanged, help_text, only_run_dir,
+    read_jsonl, run_script, torchrun, two_group_rollouts,
+)
 
-ALGORITHMS = ["grpo", "ema_kpo", "p3o", "gtpo", "isopo", "tis_icepop"]
 ONE_PROCESS = fsdp.Dist(0, 1, 0, torch.device("cpu"))
+SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-prompts", 16, "--eval-k", 2]
+
+
+def recorded_metrics(name):
+    """Metric names a script records in its code (`metrics.mean("losses/...", ...)` and the like)."""
+    source = open(os.path.join(REPO, "algorithms", f"{name}.py")).read()
+    return set(re.findall(r'metrics\.(?:mean|sum|max|min|set|timer)\(\s*"([^"]+)"', source))
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_help_documents_every_flag(name):
+    help_text(f"algorithms/{name}.py", importlib.import_module(f"algorithms.{name}").Args)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_a_bad_flag_value_gets_a_clear_error(name, tmp_path):
+    for flags, message in ((["--group-size", 1], "--group-size must be >= 2"), (["--steps", "many"], "--steps")):
+        result = run_script(f"algorithms/{name}.py", "--output-dir", tmp_path, *flags, check=False)
+        assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_two_steps_end_to_end(name, tmp_path, tiny_dir):
+    """Two steps with evaluations: every metric every script logs, each logged metric recorded in the
+    script's own code (where its comment defines it), the curves, and a checkpoint that loads and trained."""
+    run_script(f"algorithms/{name}.py", "--steps", 2, "--eval-every", 1, "--output-dir", tmp_path, *SMALL)
+    run_dir = only_run_dir(tmp_path)
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for key in BASE_LOGGED + ["eval/greedy_accuracy", "eval/avg@2", "eval/pass@2", "time/eval"]:
+        assert isinstance(records[-1][key], float), key
+    logged = {key for key in records[-1] if not key.startswith("eval/")} - {"step"}  # eval/*: common/evaluate.py
+    assert logged <= recorded_metrics(name), sorted(logged - recorded_metrics(name))
+    assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 10_000
+    assert_weights_changed(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_dir)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_a_non_finite_step_leaves_the_weights_untouched(name, tmp_path, monkeypatch, tiny_dir):
+    """NaN log-probs make the loss and the gradient NaN: every optimizer step is skipped and counted, and
+    the weights stay the initial ones."""
+    algorithm = importlib.import_module(f"algorithms.{name}")
+    real_token_logprobs = algorithm.token_logprobs
+
+    def nan_logprobs(*args, **kwargs):
+        logprobs, entropy = real_token_logprobs(*args, **kwargs)
+        return logprobs * float("nan"), entropy
+
+    monkeypatch.setattr(algorithm, "token_logprobs", nan_logprobs)
+    fields = {f.name for f in dataclasses.fields(algorithm.Args)}
+    overrides = {"steps": 2, "eval_every": 0, "output_dir": str(tmp_path), "prompts_per_step": 4, "group_size": 4,
+                 "num_minibatches": 1}
+    algorithm.main(algorithm.Args(**{k: v for k, v in overrides.items() if k in fields}))
+    run_dir = only_run_dir(tmp_path)
+    assert [r["charts/skipped_steps"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2]
+    assert_weights_unchanged(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in ALGORITHMS if n != "isopo"])  # ISOPO refuses several ranks
+def test_two_ranks_update_exactly_like_one(name, tmp_path):
+    """Same global batch, 1 process vs 2 FSDP2 ranks (gloo) holding different numbers of response tokens:
+    every statistic the update logs and every updated weight agree (the cross-rank means and counts)."""
+    run_script("tests/distributed_update.py", tmp_path / "one.json", name)
+    torchrun(2, "tests/distributed_update.py", tmp_path / "two.json", name)
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert one.keys() == two.keys() and {"losses/policy_loss", "losses/grad_norm", "charts/entropy"} <= one.keys()
+    for key in one:
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+    weights_one, weights_two = (torch.load(tmp_path / f"{n}.json.weights.pt") for n in ("one", "two"))
+    assert weights_one.keys() == weights_two.keys()
+    for key in weights_one:
+        torch.testing.assert_close(weights_two[key], weights_one[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
 def _args(algorithm, **overrides):
@@ -27,12 +107,12 @@ def _args(algorithm, **overrides):
 
 
 def _updated(algorithm, model, tokenizer, prompts, completions, rewards, args):
-    """(weights after one update_policy on this batch, its statistics)."""
+    """(weights after one update_policy on this batch, its logged statistics)."""
     policy = copy.deepcopy(model).train()
     batch = algorithm.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
     batch["advantages"] = algorithm.compute_advantages(torch.tensor(rewards).view(-1, 4)).flatten()
-    stats = update_policy(algorithm, policy, batch, args, ONE_PROCESS)
-    return {name: p.detach().clone() for name, p in policy.named_parameters()}, stats
+    logged = update_policy(algorithm, policy, batch, args, ONE_PROCESS)
+    return {name: p.detach().clone() for name, p in policy.named_parameters()}, logged
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -57,13 +137,14 @@ def test_empty_completions_add_nothing(name, tiny):
 
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_a_minibatch_without_response_tokens_is_skipped_and_counted(name, tiny):
-    """No response token in a minibatch (0/0 in a token mean): no NaN, no optimizer step, counted as skipped."""
+    """No response token in a minibatch (0/0 in a token mean): no NaN, no optimizer step, counted as
+    skipped; no loss is logged for an update that did not happen (not a made-up 0)."""
     algorithm = importlib.import_module(f"algorithms.{name}")
     model, tokenizer = tiny
     prompts, _ = two_group_rollouts(tokenizer)
     empty = [Completion([], [], "length") for _ in range(8)]
     args = _args(algorithm, loss_aggregation="token-mean")
-    weights, stats = _updated(algorithm, model, tokenizer, prompts, empty, [1.0, 0.0] * 4, args)
-    for name_, p in model.named_parameters():
-        assert torch.equal(weights[name_], p), name_
-    assert stats["skipped"] == 1 and stats["updates"] == 0 and stats["loss"] == 0.0
+    weights, logged = _updated(algorithm, model, tokenizer, prompts, empty, [1.0, 0.0] * 4, args)
+    for key, p in model.named_parameters():
+        assert torch.equal(weights[key], p), key
+    assert logged["skipped"] == 1 and "losses/policy_loss" not in logged

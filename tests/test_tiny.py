@@ -89,7 +89,7 @@ def test_model_folder_without_a_model_gets_a_clear_error(tmp_path):
 
 
 def test_a_script_given_an_empty_folder_says_so(tmp_path):
-    from conftest import run_script
+    from helpers import run_script
 
     result = run_script("algorithms/grpo.py", "--model", tmp_path, "--steps", 1, check=False)
     assert result.returncode != 0

@@ -11,7 +11,7 @@ import torch
 
 from algorithms import tis_icepop as tim
 from common.rollout import Completion
-from conftest import BASE_LOGGED, CLIP_LOGGED, help_text, only_run_dir, read_jsonl, run_script, torchrun, two_group_rollouts
+from helpers import BASE_LOGGED, CLIP_LOGGED, help_text, only_run_dir, read_jsonl, run_script, torchrun, two_group_rollouts
 
 MODES = ["none", "tis", "tis-seq", "mis", "mis-seq", "icepop", "kpop", "seq-mask"]
 F64 = torch.float64

@@ -1,11 +1,49 @@
-"""--track: a Weights & Biases run (offline here) holds the config and every logged metric."""
+"""common/tracking.py: the step metrics' arithmetic and their reduction over ranks; --track: a Weights &
+Biases run (offline here) holds the config and every logged metric."""
 
 import glob
 import json
 import math
 import struct
 
-from conftest import only_run_dir, read_jsonl, run_script
+import pytest
+import torch
+
+from common.tracking import StepMetrics, Tracker
+from helpers import only_run_dir, read_jsonl, run_script
+
+
+def test_step_metrics_by_hand():
+    metrics = StepMetrics()
+    metrics.mean("entropy", torch.tensor(3.0), torch.tensor(2.0))  # two micro-batches: (3 + 1) / (2 + 2)
+    metrics.mean("entropy", 1.0, 2)
+    metrics.sum("tokens_per_second", 10.0)
+    metrics.sum("tokens_per_second", 5)
+    metrics.max("ratio_max", torch.tensor([0.5, 2.0]))
+    metrics.max("ratio_max", 1.5)
+    metrics.max("ratio_max", torch.tensor([]))  # an empty micro-batch records nothing
+    metrics.min("ratio_min", torch.tensor([[0.7, 0.2]]))
+    metrics.min("ratio_min", torch.tensor([]))
+    metrics.mean("nothing", 0.0, 0)  # no count: not a number, nothing was measured
+    metrics.set("lr", 1e-4)
+    metrics.update({"eval/greedy_accuracy": 0.5})
+    with metrics.timer("time/train"):
+        pass
+    logged = metrics.reduce()
+    assert {k: v for k, v in logged.items() if k not in ("nothing", "time/train")} == {
+        "entropy": 1.0, "tokens_per_second": 15.0, "ratio_max": 2.0, "ratio_min": pytest.approx(0.2),
+        "lr": 1e-4, "eval/greedy_accuracy": 0.5}
+    assert math.isnan(logged["nothing"]) and 0 <= logged["time/train"] < 1
+
+
+def test_tracker_drops_records_after_the_resumed_step(tmp_path):
+    tracker = Tracker(str(tmp_path / "run"), {"lr": 1.0})
+    for step in range(4):
+        tracker.log({"charts/reward": step / 4, "charts/nan": float("nan")}, step)
+    Tracker(str(tmp_path / "run"), {"lr": 1.0}, resume_step=2).log({"charts/reward": 1.0}, 3)
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and records[-1] == {"step": 3, "charts/reward": 1.0}
+    assert records[0]["charts/nan"] == "nan"  # JSON has no NaN: kept visible as a string
 
 
 def wandb_records(path):

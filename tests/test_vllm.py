@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.rollout import VLLMEngine, make_engine, vllm_available
-from conftest import only_run_dir, read_jsonl, run_script, torchrun
+from helpers import only_run_dir, read_jsonl, run_script, torchrun
 
 PROMPTS = ["Q: 12+30=", "Q: 7+5=", "Q: 99+99=", "Q: 3+4="]
 

@@ -1,0 +1,101 @@
+"""What the tests share: runners for the scripts (one process or torchrun), the rollouts the brute-force
+tests use, the metrics every script logs, and assertions on checkpoints and run folders."""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+ALGORITHMS = ["grpo", "ema_kpo", "p3o", "gtpo", "isopo", "tis_icepop"]
+
+# what every script logs each step; a method's tests add its own metrics
+BASE_LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "charts/response_length_mean",
+               "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
+               "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
+               "losses/policy_loss", "losses/approx_kl", "losses/grad_norm", "mismatch/kl_k3",
+               "mismatch/max_abs_logprob_diff", "time/rollout", "time/train", "time/weight_sync", "time/step"]
+CLIP_LOGGED = ["losses/clip_fraction", "losses/ratio_min", "losses/ratio_max"]  # scripts with a ratio
+
+
+def run_script(script, *flags, timeout=600, check=True, env=None):
+    """Run `python <script> <flags>` (or `python -m <module> <flags>`) from the repository root, with
+    `env` on top of the offline environment; returns the CompletedProcess."""
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **(env or {})}
+    target = [script, *map(str, flags)] if script == "-m" else [os.path.join(REPO, script), *map(str, flags)]
+    result = subprocess.run([sys.executable, *target], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def torchrun(nproc, script, *flags, timeout=600):
+    """`torchrun --standalone --nproc_per_node nproc <script> <flags>` (gloo on CPU, one thread per rank)."""
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               os.path.join(REPO, script), *map(str, flags)]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"torchrun {script} failed:\n{result.stderr[-5000:]}"
+    return result
+
+
+def help_text(script, args_class, count_defaults=True):
+    """`<script> --help`, checked to document every field of `args_class` as a flag; returns the text."""
+    import dataclasses
+
+    text = run_script(script, "--help").stdout
+    fields = dataclasses.fields(args_class)
+    for field in fields:
+        assert "--" + field.name.replace("_", "-") in text, field.name
+    if count_defaults:
+        assert text.count("(default") >= len(fields) - 2
+    return text
+
+
+def assert_weights_unchanged(checkpoint, tiny_dir):
+    """The checkpoint's weights are exactly the built-in model's (every step was skipped)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(checkpoint)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    for (name, p), q in zip(saved.named_parameters(), initial.parameters()):
+        assert torch.equal(p, q), name
+
+
+def assert_weights_changed(checkpoint, tiny_dir):
+    """The checkpoint's embedding differs from the built-in model's (the run trained)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(checkpoint)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert not torch.equal(saved.model.embed_tokens.weight, initial.model.embed_tokens.weight)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def only_run_dir(output_dir):
+    runs = [os.path.join(output_dir, d) for d in os.listdir(output_dir)]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def two_group_rollouts(tokenizer, responses=("3$", "12", "4$", "396", "96$", "9", "91$", "906$")):
+    """Two prompts ("Q: 1+2=", "Q: 45+51=") with four completions each, of different lengths, for the
+    brute-force tests; a `$` ending a response is EOS. Returns the prompts' token ids and the Completions
+    (placeholder log-probs -1.0)."""
+    from common.rollout import Completion
+
+    prompts = [tokenizer(q)["input_ids"] for q in ["Q: 1+2=", "Q: 45+51="]]
+    completions = []
+    for text in responses:
+        ids = tokenizer(text.removesuffix("$"), add_special_tokens=False)["input_ids"]
+        ids += [tokenizer.eos_token_id] if text.endswith("$") else []
+        completions.append(Completion(ids, [-1.0] * len(ids), "stop"))
+    return prompts, completions
