@@ -14,7 +14,7 @@ along its response (equation numbers are the EMA-KPO paper's; A_i: GRPO's group-
 
 The model behind it: a random walk ρ_t = ρ_t−1 + η (variance Q = 1e-6) observed as z_t = ρ_t + ε (variance
 V = 1) (Eqs. 2-3). The covariance recursion never sees z, so the gains K_t depend only on the position t:
-the Kalman filter IS an EMA with a schedule computed once before training (Eq. 9), which EMA-KPO runs.
+the Kalman filter IS an EMA with a schedule fixed before training (Eq. 9), which EMA-KPO runs.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them and compute advantages, update the policy on minibatches, push the new weights to the
@@ -24,7 +24,8 @@ details are comments at the code they explain, each metric is defined where it i
 paper-scale command and the differences from the papers' settings close the file.
 
 What this file changes relative to grpo.py: the filtered ratio (the filter, its gains and their flags) and
-the defaults ε_low = 3e-4, ε_high = 4e-4, --num-minibatches 4, --loss-aggregation sequence-mean.
+the defaults ε_low = 3e-4, ε_high = 4e-4, --num-minibatches 4 and --loss-aggregation sequence-mean (KPO's
+seq-mean-token-mean).
 
 Run it
   python algorithms/ema_kpo.py                               # the built-in task on a CPU, a few minutes
@@ -175,7 +176,8 @@ def kalman_gains(length: int, q: float = 1e-6, v: float = 1.0, p0: float = 1.0) 
 
 
 def gain_schedule(args, length: int) -> torch.Tensor:
-    """α_1..α_length of the EMA (Eq. 9), computed once before training: the Kalman gains, or --alpha."""
+    """α_1..α_length of the EMA (Eq. 9): the Kalman gains, or --alpha. They depend on the position alone, so
+    the filter needs no covariance state (update_policy computes them per rollout batch: 1 ms at 8k tokens)."""
     if args.smoother == "fixed":
         return torch.full((length,), args.alpha, dtype=torch.float64)
     return kalman_gains(length, args.kalman_q, args.kalman_v, args.p0)
@@ -344,7 +346,7 @@ PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/re
 # END TRY NOT TO MODIFY
 
 
-def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics, gains) -> int:
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics) -> int:
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
     Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     # old log-probs only when π_θ will move away from π_old within this batch. With one update per batch
@@ -361,6 +363,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
     if multiple_updates:
         record_mismatch(metrics, batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
 
+    gains = gain_schedule(args, args.max_new_tokens).to(every_row.device)  # ALGO LOGIC: the EMA's α_t (Eq. 9)
     skipped = 0
     for epoch in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
@@ -382,7 +385,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the EMA-KPO loss of this micro-batch
-                # z of the current π_θ, 0 at the right padding (a causal filter cannot carry it into a valid token)
+                # z of the current π_θ (≡ 0 until the batch's first optimizer step); 0 at the right padding, which a
+                # causal filter cannot carry into a valid token
                 z = (logprobs - old_logprobs).detach() * mask  # token log-ratios (Eq. 1), float32
                 if args.smoother == "kalman":  # ρ̂_t, causal along each response, per sequence (so rank-local)
                     rho_hat = kalman_filter(z, args.kalman_q, args.kalman_v, args.p0)  # KPO (Eqs. 4-7)
@@ -450,7 +454,8 @@ def check_args(args: Args) -> None:
     if args.smoother == "fixed" and args.alpha is None:
         problems.append("--alpha is required with --smoother fixed")
     if args.smoother != "fixed" and args.alpha is not None:
-        problems.append(f"--alpha applies to --smoother fixed only (--smoother {args.smoother} uses --kalman-q/v, --p0)")
+        problems.append(f"--alpha applies to --smoother fixed only (--smoother {args.smoother} takes its gains from "
+                        "--kalman-q, --kalman-v and --p0)")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if not 0 < args.gpu_memory_utilization < 1:
         problems.append("--gpu-memory-utilization must be in (0, 1)")
@@ -516,7 +521,6 @@ def main(args: Args) -> None:
     if args.eval_every and start_step == 0:
         tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
     local_prompts = args.prompts_per_step // dist.world_size
-    gains = gain_schedule(args, args.max_new_tokens).to(device)  # ALGO LOGIC: the EMA's α_t (Eq. 9), once
 
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
@@ -540,7 +544,7 @@ def main(args: Args) -> None:
         # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
         with metrics.timer("time/train"):
             engine.sleep()
-            skipped_steps += update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics, gains)
+            skipped_steps += update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics)
 
         # TRY NOT TO MODIFY: 5. push the new weights to the engine (every rank gathers each full tensor in turn)
         with metrics.timer("time/weight_sync"):
@@ -584,7 +588,7 @@ if __name__ == "__main__":
 #       --dtype bfloat16 --vllm-sleep-mode --eval-every 50 --eval-k 16 --track
 #   torchrun --nproc_per_node 8 algorithms/ema_kpo.py ...
 #
-# Differences from the authors' code (KPO's: github.com/shuohe1995/verl-kpo, core_algos.py; EMA-KPO's is unread):
+# Differences from the authors' code (KPO's: github.com/shuohe1995/verl-kpo, core_algos.py; EMA-KPO's could not be read):
 # - P0 = 1 here, as the EMA-KPO paper states; 0 in the KPO code (--p0 0). Its gains come in closed form, clamped
 #   to [1e-6, 1 − 1e-6]; here from the float64 recursion, unclamped: they agree to 1e-10, except K_1 = 9.99999e-7
 #   here, 1e-6 there, when P0 = 0 (no other gain is affected for 0 ≤ P0 ≤ 1).

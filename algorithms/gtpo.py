@@ -13,14 +13,12 @@ Objective. For each prompt q, sample a group of G completions o_1..o_G from the 
     M_i  = M_i^fw ∨ M_i^bw: the first span of conflict tokens from the start / from the end   (§5.1)
     δ_i  = 0 if ⟨H⟩_ini < ln 2 and ⟨H⟩_i > ln 2, else 1; ⟨H⟩_ini: the initial policy's (§6)  (Eq. 6)
 
-A conflict token, a (position, token) pair, occurs in completions of the group with A > 0 and A < 0; as
-Σ_{A>0} A_i = Σ_{A<0} |A_i|, λ gives the positives there what it takes from the negatives. Eq. 7's −γ⟨H⟩_i
-is a detached advantage shift, as in the authors' code: its literal gradient would lower the entropy, but
-a larger γ gives a higher entropy (§6.2, Fig. 4): the term "amplifies the negative gradient on the selected tokens".
+A conflict token is a (position, token) pair in completions of the group with A > 0 and with A < 0; λ gives
+the positives there what it takes from the negatives (Σ_{A>0} A_i = Σ_{A<0} |A_i|). −γ⟨H⟩_i is a detached
+shift, as in the authors' code: its literal gradient would lower the entropy, but a larger γ raises it (§6.2).
 
-What this file changes relative to grpo.py: λ, δ_i and the shift in the loss, ⟨H⟩_ini measured before
-training, sequence-mean by default (Eq. 7's 1/G Σ 1/|o_i|; the clipped ratio is grpo.py's, ρ ≡ 1 with one
-update per batch, as in the paper), no KL term and no reference model (§5.2).
+What this file changes relative to grpo.py: λ, δ_i and the shift in the loss (ρ ≡ 1 with one update per
+batch, as in the paper), ⟨H⟩_ini, sequence-mean by default (Eq. 7's 1/G Σ 1/|o_i|), no KL term (§5.2).
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them and compute advantages, update the policy on minibatches, push the new weights to the
@@ -148,7 +146,7 @@ class Args:
     scale_advantages: bool = True
     """divide group-centred rewards by the group's std (GRPO); --no-scale-advantages is Dr. GRPO"""
     loss_aggregation: Literal["token-mean", "sequence-mean"] = "sequence-mean"
-    """mean per completion then over completions (Eq. 7's 1/G Σ 1/|o_i|), or token-mean over the minibatch (DAPO)"""
+    """token-mean over the minibatch (DAPO), or mean per completion then over completions (GRPO)"""
     conflict_masks: bool = True
     """reweight conflict tokens with λ (Eq. 5); --no-conflict-masks: λ ≡ 1 (the masks are still logged)"""
     mask_combine: Literal["or", "product"] = "or"
@@ -165,14 +163,11 @@ class Args:
     """⟨H⟩_ini is measured on this many of the first training prompts, one completion each, before training"""
 
 
-# ALGO LOGIC: conflict masks and λ (§5.1), ⟨H⟩_i, δ_i, the entropy shift and ⟨H⟩_ini (§5.2, §6), then
-# grpo.py's clipped surrogate, advantages, and how token losses are averaged
+# ALGO LOGIC: conflict masks, λ, ⟨H⟩_i, δ_i, the shift, ⟨H⟩_ini (§5-6); the surrogate, advantages, averaging
 def conflict_masks(response_ids, response_mask, advantages, group_size):
-    """Forward and backward conflict spans M^fw, M^bw [B, T] (bool) of right-padded completions (§5.1).
-    response_ids / response_mask: [B, T]; advantages: [B]; completions i*G..(i+1)*G-1 form group i."""
-    valid = response_mask.bool()
+    """Conflict spans M^fw, M^bw [B, T] (bool, §5.1) of right-padded completions; i*G..(i+1)*G-1 form group i."""
+    valid, columns = response_mask.bool(), torch.arange(response_mask.shape[1], device=response_mask.device)
     lengths = valid.sum(dim=1, keepdim=True)
-    columns = torch.arange(valid.shape[1], device=valid.device)
     # backward alignment: column r holds the token r places before the last valid one (EOS, if any, included)
     from_end = (lengths - 1 - columns).clamp(min=0)
     forward = _leading_conflict_span(response_ids, valid, advantages, group_size)
@@ -187,14 +182,13 @@ def _leading_conflict_span(ids, valid, advantages, group_size):
     same = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :]
     opposite = (sign[:, :, None] * sign[:, None, :] < 0)[..., None]  # one has A > 0, the other A < 0 (A = 0: none)
     conflict = (same & opposite).any(dim=2)  # (column, token) occurs in G+ and in G-: a conflict token
-    # the first span, anchored at the first (M^fw) or last (M^bw) token, as the authors' code reads it: only
-    # "the initial and final conflict regions" (§5.1) are masked, never conflict tokens in the middle
+    # the span anchored at the first token (M^fw; M^bw: the last), as the authors' code reads §5.1's "initial
+    # and final conflict regions": conflict tokens in the middle are never masked
     return conflict.long().cumprod(dim=-1).bool().flatten(0, 1)
 
 
 def conflict_weights(forward, backward, advantages, combine="or"):
-    """λ_it of Eq. 5: 1 outside the mask; inside, 0 for A_i < 0 and 2 for A_i > 0. combine="or" masks
-    M^fw ∨ M^bw (the paper); "product" multiplies the two spans' λ (the authors' code: 4 on overlaps)."""
+    """λ_it of Eq. 5: 1 outside the mask, inside 0 for A_i < 0 and 2 for A_i > 0; "product": λ^fw·λ^bw (the code)."""
     inside = torch.where(advantages > 0, 2.0, 0.0).to(advantages.dtype)[:, None]  # A_i = 0 never has a span
     if combine == "or":  # λ in the advantages' dtype (float64 stays exact)
         return torch.where(forward | backward, inside, 1.0)
@@ -207,44 +201,33 @@ def completion_entropy(token_entropy, mask):
 
 
 def entropy_filter(entropy, initial_entropy, mode="auto", threshold=math.log(2)):
-    """δ_i of Eq. 6 from ⟨H⟩_i [B] and ⟨H⟩_ini: 0 drops a completion, ⟨H⟩_i = threshold is kept. auto: the paper
-    (filter iff ⟨H⟩_ini < threshold: equality leaves it off); on: always (the authors' code); off: never."""
+    """δ_i of Eq. 6 [B] (modes: --entropy-filter); ⟨H⟩_i or ⟨H⟩_ini equal to the threshold keeps the completion."""
     if mode == "off" or (mode == "auto" and not initial_entropy < threshold):
         return torch.ones_like(entropy)
     return (entropy <= threshold).to(entropy.dtype)
 
 
 def shaped_advantages(advantages, entropy, delta, entropy_coef):
-    """δ_i · (A_i − γ⟨H⟩_i), ⟨H⟩_i detached, as in the authors' code (a zero-advantage completion shifts too)."""
+    """δ_i (A_i − γ sg(⟨H⟩_i)), as in the authors' code: "amplifies the negative gradient on the selected tokens"."""
     return delta * (advantages - entropy_coef * entropy.detach())
 
 
-def rank_share(count, dist):
-    """Indices of this rank's share of `count` items (every rank gets as many, so FSDP's collectives stay
-    in step; the last shares wrap around) and whether each one counts (wrapped repeats do not)."""
-    per_rank = -(-count // dist.world_size)
-    positions = range(dist.rank * per_rank, (dist.rank + 1) * per_rank)
-    return [p % count for p in positions], [p < count for p in positions]
-
-
 def measure_initial_entropy(policy, engine, prompt_ids, args, dist, autocast, pad_id, entropy_ini=None) -> float:
-    """⟨H⟩_ini (§6): the mean ⟨H⟩_i of one sampled completion for each of the first --entropy-ini-prompts
-    prompts, shared by the ranks; unless a resumed run gives it (the trained policy's would be another value)."""
+    """⟨H⟩_ini (§6): the mean ⟨H⟩_i of one sampled completion per prompt (ranks share them), or a resumed run's."""
     if entropy_ini is None:
-        prompt_ids = prompt_ids[: args.entropy_ini_prompts]
-        indices, counts = rank_share(len(prompt_ids), dist)
-        prompts = [prompt_ids[i] for i in indices]
+        per_rank = -(-len(prompt_ids) // dist.world_size)  # as many on every rank: FSDP's collectives stay in step
+        positions = torch.arange(dist.rank * per_rank, (dist.rank + 1) * per_rank)  # the last share wraps around
+        prompts = [prompt_ids[p % len(prompt_ids)] for p in positions.tolist()]
         completions = engine.generate(prompts, 1, args.max_new_tokens, args.temperature)
         batch = make_batch(prompts, completions, 1, pad_id, dist.device)
-        counts, total = torch.tensor(counts, device=dist.device, dtype=torch.float32), 0.0
+        counts, total = (positions < len(prompt_ids)).float().to(dist.device), 0.0  # wrapped repeats do not count
         with torch.no_grad(), autocast:
             for micro in micro_batches(batch, torch.arange(len(prompts), device=dist.device), args.micro_batch_size):
                 entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)[1]
                 total += (completion_entropy(entropy, micro["response_mask"]) * counts[micro["rows"]]).sum().item()
         entropy_ini = fsdp.all_reduce(total, dist) / len(prompt_ids)
-    on = args.entropy_filter == "on" or (args.entropy_filter == "auto" and entropy_ini < args.entropy_threshold)
     if dist.is_main:
-        print(f"<H>_ini = {entropy_ini:.4f} (threshold {args.entropy_threshold:.4f}): entropy filter {'on' if on else 'off'}")
+        print(f"<H>_ini = {entropy_ini:.4f} (entropy filter {args.entropy_filter}, threshold {args.entropy_threshold:.4f})")
     return entropy_ini
 
 
@@ -363,17 +346,17 @@ PLOTTED += ["charts/completion_entropy", "charts/filtered_fraction", "conflict/m
 
 
 def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, metrics, initial_entropy) -> int:
-    """Conflict weights λ, old log-probs and ⟨H⟩_i, then the minibatch updates on one rollout batch (this rank's share).
+    """λ, old log-probs and ⟨H⟩_i, then the minibatch updates on one rollout batch (this rank's share).
     Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
-    # ALGO LOGIC: conflict masks and λ (Eq. 5) from A_i before the shift, as the authors' code; groups are whole
+    # conflict masks and λ (Eq. 5), from A_i before the shift as in the authors' code (groups are whole on a rank)
     forward, backward = conflict_masks(batch["response_ids"], batch["response_mask"], batch["advantages"], args.group_size)
     batch["conflict_weights"] = (conflict_weights(forward, backward, batch["advantages"], args.mask_combine)
                                  if args.conflict_masks else torch.ones_like(batch["response_mask"]))
     if args.divide_by_conflict_count:  # the authors' code: 1/n_i with n_i = max(|M^fw_i|, |M^bw_i|, 1)
         batch["conflict_weights"] /= torch.maximum(forward.sum(1), backward.sum(1)).clamp(min=1)[:, None]
-    for name, span in (("forward", forward), ("backward", backward), ("masked", forward | backward)):
-        metrics.mean(f"conflict/{name}_fraction", span.sum(), batch["response_mask"].sum())  # of response tokens
-    # END ALGO LOGIC
+    metrics.mean("conflict/forward_fraction", forward.sum(), batch["response_mask"].sum())  # response tokens in M^fw
+    metrics.mean("conflict/backward_fraction", backward.sum(), batch["response_mask"].sum())  # ... in M^bw
+    metrics.mean("conflict/masked_fraction", (forward | backward).sum(), batch["response_mask"].sum())  # in M (λ ≠ 1)
     # old log-probs only when π_θ will move away from π_old within this batch. With one update per batch
     # π_old = π_θ: the ratio is exactly 1, its gradient is the policy gradient, and no pass is needed
     multiple_updates = args.num_minibatches * args.update_epochs > 1
@@ -416,7 +399,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, met
                 advantages = shaped_advantages(micro["advantages"], entropy_i, delta, args.entropy_coef)
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
                     logprobs, old_logprobs, advantages, args.clip_low, args.clip_high)
-                token_losses = token_losses * micro["conflict_weights"]  # λ_it (Eq. 5); |o_i| and G count every token
+                token_losses = token_losses * micro["conflict_weights"]  # λ_it (Eq. 5); |o_i| and G still count all
                 loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
                 # END ALGO LOGIC
                 (loss * dist.world_size).backward()
@@ -445,9 +428,9 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, met
             metrics.mean("losses/policy_loss", minibatch_loss, 1)
             metrics.mean("losses/grad_norm", grad_norm, 1)
     delta = entropy_filter(batch["completion_entropy"], initial_entropy, args.entropy_filter, args.entropy_threshold)
-    metrics.mean("charts/completion_entropy", batch["completion_entropy"].sum(), len(delta))  # ⟨H⟩_i, as δ_i tests it
+    metrics.mean("charts/completion_entropy", batch["completion_entropy"].sum(), len(delta))  # ⟨H⟩_i, δ_i's test
     metrics.mean("charts/filtered_fraction", (delta == 0).sum(), len(delta))  # completions with δ_i = 0
-    metrics.set("charts/entropy_ini", initial_entropy)  # ⟨H⟩_ini (with --entropy-filter auto, δ_i acts iff < threshold)
+    metrics.set("charts/entropy_ini", initial_entropy)  # ⟨H⟩_ini (auto: δ_i acts iff it is < threshold)
     return skipped
 
 
@@ -525,8 +508,8 @@ def main(args: Args) -> None:
     tracker = Tracker(run_dir, asdict(args), enabled=dist.is_main, resume_step=start_step if checkpoint else None,
                       track=args.track, project=args.wandb_project_name, entity=args.wandb_entity)
     # ALGO LOGIC: ⟨H⟩_ini of the initial policy (Eq. 6), measured once and kept in the checkpoints
-    initial_entropy = measure_initial_entropy(policy, engine, prompts, args, dist, autocast, tokenizer.pad_token_id,
-                                              state.get("entropy_ini") if checkpoint else None)
+    initial_entropy = measure_initial_entropy(policy, engine, prompts[: args.entropy_ini_prompts], args, dist, autocast,
+                                              tokenizer.pad_token_id, state.get("entropy_ini") if checkpoint else None)
     # END ALGO LOGIC
     eval_kwargs = dict(task=eval_task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, use_chat_template=args.chat_template, dist=dist)
@@ -553,7 +536,7 @@ def main(args: Args) -> None:
         batch["advantages"] = compute_advantages(rewards, args.scale_advantages).flatten()
         record_rollouts(metrics, scores, completions, rewards, batch["response_mask"])
 
-        # 3-4. conflict weights λ, old log-probs and ⟨H⟩_i, then the minibatch updates (a sleeping engine frees the GPU)
+        # 3-4. λ, old log-probs and ⟨H⟩_i, then the minibatch updates (a sleeping engine frees the GPU)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, metrics, initial_entropy)
@@ -599,11 +582,10 @@ if __name__ == "__main__":
 #       --steps 7473 --prompts-per-step 1 --group-size 12 --max-new-tokens 1500 --lr 1e-6 --max-grad-norm 0.1 \
 #       --weight-decay 0.1 --entropy-coef 0.1 --micro-batch-size 4 --dtype bfloat16 --eval-every 500 --eval-k 8 --track
 #
-# Differences from the authors' code (5d33811e), each a flag: std-scaled Â_i (Eq. 1), the code only centres
-# (--no-scale-advantages; its rewards reach 20, so γ⟨H⟩_i weighs less there); M^fw ∨ M^bw, the code multiplies
-# the spans' λ, 4 where they overlap (--mask-combine product); 1/G Σ 1/|o_i|, the code divides by |o_i|·n_i,
-# n_i = max(|M^fw_i|, |M^bw_i|, 1), without 1/G (--divide-by-conflict-count); δ_i by the paper's ⟨H⟩_ini test,
-# the code filters always at 0.7 for LLaMA (--entropy-filter on --entropy-threshold 0.7), never for Qwen
-# (--entropy-filter off). Entropies at the sampling temperature (the code: raw logits). The code trains LoRA
-# (r = 128) on a 4-bit model with paged AdamW-8bit (β1 = β2 = 0.999999), one prompt per step, format and
-# correctness rewards and a <reasoning>/<answer> system prompt; here all weights, AdamW, the task's 0/1 reward.
+# Differences from the authors' code (5d33811e), each a flag: Â_i std-scaled (Eq. 1), the code only centres
+# (--no-scale-advantages; its rewards reach 20, so γ⟨H⟩_i weighs less there); M^fw ∨ M^bw, the code multiplies the
+# spans' λ, 4 on overlaps (--mask-combine product); 1/G Σ 1/|o_i|, the code 1/(|o_i|·n_i), n_i = max(|M^fw_i|,
+# |M^bw_i|, 1) (--divide-by-conflict-count); δ_i by the ⟨H⟩_ini test, the code always at 0.7 for LLaMA (--entropy-filter
+# on --entropy-threshold 0.7) and never for Qwen (off); entropies at the sampling temperature, the code's from raw
+# logits. The code trains LoRA (r = 128) on a 4-bit model, paged AdamW-8bit (β1 = β2 = 0.999999), one prompt per step,
+# format + correctness rewards, a <reasoning>/<answer> system prompt; here all weights, AdamW, 0/1 rewards.

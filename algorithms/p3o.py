@@ -5,29 +5,25 @@ Stranges, Fakoor, 2026, arXiv:2605.12380), whose objective is recovered here fro
 (github.com/FeynRL-project/FeynRL, algs/P3O/p3o.py) and blog (feynrl-project.github.io/blogs/episode_two.html).
 Its ancestor, P3O (Fakoor, Chaudhari, Smola, 2019, arXiv:1905.01756): IS cap c = ESS, KL coefficient 1 − ESS.
 
-Objective. The behavior policy μ (the rollout engine, which records its log-probs of the sampled tokens)
-samples the completions; B is the set of the N valid response tokens of one optimizer step (all
-micro-batches, all ranks). Minimize the global token mean
+Objective. The behavior policy μ (the rollout engine, recording its log-probs of the sampled tokens) samples the
+completions; B: the N valid response tokens of one optimizer step (all micro-batches, all ranks). Minimize
 
     L(θ) = 1/N · Σ_t [ −sg(min(ρ_t, e_B)) · A_t · log π_θ(y_t)  +  (1 − e_B) · (log ρ_t + 1/ρ_t − 1) ]
     ρ_t  = π_θ(y_t | x, y_<t) / μ(y_t | x, y_<t)                                   the ratio to the behavior policy
     e_B  = (Σ_B ρ_t)² / (N · Σ_B ρ_t²)  ∈ [1/N, 1]                    normalized ESS of the batch, a constant
     A_t  = A_i = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        of the completion i owning token t
 
-The first term is REINFORCE with a detached weight capped at the batch ESS (Eq. 11 of the paper: the
-"ESS-driven cap"); the second, the k3 estimate of KL(π_θ ‖ μ), switches on as the batch's ratios spread.
-No clip hyper-parameter. On-policy (the default: one update per batch, one temperature, the float32 engine
-sharing the trainer's weights) ρ_t ≈ 1, e_B ≈ 1: token-mean REINFORCE, grpo.py's gradient. P3O acts on
-off-policy data: --sampling-temperature 1.2, --sync-every k (stale rollouts), --engine-dtype bfloat16,
---num-minibatches > 1 (π_θ drifts from μ over the updates, e_B drops and the update tightens by itself).
+The first term is REINFORCE with a detached weight capped at the batch ESS (Eq. 11: the "ESS-driven cap"); the
+second, the k3 estimate of KL(π_θ ‖ μ), switches on as the ratios spread; no clip. On-policy (the default) ρ_t ≈
+e_B ≈ 1: token-mean REINFORCE, grpo.py's gradient. P3O acts on off-policy data: --sampling-temperature 1.2,
+--sync-every k (stale rollouts), --engine-dtype bfloat16, --num-minibatches > 1 (π_θ drifts from μ: e_B drops).
 
 What this file changes relative to grpo.py: the loss above replaces the clipped surrogate (--clip-low/high);
-ratios are to the engine's log-probs μ, not π_old; a no-grad pass over each optimizer step gives e_B before
-its first backward (--ess-scope micro-batch: one e_B per micro-batch, as the authors' code); the off-policy
-flags; --loss clip (--clip-eps), the paper's GRPO baseline on the same ρ = π_θ/μ, for `./run.sh bench p3o`.
+ratios to μ, not π_old; e_B from a no-grad pass per optimizer step (--ess-scope micro-batch: per micro-batch, as
+the authors); off-policy flags; --loss clip (--clip-eps), the paper's GRPO baseline, for `./run.sh bench p3o`.
 
 Run it
-  python algorithms/p3o.py                       # the built-in task on a CPU: on-policy, = REINFORCE
+  python algorithms/p3o.py                       # the built-in task on a CPU: on-policy (shared float32 weights)
   python algorithms/p3o.py --help                # every flag, with its default
   ./run.sh bench p3o                             # P3O vs GRPO ε = 0.2/0.4/0.6, three settings (README)
   python algorithms/p3o.py --sampling-temperature 1.2    # off-policy: rollouts at T = 1.2, π_θ at 1.0
@@ -144,7 +140,7 @@ class Args:
     sync_every: int = 1
     """push the weights to the engine every this many steps (k > 1: stale rollouts, up to k-1 steps old)"""
     loss: Literal["p3o", "clip"] = "p3o"
-    """p3o: the loss above; clip: the paper's GRPO baseline, the clipped surrogate on the same ratio ρ = π_θ/μ"""
+    """p3o: the P3O loss; clip: the paper's GRPO baseline, the clipped surrogate on the same ratio ρ = π_θ/μ"""
     clip_eps: float = 0.2
     """ε of --loss clip: ρ is clipped to [1 − ε, 1 + ε] (the paper's GRPO baselines: 0.2, 0.4, 0.6)"""
     scale_advantages: bool = True
@@ -156,22 +152,18 @@ class Args:
 
 
 # ALGO LOGIC: ratios to the behavior policy, the batch ESS, the P3O loss and the clip baseline; advantages, token averaging
-LOG_RATIO_LIMIT = 10.0  # |log ρ| ≤ 10: numerical safety only (the authors clamp k3's exponent at ±10, algs/P3O/p3o.py)
-
-
 def behavior_log_ratio(logprobs, sampler_logprobs, mask):
-    """log ρ = log π_θ − log μ at valid tokens, clamped to ±LOG_RATIO_LIMIT; 0 at prompt / pad positions (before
-    any exp: padding never turns into inf · 0 = NaN). μ: the engine's log-probs of the sampled tokens (as the
-    authors'), tempered (their vLLM's are raw, T = 1: a temperature shift alone would not move ρ). All [B, T]."""
-    return torch.where(mask.bool(), logprobs - sampler_logprobs, 0.0).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    """log ρ = log π_θ − log μ at valid tokens, clamped to ±10 (numerical safety; the authors clamp k3's exponent
+    at ±10), 0 at prompt / pad positions (before any exp: never inf · 0 = NaN). μ: the engine's tempered log-probs
+    of the sampled tokens (the authors' vLLM's are raw, T = 1: a temperature shift alone would not move ρ)."""
+    return torch.where(mask.bool(), logprobs - sampler_logprobs, 0.0).clamp(-10.0, 10.0)
 
 
 def ratio_sums(logprobs, sampler_logprobs, mask) -> dict[str, float]:
     """Σρ, Σρ² and N over the valid tokens, in float64: sums, so they add up over micro-batches and ranks."""
     ratio = torch.exp(behavior_log_ratio(logprobs.detach(), sampler_logprobs, mask).double())
     mask = mask.double()
-    return {"ratio_sum": (ratio * mask).sum().item(), "ratio_sq_sum": (ratio.square() * mask).sum().item(),
-            "tokens": mask.sum().item()}
+    return {"ratio_sum": (ratio * mask).sum().item(), "ratio_sq_sum": (ratio.square() * mask).sum().item(), "tokens": mask.sum().item()}
 
 
 def effective_sample_size(sums: dict[str, float]) -> tuple[float, bool]:
@@ -184,8 +176,9 @@ def effective_sample_size(sums: dict[str, float]) -> tuple[float, bool]:
 
 
 def minibatch_ess(policy, batch, minibatch, args, dist, autocast) -> tuple[float, bool]:
-    """e_B over every valid token of one optimizer step (the paper's "tokens in the batch"), on all ranks: θ is
-    fixed until the step, so a no-grad pass gives the loss's ratios (+30% train time on the CPU default)."""
+    """e_B over every valid token of one optimizer step (the paper's "tokens in the batch"), on all ranks, from a
+    no-grad pass (θ is fixed until the step; +30% train time on the CPU default). Unneeded when each forward gives
+    its own: per micro-batch (--ess-scope micro-batch, as the authors: noisier; rows in random order), or one-micro-batch steps."""
     sums = dict.fromkeys(["ratio_sum", "ratio_sq_sum", "tokens"], 0.0)
     with torch.no_grad(), autocast:
         for micro in micro_batches(batch, minibatch, args.micro_batch_size):
@@ -212,16 +205,14 @@ def clipped_behavior_loss(logprobs, sampler_logprobs, advantages, mask, clip_eps
     """--loss clip, the paper's GRPO baseline: grpo.py's clipped surrogate (ε_low = ε_high = ε) on P3O's ρ = π_θ/μ
     (FeynRL's GRPO takes its old log-probs from the engine too). Returns what p3o_loss returns (capped: clipped)."""
     log_ratio = behavior_log_ratio(logprobs, sampler_logprobs, mask)
-    token_losses, ratio, clip_active = clipped_surrogate_loss(
-        log_ratio, torch.zeros_like(log_ratio), advantages, clip_eps, clip_eps)
+    token_losses, ratio, clip_active = clipped_surrogate_loss(log_ratio, torch.zeros_like(log_ratio), advantages, clip_eps, clip_eps)
     return token_losses, ratio.detach(), clip_active, (log_ratio + torch.exp(-log_ratio) - 1).detach()
 
 
 def push_weights(args, step) -> bool:
     """--sync-every k: after every k-th step (rollouts up to k − 1 steps old; the hf engine keeps its own copy) and
     before an evaluation of the trained policy. A stale run resumes exactly only from a checkpoint at a push."""
-    evaluate_now = args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps)
-    return (step + 1) % args.sync_every == 0 or bool(evaluate_now)
+    return (step + 1) % args.sync_every == 0 or bool(args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps))
 
 
 def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
@@ -354,7 +345,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
     if multiple_updates:
         record_mismatch(metrics, batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
 
-    skipped, ess_fallbacks = 0, 0
+    skipped = 0
+    ess_fallbacks = 0
     for epoch in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
         for minibatch in order.chunk(args.num_minibatches):
@@ -369,8 +361,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 skipped += 1
                 continue
             minibatch_loss = 0.0
-            # ALGO LOGIC: e_B from a no-grad pass over the step, unless each forward pass gives its own: per micro-batch
-            # (the authors' code: no extra pass, a noisier e_B; rows stay a random draw), or a step of one micro-batch
+            # ALGO LOGIC: e_B from a no-grad pass over the step, unless each forward pass gives its own (minibatch_ess)
             ess_from_forward = args.ess_scope == "micro-batch" or len(minibatch) <= args.micro_batch_size
             if not ess_from_forward:
                 ess, fell_back = minibatch_ess(policy, batch, minibatch, args, dist, autocast)
@@ -386,8 +377,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     ess, fell_back = effective_sample_size(fsdp.all_reduce_dict(ratio_sums(logprobs, micro["sampler_logprobs"], mask), dist))
                     ess_fallbacks += fell_back
                 if args.loss == "p3o":
-                    token_losses, ratio, clip_active, kl_behavior = p3o_loss(
-                        logprobs, micro["sampler_logprobs"], micro["advantages"], mask, ess)
+                    token_losses, ratio, clip_active, kl_behavior = p3o_loss(logprobs, micro["sampler_logprobs"], micro["advantages"], mask, ess)
                 else:  # the GRPO baseline: e_B is only logged
                     token_losses, ratio, clip_active, kl_behavior = clipped_behavior_loss(
                         logprobs, micro["sampler_logprobs"], micro["advantages"], mask, args.clip_eps)
@@ -404,14 +394,14 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
                     k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
-                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)  # P3O: capped
+                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)  # P3O: ρ > e_B (capped)
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])
                     metrics.mean("losses/ratio_mean", (ratio * mask).sum(), tokens)  # ρ = π_θ/μ, as ratio_min|max
                     metrics.mean("losses/kl_behavior", (kl_behavior * mask).sum(), tokens)  # k3 of KL(π_θ ‖ μ)
                     metrics.mean("losses/ess", ess * tokens.item(), tokens)  # e_B, over the tokens it applied to
-                    metrics.min("losses/ess_min", ess)  # the same on every rank
+                    metrics.min("losses/ess_min", ess)  # e_B's minimum (e_B is the same on every rank)
                     if not multiple_updates:  # this single pass sees every rollout once, under π_old
                         record_mismatch(metrics, old_logprobs, micro["sampler_logprobs"], mask)
             # TRY NOT TO MODIFY: the optimizer step; a step whose loss or gradient norm is not finite is
@@ -427,7 +417,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
             # the loss of all ranks and the global norm (before clipping): the same numbers on every rank
             metrics.mean("losses/policy_loss", minibatch_loss, 1)
             metrics.mean("losses/grad_norm", grad_norm, 1)
-    metrics.set("losses/ess_fallbacks", ess_fallbacks)  # ESS computations that fell back to e_B = 1 (every rank's)
+    metrics.set("losses/ess_fallbacks", ess_fallbacks)  # ESS computations that fell back to e_B = 1 (the same on every rank)
     return skipped
 
 
@@ -572,13 +562,13 @@ if __name__ == "__main__":
     main(tyro.cli(Args))
 
 
-# Paper scale: Qwen3-4B-Thinking-2507 (or Qwen2.5-1.5B), 4,096-token rollouts, one optimizer step per rollout batch,
-# the authors' DeepScaleR example config (dapo_math for DeepScaleR-Preview); add --sampling-temperature 1.2 or
-# --sync-every 2 (one-step-stale rollouts, the asynchronous setting); torchrun ... --rollout-engine hf for FSDP2
+# Paper scale: Qwen3-4B-Thinking-2507 or Qwen2.5-1.5B, 4,096-token rollouts, one optimizer step per batch, the authors'
+# DeepScaleR config (dapo_math for DeepScaleR-Preview); add --sampling-temperature 1.2 or --sync-every 2 (asynchronous)
 #   python algorithms/p3o.py --model Qwen/Qwen3-4B-Thinking-2507 --task dapo_math --eval-task aime24 \
 #       --steps 500 --prompts-per-step 256 --group-size 4 --max-new-tokens 4096 --lr 1e-5 --weight-decay 0.01 \
 #       --max-grad-norm 0.5 --warmup-steps 50 --num-minibatches 1 --micro-batch-size 4 --dtype bfloat16 \
 #       --rollout-engine vllm --engine-dtype bfloat16 --vllm-sleep-mode --eval-every 25 --eval-k 16 --track
+#   torchrun --nproc_per_node 8 algorithms/p3o.py ... --rollout-engine hf     # FSDP2 over 8 GPUs
 #
 # Differences from the authors' code (FeynRL, algs/P3O/p3o.py): e_B over the optimizer step, not per micro-batch
 # (--ess-scope micro-batch is theirs); tempered behavior log-probs (their vLLM's are raw, T = 1); log ρ clamped to

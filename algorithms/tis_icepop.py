@@ -1,16 +1,13 @@
 """Train-inference mismatch corrections on GRPO: TIS, MIS, IcePop, KPop and DeepSeek-V3.2's sequence masking.
 
-The engine that samples the rollouts (vLLM, SGLang; here hf or vllm) is not the trainer: other kernels, dtype and
-batch shapes make its μ differ from the trainer's π_old even with the same weights. The rollouts are off-policy and
-the gap can feed itself until training collapses. Each correction is a detached weight (or mask) built from
-k = π_old/μ that multiplies grpo.py's per-token clipped loss.
+The rollout engine (vLLM, SGLang; here hf or vllm) is not the trainer: other kernels, dtype and batch shapes make
+its μ differ from the trainer's π_old even with the same weights, and the off-policy gap can grow until collapse.
 
-Papers and blogs: the survey "Training Inference Mismatch" (2026, Chinese; the formulas below); TIS: Yao et al.
-(2025, https://fengyao.notion.site/off-policy-rl); MIS: Liu et al., "When Speed Kills Stability" (2025,
-https://richardli.xyz/rl-collapse); IcePop: Zhao et al. (2025, https://ringtech.notion.site/icepop; Ring-1T,
-arXiv:2510.18855); KPop: Guo et al. (2026, https://ringtech.notion.site/kpop); off-policy sequence masking:
-DeepSeek-V3.2 (arXiv:2512.02556, eq. 9); the split π_θ/μ = (π_old/μ)(π_θ/π_old): MiniRL (arXiv:2512.01374).
-The baseline: GRPO (arXiv:2402.03300) with DAPO's clip-higher and token-mean (arXiv:2503.14476), see grpo.py.
+Papers and blogs: the survey "Training Inference Mismatch" (2026, Chinese; the formulas below); TIS: Yao et al.,
+https://fengyao.notion.site/off-policy-rl; MIS: Liu et al., https://richardli.xyz/rl-collapse; IcePop: Zhao et al.,
+https://ringtech.notion.site/icepop (Ring-1T, arXiv:2510.18855); KPop: Guo et al., https://ringtech.notion.site/kpop;
+sequence masking: DeepSeek-V3.2 (arXiv:2512.02556, eq. 9); π_θ/μ = (π_old/μ)(π_θ/π_old): MiniRL (arXiv:2512.01374).
+Baseline: GRPO (arXiv:2402.03300) with DAPO's clip-higher and token-mean (arXiv:2503.14476), see grpo.py.
 
 Objective (survey eq. 3, decoupled: three policies μ, π_old, π_θ). G completions o_i ~ μ per prompt q, rewards r_i:
 
@@ -29,8 +26,8 @@ Objective (survey eq. 3, decoupled: three policies μ, π_old, π_θ). G complet
       seq-mask  M_i = 0 if A_i < 0 and 1/|o_i| Σ_t log(μ(o_it)/π_θ(o_it)) > δ, else 1    DeepSeek-V3.2 eq. 9, δ = 0.5
 
 What this file changes relative to grpo.py: --correction and its thresholds; the corrections at the top of ALGO
-LOGIC; update_policy weights each token's clipped loss and records what the weights did (correction/*);
-record_mismatch neutralizes NaN log-probs and records k1, min / max k and NaN. --correction none is grpo.py exactly.
+LOGIC; update_policy weights each token's clipped loss by w and records what w did (correction/*); record_mismatch
+neutralizes NaN log-probs, records k1, min / max k and NaN log-probs. --correction none is grpo.py exactly.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them and compute advantages, update the policy on minibatches, push the new weights to the
@@ -45,9 +42,9 @@ Run it
   python algorithms/tis_icepop.py --resume auto  # continue the newest run of this task/name/seed
   ./run.sh bench tis_icepop                      # none vs tis / icepop / kpop / seq-mask, bf16 engine (README)
   python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction none --steps 200   # collapse-prone (below)
-By default the hf engine shares the trainer's float32 module: μ = π_old up to float noise, no correction acts.
---engine-dtype bfloat16 gives it its own bf16 copy, a bf16 vLLM engine beside an fp32 trainer in small; compare
-with the float32 engine, watching mismatch/kl_k3, mismatch/ratio_min|max, charts/entropy and losses/grad_norm.
+By default the hf engine shares the trainer's float32 module (μ = π_old up to float noise: no correction acts);
+--engine-dtype bfloat16 gives it its own bf16 copy, a bf16 vLLM engine beside an fp32 trainer in small. Against
+its float32-engine control, watch mismatch/kl_k3, mismatch/ratio_min|max, charts/entropy and losses/grad_norm.
 """
 
 import math
@@ -194,9 +191,8 @@ def safe_log_ratio(logp, logq, mask, bound=LOG_RATIO_BOUND):
 
 
 def sequence_log_ratio(logp, logq, mask):
-    """Σ_t log(p_t/q_t) per completion [B, 1]: the log of the product of the token ratios (MIS's and the survey's
-    sequence ratio, not a geometric mean), summed unclamped and clamped once (verl clamps the masked sum): clamping
-    each token first would turn d = [+30, −13, −12] (Σ = +5) into −5. ±inf − inf (undefined) counts as 0."""
+    """Σ_t log(p_t/q_t) per completion [B, 1], the log of the product of the token ratios (not a geometric mean),
+    clamped once summed, as verl: clamping each token would turn d = [+30, −13, −12] into −5. inf − inf counts as 0."""
     total = safe_log_ratio(logp, logq, mask, bound=math.inf).sum(1, keepdim=True)
     return torch.nan_to_num(total, nan=0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
@@ -230,8 +226,7 @@ def correction_weights(old_logprobs, sampler_logprobs, mask, correction, advanta
     elif correction in ("mis", "icepop"):  # k_t · 1[lo ≤ k_t ≤ hi]: token MIS; IcePop's M(k; α, β) (survey)
         low, high = (mis_low, mis_high) if correction == "mis" else (icepop_alpha, icepop_beta)
         weights = torch.exp(log_k)
-        lower = math.log(low) if low > 0 else -math.inf  # closed intervals, compared in log space
-        keep = (log_k >= lower) & (log_k <= math.log(high))
+        keep = (log_k >= (math.log(low) if low > 0 else -math.inf)) & (log_k <= math.log(high))
     elif correction == "mis-seq":  # ρ · 1[ρ ≤ C], ρ = Π_t k_t (survey J_seq-mis): rejected, not capped
         weights = torch.exp(log_k_seq).expand_as(log_k)
         keep = (log_k_seq <= math.log(tis_cap)).expand_as(valid)
@@ -256,8 +251,7 @@ def correction_weights(old_logprobs, sampler_logprobs, mask, correction, advanta
 
 
 def effective_sample_size(weight_sum, weight_sq_sum, count):
-    """Normalized ESS of N weights, (Σw)² / (N Σw²) (verl's rollout_is ESS): 1 if all are equal, 1/N if one
-    carries everything, 0 if all are 0."""
+    """verl's normalized ESS of N weights, (Σw)² / (N Σw²): 1 if all are equal, 1/N if one carries all, 0 if all 0."""
     return weight_sum**2 / (count * weight_sq_sum) if weight_sq_sum > 0 else 0.0
 
 
@@ -423,8 +417,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 with autocast:
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
-                # ALGO LOGIC: the GRPO loss of this micro-batch, each token's clipped loss weighted by the detached
-                # correction w, from π_old and μ (the engine's log-probs of the sampled tokens, after temperature)
+                # ALGO LOGIC: the GRPO loss of this micro-batch, each token's clipped loss times the detached weight w
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
                     logprobs, old_logprobs, micro["advantages"], args.clip_low, args.clip_high)
                 weights, masked, truncated = correction_weights(
@@ -450,7 +443,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])
-                    # w set to 0 (dropped sequences included), capped at C (tis*), all 0 in a completion (no gradient)
+                    # w = 0 (dropped sequences included), w capped at C (tis, tis-seq), all w of a completion 0 (no gradient)
                     metrics.mean("correction/masked_token_fraction", masked.sum(), tokens)
                     metrics.mean("correction/truncated_token_fraction", truncated.sum(), tokens)
                     metrics.mean("correction/dropped_sequence_fraction", (weights.sum(1) == 0).sum(), len(weights))
@@ -472,7 +465,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
             # the loss of all ranks and the global norm (before clipping): the same numbers on every rank
             metrics.mean("losses/policy_loss", minibatch_loss, 1)
             metrics.mean("losses/grad_norm", grad_norm, 1)
-    # ALGO LOGIC: correction/ess, the effective sample size of w over the response tokens of all ranks (not a mean)
+    # ALGO LOGIC: correction/ess, the effective sample size of w over the response tokens of all ranks
     sums = fsdp.all_reduce_dict(weight_sums, dist)
     metrics.set("correction/ess", effective_sample_size(sums["weight"], sums["weight_sq"], sums["tokens"]))
     # END ALGO LOGIC
@@ -626,8 +619,8 @@ if __name__ == "__main__":
     main(tyro.cli(Args))
 
 
-# Paper scale: the TIS blog's GSM8K setting (Qwen2.5-0.5B-Instruct, bf16 vLLM rollouts, fp32 trainer weights, C = 2,
-# 15 epochs of 256 prompts; it trains PPO with a critic, this file GRPO); IcePop / KPop: --correction icepop | kpop
+# Paper scale: the TIS blog's GSM8K setting on one GPU (Qwen2.5-0.5B-Instruct, bf16 vLLM rollouts, fp32 trainer
+# weights, C = 2, 15 epochs of 256 prompts; the blog trains PPO with a critic, this file GRPO); or --correction icepop
 #   python algorithms/tis_icepop.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --eval-task gsm8k \
 #       --rollout-engine vllm --engine-dtype bfloat16 --correction tis --tis-cap 2 \
 #       --steps 435 --prompts-per-step 256 --group-size 8 --max-new-tokens 512 --lr 1e-6 \

@@ -27,10 +27,9 @@ from common.tracking import StepMetrics  # noqa: E402
 
 QUESTIONS = ["Q: 1+2=", "Q: 45+51=", "Q: 9+9=", "Q: 70+30="]
 RESPONSES = ["3", "12", "4", "396", "96", "9", "91", "906", "18", "1", "81", "188", "100", "10", "1000", "0"]
-DEFAULT_ARGS = {"group_size": 4, "update_epochs": 2, "micro_batch_size": 3, "clip_low": 0.01, "clip_high": 0.01, "lr": 0.5}
+DEFAULT_ARGS = {"group_size": 4, "num_minibatches": 1, "update_epochs": 2, "micro_batch_size": 3, "clip_low": 0.01, "clip_high": 0.01, "lr": 0.5}
 # the extra inputs some methods' update_policy take, by parameter name
 EXTRAS = {
-    "gains": lambda algorithm, args, policy: algorithm.gain_schedule(args, 64),  # ema_kpo: the filter's gains
     "initial_entropy": lambda algorithm, args, policy: 1.0,  # gtpo: ⟨H⟩_ini (above ln 2: the filter stays off)
     "hooks": lambda algorithm, args, policy: algorithm.IsopoHooks(policy, args),  # isopo: its backward hooks
 }

@@ -1,6 +1,8 @@
 """gtpo.py: conflict masks against the paper's definitions, λ, the entropy filter and shift, the balance
-property, the loss against brute force, then the script end to end."""
+property, the loss against brute force, ⟨H⟩_ini, then the script end to end (what every script gets is in
+test_scripts.py)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -11,11 +13,9 @@ import torch
 
 from algorithms import gtpo, grpo
 from common import fsdp
-from common.rollout import HFEngine
-from helpers import (
-    BASE_LOGGED, CLIP_LOGGED, assert_weights_changed, assert_weights_unchanged, help_text, only_run_dir,
-    read_jsonl, run_script, torchrun, two_group_rollouts,
-)
+from common.rollout import Completion, HFEngine
+from common.tracking import StepMetrics
+from helpers import BASE_LOGGED, CLIP_LOGGED, only_run_dir, read_jsonl, run_script, torchrun, two_group_rollouts
 
 CPU = fsdp.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 EOS = "$"  # in the hand-built groups below, each character is one token and "$" plays the EOS
@@ -183,12 +183,14 @@ def test_entropy_filter_three_cases():
     assert gtpo.entropy_filter(entropy, 0.695, threshold=0.7).tolist() == [1, 1, 1, 0]
 
 
-def test_entropy_threshold_flag_is_checked():
-    """--entropy-filter on --entropy-threshold 0.7 (the authors' configuration) parses and is checked."""
+def test_entropy_threshold_flag_is_checked_and_there_is_no_kl():
+    """--entropy-filter on --entropy-threshold 0.7 (the authors' configuration) parses and is checked; GTPO
+    has no KL term and no reference model, so no --kl-coef."""
     args = gtpo.Args(entropy_filter="on", entropy_threshold=0.7)
     gtpo.check_args(args)
     with pytest.raises(ValueError, match="entropy-threshold"):
         gtpo.check_args(gtpo.Args(entropy_threshold=0.0))
+    assert "kl_coef" not in {field.name for field in dataclasses.fields(gtpo.Args)}
 
 
 def test_advantage_shift_by_hand_and_detached():
@@ -271,17 +273,19 @@ def _brute_force_entropy(model, prompts, completions, group=4):
 
 
 def _update(model, batch, args, initial_entropy, module=gtpo):
-    """One update_policy call with plain SGD at lr 1: returns its statistics and −Δweights (= the gradient
-    with one update per batch)."""
+    """One update_policy call with plain SGD at lr 1: returns the StepMetrics it recorded into and −Δweights
+    (= the gradient with one update per batch)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    metrics = StepMetrics()
     common = (optimizer, scheduler, batch, args, CPU, torch.autocast("cpu", enabled=False))
     if module is gtpo:
-        stats = gtpo.update_policy(model, *common, initial_entropy)
+        skipped = gtpo.update_policy(model, *common, metrics, initial_entropy)
     else:
-        stats = grpo.update_policy(model, None, *common)  # no reference model
-    return stats, {n: before[n] - p.detach() for n, p in model.named_parameters()}
+        skipped = grpo.update_policy(model, None, *common, metrics)  # no reference model
+    assert skipped == 0
+    return metrics, {n: before[n] - p.detach() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("combine", ["or", "product"])
@@ -296,17 +300,22 @@ def test_update_matches_eq7_by_brute_force(tiny, combine):
     initial_entropy = 0.5  # < ln 2: the filter is on
     args = gtpo.Args(group_size=4, micro_batch_size=3, max_grad_norm=1e9, entropy_coef=0.1, mask_combine=combine)
     torch.manual_seed(0)
-    stats, step = _update(_copy(tiny), batch, args, initial_entropy)
+    metrics, step = _update(_copy(tiny), batch, args, initial_entropy)
+    logged = metrics.reduce()
     assert torch.equal(batch["conflict_weights"], weights)
-    assert (stats["forward_conflict"], stats["backward_conflict"], stats["masked"]) == (
-        forward.sum().item(), backward.sum().item(), (forward | backward).sum().item())
+    tokens = batch["response_mask"].sum().item()
+    assert (logged["conflict/forward_fraction"], logged["conflict/backward_fraction"],
+            logged["conflict/masked_fraction"]) == (
+        forward.sum().item() / tokens, backward.sum().item() / tokens, (forward | backward).sum().item() / tokens)
+    assert logged["charts/entropy_ini"] == initial_entropy
 
     model = _copy(tiny)
     entropy, logprobs = _brute_force_entropy(model, prompts, completions)
     delta = (entropy <= math.log(2)).float()
     assert 0 < delta.sum() < len(delta)  # the example has filtered and kept completions
-    assert stats["filtered"] == len(delta) - delta.sum().item()
+    assert logged["charts/filtered_fraction"] == (len(delta) - delta.sum().item()) / len(delta)
     torch.testing.assert_close(batch["completion_entropy"], entropy, rtol=1e-5, atol=1e-6)
+    assert logged["charts/completion_entropy"] == pytest.approx(entropy.mean().item(), rel=1e-5)
     objective = 0.0
     for i, logprob in enumerate(logprobs):
         shaped = delta[i] * (batch["advantages"][i] - 0.1 * entropy[i])
@@ -323,10 +332,11 @@ def test_several_updates_take_entropy_from_pi_old(tiny):
     prompts, completions, batch = _batch(tokenizer)
     args = gtpo.Args(group_size=4, micro_batch_size=3, num_minibatches=2, update_epochs=2, lr=1e-3)
     torch.manual_seed(0)
-    stats, _ = _update(_copy(tiny), batch, args, 0.5)
+    metrics, _ = _update(_copy(tiny), batch, args, 0.5)
     expected, _ = _brute_force_entropy(_copy(tiny), prompts, completions)
     torch.testing.assert_close(batch["completion_entropy"], expected, rtol=1e-5, atol=1e-6)
-    assert stats["updates"] == 4 and stats["approx_kl"] > 0  # π_θ moved away from π_old within the batch
+    assert metrics.means["losses/grad_norm"][1] == 4  # four optimizer steps
+    assert metrics.reduce()["losses/approx_kl"] > 0  # π_θ moved away from π_old within the batch
 
 
 def test_without_its_components_gtpo_is_grpo(tiny):
@@ -335,11 +345,13 @@ def test_without_its_components_gtpo_is_grpo(tiny):
     _, _, batch = _batch(tokenizer)
     common = dict(group_size=4, micro_batch_size=3, num_minibatches=2, update_epochs=2, lr=1e-3, loss_aggregation="sequence-mean")
     torch.manual_seed(0)
-    gtpo_stats, gtpo_step = _update(_copy(tiny), dict(batch), gtpo.Args(
+    gtpo_metrics, gtpo_step = _update(_copy(tiny), dict(batch), gtpo.Args(
         **common, conflict_masks=False, entropy_coef=0.0, entropy_filter="off"), 0.5)
     torch.manual_seed(0)
-    grpo_stats, grpo_step = _update(_copy(tiny), dict(batch), grpo.Args(**common), None, module=grpo)
-    assert gtpo_stats["loss"] == grpo_stats["loss"] and gtpo_stats["grad_norm"] == grpo_stats["grad_norm"]
+    grpo_metrics, grpo_step = _update(_copy(tiny), dict(batch), grpo.Args(**common), None, module=grpo)
+    gtpo_logged, grpo_logged = gtpo_metrics.reduce(), grpo_metrics.reduce()
+    for key in ("losses/policy_loss", "losses/grad_norm"):
+        assert gtpo_logged[key] == grpo_logged[key], key
     for name in gtpo_step:
         assert torch.equal(gtpo_step[name], grpo_step[name]), name
 
@@ -362,14 +374,37 @@ def test_initial_entropy_is_the_mean_of_completion_entropies(tiny):
     assert 0 < measured < math.log(len(tokenizer))
 
 
+def test_a_resumed_run_keeps_its_initial_entropy():
+    """measure_initial_entropy given a checkpoint's value returns it and samples nothing."""
+    class NoEngine:
+        def generate(self, *args):
+            raise AssertionError("a resumed run must not measure ⟨H⟩_ini again")
+
+    assert gtpo.measure_initial_entropy(None, NoEngine(), [[1]], gtpo.Args(), CPU, None, 0, entropy_ini=0.25) == 0.25
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
 @pytest.mark.parametrize("count", [1, 5, 100])
-def test_rank_shares_cover_every_prompt_once(world_size, count):
-    shares = [gtpo.rank_share(count, fsdp.Dist(rank, world_size, rank, torch.device("cpu")))
-              for rank in range(world_size)]
-    assert len({len(indices) for indices, _ in shares}) == 1  # the same number of forward passes per rank
-    counted = sorted(i for indices, counts in shares for i, c in zip(indices, counts) if c)
-    assert counted == list(range(count))
+def test_ranks_share_the_initial_entropy_prompts(monkeypatch, world_size, count):
+    """⟨H⟩_ini over simulated ranks: every rank scores as many completions (so FSDP's collectives stay in
+    step), the last share wrapping around, and over the ranks every prompt counts exactly once."""
+    prompts = [[10 + i] for i in range(count)]  # prompt i is token 10 + i; its completion repeats it
+
+    class Engine:
+        def generate(self, prompts, n, max_new_tokens, temperature):
+            sizes.append(len(prompts))
+            return [Completion(list(prompt), [0.0], "stop") for prompt in prompts]
+
+    monkeypatch.setattr(gtpo.fsdp, "all_reduce", lambda total, dist: total)  # each rank's own sum
+    args, no_autocast = gtpo.Args(micro_batch_size=7), torch.autocast("cpu", enabled=False)
+    for probe in range(count):  # ⟨H⟩_i is 1 for the completion of prompt `probe`, 0 for the others
+        monkeypatch.setattr(gtpo, "token_logprobs", lambda model, micro, temperature, with_entropy=False:
+                            (None, (micro["response_ids"] == 10 + probe).float()))
+        sizes = []
+        shares = [gtpo.measure_initial_entropy(None, Engine(), prompts, args, fsdp.Dist(rank, world_size, rank,
+                                               torch.device("cpu")), no_autocast, 0) for rank in range(world_size)]
+        assert len(sizes) == world_size and len(set(sizes)) == 1  # as many completions on every rank
+        assert sum(shares) == pytest.approx(1 / count, rel=1e-12), probe  # counted once over the ranks
 
 
 # --- the script ---------------------------------------------------------------------------------
@@ -381,12 +416,18 @@ GTPO_LOGGED = ["charts/completion_entropy", "charts/entropy_ini", "charts/filter
 
 
 @pytest.mark.slow
-def test_two_steps_end_to_end(tmp_path, tiny_dir):
-    result = run_script("algorithms/gtpo.py", "--steps", 2, "--output-dir", tmp_path, *SMALL)
-    run_dir = only_run_dir(tmp_path)
-    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    assert [r["step"] for r in records] == [1, 2]
-    for record in records:
+def test_end_to_end_and_resume_keep_the_initial_entropy(tmp_path):
+    """Three steps: GTPO's metrics, ⟨H⟩_ini measured once, printed and kept in the checkpoints. ⟨H⟩_ini belongs
+    to the initial policy: a resumed run reads it from the checkpoint instead of measuring the trained one,
+    and continues exactly."""
+    flags = ["--save-every", 1, *SMALL, "--lr", 1e-3]
+    result = run_script("algorithms/gtpo.py", "--steps", 3, "--output-dir", tmp_path / "straight", *flags)
+    run_script("algorithms/gtpo.py", "--steps", 1, "--output-dir", tmp_path / "split", *flags)
+    resumed = run_script("algorithms/gtpo.py", "--steps", 3, "--output-dir", tmp_path / "split", "--resume", "auto", *flags)
+    run_dir = only_run_dir(tmp_path / "straight")
+    straight = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in straight] == [1, 2, 3]
+    for record in straight:
         for key in LOGGED + GTPO_LOGGED:
             assert isinstance(record[key], float), key
         assert 0 <= record["charts/filtered_fraction"] <= 1
@@ -394,14 +435,23 @@ def test_two_steps_end_to_end(tmp_path, tiny_dir):
             <= record["conflict/masked_fraction"] \
             <= record["conflict/forward_fraction"] + record["conflict/backward_fraction"] + 1e-9
         assert record["losses/ratio_max"] == 1.0  # one update per batch: π_θ = π_old exactly
-    assert any(r["conflict/forward_fraction"] > 0 for r in records)  # arithmetic answers share digits and EOS
-    assert any(r["conflict/backward_fraction"] > 0 for r in records)
-    entropy_ini = records[0]["charts/entropy_ini"]
-    assert records[1]["charts/entropy_ini"] == entropy_ini and 0 < entropy_ini < math.log(100)
+    assert any(r["conflict/forward_fraction"] > 0 for r in straight)  # arithmetic answers share digits and EOS
+    assert any(r["conflict/backward_fraction"] > 0 for r in straight)
+    entropy_ini = straight[0]["charts/entropy_ini"]
+    assert {r["charts/entropy_ini"] for r in straight} == {entropy_ini} and 0 < entropy_ini < math.log(100)
     assert f"<H>_ini = {entropy_ini:.4f}" in result.stdout
-    checkpoint = os.path.join(run_dir, "checkpoints", "step_00000002")
+    checkpoint = os.path.join(run_dir, "checkpoints", "step_00000003")
     assert torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)["entropy_ini"] == entropy_ini
-    assert_weights_changed(checkpoint, tiny_dir)
+
+    split = read_jsonl(os.path.join(only_run_dir(tmp_path / "split"), "metrics.jsonl"))
+    assert [r["step"] for r in split] == [1, 2, 3]
+    for a, b in zip(straight, split):
+        for key in ("charts/reward", "losses/policy_loss", "losses/grad_norm", "charts/entropy_ini",
+                    "charts/completion_entropy", "conflict/masked_fraction"):
+            assert a[key] == b[key], (a["step"], key)
+    # the resumed run reports the checkpoint's value (measuring the trained policy would give another
+    # value and consume the sampler's random numbers, so the run would not continue exactly)
+    assert f"<H>_ini = {entropy_ini:.4f}" in resumed.stdout
 
 
 @pytest.mark.slow
@@ -416,37 +466,18 @@ def test_authors_code_configuration_with_several_updates(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_keeps_the_initial_entropy(tmp_path):
-    """⟨H⟩_ini belongs to the initial policy: a resumed run reads it from the checkpoint instead of
-    measuring the trained one, and continues exactly."""
-    flags = ["--save-every", 1, *SMALL, "--lr", 1e-3]
-    run_script("algorithms/gtpo.py", "--steps", 3, "--output-dir", tmp_path / "straight", *flags)
-    run_script("algorithms/gtpo.py", "--steps", 1, "--output-dir", tmp_path / "split", *flags)
-    resumed = run_script("algorithms/gtpo.py", "--steps", 3, "--output-dir", tmp_path / "split", "--resume", "auto", *flags)
-    straight = read_jsonl(os.path.join(only_run_dir(tmp_path / "straight"), "metrics.jsonl"))
-    split = read_jsonl(os.path.join(only_run_dir(tmp_path / "split"), "metrics.jsonl"))
-    assert [r["step"] for r in split] == [1, 2, 3]
-    assert len({r["charts/entropy_ini"] for r in split}) == 1
-    for a, b in zip(straight, split):
-        for key in ("charts/reward", "losses/policy_loss", "losses/grad_norm", "charts/entropy_ini",
-                    "charts/completion_entropy", "conflict/masked_fraction"):
-            assert a[key] == b[key], (a["step"], key)
-    # the resumed run reports the checkpoint's value (measuring the trained policy would give another
-    # value and consume the sampler's random numbers, so the run would not continue exactly)
-    assert f"<H>_ini = {split[0]['charts/entropy_ini']:.4f}" in resumed.stdout
-
-
-@pytest.mark.slow
-def test_two_ranks_update_exactly_like_one(tmp_path):
+def test_two_ranks_update_exactly_like_one_with_the_authors_options(tmp_path):
     """Groups stay whole on a rank, so λ and δ are local, and the sequence-mean is over the completions of
-    all ranks: 1 process and 2 FSDP2 ranks (gloo) compute the same update from the same global batch."""
+    all ranks: 1 process and 2 FSDP2 ranks (gloo) compute the same update from the same global batch, with
+    δ_i on, the product of the spans' λ and 1/n_i (test_scripts.py runs the defaults)."""
     flags = ["gtpo", json.dumps({"group_size": 4, "entropy_filter": "on", "mask_combine": "product",
                                  "divide_by_conflict_count": True})]
     run_script("tests/distributed_update.py", tmp_path / "one.json", *flags)
     torchrun(2, "tests/distributed_update.py", tmp_path / "two.json", *flags)
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
-    assert one["tokens"] == two["tokens"] == 2 * 49 and one["approx_kl"] > 0  # two epochs, the second off-policy
-    for key in ("loss", "grad_norm", "approx_kl", "entropy"):
+    assert one.keys() == two.keys() and one["losses/approx_kl"] > 0  # two epochs, the second off-policy
+    assert set(GTPO_LOGGED) <= one.keys() and 0 < one["conflict/masked_fraction"] < 1
+    for key in one:
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-9), key
     weights_one, weights_two = torch.load(tmp_path / "one.json.weights.pt"), torch.load(tmp_path / "two.json.weights.pt")
     for name in weights_one:
@@ -462,35 +493,14 @@ def test_two_ranks_end_to_end(tmp_path):
     assert all(isinstance(records[-1][key], float) for key in LOGGED + GTPO_LOGGED)
 
 
-def test_non_finite_loss_skips_the_step(tmp_path, monkeypatch, tiny_dir):
-    real_loss = gtpo.clipped_surrogate_loss
-
-    def nan_loss(*args, **kwargs):
-        token_losses, ratio, clip_active = real_loss(*args, **kwargs)
-        return token_losses * float("nan"), ratio, clip_active
-
-    monkeypatch.setattr(gtpo, "clipped_surrogate_loss", nan_loss)
-    gtpo.main(gtpo.Args(steps=2, eval_every=0, output_dir=str(tmp_path), prompts_per_step=4, group_size=4,
-                        entropy_ini_prompts=8))
-    run_dir = only_run_dir(tmp_path)
-    assert [r["charts/skipped_steps"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2]
-    assert_weights_unchanged(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_dir)
-
-
-def test_help_documents_every_flag():
-    text = help_text("algorithms/gtpo.py", gtpo.Args, count_defaults=False)
-    assert "--kl-coef" not in text  # GTPO has no KL term and no reference model
-
-
 @pytest.mark.parametrize("flags, message", [
     (["--entropy-coef", -0.1], "--entropy-coef must be >= 0"),
     (["--entropy-coef", "nan"], "--entropy-coef must be >= 0"),
     (["--entropy-ini-prompts", 0], "--entropy-ini-prompts must be >= 1"),
     (["--mask-combine", "xor"], "--mask-combine"),  # tyro's own message for a value outside the choices
     (["--entropy-filter", "maybe"], "--entropy-filter"),
-    (["--group-size", 1], "--group-size must be >= 2"),
 ])
-def test_bad_input_gets_a_clear_error(tmp_path, flags, message):
+def test_bad_gtpo_flags_get_a_clear_error(tmp_path, flags, message):
     result = run_script("algorithms/gtpo.py", "--output-dir", tmp_path, *flags, check=False)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr[-2000:]

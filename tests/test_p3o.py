@@ -1,8 +1,11 @@
 """p3o.py: the ESS and the loss against hand-computed values and brute force, the update across
-micro-batches and ranks, then the script end to end (on-policy, stale rollouts, a shifted temperature).
+micro-batches and ranks, then the script end to end (fresh and stale rollouts, a shifted temperature, the
+clip baseline). What every script gets (--help, bad flags, two steps, a NaN step, two ranks on a fixed
+batch) is in test_scripts.py.
 
 Also a script: `python tests/test_p3o.py OUT` (or under torchrun) runs one p3o.update_policy on a fixed
-off-policy batch and writes its statistics and the gradient to OUT (see test_two_ranks_compute_one_ess)."""
+off-policy batch and writes its reduced statistics and the updated weights to OUT (see
+test_two_ranks_compute_one_ess)."""
 
 import json
 import math
@@ -18,10 +21,8 @@ import torch  # noqa: E402
 from algorithms import p3o  # noqa: E402
 from common import fsdp  # noqa: E402
 from common.rollout import Completion  # noqa: E402
-from helpers import (  # noqa: E402
-    BASE_LOGGED, CLIP_LOGGED, assert_weights_changed, assert_weights_unchanged, help_text, only_run_dir,
-    read_jsonl, run_script, torchrun,
-)
+from common.tracking import StepMetrics  # noqa: E402
+from helpers import CLIP_LOGGED, help_text, only_run_dir, read_jsonl, run_script, torchrun  # noqa: E402
 
 # --- the effective sample size --------------------------------------------------------------------
 
@@ -190,11 +191,12 @@ def _off_policy_batch(model, tokenizer, prompts_range=range(4), device=torch.dev
 
 
 def _update(model, batch, dist=fsdp.Dist(0, 1, 0, torch.device("cpu")), **overrides):
+    """(the statistics update_policy logs, reduced, with "skipped"; the gradient of each optimizer step)."""
     args = p3o.Args(max_grad_norm=1e9, **overrides)
-    recorder = GradRecorder(model)
-    stats = p3o.update_policy(model, None, recorder, types.SimpleNamespace(step=lambda: None), batch, args,
-                              dist, torch.autocast("cpu", enabled=False))
-    return stats, recorder.grads
+    recorder, metrics = GradRecorder(model), StepMetrics()
+    skipped = p3o.update_policy(model, None, recorder, types.SimpleNamespace(step=lambda: None), batch, args,
+                                dist, torch.autocast("cpu", enabled=False), metrics)
+    return {"skipped": skipped, **metrics.reduce(dist)}, recorder.grads
 
 
 def _copy(tiny):
@@ -208,8 +210,8 @@ def test_update_gradient_matches_brute_force_of_the_written_objective(tiny):
     L = 1/N Σ_t [−sg(min(ρ, e_B))·A·log π + (1 − e_B)(log ρ + 1/ρ − 1)] written per unpadded sequence."""
     model, tokenizer = _copy(tiny), tiny[1]
     prompts, completions, advantages, batch = _off_policy_batch(model, tokenizer)
-    stats, grads = _update(model, batch, micro_batch_size=3)
-    assert len(grads) == 1 and stats["ess_fallbacks"] == 0
+    logged, grads = _update(model, batch, micro_batch_size=3)
+    assert len(grads) == 1 and logged["losses/ess_fallbacks"] == 0 and logged["skipped"] == 0
 
     model.zero_grad()
     logprobs, sampler, owner = [], [], []
@@ -227,8 +229,9 @@ def test_update_gradient_matches_brute_force_of_the_written_objective(tiny):
                  + (1 - ess) * (torch.log(rho) + 1 / rho - 1)).sum() / n
     objective.backward()
 
-    assert stats["ess_min"] == pytest.approx(ess, abs=1e-6) and ess < 0.97
-    assert 0 < stats["clipped"] < n  # capped and uncapped tokens
+    assert logged["losses/ess_min"] == pytest.approx(ess, abs=1e-6) and ess < 0.97
+    assert logged["losses/ess"] == pytest.approx(ess, abs=1e-6)  # one e_B for the whole step
+    assert 0 < logged["losses/clip_fraction"] < 1  # capped and uncapped tokens
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(grads[0][name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
 
@@ -240,14 +243,14 @@ def test_update_ess_does_not_depend_on_the_micro_batch_size(tiny):
     split, split_grads = _update(model, dict(batch), micro_batch_size=3)  # 6 micro-batches + the ESS pass
     torch.manual_seed(0)
     whole, whole_grads = _update(model, dict(batch), micro_batch_size=16)  # one pass gives e_B
-    assert split["ess_min"] == pytest.approx(whole["ess_min"], rel=1e-6)
-    assert split["ess_tokens"] == pytest.approx(whole["ess_tokens"], rel=1e-6)  # one e_B for every token
+    assert split["losses/ess_min"] == pytest.approx(whole["losses/ess_min"], rel=1e-6)
+    assert split["losses/ess"] == pytest.approx(whole["losses/ess"], rel=1e-6)  # one e_B for every token
     for name in whole_grads[0]:
         torch.testing.assert_close(split_grads[0][name], whole_grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
     # the authors' scope: one e_B per micro-batch, hence another update
     torch.manual_seed(0)
     per_micro, per_micro_grads = _update(model, dict(batch), micro_batch_size=3, ess_scope="micro-batch")
-    assert per_micro["ess_tokens"] != pytest.approx(whole["ess_tokens"], rel=1e-4)
+    assert per_micro["losses/ess"] != pytest.approx(whole["losses/ess"], rel=1e-4)
     name = next(iter(whole_grads[0]))
     assert not torch.allclose(per_micro_grads[0][name], whole_grads[0][name], rtol=1e-3)
 
@@ -262,11 +265,13 @@ def test_several_updates_tighten_as_pi_drifts_from_mu(tiny):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     torch.manual_seed(0)
-    stats = p3o.update_policy(model, None, optimizer, scheduler, batch, args, fsdp.Dist(0, 1, 0, torch.device("cpu")),
-                              torch.autocast("cpu", enabled=False))
-    assert stats["updates"] == 4 and stats["skipped"] == 0
-    assert stats["ess_min"] < 0.999  # the later updates see π_θ ≠ μ
-    assert stats["ratio_max"] > 1.01 or stats["ratio_min"] < 0.99
+    metrics = StepMetrics()
+    skipped = p3o.update_policy(model, None, optimizer, scheduler, batch, args, fsdp.Dist(0, 1, 0, torch.device("cpu")),
+                                torch.autocast("cpu", enabled=False), metrics)
+    logged = metrics.reduce()
+    assert scheduler.last_epoch == 4 and skipped == 0  # four optimizer steps, none skipped
+    assert logged["losses/ess_min"] < 0.999  # the later updates see π_θ ≠ μ
+    assert logged["losses/ratio_max"] > 1.01 or logged["losses/ratio_min"] < 0.99
 
 
 def _distributed_update(out_path):
@@ -283,12 +288,15 @@ def _distributed_update(out_path):
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)  # linear in the gradient: weights compare gradients
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     args = p3o.Args(micro_batch_size=3, max_grad_norm=1e9)
-    stats = p3o.update_policy(policy, None, optimizer, scheduler, batch, args, dist, torch.autocast("cpu", enabled=False))
-    sums = fsdp.all_reduce_dict({k: stats[k] for k in ("ess_tokens", "tokens", "clipped", "kl_behavior")}, dist)
+    metrics = StepMetrics()
+    skipped = p3o.update_policy(policy, None, optimizer, scheduler, batch, args, dist,
+                                torch.autocast("cpu", enabled=False), metrics)
+    logged = {"skipped": skipped, "tokens": fsdp.all_reduce(batch["response_mask"].sum().item(), dist),
+              **metrics.reduce(dist)}  # means over the tokens of all ranks
     weights = dict(fsdp.named_full_tensors(policy, dist.device))
     if dist.is_main:
         with open(out_path, "w") as f:
-            json.dump({"loss": stats["loss"], "ess_min": stats["ess_min"], **sums}, f)
+            json.dump(logged, f)
         torch.save(weights, out_path + ".weights.pt")
     fsdp.cleanup(dist)
 
@@ -300,9 +308,9 @@ def test_two_ranks_compute_one_ess(tmp_path):
     run_script("tests/test_p3o.py", tmp_path / "one.json")
     torchrun(2, "tests/test_p3o.py", tmp_path / "two.json")
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
-    assert one["tokens"] == two["tokens"] == 49
-    assert one["ess_min"] < 0.97
-    for key in ("ess_min", "ess_tokens", "loss", "clipped", "kl_behavior"):
+    assert one["tokens"] == two["tokens"] == 49 and one["skipped"] == two["skipped"] == 0
+    assert one["losses/ess_min"] < 0.97
+    for key in ("losses/ess_min", "losses/ess", "losses/policy_loss", "losses/clip_fraction", "losses/kl_behavior"):
         assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
     weights_one = torch.load(tmp_path / "one.json.weights.pt")
     weights_two = torch.load(tmp_path / "two.json.weights.pt")
@@ -313,32 +321,21 @@ def test_two_ranks_compute_one_ess(tmp_path):
 # --- the script ----------------------------------------------------------------------------------
 
 SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-prompts", 16, "--eval-k", 2]
-LOGGED = BASE_LOGGED + CLIP_LOGGED + [
-    "losses/ratio_mean", "losses/kl_behavior", "losses/ess", "losses/ess_min", "losses/ess_fallbacks"]
+LOGGED = CLIP_LOGGED + ["losses/ratio_mean", "losses/kl_behavior", "losses/ess", "losses/ess_min", "losses/ess_fallbacks"]
 
 
 @pytest.mark.slow
-def test_two_steps_end_to_end_on_policy(tmp_path, tiny_dir):
-    run_script("algorithms/p3o.py", "--steps", 2, "--eval-every", 2, "--output-dir", tmp_path, *SMALL)
-    run_dir = only_run_dir(tmp_path)
-    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    assert [r["step"] for r in records] == [0, 1, 2]
-    for key in LOGGED + ["eval/greedy_accuracy", "eval/avg@2", "eval/pass@2", "time/eval"]:
-        assert isinstance(records[-1][key], float), key
-    for record in records[1:]:  # the float32 engine shares the trainer's weights: μ = π_θ up to rounding
+def test_fresh_rollouts_keep_the_ess_at_one_and_stale_ones_lower_it(tmp_path):
+    """--sync-every 2: step 1 samples with the current weights, step 2 with the weights of one step ago, step 3
+    with the weights pushed after step 2 (the current ones again)."""
+    run_script("algorithms/p3o.py", "--steps", 3, "--eval-every", 0, "--sync-every", 2, "--output-dir", tmp_path, *SMALL)
+    fresh, stale, fresh_again = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    for record in (fresh, fresh_again):  # the float32 engine has the trainer's weights: μ = π_θ up to rounding
+        for key in LOGGED:
+            assert isinstance(record[key], float), key
         assert 1 - 1e-9 < record["losses/ess"] <= 1 and record["losses/ess_fallbacks"] == 0
         assert abs(record["losses/ratio_max"] - 1) < 1e-4 and abs(record["losses/ratio_min"] - 1) < 1e-4
-        assert record["losses/kl_behavior"] < 1e-9
-    assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 10_000
-    assert_weights_changed(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_dir)
-
-
-@pytest.mark.slow
-def test_stale_rollouts_lower_the_ess(tmp_path):
-    """--sync-every 2: step 1 samples with the current weights, step 2 with the weights of one step ago."""
-    run_script("algorithms/p3o.py", "--steps", 2, "--eval-every", 0, "--sync-every", 2, "--output-dir", tmp_path, *SMALL)
-    fresh, stale = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
-    assert fresh["losses/ess"] > 1 - 1e-9 and fresh["mismatch/max_abs_logprob_diff"] < 1e-4
+        assert record["losses/kl_behavior"] < 1e-9 and record["mismatch/max_abs_logprob_diff"] < 1e-4
     assert stale["losses/ess"] < 0.99 and stale["losses/ess"] == pytest.approx(stale["losses/ess_min"], rel=1e-12)  # one e_B per step
     assert stale["mismatch/max_abs_logprob_diff"] > 1e-2 and stale["losses/kl_behavior"] > 1e-3
     assert stale["losses/ratio_max"] > 1 > stale["losses/ratio_min"]
@@ -364,31 +361,16 @@ def test_non_finite_sums_fall_back_and_are_counted(tmp_path, monkeypatch):
         assert record["losses/ess"] == 1.0 and record["charts/skipped_steps"] == 0
 
 
-def test_non_finite_loss_skips_the_step(tmp_path, monkeypatch, tiny_dir):
-    """A NaN loss must never reach the weights: the step is skipped and counted."""
-    real_loss = p3o.p3o_loss
-
-    def nan_loss(*args, **kwargs):
-        token_losses, *rest = real_loss(*args, **kwargs)
-        return token_losses * float("nan"), *rest
-
-    monkeypatch.setattr(p3o, "p3o_loss", nan_loss)
-    p3o.main(p3o.Args(steps=2, eval_every=0, output_dir=str(tmp_path), prompts_per_step=4, group_size=4))
-    run_dir = only_run_dir(tmp_path)
-    assert [r["charts/skipped_steps"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2]
-    assert_weights_unchanged(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_dir)
-
-
-def test_help_documents_every_flag():
+def test_help_has_no_clip_range():
     text = help_text("algorithms/p3o.py", p3o.Args, count_defaults=False)
-    assert "--clip-low" not in text  # P3O has no clip hyper-parameter
+    assert "--clip-low" not in text and "--clip-high" not in text  # P3O has no clip hyper-parameter
 
 
 @pytest.mark.parametrize("overrides, message", [
     ({"sampling_temperature": 0.0}, "--sampling-temperature must be > 0"),
     ({"sampling_temperature": float("nan")}, "--sampling-temperature must be > 0"),
     ({"sync_every": 0}, "--sync-every must be >= 1"),
-    ({"group_size": 1}, "--group-size must be >= 2"),
+    ({"clip_eps": 1.0}, r"--clip-eps must be in \[0, 1\)"),
 ])
 def test_bad_flags_get_a_clear_error(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -398,10 +380,6 @@ def test_bad_flags_get_a_clear_error(overrides, message):
 def test_bad_ess_scope_is_refused_by_the_parser(tmp_path):
     result = run_script("algorithms/p3o.py", "--ess-scope", "batch", "--output-dir", tmp_path, check=False)
     assert result.returncode != 0 and "--ess-scope" in result.stderr
-
-
-if __name__ == "__main__":
-    _distributed_update(sys.argv[1])
 
 
 def test_clip_baseline_is_grpos_surrogate_on_the_behavior_ratio():
@@ -431,3 +409,7 @@ def test_clip_baseline_end_to_end_off_policy(tmp_path):
                "--clip-eps", 0.05, "--output-dir", tmp_path, *SMALL)
     (record,) = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     assert record["losses/ess"] < 0.999 and 0 < record["losses/clip_fraction"] < 1
+
+
+if __name__ == "__main__":
+    _distributed_update(sys.argv[1])
