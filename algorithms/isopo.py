@@ -1,46 +1,37 @@
 """ISOPO: per-sequence log-prob gradients normalized in the Fisher metric, layer by layer, in one backward pass.
 
-Paper: ISOPO: Proximal policy gradients without pi-old (Abrahamsen, 2025, arXiv:2512.23353); the authors'
-code is github.com/nilin/isopo (a verl fork, verl/workers/actor/dp_actor.py). Advantages as in GRPO
-(DeepSeekMath, Shao et al., 2024, arXiv:2402.03300).
+Paper: ISOPO: Proximal policy gradients without pi-old (Abrahamsen, 2025, arXiv:2512.23353); the authors' code:
+github.com/nilin/isopo (verl/workers/actor/dp_actor.py). Advantages as in GRPO (DeepSeekMath, arXiv:2402.03300).
 
 Objective. For each prompt q, sample a group of G completions o_1..o_G from the old policy, score them
-(reward r_i in {0, 1}), and take one plain gradient step (no π_old, ratio or clip) whose direction is built
-per Linear layer l (lm_head included). With v_i = ∇_{θ_l} log π_θ(o_i | q_i) (V_i as a matrix), M the
-number of the minibatch's sequences that have a response token, and
+(reward r_i in {0, 1}), and maximize
+E[r] by plain gradient steps (no π_old, ratio or clip) built per Linear layer l (lm_head too): with
+v_i = ∇_{θ_l} log π_θ(o_i | q_i) (V_i as a matrix), M the minibatch's non-empty sequences,
 
     A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
 
 the policy gradient g_l = (1/M) Σ_i A_i v_i (§1.2) becomes, non-interacting (default; §2, Alg. 2, Fig. 3),
     u_l = (1/M) Σ_i A_i s_i v_i,    s_i = reg2(‖v_i‖_F)^p · reg2(‖v_i‖)^q · reg2(‖v_i‖_F / ‖v_i‖)^r
-    ‖v_i‖_F ≈ sqrt(Σ_j (g0_j · V_i a0_j)²) / sqrt(Σ_j (‖g0_j‖ ‖a0_j‖)²)    (Eq. 6: j over --n-overlap token
-              rows of the layer, g0_j their output gradient, a0_j their input)
+    ‖v_i‖_F ≈ sqrt(Σ_j (g0_j · V_i a0_j)²) / sqrt(Σ_j (‖g0_j‖ ‖a0_j‖)²)  (Eq. 6; g0_j, a0_j: --n-overlap token rows)
     reg2(x) = sqrt(x² + λ·E[x²] + 1e-8),    E = EMA (decay 0.9) of trailing minibatch means, per layer
-where p = −1 (default) moves the policy by the same KL for every sequence (§2.0.1); p = q = 0, r = −2 gives
-the multiple of v_i closest to the natural gradient (§2.0.3, Eq. 7); q = −1 Euclidean normalization. Or,
-interacting (--variant interacting; §3, Alg. 6), with J = [v_1; ..; v_m] over a micro-batch's m sequences,
-    u_l = (1/M) Σ_micro-batches Jᵀ (K + cI)⁻¹ A,    K = J Jᵀ (the layer's empirical NTK),
-    c = --ntk-reg-coef × EMA of trailing minibatch means of mean eig(K).
-AdamW steps on −u_l. Every other parameter (embeddings, norms, biases) takes the REINFORCE gradient
-(1/M) Σ_i A_i ∇ log π(o_i | q_i).
+(p, q, r: see --help) or, interacting (--variant interacting; §3, Alg. 6), with J = [v_1; ..; v_m] over a micro-batch,
+    u_l = (1/M) Σ_micro-batches Jᵀ (K + cI)⁻¹ A,  K = J Jᵀ (the layer's NTK),  c = --ntk-reg-coef × E[mean eig K]
+AdamW steps on −u_l; every other parameter (embeddings, norms, biases) takes (1/M) Σ_i A_i ∇ log π (REINFORCE).
 
-What this file changes relative to grpo.py: the loss is gone (no ratio, clip or loss aggregation); one
-backward of Σ log π runs through hooks on every module that owns parameters, which build every gradient
-(`IsopoHooks`); the micro-batch is part of the math (--micro-batch-size, 8 as in the paper); the
-log-probs keep full logits; --kl-coef becomes --log-kl-ref (a metric only); one rank only.
+What this file changes relative to grpo.py: no loss, ratio or clip; one backward of Σ log π, whose hooks build every
+gradient (`IsopoHooks`); --micro-batch-size (8) is part of the math; full logits; --log-kl-ref for --kl-coef; one rank.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them and compute advantages, update the policy on minibatches, push the new weights to the
 rollout engine, then log, evaluate and checkpoint. The method lives between `# ALGO LOGIC` and
 `# END ALGO LOGIC`; `# TRY NOT TO MODIFY` marks the plumbing every fork keeps as it is. Implementation
 details are comments at the code they explain, each metric is defined where it is recorded, and the
-paper-scale command and the differences from the authors' code close the file.
+paper-scale command and the differences from the papers' settings close the file.
 
 Run it
   python algorithms/isopo.py                      # the built-in task on a CPU, a few minutes
   python algorithms/isopo.py --help               # every flag, with its default
-  python algorithms/isopo.py --variant interacting    # the NTK variant (Alg. 6)
-  python algorithms/isopo.py --p 0 --q -1 --r -2      # Fig. 4's rescaling
+  python algorithms/isopo.py --variant interacting    # the NTK variant (Alg. 6); --p 0 --q -1 --r -2: Fig. 4's scales
   python algorithms/isopo.py --resume auto        # continue the newest run of this task/name/seed
   ./run.sh bench isopo                            # ISOPO vs REINFORCE vs GRPO: accuracy against KL drift (README)
 """
@@ -74,7 +65,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (part of the run folder's name)"""
     seed: int = 1
-    """seed of the run: sampling, prompt order, minibatch order, overlap rows"""
+    """seed of the run: sampling, prompt order, minibatch order"""
     track: bool = False
     """log to Weights & Biases (set WANDB_MODE=offline to work without a network)"""
     wandb_project_name: str = "clean-llm-rl"
@@ -136,7 +127,7 @@ class Args:
     update_epochs: int = 1
     """passes over each rollout batch"""
     micro_batch_size: int = 8
-    """sequences per forward/backward; in ISOPO also the block that shares one Fisher-estimate pool and one NTK (paper: 8), so it changes the update"""
+    """sequences per forward/backward; in ISOPO also the block that shares one Fisher-estimate pool and one NTK (paper: 8), so it changes the update (a random draw, not sorted by length)"""
     eval_every: int = 10
     """evaluate every this many steps (0: never)"""
     eval_prompts: int = 256
@@ -152,11 +143,11 @@ class Args:
     variant: Literal["non-interacting", "interacting"] = "non-interacting"
     """non-interacting: rescale each sequence's gradient by s_i (Alg. 2, Fig. 3); interacting: precondition the advantages with each layer's micro-batch NTK (Alg. 6)"""
     p: float = -1.0
-    """exponent of the Fisher-norm estimate ‖v_i‖_F in s_i (Fig. 3; −1: equal KL per sequence)"""
+    """exponent of the Fisher-norm estimate ‖v_i‖_F in s_i (Fig. 3; −1: the same KL for every sequence, §2.0.1)"""
     q: float = 0.0
     """exponent of the Euclidean norm ‖v_i‖ in s_i (Fig. 3; −1: Euclidean normalization)"""
     r: float = 0.0
-    """exponent of the relative Fisher norm ‖v_i‖_F/‖v_i‖ in s_i (Fig. 3; −2 with p = q = 0: closest to the natural gradient, Eq. 7)"""
+    """exponent of the relative Fisher norm ‖v_i‖_F/‖v_i‖ in s_i (Fig. 3; −2 with p = q = 0: the multiple of v_i closest to the natural gradient, §2.0.3, Eq. 7)"""
     n_overlap: int = 250
     """token rows per layer and micro-batch sampled for the Fisher-norm estimate (Eq. 6)"""
     reg_coef: float = 0.0
@@ -176,16 +167,10 @@ class Args:
 
 
 # ALGO LOGIC: the Fisher-norm estimate, the sequence scales, the NTK preconditioner, the backward hooks, advantages
-# In the functions below a Linear layer's micro-batch is g [B, T, out] (gradients of Σ log π w.r.t. its
-# outputs, zero at pads) and a [B, T, in] (its inputs); row b is sequence b, and V_b = Σ_t g_bt a_btᵀ sums
-# over every non-pad position of the row, prompt positions included (the response attends to them: V_b is
-# exactly ∇ log π(o_b | q_b)). Gram forms (Eq. 4) avoid forming an [out, in] matrix per sequence.
-
-# --- the Fisher-norm estimate (Eq. 4-6): overlaps with a sample of the layer's token rows ---
+# A Linear layer's micro-batch below is g [B, T, out] (gradients of Σ log π w.r.t. its outputs, zero at pads) and
+# a [B, T, in] (its inputs); V_b = Σ_t g_bt a_btᵀ over row b's non-pad positions (prompt too) is ∇ log π(o_b | q_b).
 def overlap_rows(valid: torch.Tensor, n: int) -> torch.Tensor:
-    """Eq. 6's sample (Alg. 2 line 6): n distinct flat indices into [B*T], uniform among the non-pad
-    positions `valid` [B, T]; with fewer than n of them, all, topped up with pads (which add 0). Drawn
-    afresh per layer and micro-batch, shared by its sequences (a sequence's own tokens may be drawn)."""
+    """Eq. 6's sample (Alg. 2 line 6): n distinct flat indices into [B*T], uniform among the non-pad `valid` [B, T]."""
     if valid.numel() <= n:  # every row (pads add 0): no draw needed
         return torch.arange(valid.numel(), device=valid.device)
     keys = torch.rand(valid.shape, device=valid.device).masked_fill(~valid, 2.0).flatten()
@@ -193,14 +178,12 @@ def overlap_rows(valid: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def fisher_norms(g: torch.Tensor, a: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Eq. 6: ‖v_b‖_F ≈ sqrt(Σ_j (g0_j · V_b a0_j)²) / sqrt(Σ_j (‖g0_j‖ ‖a0_j‖)²) over the token rows `rows`,
-    with g0_j · V_b a0_j = Σ_t (g0_j · g_bt)(a0_j · a_bt) (Eq. 4, k·N·(out+in) FLOPs): no V_b is formed. Returns [B]."""
+    """Eq. 6's estimate of ‖v_b‖_F [B] over the token rows `rows`, in k·N·(out+in) FLOPs: no V_b is formed."""
     g0, a0 = g.flatten(0, 1)[rows], a.flatten(0, 1)[rows]  # [k, out], [k, in]
-    overlaps = ((g @ g0.T) * (a @ a0.T)).sum(1)  # [B, k]: Eq. 4's terms
+    overlaps = ((g @ g0.T) * (a @ a0.T)).sum(1)  # [B, k]: g0_j · V_b a0_j = Σ_t (g0_j · g_bt)(a0_j · a_bt) (Eq. 4)
     return overlaps.norm(dim=1) / ((g0.norm(dim=1) * a0.norm(dim=1)).norm() + 1e-12)  # Eq. 5: the denominator
 
 
-# --- per-sequence Euclidean norms and the NTK: Gram forms, or V_b a block of rows at a time ---
 def sequence_gradients(g: torch.Tensor, a: torch.Tensor, budget: int = 2**24):
     """V_b for all b, a block of output rows at a time ([B, rows, in], at most `budget` numbers)."""
     step = max(1, budget // (g.shape[0] * a.shape[-1]))
@@ -209,12 +192,9 @@ def sequence_gradients(g: torch.Tensor, a: torch.Tensor, budget: int = 2**24):
 
 
 def sequence_norms(g: torch.Tensor, a: torch.Tensor, form: str = "auto") -> torch.Tensor:
-    """Euclidean (Frobenius) norms ‖V_b‖ [B]. gram: ‖V_b‖² = Σ_{t,t'} (g_t·g_t')(a_t·a_t'), B·T²·(out+in)
-    FLOPs; materialize: V_b itself, B·T·out·in FLOPs; auto: the cheaper."""
-    _, T, out = g.shape
-    if form == "auto":
-        form = "gram" if T * (out + a.shape[-1]) <= out * a.shape[-1] else "materialize"
-    if form == "gram":
+    """‖V_b‖ [B]: gram, Σ_{t,t'} (g_t·g_t')(a_t·a_t') in B·T²·(out+in) FLOPs, or materialize V_b (B·T·out·in)."""
+    _, T, out = g.shape  # auto: the cheaper
+    if form == "gram" or form == "auto" and T * (out + a.shape[-1]) <= out * a.shape[-1]:
         squares = ((g @ g.transpose(1, 2)) * (a @ a.transpose(1, 2))).sum((1, 2))
     else:
         squares = sum(block.square().sum((1, 2)) for block in sequence_gradients(g, a))
@@ -222,47 +202,35 @@ def sequence_norms(g: torch.Tensor, a: torch.Tensor, form: str = "auto") -> torc
 
 
 def ntk(g: torch.Tensor, a: torch.Tensor, form: str = "auto") -> torch.Tensor:
-    """The layer's empirical NTK K = J Jᵀ [B, B], K_bc = ⟨V_b, V_c⟩ (§3). gram: Σ_{t∈b, t'∈c} (g_t·g_t')(a_t·a_t'),
-    B²·T²·(out+in) FLOPs; materialize: B·T·out·in + B²·out·in FLOPs; auto: the cheaper."""
-    B, T, out = g.shape
-    if form == "auto":
-        form = "gram" if B * T * T * (out + a.shape[-1]) <= out * a.shape[-1] * (T + B) else "materialize"
-    if form == "gram":
+    """The layer's empirical NTK K_bc = ⟨V_b, V_c⟩ (§3): gram, Σ_{t∈b,t'∈c} (g_t·g_t')(a_t·a_t'), or materialize."""
+    B, T, out = g.shape  # auto: the cheaper, gram's B²·T²·(out+in) FLOPs or materialize's B·T·out·in + B²·out·in
+    if form == "gram" or form == "auto" and B * T * T * (out + a.shape[-1]) <= out * a.shape[-1] * (T + B):
         K = torch.stack([((g @ g[b].T) * (a @ a[b].T)).sum((1, 2)) for b in range(B)])
     else:
         K = sum(block.flatten(1) @ block.flatten(1).T for block in sequence_gradients(g, a))
     return (K + K.T) / 2
 
 
-# --- the sequence scales and their regularization (Fig. 3): reg2, s_i, the EMA of trailing minibatches ---
 def reg2(x: torch.Tensor, coef: float, expectation, form: str = "paper") -> torch.Tensor:
-    """Fig. 3's regularized magnitude of x: sqrt(x² + λ·E[x²] + 1e-8) (paper), or the official code's
-    default sqrt(x² / (λ·E[x²] + 1e-8) + 1), the paper's divided by sqrt(λ·E[x²]) (authors, λ > 0)."""
+    """Fig. 3: sqrt(x² + λ·E[x²] + 1e-8) (paper), or (authors) sqrt(x² / (λ·E[x²] + 1e-8) + 1) ≈ that / sqrt(λE[x²])."""
     if form == "authors" and coef > 0:
         return torch.sqrt(x.square() / (coef * expectation + 1e-8) + 1)
     return torch.sqrt(x.square() + coef * expectation + 1e-8)
 
 
-def sequence_scales(quantities: dict, p: float, q: float, r: float, reg_coef: float = 0.0,
-                    expectations: dict | None = None, form: str = "paper") -> torch.Tensor:
-    """Fig. 3: s = reg2(‖v‖_F)^p · reg2(‖v‖)^q · reg2(‖v‖_F/‖v‖)^r, per sequence, from quantities
-    {"fisher": ‖v‖_F, and when q or r needs them "euclid": ‖v‖, "rel": ‖v‖_F/‖v‖}; expectations[key] = E[x²].
-    v_i is the gradient of log π itself (a sum over the sequence's tokens), so E[·] does not depend on
-    batch or micro-batch sizes. For p + q = −1 without regularization (every setting the paper ran) the
-    update does not depend on the scale of v at all; the interacting update does."""
+def sequence_scales(quantities: dict, p: float, q: float, r: float, reg_coef=0.0, expectations=None, form="paper"):
+    """Fig. 3: s = reg2(‖v‖_F)^p · reg2(‖v‖)^q · reg2(‖v‖_F/‖v‖)^r per sequence from {"fisher": ‖v‖_F, if q or r needs
+    them "euclid": ‖v‖, "rel": the ratio} and E[x²] (batch-size free: v_i = ∇ log π). p + q = −1, λ = 0: v's scale cancels."""
     scales = torch.ones_like(quantities["fisher"])
     for key, power in (("fisher", p), ("euclid", q), ("rel", r)):
         if power:
-            expectation = expectations[key] if reg_coef else 0.0
-            scales = scales * reg2(quantities[key], reg_coef, expectation, form) ** power
+            scales = scales * reg2(quantities[key], reg_coef, expectations[key] if reg_coef else 0.0, form) ** power
     return scales
 
 
 class TrailingMeans:
-    """E[·] of Alg. 2 / Fig. 3 / Fig. 7: per key (layer, quantity), an EMA over the means of *finished*
-    minibatches (the first taken as is), so the current minibatch never enters its own regularization
-    (Alg. 2's comment, Fig. 7): s_i is known while its micro-batch is in the backward, and the update is
-    built on the fly. A minibatch whose step is skipped is not committed."""
+    """E[·] of Alg. 2 / Fig. 3 / Fig. 7 per (layer, quantity): an EMA of the means of *finished* minibatches (the first
+    as is; a skipped step's is not committed), so s_i is known during the backward of the current one."""
 
     def __init__(self, decay: float):
         self.decay, self.ema, self.pending = decay, {}, {}
@@ -280,7 +248,6 @@ class TrailingMeans:
         self.pending = {}
 
 
-# --- the NTK preconditioner (Alg. 6) and the update of a Linear layer ---
 def preconditioned_weights(K: torch.Tensor, weights: torch.Tensor, c, form: str = "paper", eigenvalues=False):
     """Alg. 6: (K + cI)⁻¹ A through K = U diag(D) Uᵀ (paper), or c (K + cI)⁻¹ A (authors); also D if asked.
     In float64; a non-finite K gives a non-finite result (the step is then skipped), not an eigh error."""
@@ -289,9 +256,7 @@ def preconditioned_weights(K: torch.Tensor, weights: torch.Tensor, c, form: str 
     c = torch.as_tensor(c, dtype=torch.float64, device=K.device)
     inverse = torch.where(D + c > 0, 1 / (D + c), 0)  # K is PSD and c > 0: D + c > 0 except for K = 0, c = 0
     result = U @ (inverse * (U.T @ weights.double()))
-    if form == "authors":
-        result = c * result
-    result = torch.where(finite, result, torch.nan).to(weights.dtype)
+    result = torch.where(finite, c * result if form == "authors" else result, torch.nan).to(weights.dtype)
     return (result, D) if eigenvalues else result
 
 
@@ -302,18 +267,14 @@ def weighted_gradient(g: torch.Tensor, a: torch.Tensor, weights: torch.Tensor) -
     return (g * weights[:, None, None]).flatten(0, 1).T @ a.flatten(0, 1)
 
 
-# --- the backward hooks: one backward of Σ log π, every parameter's gradient built by hand ---
 class IsopoHooks:
-    """Turns one backward of Σ log π into the ISOPO gradient of every parameter. Per micro-batch: the
-    forward inside capture(attention_mask, weights_i = −A_i/M), then backward(Σ log π), which accumulates;
-    per minibatch: set_gradients() (p.grad), end_minibatch(commit=step taken) (the EMA), record(metrics).
-    A module whose parameters are used outside its own forward, or a Linear called twice in one forward,
-    gets a clear error rather than a silently wrong gradient."""
+    """One backward of Σ log π → the ISOPO gradient of every parameter. Per micro-batch: the forward inside capture(mask,
+    weights_i = −A_i/M), then backward(Σ log π); per minibatch: set_gradients(), end_minibatch(commit), record(metrics).
+    A parameter used outside its module, or a Linear run twice per forward: an error, not a wrong gradient."""
 
     def __init__(self, model: torch.nn.Module, args: Args, state: dict | None = None):
-        """state: a checkpoint's state_dict() (the EMA of the regularization), so that --resume is exact."""
         self.args, self.stats = args, TrailingMeans(args.ema_decay)
-        self.stats.ema = dict(state["ema"]) if state is not None else {}
+        self.stats.ema = dict(state["ema"]) if state is not None else {}  # a checkpoint's "isopo": exact --resume
         self.parameters = {p: name for name, p in model.named_parameters() if p.requires_grad}
         self.micro, self.roots, self.grads, self.log, self.handles = None, [], {}, {}, []
         self.trace = None  # set to a list to record each layer's statistics (tests)
@@ -329,8 +290,7 @@ class IsopoHooks:
             handle.remove()
 
     @contextlib.contextmanager
-    def capture(self, attention_mask: torch.Tensor, weights: torch.Tensor):
-        """Arm the hooks for the forward pass of one micro-batch ([B, T] non-pad mask, [B] weights)."""
+    def capture(self, attention_mask, weights):  # arm the hooks for one micro-batch: [B, T] non-pad mask, [B] weights
         self.micro = {"valid": attention_mask.bool(), "weights": weights.detach(), "called": set()}
         try:
             yield
@@ -338,9 +298,7 @@ class IsopoHooks:
             self.micro = None
 
     def backward(self, objective: torch.Tensor) -> None:
-        """torch.autograd.grad(Σ log π, the embedding output) carries the output gradients g_t through every
-        hooked module but computes no parameter gradient: autograd's own weight GEMMs, which ISOPO would
-        throw away (the authors' code computes and overwrites them), are skipped."""
+        """Gradients w.r.t. the roots (embedding outputs) only: no autograd weight GEMM, which ISOPO would discard."""
         roots, self.roots = self.roots, []
         if not roots:
             raise RuntimeError("ISOPO: no module output requires grad; run the forward inside capture()")
@@ -356,12 +314,8 @@ class IsopoHooks:
     def end_minibatch(self, commit: bool = True) -> None:
         self.stats.end_minibatch(commit)
 
-    def state_dict(self) -> dict:
-        return {"ema": dict(self.stats.ema)}
-
     def record(self, metrics) -> None:
-        """The per-group statistics kept since the last call, into `metrics`: means (NaN entries left out),
-        minima or maxima; a statistic with no number is not recorded."""
+        """The per-group statistics since the last call: means (NaN left out), minima or maxima; empty: none."""
         for (group, key, how), values in sorted(self.log.items()):
             values = torch.cat([torch.as_tensor(v).reshape(-1).double() for v in values]).cpu()
             values = values[~values.isnan()]
@@ -371,34 +325,27 @@ class IsopoHooks:
                 getattr(metrics, how)(f"isopo/{group}/{key}", values)
         self.log = {}
 
-    # the hooks: a forward hook on every module that owns parameters keeps its input and hooks its output
-    def _forward(self, name, module, args, kwargs, output):
-        micro = self.micro
-        if micro is None or not torch.is_grad_enabled():
-            return  # rollouts, evaluation, no-grad passes: nothing to do
-        if not isinstance(output, torch.Tensor) or not output.requires_grad:
-            return
+    def _forward(self, name, module, args, kwargs, output):  # every module that owns parameters: keep its input
+        if (micro := self.micro) is None or not torch.is_grad_enabled() or not getattr(output, "requires_grad", False):
+            return  # rollouts, evaluation, no-grad passes, outputs that need no gradient: nothing to do
         if isinstance(module, torch.nn.Linear) and name in micro["called"]:
-            raise ValueError(f"ISOPO: Linear {name} ran twice in one forward pass; "
-                             "its per-sequence statistics need one call")
+            raise ValueError(f"ISOPO: Linear {name} ran twice in one forward pass; its per-sequence statistics need one call")
         micro["called"].add(name)
         if output.dim() < 2 or output.shape[:1] != micro["valid"].shape[:1] or output.shape[1] > micro["valid"].shape[1]:
             raise ValueError(f"ISOPO: module {name} returned {tuple(output.shape)}; expected [batch, positions, ...]")
-        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        if not any(t.requires_grad for t in inputs):
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values())):
             self.roots.append(output)  # e.g. the embedding lookup: where the backward stops
         if isinstance(module, torch.nn.Linear):
             activations = (args[0] if args else kwargs["input"]).detach()
             output.register_hook(partial(self._linear_backward, name, module, activations, micro))
         else:
             detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
-            autocast = (output.device.type, torch.is_autocast_enabled(output.device.type),
-                        torch.get_autocast_dtype(output.device.type))
+            device = output.device.type  # the forward's autocast, for the re-run in the backward
+            autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
             output.register_hook(partial(self._module_backward, name, module, [detach(x) for x in args],
                                          {k: detach(v) for k, v in kwargs.items()}, autocast, micro))
 
     def _linear_backward(self, name, module, a, micro, g):
-        """A Linear layer's ISOPO update for one micro-batch, added to its weight's gradient."""
         if g.dim() != 3 or a.dim() != 3:
             raise ValueError(f"ISOPO: Linear {name} saw {tuple(a.shape)} -> {tuple(g.shape)}; "
                              "expected [batch, positions, features]")
@@ -406,20 +353,15 @@ class IsopoHooks:
         dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
         g, a = g.to(dtype, copy=True).mul_(valid[..., None]), a.to(dtype)  # one copy of g, pads masked
         weights = micro["weights"].to(dtype)
-        # statistics are per layer group (the module name's last part: q_proj, ..., down_proj, lm_head), over
-        # the step's sequences and the group's layers
-        group = name.rsplit(".", 1)[-1]
+        group = name.rsplit(".", 1)[-1]  # statistics per layer group (q_proj, ..., lm_head), over its layers
         with torch.no_grad():
-            if self.args.variant == "non-interacting":
-                coefficients = weights * self._scales(name, group, g, a, valid)
-            else:
-                coefficients = self._precondition(name, group, g, a, weights)
+            coefficients = (weights * self._scales(name, group, g, a, valid) if self.args.variant == "non-interacting"
+                            else self._precondition(name, group, g, a, weights))
             self._add(module.weight, weighted_gradient(g, a, coefficients))
             if module.bias is not None:  # a bias is not a Linear weight: the REINFORCE gradient Σ_t (−A_i/M) g_t
                 self._add(module.bias, torch.einsum("bto,b->o", g, weights))
 
-    def _scales(self, name, group, g, a, valid):
-        """Non-interacting: s_i of Fig. 3 from the Eq. 6 estimate (and ‖v_i‖ when q or r needs it)."""
+    def _scales(self, name, group, g, a, valid):  # non-interacting: Fig. 3's s_i from Eq. 6 (and ‖v_i‖ for q, r)
         args = self.args
         rows = overlap_rows(valid, args.n_overlap)
         quantities = {"fisher": fisher_norms(g, a, rows)}
@@ -428,77 +370,64 @@ class IsopoHooks:
             quantities.update(euclid=euclid, rel=quantities["fisher"] / (euclid + 1e-12))
         expectations = {}
         for key, x in quantities.items():
-            trailing = self.stats.get((name, key))
-            # before any minibatch has finished (the first one), E is the mean over the current micro-batch
+            trailing = self.stats.get((name, key))  # None before any minibatch has finished: this micro-batch's mean
             expectations[key] = x.square().mean() if trailing is None else trailing
             self.stats.add((name, key), x.square())
-            # isopo/<group>/fisher_norm: the mean Fisher-norm estimate ‖v_i‖_F (Eq. 6); euclid_norm and
-            # rel_fisher_norm: the mean ‖v_i‖ and ‖v_i‖_F/‖v_i‖ (only when q or r ≠ 0)
+            # isopo/<group>/fisher_norm, euclid_norm, rel_fisher_norm: mean ‖v_i‖_F (Eq. 6), ‖v_i‖, ‖v_i‖_F/‖v_i‖
             self._log(group, {"fisher": "fisher_norm", "euclid": "euclid_norm", "rel": "rel_fisher_norm"}[key], x)
             self._log(group, f"reg_{key}", args.reg_coef * expectations[key])  # λ·E[x²], added under reg2's root
         scales = sequence_scales(quantities, args.p, args.q, args.r, args.reg_coef, expectations, args.reg_form)
-        self._log(group, "scale_mean", scales)  # the sequence scales s_i (Fig. 3): mean, min, max
-        self._log(group, "scale_min", scales, how="min")
-        self._log(group, "scale_max", scales, how="max")
+        for how in ("mean", "min", "max"):  # scale_mean, scale_min, scale_max: of the sequence scales s_i (Fig. 3)
+            self._log(group, f"scale_{how}", scales, how=how)
         if self.trace is not None:
-            self.trace.append({"layer": name, "rows": rows, "quantities": quantities, "expectations": expectations,
-                               "scales": scales})
+            self.trace.append(dict(layer=name, rows=rows, quantities=quantities, expectations=expectations, scales=scales))
         return scales
 
-    def _precondition(self, name, group, g, a, weights):
-        """Interacting: (K + cI)⁻¹ A with the layer's micro-batch NTK, c = coef × E[mean eig K] (Alg. 6, Fig. 7)."""
+    def _precondition(self, name, group, g, a, weights):  # interacting: (K + cI)⁻¹ A (Alg. 6, Fig. 7)
         K = ntk(g, a)
         trailing = self.stats.get((name, "ntk_eig"))
         c = self.args.ntk_reg_coef * (K.diagonal().mean() if trailing is None else trailing)  # mean eig = trace/m
         self.stats.add((name, "ntk_eig"), K.diagonal())
         preconditioned, eigenvalues = preconditioned_weights(K, weights, c, self.args.ntk_scale, eigenvalues=True)
-        damped = preconditioned if self.args.ntk_scale == "authors" else c * preconditioned
         self._log(group, "ntk_eig_mean", K.diagonal())  # mean and largest eigenvalue of the micro-batch NTK K
         self._log(group, "ntk_eig_max", eigenvalues, how="max")
         self._log(group, "ntk_reg", c)  # c = --ntk-reg-coef × E[mean eig K]
         # ‖c (K + cI)⁻¹ A‖ / ‖A‖: 1 = vanilla policy gradient, → 0 = damped; NaN (left out) when every A_i = 0
+        damped = preconditioned if self.args.ntk_scale == "authors" else c * preconditioned
         self._log(group, "shrink", damped.norm() / weights.norm())
         if self.trace is not None:
             self.trace.append({"layer": name, "K": K, "c": c, "weights": preconditioned})
         return preconditioned
 
     def _module_backward(self, name, module, args, kwargs, autocast, micro, g):
-        """Any other module with parameters (a norm, a lookup: cheap) gets the REINFORCE gradient: the
-        vector-Jacobian product of its forward, re-run on the detached inputs, with g_t weighted by −A_i/M,
-        the REINFORCE loss's weight of t's sequence."""
+        """Norms, lookups (cheap): REINFORCE, a VJP with g_t·(−A_i/M) of the forward re-run on the detached inputs."""
         valid = micro["valid"][:, -g.shape[1]:]
         weights = (micro["weights"][:, None] * valid).to(g.dtype).view(*g.shape[:2], *[1] * (g.dim() - 2))
         parameters = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        device_type, enabled, dtype = autocast
-        with torch.enable_grad(), torch.autocast(device_type, dtype, enabled=enabled):
+        with torch.enable_grad(), torch.autocast(*autocast):
             output = module.forward(*args, **kwargs)  # forward(), not __call__: no hooks
             grads = torch.autograd.grad(output, parameters, g * weights)
         for parameter, grad in zip(parameters, grads):
             self._add(parameter, grad)
 
-    def _add(self, parameter, grad):
-        """With tied embeddings the lookup's gradient and lm_head's ISOPO update add into the one tensor."""
+    def _add(self, parameter, grad):  # tied embeddings: the lookup's gradient and lm_head's ISOPO update add up
         self.grads[parameter] = self.grads[parameter] + grad if parameter in self.grads else grad
 
-    def _log(self, group, key, values, how="mean"):
-        """Keep the values as they are: record() reduces them, so the backward waits on no device sync."""
+    def _log(self, group, key, values, how="mean"):  # kept as they are (record() reduces them): no device sync here
         self.log.setdefault((group, key, how), []).append(values.detach() if isinstance(values, torch.Tensor) else values)
 
 
 def isopo_backward(policy, hooks: IsopoHooks, micro: dict, temperature: float, minibatch_sequences: int, autocast):
-    """One micro-batch: forward with the hooks armed, one backward of Σ log π without advantages (Alg. 2
-    line 2); the hooks add this micro-batch's share of every gradient. Returns (logprobs, entropy, loss).
-    The weights use the minibatch's M, so the micro-batch updates add up to the minibatch's."""
-    mask = micro["response_mask"]
+    """One micro-batch: forward with the hooks armed, one backward of Σ log π without advantages (Alg. 2 line 2); the
+    hooks add their share of every gradient. Returns logprobs, entropy, L (losses/policy_loss; ISOPO transforms ∇L)."""
     weights = -micro["advantages"] / minibatch_sequences  # ∂L/∂log π(o_i|q_i), L = −(1/M) Σ_i A_i log π(o_i|q_i)
     with autocast, hooks.capture(micro["attention_mask"], weights):
         logprobs, entropy = token_logprobs(policy, micro, temperature, with_entropy=True)
-    sequence_logprobs = (logprobs * mask).sum(1)
+    sequence_logprobs = (logprobs * micro["response_mask"]).sum(1)
     hooks.backward(sequence_logprobs.sum())
     return logprobs, entropy, (weights * sequence_logprobs.detach()).sum()
 
 
-# --- advantages: grpo.py's, unchanged ---
 def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
     """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
@@ -510,20 +439,14 @@ def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1
 def token_logprobs(model, micro, temperature, with_entropy=False):
     """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their entropy, no
     gradient). The logits are divided by the sampling temperature, so the trainer scores the very
-    distribution the engine sampled from. ISOPO keeps the full [B, T, vocabulary] logits, not grpo.py's
-    chunks: its hooks need the output layer's own output gradient (lm_head's g_t)."""
+    distribution the engine sampled from. Full [B, T, vocabulary] logits: the hooks need lm_head's output gradient."""
     targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))  # the last position predicts past the end
-    logits = model(
+    logp_all = torch.log_softmax(model(
         input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"],
         logits_to_keep=targets.shape[1], use_cache=False,  # the output layer only runs where a response token is predicted
-    ).logits[:, :-1].float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
+    ).logits[:, :-1].float() / temperature, dim=-1)
     logprobs = logp_all.gather(-1, micro["response_ids"][..., None]).squeeze(-1)
-    if not with_entropy:
-        return logprobs, None
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logprobs, entropy
+    return logprobs, (-(logp_all.exp() * logp_all).sum(-1).detach() if with_entropy else None)
 
 
 def make_batch(prompt_ids, completions, group_size, pad_id, device):
@@ -592,8 +515,7 @@ def record_rollouts(metrics, scores, completions, rewards, response_mask):
 
 
 PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/response_length_mean",
-           "losses/kl_ref", "losses/grad_norm", "isopo/lm_head/fisher_norm", "isopo/lm_head/ntk_reg",
-           "mismatch/kl_k3"]  # curves.png
+           "losses/kl_ref", "losses/grad_norm", "isopo/lm_head/fisher_norm", "isopo/lm_head/ntk_reg", "mismatch/kl_k3"]
 # END TRY NOT TO MODIFY
 
 
@@ -601,7 +523,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
     Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     # old log-probs only when π_θ will move away from π_old within this batch. With one update per batch
-    # π_old = π_θ, losses/approx_kl is 0 and no pass is needed (ISOPO has no ratio: they are metrics only)
+    # π_old = π_θ: the ratio is exactly 1, its gradient is the policy gradient, and no pass is needed
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     with torch.no_grad(), autocast:
@@ -627,25 +549,19 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 skipped += 1
                 continue
             minibatch_loss = 0.0
-            # ISOPO's micro-batch is the block that shares one Fisher-estimate pool and one NTK (part of the
-            # method): its rows stay a random draw, not sorted by length
             for micro in micro_batches(batch, minibatch, args.micro_batch_size, by_length=False):
                 mask = micro["response_mask"]
                 # ALGO LOGIC: one backward of Σ log π; the hooks build this micro-batch's share of the update
-                logprobs, entropy, loss = isopo_backward(policy, hooks, micro, args.temperature, minibatch_sequences,
-                                                         autocast)
+                logprobs, entropy, loss = isopo_backward(policy, hooks, micro, args.temperature, minibatch_sequences, autocast)
+                old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 if reference is not None:  # --log-kl-ref: the drift from the initial policy (Fig. 5), a metric only
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
                     kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 # END ALGO LOGIC
-                old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
-                # losses/policy_loss: the REINFORCE loss −(1/M) Σ_i A_i log π(o_i|q_i), whose gradient ISOPO
-                # transforms (not minimized as such)
                 minibatch_loss += loss.item()
                 with torch.no_grad():  # statistics of the response tokens
                     log_ratio, tokens = (logprobs - old_logprobs).detach(), mask.sum()
-                    # 0 with one update per batch, the uncorrected off-policy drift of later minibatches otherwise
                     k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
@@ -656,13 +572,13 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
             # skipped (counted in charts/skipped_steps), so weights never become NaN
             grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)
-            finite = bool(torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)))
-            if finite:
+            if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)):
                 optimizer.step()
                 scheduler.step()
+                hooks.end_minibatch()  # the minibatch joins the EMA of the regularization
             else:
                 skipped += 1
-            hooks.end_minibatch(commit=finite)  # a skipped step leaves the EMA of the regularization untouched
+                hooks.end_minibatch(commit=False)  # a skipped step leaves that EMA untouched
             optimizer.zero_grad(set_to_none=True)
             # the loss of all ranks and the global norm (before clipping): the same numbers on every rank
             metrics.mean("losses/policy_loss", minibatch_loss, 1)
@@ -682,17 +598,13 @@ def check_args(args: Args) -> None:
         ("update-epochs", args.update_epochs < 1, ">= 1"),
         ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
         ("lr", not args.lr > 0, "> 0"),
-        ("p", not math.isfinite(args.p), "a finite number"),
-        ("q", not math.isfinite(args.q), "a finite number"),
-        ("r", not math.isfinite(args.r), "a finite number"),
+        *[(name, not math.isfinite(getattr(args, name)), "a finite number") for name in ("p", "q", "r")],
         ("n-overlap", args.n_overlap < 1, ">= 1"),
         ("reg-coef", not args.reg_coef >= 0, ">= 0"),
         ("ntk-reg-coef", not args.ntk_reg_coef > 0, "> 0 (the NTK of m sequences is singular when m exceeds its rank)"),
         ("ema-decay", not 0 <= args.ema_decay < 1, "in [0, 1)"),
     ] if bad]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    # one rank only (and the EMA statistics would need an all-reduce): that path is not written or tested
-    # here. The authors' code is single-GPU as well, and the paper's model (Qwen3-0.6B) trains on one GPU.
     if world_size > 1:
         problems.append(f"isopo.py runs on one rank (WORLD_SIZE={world_size}): its hooks build full gradients outside "
                         "autograd, which FSDP2 would need summed over ranks and sharded by hand")
@@ -805,7 +717,7 @@ def main(args: Args) -> None:
                               if k in logged})
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
             trainer_state = {"step": step + 1, "skipped_steps": skipped_steps, "args": asdict(args),
-                             "scheduler": scheduler.state_dict(), "isopo": hooks.state_dict()}
+                             "scheduler": scheduler.state_dict(), "isopo": {"ema": dict(hooks.stats.ema)}}
             save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist, args.keep_checkpoints)
 
     plot = tracker.close(plot_keys=PLOTTED + [f"eval/avg@{args.eval_k}"])
@@ -827,18 +739,15 @@ if __name__ == "__main__":
 #       --rollout-engine vllm --eval-every 10 --eval-prompts 1319 --eval-k 1 --log-kl-ref --track
 #   add --variant interacting for Fig. 7, --p 0 --q -1 --r -2 for Fig. 4, --p 0 --q -1 for Fig. 5 (yellow)
 #
-# Differences from the authors' code (commit 2686cda), each deliberate. There, non-Linear parameters
-# (RMSNorm, untied embeddings) get an advantage-free gradient (that of token-mean −log π: SFT on the own
-# samples), tied embeddings lose their lookup gradient (lm_head's update overwrites it) and Linear biases
-# are zeroed; here they get REINFORCE gradients, and the two tied contributions add. Its exponents are
-# the paper's negated and reordered (p = −overlap_neg_power, q = −norm_neg_power, r = −rel_overlap_neg_power).
-# Its default regularization (keep_small_invariant) is sqrt(x²/(λE[x²]) + 1), the paper's reg2 up to a
-# per-layer factor (--reg-form authors), with each sequence's own value as E before any history (here the
-# micro-batch mean); the paper's runs and its run.sh use none for the non-interacting variant (--reg-coef 0).
-# Interacting, it computes v = Jᵀ c(K + cI)⁻¹A, dimensionless and tending to the vanilla gradient where
-# K ≪ c (--ntk-scale authors). Its v_i is the gradient of the token-mean loss divided by the
-# gradient-accumulation count and its update a sum over the minibatch's sequences; here v_i = ∇ log π and
-# the update a mean: for p + q = −1 without regularization they differ by the constant factor M, otherwise
-# by a batch-dependent scale (which AdamW mostly absorbs). It computes and discards autograd's weight
-# gradients and materializes every V_i; here neither. Its AdamW has betas (0.9, 0.999) and weight decay
-# 0.01; grpo.py's betas (0.9, 0.99) are kept. It is single-GPU as well (see check_args).
+# Differences from the authors' code (commit 2686cda), each deliberate. There, non-Linear parameters (RMSNorm, untied
+# embeddings) get an advantage-free gradient (token-mean −log π: SFT on the own samples), tied embeddings lose their
+# lookup gradient (lm_head's update overwrites it) and Linear biases are zeroed; here all get REINFORCE gradients and
+# the tied contributions add. Its exponents, negated and reordered: p, q, r = −overlap_neg_power, −norm_neg_power,
+# −rel_overlap_neg_power. Its default regularization (keep_small_invariant) is --reg-form authors, with each sequence's
+# own value as E before any history (here the micro-batch mean); the paper's runs and run.sh use none when
+# non-interacting (--reg-coef 0). Interacting, it computes the dimensionless v = Jᵀ c(K + cI)⁻¹A, → the vanilla gradient
+# where K ≪ c (--ntk-scale authors). Its v_i is ∇ of the token-mean loss over the gradient-accumulation count, its
+# update a sum over the minibatch; here v_i = ∇ log π and a mean: a factor M apart for p + q = −1 without
+# regularization, a batch-dependent scale otherwise (AdamW mostly absorbs it). It computes and discards autograd's
+# weight gradients and materializes every V_i; here neither. Its AdamW: betas (0.9, 0.999), weight decay 0.01 (grpo.py's
+# (0.9, 0.99) kept). It is single-GPU too (one rank here: the EMA would need an all-reduce).

@@ -94,18 +94,18 @@ def clip_grad_norm(model, max_norm: float, device: torch.device) -> torch.Tensor
     return norm
 
 
-def all_reduce(value: float, dist: Dist, op: str = "sum") -> float:
-    """Sum / max / min of a number over ranks."""
-    return all_reduce_dict({"value": value}, dist, op)["value"]
+def all_reduce(value: float, dist: Dist) -> float:
+    """Sum of a number over ranks."""
+    return all_reduce_dict({"value": value}, dist)["value"]
 
 
-def all_reduce_dict(values: dict[str, float], dist: Dist, op: str = "sum") -> dict[str, float]:
-    """all_reduce of several numbers in one collective."""
+def all_reduce_dict(values: dict[str, float], dist: Dist) -> dict[str, float]:
+    """Sums of several numbers over ranks, in one collective (float64). A step's metrics go through
+    tracking.StepMetrics instead; this is for the counts the update itself needs."""
     if dist.world_size == 1:
         return {k: float(v) for k, v in values.items()}
     tensor = torch.tensor([float(v) for v in values.values()], dtype=torch.float64, device=dist.device)
-    torch_dist.all_reduce(tensor, op={"sum": torch_dist.ReduceOp.SUM, "max": torch_dist.ReduceOp.MAX,
-                                      "min": torch_dist.ReduceOp.MIN}[op])
+    torch_dist.all_reduce(tensor)
     return dict(zip(values, tensor.tolist()))
 
 

@@ -86,7 +86,7 @@ FLAGS = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0, "--num-m
 
 
 def _start(output_dir, steps, *extra):
-    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}  # as run_script: same numbers
     return subprocess.Popen([sys.executable, "algorithms/grpo.py", "--steps", str(steps), "--output-dir",
                              str(output_dir), *map(str, FLAGS), *map(str, extra)],
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
