@@ -4,8 +4,8 @@ Paper: ISOPO: Proximal policy gradients without pi-old (Abrahamsen, 2025, arXiv:
 github.com/nilin/isopo (verl/workers/actor/dp_actor.py). Advantages as in GRPO (DeepSeekMath, arXiv:2402.03300).
 
 Objective. For each prompt q, sample a group of G completions o_1..o_G from the old policy, score them
-(reward r_i in {0, 1}), and maximize
-E[r] by plain gradient steps (no π_old, ratio or clip) built per Linear layer l (lm_head too): with
+(reward r_i in {0, 1}), and maximize E[r]
+by plain gradient steps (no π_old, ratio or clip) built per Linear layer l (lm_head too): with
 v_i = ∇_{θ_l} log π_θ(o_i | q_i) (V_i as a matrix), M the minibatch's non-empty sequences,
 
     A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
