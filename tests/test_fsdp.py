@@ -119,20 +119,28 @@ def test_sigkill_in_training_and_during_a_checkpoint_write_then_resume(tmp_path)
     run_script("algorithms/grpo.py", "--steps", 6, "--save-every", 2, "--output-dir", killed, "--resume", "auto", *FLAGS)
     _assert_same_run(straight, read_jsonl(os.path.join(only_run_dir(killed), "metrics.jsonl")))
 
-    # 2. killed while a checkpoint is being written: the half-written folder is never "latest"
+    # 2. killed while a checkpoint is being written: the half-written folder is never "latest". The run is
+    #    frozen (SIGSTOP) as soon as a step_N.tmp folder shows; if the rename won the race, it thaws and the
+    #    next checkpoint is tried, so the kill always lands inside a write.
     interrupted = tmp_path / "interrupted"
     process = _start(interrupted, 6, "--save-every", 1)
 
-    def writing_step_3():
-        run = os.listdir(interrupted)[0] if os.path.isdir(interrupted) and os.listdir(interrupted) else None
-        return run and os.path.isdir(os.path.join(interrupted, run, "checkpoints", "step_00000003.tmp"))
+    def checkpoint_folder(step, suffix=""):
+        runs = os.listdir(interrupted) if os.path.isdir(interrupted) else []
+        return os.path.join(interrupted, runs[0] if runs else "-", "checkpoints", f"step_{step:08d}{suffix}")
 
-    _wait_until(writing_step_3, process)
+    for step in range(2, 6):
+        _wait_until(lambda: os.path.isdir(checkpoint_folder(step, ".tmp")) or os.path.isdir(checkpoint_folder(step)),
+                    process)
+        process.send_signal(signal.SIGSTOP)
+        if os.path.isdir(checkpoint_folder(step, ".tmp")):
+            break  # frozen inside the write of this step's checkpoint
+        process.send_signal(signal.SIGCONT)
     process.send_signal(signal.SIGKILL)
     process.wait()
     run_dir = only_run_dir(interrupted)
     complete = sorted(d for d in os.listdir(os.path.join(run_dir, "checkpoints")) if not d.endswith(".tmp"))
-    assert complete[-1] == "step_00000002"
+    assert complete[-1] == f"step_{step - 1:08d}" and os.path.isdir(checkpoint_folder(step, ".tmp"))
     run_script("algorithms/grpo.py", "--steps", 6, "--save-every", 1, "--output-dir", interrupted, "--resume", "auto", *FLAGS)
     _assert_same_run(straight, read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
     assert not any(d.endswith(".tmp") for d in os.listdir(os.path.join(run_dir, "checkpoints")))
