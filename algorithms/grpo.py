@@ -232,7 +232,7 @@ def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
     mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ; mismatch/max_abs_logprob_diff."""
     log_ratio = (old_logprobs - sampler_logprobs).detach()
     metrics.mean("mismatch/kl_k3", ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum(), mask.sum())
-    metrics.max("mismatch/max_abs_logprob_diff", (log_ratio.abs() * mask).max())
+    metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
 
 
 def record_rollouts(metrics, scores, completions, rewards, response_mask):

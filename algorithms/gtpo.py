@@ -31,7 +31,6 @@ Run it
   python algorithms/gtpo.py                      # the built-in task on a CPU, about two minutes
   python algorithms/gtpo.py --help               # every flag, with its default
   ./run.sh bench                                 # every method × 3 seeds on the built-in task (README)
-  ./run.sh bench gtpo                            # GTPO vs GRPO, the benchmark's runs
   python algorithms/gtpo.py --no-scale-advantages --mask-combine product --divide-by-conflict-count \\
       --entropy-filter on --entropy-threshold 0.7  # the authors' code's configuration (end of this file)
 """
@@ -227,7 +226,8 @@ def measure_initial_entropy(policy, engine, prompt_ids, args, dist, autocast, pa
                 total += (completion_entropy(entropy, micro["response_mask"]) * counts[micro["rows"]]).sum().item()
         entropy_ini = fsdp.all_reduce(total, dist) / len(prompt_ids)
     if dist.is_main:
-        print(f"<H>_ini = {entropy_ini:.4f} (entropy filter {args.entropy_filter}, threshold {args.entropy_threshold:.4f})")
+        active = args.entropy_filter == "on" or (args.entropy_filter == "auto" and entropy_ini < args.entropy_threshold)
+        print(f"<H>_ini = {entropy_ini:.4f} (threshold {args.entropy_threshold:.4f}): entropy filter {'on' if active else 'off'}")
     return entropy_ini
 
 
@@ -323,7 +323,7 @@ def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
     mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ; mismatch/max_abs_logprob_diff."""
     log_ratio = (old_logprobs - sampler_logprobs).detach()
     metrics.mean("mismatch/kl_k3", ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum(), mask.sum())
-    metrics.max("mismatch/max_abs_logprob_diff", (log_ratio.abs() * mask).max())
+    metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
 
 
 def record_rollouts(metrics, scores, completions, rewards, response_mask):

@@ -269,7 +269,7 @@ def weighted_gradient(g: torch.Tensor, a: torch.Tensor, weights: torch.Tensor) -
 
 class IsopoHooks:
     """One backward of Σ log π → the ISOPO gradient of every parameter. Per micro-batch: the forward inside capture(mask,
-    weights_i = −A_i/M), then backward(Σ log π); per minibatch: set_gradients(), end_minibatch(commit), record(metrics).
+    weights_i = −A_i/M), then backward(Σ log π); per minibatch: set_gradients(), end_minibatch(commit); per batch: record(metrics).
     A parameter used outside its module, or a Linear run twice per forward: an error, not a wrong gradient."""
 
     def __init__(self, model: torch.nn.Module, args: Args, state: dict | None = None):
@@ -498,7 +498,7 @@ def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
     mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ; mismatch/max_abs_logprob_diff."""
     log_ratio = (old_logprobs - sampler_logprobs).detach()
     metrics.mean("mismatch/kl_k3", ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum(), mask.sum())
-    metrics.max("mismatch/max_abs_logprob_diff", (log_ratio.abs() * mask).max())
+    metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
 
 
 def record_rollouts(metrics, scores, completions, rewards, response_mask):
@@ -522,8 +522,8 @@ PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/re
 def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics, hooks) -> int:
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
     Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
-    # old log-probs only when π_θ will move away from π_old within this batch. With one update per batch
-    # π_old = π_θ: the ratio is exactly 1, its gradient is the policy gradient, and no pass is needed
+    # old log-probs only when π_θ will move away from π_old within this batch. ISOPO has no ratio: they
+    # serve the statistics (approx_kl, the mismatch) only
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     with torch.no_grad(), autocast:

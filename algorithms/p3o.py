@@ -22,6 +22,13 @@ What this file changes relative to grpo.py: the loss above replaces the clipped 
 ratios to μ, not π_old; e_B from a no-grad pass per optimizer step (--ess-scope micro-batch: per micro-batch, as
 the authors); off-policy flags; --loss clip (--clip-eps), the paper's GRPO baseline, for `./run.sh bench p3o`.
 
+How to read this file. main() is one training step after another: sample G completions per prompt,
+score them and compute advantages, update the policy on minibatches, push the new weights to the
+rollout engine, then log, evaluate and checkpoint. The method lives between `# ALGO LOGIC` and
+`# END ALGO LOGIC`; `# TRY NOT TO MODIFY` marks the plumbing every fork keeps as it is. Implementation
+details are comments at the code they explain, each metric is defined where it is recorded, and the
+paper-scale command and the differences from the papers' settings close the file.
+
 Run it
   python algorithms/p3o.py                       # the built-in task on a CPU: on-policy (shared float32 weights)
   python algorithms/p3o.py --help                # every flag, with its default
@@ -307,7 +314,7 @@ def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
     mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ; mismatch/max_abs_logprob_diff."""
     log_ratio = (old_logprobs - sampler_logprobs).detach()
     metrics.mean("mismatch/kl_k3", ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum(), mask.sum())
-    metrics.max("mismatch/max_abs_logprob_diff", (log_ratio.abs() * mask).max())
+    metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
 
 
 def record_rollouts(metrics, scores, completions, rewards, response_mask):
@@ -331,8 +338,8 @@ PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/re
 def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics) -> int:
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
     Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
-    # old log-probs only when π_θ will move away from π_old within this batch. With one update per batch
-    # π_old = π_θ: the ratio is exactly 1, its gradient is the policy gradient, and no pass is needed
+    # old log-probs only when π_θ will move away from π_old within this batch. P3O's ratio is to μ: they
+    # serve the statistics (approx_kl, the mismatch) only
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     with torch.no_grad(), autocast:

@@ -348,7 +348,7 @@ def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
     # ALGO LOGIC: log ρ as the corrections see it: a NaN log-prob counts as matched (ρ = 1), clamped to ±20
     log_ratio, valid = safe_log_ratio(old_logprobs, sampler_logprobs, mask), mask.bool()
     metrics.mean("mismatch/kl_k3", ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum(), mask.sum())
-    metrics.max("mismatch/max_abs_logprob_diff", (log_ratio.abs() * mask).max())
+    metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
     metrics.mean("mismatch/kl_k1", -log_ratio.sum(), mask.sum())  # k1 KL(μ ‖ π_old): the mean of log μ − log π_old
     unscored = (torch.isnan(old_logprobs) | torch.isnan(sampler_logprobs)) & valid  # neutralized: counted as matched
     metrics.mean("mismatch/nan_logprob_fraction", unscored.sum(), mask.sum())  # response tokens with a NaN log-prob

@@ -49,7 +49,7 @@ class StepMetrics:
             if value.numel() == 0:
                 return
             value = value.max()
-        self.maxima[name] = max(self.maxima.get(name, -math.inf), float(value))
+        self.maxima[name] = _keep_nan(max, self.maxima.get(name, -math.inf), float(value))
 
     def min(self, name: str, value) -> None:
         """The smallest number recorded under `name`."""
@@ -57,7 +57,7 @@ class StepMetrics:
             if value.numel() == 0:
                 return
             value = value.min()
-        self.minima[name] = min(self.minima.get(name, math.inf), float(value))
+        self.minima[name] = _keep_nan(min, self.minima.get(name, math.inf), float(value))
 
     def set(self, name: str, value) -> None:
         """A value that is not reduced (the same on every rank, or rank 0's is the one logged)."""
@@ -91,11 +91,16 @@ class StepMetrics:
             for name, value in rank_sums.items():
                 sums[name] = sums.get(name, 0.0) + value
             for name, value in rank_maxima.items():
-                maxima[name] = max(maxima.get(name, -math.inf), value)
+                maxima[name] = _keep_nan(max, maxima.get(name, -math.inf), value)
             for name, value in rank_minima.items():
-                minima[name] = min(minima.get(name, math.inf), value)
+                minima[name] = _keep_nan(min, minima.get(name, math.inf), value)
         reduced = {name: total / count if count else math.nan for name, (total, count) in means.items()}
         return {**reduced, **sums, **maxima, **minima, **self.values}
+
+
+def _keep_nan(pick, a: float, b: float) -> float:
+    """max / min of two numbers that keeps a NaN visible (Python's max(-inf, nan) is -inf)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else pick(a, b)
 
 
 class Tracker:

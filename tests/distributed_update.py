@@ -38,7 +38,8 @@ EXTRAS = {
 def update_policy(algorithm, policy, batch, args, dist, optimizer=None):
     """algorithm.update_policy on `batch` with SGD at args.lr, no reference model, bf16 autocast iff
     args.dtype says so, and whatever extra inputs the method's update_policy takes. Returns the metrics it
-    recorded, reduced over ranks (a collective), with "skipped": the optimizer steps it skipped."""
+    recorded, reduced over ranks (collectives), with "skipped" (the optimizer steps it skipped) and
+    "tokens_seen" (the response tokens its updates saw, over ranks and epochs)."""
     optimizer = optimizer or torch.optim.SGD(policy.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     metrics = StepMetrics()
@@ -48,7 +49,9 @@ def update_policy(algorithm, policy, batch, args, dist, optimizer=None):
     parameters = inspect.signature(algorithm.update_policy).parameters
     skipped = algorithm.update_policy(**{name: available[name] if name in available else EXTRAS[name](algorithm, args, policy)
                                          for name in parameters})
-    return {"skipped": skipped, **metrics.reduce(dist)}
+    # the entropy's count: every response token, once per epoch (none when every minibatch was skipped)
+    tokens_seen = fsdp.all_reduce(metrics.means.get("charts/entropy", (0.0, 0.0))[1], dist)
+    return {"skipped": skipped, "tokens_seen": tokens_seen, **metrics.reduce(dist)}
 
 
 def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):

@@ -151,7 +151,7 @@ def test_micro_batches_sorted_by_length_cover_every_row_and_pad_little():
     assert sorted_ < 1.25 and shuffled > 2  # measured: 1.18 and 2.70
 
 
-def test_train_inference_mismatch_k3():
+def test_record_mismatch_k3():
     old = torch.tensor([[-1.0, -2.0, 0.0]])
     sampler = torch.tensor([[-1.5, -2.0, -9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding: ignored

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from algorithms import grpo
-from common.logprobs import chunked_scores, output_layer_scores
+from common.logprobs import chunked_scores
 
 F64 = torch.float64
 

@@ -34,6 +34,12 @@ def test_step_metrics_by_hand():
         "entropy": 1.0, "tokens_per_second": 15.0, "ratio_max": 2.0, "ratio_min": pytest.approx(0.2),
         "lr": 1e-4, "eval/greedy_accuracy": 0.5}
     assert math.isnan(logged["nothing"]) and 0 <= logged["time/train"] < 1
+    metrics = StepMetrics()
+    metrics.max("diff", torch.tensor([1.0, float("nan")]))  # a NaN stays visible, whatever comes after it
+    metrics.max("diff", 2.0)
+    metrics.min("ratio", 0.5)
+    metrics.min("ratio", float("nan"))
+    assert all(math.isnan(v) for v in metrics.reduce().values())
 
 
 def test_tracker_drops_records_after_the_resumed_step(tmp_path):
