@@ -1,15 +1,26 @@
-"""GRPO with DAPO's clip-higher and token-mean loss: the baseline every other file here is forked from.
+"""GRPO with DAPO's clip-higher and token-mean loss (all of DAPO as flags): the baseline every file forks.
 
 Papers: GRPO, DeepSeekMath (Shao et al., 2024, arXiv:2402.03300); DAPO (Yu et al., 2025,
-arXiv:2503.14476) for the decoupled clip range and token-level aggregation; Dr. GRPO (Liu et al., 2025,
-arXiv:2503.20783) for dropping the std scaling.
+arXiv:2503.14476) for the decoupled clip range, token-level aggregation, dynamic sampling and overlong
+shaping; Dr. GRPO (Liu et al., 2025, arXiv:2503.20783) and GSPO (Zheng et al., 2025, arXiv:2507.18071)
+for the loss variants the other papers compare against.
 
 Objective. For each prompt q, sample a group of G completions o_1..o_G from the old policy, score them
-(reward r_i in {0, 1}), and maximize
+(r_i = 1 for a correct answer, else 0, plus DAPO's overlong penalty with --overlong-buffer), and maximize
 
     J(θ) = 1/Σ|o_i| · Σ_i Σ_t min( ρ_it A_i , clip(ρ_it, 1-ε_low, 1+ε_high) A_i )  −  β · KL_k3(π_θ ‖ π_ref)
     ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t)
     A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
+
+Variants, each a flag (the first three concern rollouts and rewards, so every fork has them too):
+  --dynamic-sampling (DAPO §3.2): a group whose rewards are all equal (A_i = 0) is replaced by a new prompt's
+  --overlong-buffer L (DAPO Eq. 13): r_i falls linearly to −1 over the last L tokens before --max-new-tokens
+  --mask-truncated (DAPO's overlong filtering): completions cut off by the length limit get no gradient
+  --loss-aggregation token-sum (Dr. GRPO): the token sum over completions × --max-new-tokens, not over Σ|o_i|
+  --ratio-level sequence (GSPO, Eq. 5): one ratio per completion, s_i = exp(mean_t log ρ_it), clipped whole
+Presets: DAPO `--dynamic-sampling --overlong-buffer 4` (clip-higher, token-mean, β = 0: the defaults); Dr. GRPO
+`--loss-aggregation token-sum --no-scale-advantages`; GSPO `--ratio-level sequence --loss-aggregation
+sequence-mean --clip-low 3e-4 --clip-high 4e-4`.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them and compute advantages, update the policy on minibatches, push the new weights to the
@@ -22,6 +33,7 @@ Run it
   python algorithms/grpo.py                      # the built-in task on a CPU, about two minutes
   python algorithms/grpo.py --help               # every flag, with its default
   python algorithms/grpo.py --resume auto        # continue the newest run of this task/name/seed
+  python algorithms/grpo.py --dynamic-sampling --overlong-buffer 4   # DAPO
   ./run.sh bench                                 # every method × 3 seeds on the built-in task (README)
 """
 
@@ -39,10 +51,11 @@ from tqdm import tqdm
 
 from common import fsdp
 from common.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
-from common.evaluate import evaluate, score_completions
+from common.evaluate import evaluate
 from common.logprobs import output_layer_scores
-from common.reward import encode_prompts, load_task, sample_batch
+from common.reward import encode_prompts, load_task
 from common.rollout import load_tokenizer, make_engine
+from common.sampling import GroupSampler
 from common.tiny import resolve_model
 from common.tracking import StepMetrics, Tracker
 
@@ -101,6 +114,14 @@ class Args:
     """maximum completion length"""
     temperature: float = 1.0
     """sampling temperature (the trainer divides its logits by it too)"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are replaced by newly drawn prompts"""
+    max_sampling_rounds: int = 8
+    """dynamic sampling: rounds of drawing per step at most; then the batch is completed with all-equal groups"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: the reward falls linearly to -1 over the last this many tokens before --max-new-tokens (0: off)"""
+    mask_truncated: bool = False
+    """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
     lr: float = 1e-4
     """AdamW learning rate"""
     warmup_steps: int = 0
@@ -133,8 +154,10 @@ class Args:
     """ε_high: upper clip range (DAPO's clip-higher; = clip_low for PPO's symmetric clip)"""
     scale_advantages: bool = True
     """divide group-centred rewards by the group's std (GRPO); --no-scale-advantages is Dr. GRPO"""
-    loss_aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
-    """token-mean over the minibatch (DAPO), or mean per completion then over completions (GRPO)"""
+    loss_aggregation: Literal["token-mean", "sequence-mean", "token-sum"] = "token-mean"
+    """token-mean over the minibatch (DAPO); mean per completion, then over completions (GRPO); or token-sum: the sum over a constant, completions × --max-new-tokens (Dr. GRPO)"""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """the importance ratio of each token (PPO, GRPO), or one per completion: the geometric mean of its tokens' ratios (GSPO)"""
     kl_coef: float = 0.0
     """β of the k3 KL penalty to the initial policy (0: no reference model is loaded)"""
 
@@ -157,12 +180,21 @@ def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
 
 
-def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
+def sequence_mean(values, mask):
+    """Each completion's mean of [B, T] values, on each of its tokens: from log-probs, GSPO's (arXiv:2507.18071,
+    Eq. 5) s_i = (π_θ(o_i|q) / π_old(o_i|q))^(1/|o_i|) = exp(mean_t log ρ_it), clipped per completion."""
+    return ((values * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(values)
+
+
+def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences, minibatch_constant):
     """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to the mean).
     token-mean (DAPO): every response token of the minibatch, on all ranks, weighs the same.
-    sequence-mean (GRPO): a mean over each completion, then over the completions that have a token."""
+    sequence-mean (GRPO): a mean over each completion, then over the completions that have a token.
+    token-sum (Dr. GRPO, arXiv:2503.20783 §3.2): the sum over a constant, completions × --max-new-tokens."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / minibatch_tokens
+    if mode == "token-sum":
+        return (token_losses * mask).sum() / minibatch_constant
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
     return per_sequence.sum() / minibatch_sequences
 # END ALGO LOGIC
@@ -183,8 +215,10 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     return scores[..., 0], (scores[..., 1].detach() if with_entropy else None)
 
 
-def make_batch(prompt_ids, completions, group_size, pad_id, device):
-    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding."""
+def make_batch(prompt_ids, completions, group_size, pad_id, device, mask_truncated=False):
+    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding. The
+    response mask marks the tokens that train: none of a completion cut off by the length limit when
+    `mask_truncated` (DAPO's overlong filtering, TRL's mask_truncated_completions)."""
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(len(c.token_ids) for c in completions)
     rows, masks, response_masks, sampler_logprobs = [], [], [], []
@@ -193,7 +227,8 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device):
         left, right = prompt_width - len(prompt), response_width - len(response)
         rows.append([pad_id] * left + prompt + response + [pad_id] * right)
         masks.append([0] * left + [1] * (len(prompt) + len(response)) + [0] * right)
-        response_masks.append([1] * len(response) + [0] * right)
+        trains = not (mask_truncated and completion.finish_reason == "length")
+        response_masks.append([int(trains)] * len(response) + [0] * right)
         sampler_logprobs.append(completion.logprobs + [0.0] * right)
     attention_mask = torch.tensor(masks, device=device)
     input_ids = torch.tensor(rows, device=device)
@@ -235,9 +270,9 @@ def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
     metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
 
 
-def record_rollouts(metrics, scores, completions, rewards, response_mask):
+def record_rollouts(metrics, scores, completions, rewards):
     """What the engine sampled this step: the reward and how it came about."""
-    lengths, rollouts = response_mask.sum(1), len(scores)  # tokens per completion, EOS included
+    lengths, rollouts = torch.tensor([len(c.token_ids) for c in completions]), len(scores)  # EOS included
     metrics.mean("charts/reward", rewards.sum(), rollouts)
     metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
     metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)  # no answer to extract
@@ -291,14 +326,18 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the GRPO loss of this micro-batch
+                ratio_inputs = (logprobs, old_logprobs)  # --ratio-level sequence: GSPO's one ratio per completion
+                if args.ratio_level == "sequence":
+                    ratio_inputs = (sequence_mean(logprobs, mask), sequence_mean(old_logprobs, mask))
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
-                    logprobs, old_logprobs, micro["advantages"], args.clip_low, args.clip_high)
+                    *ratio_inputs, micro["advantages"], args.clip_low, args.clip_high)
                 if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
                     kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
-                loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
+                loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences,
+                                 len(minibatch) * dist.world_size * args.max_new_tokens)  # every rank has as many rows
                 # END ALGO LOGIC
                 (loss * dist.world_size).backward()
                 minibatch_loss += loss.item()
@@ -333,6 +372,8 @@ def check_args(args: Args) -> None:
         ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
         ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
         ("max-new-tokens", args.max_new_tokens < 1, ">= 1"),
+        ("max-sampling-rounds", args.max_sampling_rounds < 1, ">= 1"),
+        ("overlong-buffer", not 0 <= args.overlong_buffer < args.max_new_tokens, "in [0, --max-new-tokens)"),
         ("temperature", not args.temperature > 0, "> 0"),
         ("num-minibatches", not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
          "between 1 and the number of rollouts per step"),
@@ -407,26 +448,23 @@ def main(args: Args) -> None:
                        temperature=args.temperature, use_chat_template=args.chat_template, dist=dist)
     if args.eval_every and start_step == 0:
         tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
-    local_prompts = args.prompts_per_step // dist.world_size
-
+    # rollouts: each rank takes whole groups of G completions (group statistics are one process's), with the
+    # sampler's log-probs μ, rewarded 1 for a correct answer minus DAPO's overlong penalty (Eq. 13)
+    sampler = GroupSampler(engine, tokenizer, prompts, train_rows, dist, args.prompts_per_step, args.group_size,
+                           args.max_new_tokens, args.temperature, args.seed, bare=args.task == "arith",
+                           overlong_buffer=args.overlong_buffer, dynamic=args.dynamic_sampling, max_rounds=args.max_sampling_rounds)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
-        # 1. rollout: G completions per prompt, with the sampler's log-probs μ of the sampled tokens
-        #    (each rank takes whole groups, so group statistics are those of one process)
+        # 1. rollout (--dynamic-sampling: groups whose rewards are all equal are replaced, DAPO §3.2)
         with metrics.timer("time/rollout"):
-            indices = sample_batch(len(train_rows), step, args.prompts_per_step, args.seed)
-            indices = indices[dist.rank * local_prompts : (dist.rank + 1) * local_prompts]
-            step_prompts = [prompts[i] for i in indices]
-            completions = engine.generate(step_prompts, args.group_size, args.max_new_tokens, args.temperature)
+            groups = sampler.draw(step, metrics)
 
-        # 2. rewards and advantages
-        scores = score_completions(completions, [train_rows[i] for i in indices], args.group_size, tokenizer,
-                                   bare=args.task == "arith")
-        rewards = torch.tensor([s.reward for s in scores], device=device).view(-1, args.group_size)
-        batch = make_batch(step_prompts, completions, args.group_size, tokenizer.pad_token_id, device)
-        batch["advantages"] = compute_advantages(rewards, args.scale_advantages).flatten()
-        record_rollouts(metrics, scores, completions, rewards, batch["response_mask"])
+        # 2. advantages (--mask-truncated: a completion cut off by the length limit counts in them, learns nothing)
+        batch = make_batch(groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device,
+                           mask_truncated=args.mask_truncated)
+        batch["advantages"] = compute_advantages(groups.rewards, args.scale_advantages).flatten()
+        record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
         # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
         with metrics.timer("time/train"):
@@ -476,6 +514,7 @@ if __name__ == "__main__":
 #
 # Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and clip-higher
 # (ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip (--loss-aggregation
-# sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04 (--kl-coef 0.04); DAPO's dynamic
-# sampling (re-drawing groups whose rewards are all equal) is not done: those groups are counted in
-# charts/zero_std_group_fraction and contribute no gradient; AdamW betas (0.9, 0.99).
+# sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04 (--kl-coef 0.04); AdamW betas (0.9, 0.99).
+# DAPO's recipe (verl) draws 3× the batch per round, keeps groups whose *accuracies* differ and stops with an
+# error after its last round; here extra rounds are sized by the share of informative groups so far, groups
+# whose rewards differ are kept, and a batch still short at the cap is completed with all-equal groups.

@@ -62,10 +62,11 @@ from tqdm import tqdm
 
 from common import fsdp
 from common.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
-from common.evaluate import evaluate, score_completions
+from common.evaluate import evaluate
 from common.logprobs import output_layer_scores
-from common.reward import encode_prompts, load_task, sample_batch
+from common.reward import encode_prompts, load_task
 from common.rollout import load_tokenizer, make_engine
+from common.sampling import GroupSampler
 from common.tiny import resolve_model
 from common.tracking import StepMetrics, Tracker
 
@@ -124,6 +125,14 @@ class Args:
     """maximum completion length"""
     temperature: float = 1.0
     """sampling temperature (the trainer divides its logits by it too)"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are replaced by newly drawn prompts"""
+    max_sampling_rounds: int = 8
+    """dynamic sampling: rounds of drawing per step at most; then the batch is completed with all-equal groups"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: the reward falls linearly to -1 over the last this many tokens before --max-new-tokens (0: off)"""
+    mask_truncated: bool = False
+    """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
     lr: float = 1e-4
     """AdamW learning rate"""
     warmup_steps: int = 0
@@ -298,8 +307,10 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     return scores[..., 0], (scores[..., 1].detach() if with_entropy else None)
 
 
-def make_batch(prompt_ids, completions, group_size, pad_id, device):
-    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding."""
+def make_batch(prompt_ids, completions, group_size, pad_id, device, mask_truncated=False):
+    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding. The
+    response mask marks the tokens that train: none of a completion cut off by the length limit when
+    `mask_truncated` (DAPO's overlong filtering, TRL's mask_truncated_completions)."""
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(len(c.token_ids) for c in completions)
     rows, masks, response_masks, sampler_logprobs = [], [], [], []
@@ -308,7 +319,8 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device):
         left, right = prompt_width - len(prompt), response_width - len(response)
         rows.append([pad_id] * left + prompt + response + [pad_id] * right)
         masks.append([0] * left + [1] * (len(prompt) + len(response)) + [0] * right)
-        response_masks.append([1] * len(response) + [0] * right)
+        trains = not (mask_truncated and completion.finish_reason == "length")
+        response_masks.append([int(trains)] * len(response) + [0] * right)
         sampler_logprobs.append(completion.logprobs + [0.0] * right)
     attention_mask = torch.tensor(masks, device=device)
     input_ids = torch.tensor(rows, device=device)
@@ -358,9 +370,9 @@ def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
     # END ALGO LOGIC
 
 
-def record_rollouts(metrics, scores, completions, rewards, response_mask):
+def record_rollouts(metrics, scores, completions, rewards):
     """What the engine sampled this step: the reward and how it came about."""
-    lengths, rollouts = response_mask.sum(1), len(scores)  # tokens per completion, EOS included
+    lengths, rollouts = torch.tensor([len(c.token_ids) for c in completions]), len(scores)  # EOS included
     metrics.mean("charts/reward", rewards.sum(), rollouts)
     metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
     metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)  # no answer to extract
@@ -477,6 +489,8 @@ def check_args(args: Args) -> None:
         ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
         ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
         ("max-new-tokens", args.max_new_tokens < 1, ">= 1"),
+        ("max-sampling-rounds", args.max_sampling_rounds < 1, ">= 1"),
+        ("overlong-buffer", not 0 <= args.overlong_buffer < args.max_new_tokens, "in [0, --max-new-tokens)"),
         ("temperature", not args.temperature > 0, "> 0"),
         ("num-minibatches", not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
          "between 1 and the number of rollouts per step"),
@@ -558,26 +572,23 @@ def main(args: Args) -> None:
                        temperature=args.temperature, use_chat_template=args.chat_template, dist=dist)
     if args.eval_every and start_step == 0:
         tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
-    local_prompts = args.prompts_per_step // dist.world_size
-
+    # rollouts: each rank takes whole groups of G completions (group statistics are one process's), with the
+    # sampler's log-probs μ, rewarded 1 for a correct answer minus DAPO's overlong penalty (Eq. 13)
+    sampler = GroupSampler(engine, tokenizer, prompts, train_rows, dist, args.prompts_per_step, args.group_size,
+                           args.max_new_tokens, args.temperature, args.seed, bare=args.task == "arith",
+                           overlong_buffer=args.overlong_buffer, dynamic=args.dynamic_sampling, max_rounds=args.max_sampling_rounds)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
-        # 1. rollout: G completions per prompt, with the sampler's log-probs μ of the sampled tokens
-        #    (each rank takes whole groups, so group statistics are those of one process)
+        # 1. rollout (--dynamic-sampling: groups whose rewards are all equal are replaced, DAPO §3.2)
         with metrics.timer("time/rollout"):
-            indices = sample_batch(len(train_rows), step, args.prompts_per_step, args.seed)
-            indices = indices[dist.rank * local_prompts : (dist.rank + 1) * local_prompts]
-            step_prompts = [prompts[i] for i in indices]
-            completions = engine.generate(step_prompts, args.group_size, args.max_new_tokens, args.temperature)
+            groups = sampler.draw(step, metrics)
 
-        # 2. rewards and advantages
-        scores = score_completions(completions, [train_rows[i] for i in indices], args.group_size, tokenizer,
-                                   bare=args.task == "arith")
-        rewards = torch.tensor([s.reward for s in scores], device=device).view(-1, args.group_size)
-        batch = make_batch(step_prompts, completions, args.group_size, tokenizer.pad_token_id, device)
-        batch["advantages"] = compute_advantages(rewards, args.scale_advantages).flatten()
-        record_rollouts(metrics, scores, completions, rewards, batch["response_mask"])
+        # 2. advantages (--mask-truncated: a completion cut off by the length limit counts in them, learns nothing)
+        batch = make_batch(groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device,
+                           mask_truncated=args.mask_truncated)
+        batch["advantages"] = compute_advantages(groups.rewards, args.scale_advantages).flatten()
+        record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
         # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
         with metrics.timer("time/train"):
@@ -636,6 +647,7 @@ if __name__ == "__main__":
 #
 # Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and clip-higher
 # (ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip (--loss-aggregation
-# sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04 (--kl-coef 0.04); DAPO's dynamic
-# sampling (re-drawing groups whose rewards are all equal) is not done: those groups are counted in
-# charts/zero_std_group_fraction and contribute no gradient; AdamW betas (0.9, 0.99).
+# sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04 (--kl-coef 0.04); AdamW betas (0.9, 0.99).
+# DAPO's recipe (verl) draws 3× the batch per round, keeps groups whose *accuracies* differ and stops with an
+# error after its last round; here extra rounds are sized by the share of informative groups so far, groups
+# whose rewards differ are kept, and a batch still short at the cap is completed with all-equal groups.

@@ -350,3 +350,15 @@ def check_answer(completion: str, gold: str, bare: bool = False) -> Score:
 def reward(completion: str, gold: str, task: str) -> float:
     """1.0 when the completion's final answer equals the gold answer, else 0.0."""
     return check_answer(completion, gold, bare=(task == "arith")).reward
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, Eq. 13), added to the reward:
+    0 up to L_max − L_cache tokens, then falling linearly to −1 at L_max, with L_max = `max_new_tokens`
+    and L_cache = `buffer` (0: no penalty). `length` counts the completion's tokens, EOS included, as
+    the authors' verl recipe does (valid response length). Longer than L_max is −1 (the engine never
+    samples that far)."""
+    if buffer <= 0:
+        return 0.0
+    expected = max_new_tokens - buffer
+    return max(min((expected - length) / buffer, 0.0), -1.0)

@@ -15,7 +15,7 @@ BASE_LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "cha
                "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
                "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
                "losses/policy_loss", "losses/approx_kl", "losses/grad_norm", "mismatch/kl_k3",
-               "mismatch/max_abs_logprob_diff", "time/rollout", "time/train", "time/weight_sync", "time/step"]
+               "mismatch/max_abs_logprob_diff", "sampling/rollouts", "time/rollout", "time/train", "time/weight_sync", "time/step"]
 CLIP_LOGGED = ["losses/clip_fraction", "losses/ratio_min", "losses/ratio_max"]  # scripts with a ratio
 
 

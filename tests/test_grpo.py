@@ -55,23 +55,44 @@ def test_clipped_surrogate_by_hand(ratio, advantage, loss, active, gradient):
     assert logprobs.grad.item() == pytest.approx(gradient)
 
 
-def test_aggregation_token_mean_and_sequence_mean():
+def test_aggregation_token_mean_sequence_mean_and_token_sum():
     losses = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    assert grpo.aggregate(losses, mask, "token-mean", 4, 2).item() == pytest.approx(10 / 4)
-    assert grpo.aggregate(losses, mask, "sequence-mean", 4, 2).item() == pytest.approx((2 + 4) / 2)
-    # micro-batches each contribute their share; the shares add up to the minibatch mean
-    for mode in ("token-mean", "sequence-mean"):
-        parts = sum(grpo.aggregate(losses[i : i + 1], mask[i : i + 1], mode, 4, 2) for i in range(2))
-        assert parts.item() == pytest.approx(grpo.aggregate(losses, mask, mode, 4, 2).item())
+    constant = 2 * 16  # Dr. GRPO: 2 completions × --max-new-tokens 16, whatever their lengths
+    assert grpo.aggregate(losses, mask, "token-mean", 4, 2, constant).item() == pytest.approx(10 / 4)
+    assert grpo.aggregate(losses, mask, "sequence-mean", 4, 2, constant).item() == pytest.approx((2 + 4) / 2)
+    assert grpo.aggregate(losses, mask, "token-sum", 4, 2, constant).item() == pytest.approx(10 / 32)
+    # micro-batches each contribute their share; the shares add up to the minibatch's loss
+    for mode in ("token-mean", "sequence-mean", "token-sum"):
+        parts = sum(grpo.aggregate(losses[i : i + 1], mask[i : i + 1], mode, 4, 2, constant) for i in range(2))
+        assert parts.item() == pytest.approx(grpo.aggregate(losses, mask, mode, 4, 2, constant).item())
+
+
+def test_gspo_sequence_ratio_by_hand():
+    """GSPO's s_i = (π_θ(o_i|q) / π_old(o_i|q))^(1/|o_i|): one ratio per completion, on each of its tokens;
+    its gradient with respect to each token's log-prob is s_i / |o_i| (the mean spreads it evenly)."""
+    old = torch.log(torch.tensor([[0.5, 0.25, 0.1], [0.4, 0.3, 0.2]], dtype=torch.float64))
+    new = torch.log(torch.tensor([[0.5, 0.5, 0.8], [0.2, 0.9, 0.7]], dtype=torch.float64)).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)  # the third token of o_1 is padding
+    s = (torch.tensor([(0.5 * 0.5) / (0.5 * 0.25), (0.2 * 0.9 * 0.7) / (0.4 * 0.3 * 0.2)], dtype=torch.float64)
+         ** torch.tensor([1 / 2, 1 / 3], dtype=torch.float64))
+    _, ratio, _ = grpo.clipped_surrogate_loss(grpo.sequence_mean(new, mask), grpo.sequence_mean(old, mask),
+                                              torch.zeros(2, dtype=torch.float64), 0.2, 0.28)
+    torch.testing.assert_close(ratio, s[:, None].expand(2, 3))
+    ratio[:, 0].sum().backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[s[0] / 2, s[0] / 2, 0.0], [s[1] / 3] * 3], dtype=torch.float64))
 
 
 # --- the whole loss through padding and micro-batches vs. brute force ------------------------
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "sequence-mean"])
-def test_loss_gradient_matches_brute_force(tiny, aggregation):
+@pytest.mark.parametrize("aggregation, ratio_level", [
+    ("token-mean", "token"), ("sequence-mean", "token"), ("token-sum", "token"),  # DAPO, GRPO, Dr. GRPO
+    ("sequence-mean", "sequence"), ("token-mean", "sequence"),  # GSPO as in its paper, and with DAPO's token mean
+])
+def test_loss_gradient_matches_brute_force(tiny, aggregation, ratio_level):
     """The script's path (left/right padding, position ids, trimmed micro-batches, accumulation)
-    against the objective written out per sequence without any padding."""
+    against the objective written out per sequence without any padding (GSPO's ratio from the sequence
+    probabilities themselves)."""
     model, tokenizer = tiny
     model = type(model)(model.config)
     model.load_state_dict(tiny[0].state_dict())
@@ -83,18 +104,21 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation):
     # old log-probs = current ones shifted by random amounts, so that some tokens are clipped
     with torch.no_grad():
         current = torch.cat([grpo.token_logprobs(model, m, 1.0)[0] for m in grpo.micro_batches(batch, torch.arange(8), 8, by_length=False)])
-    batch["old_logprobs"] = current + 0.4 * torch.randn(current.shape, generator=generator)
+    noise = 0.4 if ratio_level == "token" else 0.8  # a sequence's mean log-ratio varies less than a token's
+    batch["old_logprobs"] = current + noise * torch.randn(current.shape, generator=generator)
     batch["advantages"] = advantages
-    tokens, sequences = batch["response_mask"].sum(), 8
+    tokens, sequences, constant = batch["response_mask"].sum(), 8, 8 * 16  # token-sum: 8 completions × 16 new tokens
 
     model.zero_grad()
     clipped_tokens = 0
     for micro in grpo.micro_batches(batch, torch.tensor([5, 0, 3, 7, 1, 2, 6, 4]), 3):
         logprobs, _ = grpo.token_logprobs(model, micro, temperature=1.0)
-        token_losses, _, clip_active = grpo.clipped_surrogate_loss(
-            logprobs, micro["old_logprobs"], micro["advantages"], 0.2, 0.28)
+        ratio_inputs = (logprobs, micro["old_logprobs"])  # as update_policy does
+        if ratio_level == "sequence":
+            ratio_inputs = tuple(grpo.sequence_mean(x, micro["response_mask"]) for x in ratio_inputs)
+        token_losses, _, clip_active = grpo.clipped_surrogate_loss(*ratio_inputs, micro["advantages"], 0.2, 0.28)
         clipped_tokens += (clip_active.float() * micro["response_mask"]).sum().item()
-        grpo.aggregate(token_losses, micro["response_mask"], aggregation, tokens, sequences).backward()
+        grpo.aggregate(token_losses, micro["response_mask"], aggregation, tokens, sequences, constant).backward()
     script_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert 0 < clipped_tokens < tokens  # the example exercises both branches of the min
 
@@ -104,10 +128,14 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation):
         prompt, response = prompts[i // group], completion.token_ids
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
         logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
-        ratio = torch.exp(logprobs - batch["old_logprobs"][i, : len(response)])
+        old = batch["old_logprobs"][i, : len(response)]
+        if ratio_level == "token":
+            ratio = torch.exp(logprobs - old)
+        else:  # (π_θ(o_i|q) / π_old(o_i|q))^(1/|o_i|), on every token of o_i
+            ratio = (torch.exp(logprobs.sum() - old.sum()) ** (1 / len(response))).expand(len(response))
         surrogate = torch.minimum(ratio * advantages[i], ratio.clamp(0.8, 1.28) * advantages[i])
-        objective = objective + (surrogate.sum() / tokens if aggregation == "token-mean"
-                                 else surrogate.mean() / sequences)
+        normalizer = {"token-mean": tokens, "sequence-mean": sequences * len(response), "token-sum": constant}
+        objective = objective + surrogate.sum() / normalizer[aggregation]
     (-objective).backward()
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(script_grads[name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)

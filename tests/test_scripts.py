@@ -28,6 +28,7 @@ def recorded_metrics(name):
     """Patterns of the metric names a script records in its code: `metrics.mean("losses/...", ...)` and the
     like, or an f-string for a family (ISOPO's per-layer `isopo/{group}/{key}`: one piece per placeholder)."""
     source = open(os.path.join(REPO, "algorithms", f"{name}.py")).read()
+    source += open(os.path.join(REPO, "common", "sampling.py")).read()  # what the rollout sampler records
     calls = re.findall(r'(?:metrics\.(?:mean|sum|max|min|set|timer)|getattr\(metrics, \w+\))\(\s*(f?)"([^"]+)"', source)
     return [r"[^/]+".join(map(re.escape, re.split(r"\{[^}]*\}", text))) if f else re.escape(text) for f, text in calls]
 
@@ -63,6 +64,21 @@ def test_two_steps_end_to_end(name, tmp_path, tiny_dir):
     assert not unrecorded, f"{name}.py logs metrics no line of it records by name: {unrecorded}"
     assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 10_000
     assert_weights_changed(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_dapo_rollout_flags_end_to_end(name, tmp_path):
+    """Every script draws its rollouts through common/sampling.py with DAPO's flags (the same lines as
+    grpo.py's): with dynamic sampling, a batch not short at the round cap holds no all-equal group."""
+    run_script(f"algorithms/{name}.py", "--steps", 2, "--eval-every", 0, "--output-dir", tmp_path, *SMALL,
+               "--dynamic-sampling", "--max-sampling-rounds", 4, "--overlong-buffer", 4, "--mask-truncated")
+    records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    for record in records:
+        assert 1 <= record["sampling/rounds"] <= 4 and record["sampling/rollouts"] >= 4 * 4
+        if record["sampling/groups_short"] == 0:
+            assert record["charts/zero_std_group_fraction"] == 0
+    assert any(r["sampling/rounds"] > 1 for r in records)
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -113,10 +129,10 @@ def _args(algorithm, micro_batch_size=16, **overrides):
     return algorithm.Args(**{k: v for k, v in values.items() if k in fields})
 
 
-def _updated(algorithm, model, tokenizer, prompts, completions, rewards, args):
+def _updated(algorithm, model, tokenizer, prompts, completions, rewards, args, mask_truncated=False):
     """(weights after one update_policy on this batch, its logged statistics)."""
     policy = copy.deepcopy(model).train()
-    batch = algorithm.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
+    batch = algorithm.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"), mask_truncated)
     batch["advantages"] = algorithm.compute_advantages(torch.tensor(rewards).view(-1, 4)).flatten()
     logged = update_policy(algorithm, policy, batch, args, ONE_PROCESS)
     return {name: p.detach().clone() for name, p in policy.named_parameters()}, logged
@@ -142,6 +158,30 @@ def test_empty_completions_add_nothing(name, micro_batch_size, tiny):
         # float32 noise of another padding layout is ~1e-6 of a step; counting the empty rows halves it
         assert (step_with_empty - step).norm() <= 1e-4 * step.norm() + 1e-9, key
     assert alone["model.embed_tokens.weight"].ne(initial["model.embed_tokens.weight"]).any()
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_masked_truncated_completions_get_no_gradient(name, tiny):
+    """--mask-truncated: a completion cut off by the length limit keeps its reward in its group's advantages,
+    but its tokens get exactly no gradient and leave the token mean: the update equals the one with empty
+    completions in their place. Unmasked, the same completions do change the update."""
+    algorithm = importlib.import_module(f"algorithms.{name}")
+    model, tokenizer = tiny
+    prompts, completions = two_group_rollouts(tokenizer)  # "12", "396", "9" do not end with EOS: cut off
+    cut = [Completion(c.token_ids, c.logprobs, "stop" if c.token_ids[-1] == tokenizer.eos_token_id else "length")
+           for c in completions]
+    emptied = [c if c.finish_reason == "stop" else Completion([], [], "length") for c in cut]
+    rewards, args = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0], _args(algorithm, loss_aggregation="token-mean")
+    initial = dict(model.named_parameters())
+    masked, _ = _updated(algorithm, model, tokenizer, prompts, cut, rewards, args, mask_truncated=True)
+    reference, _ = _updated(algorithm, model, tokenizer, prompts, emptied, rewards, args)
+    unmasked, _ = _updated(algorithm, model, tokenizer, prompts, cut, rewards, args)
+    assert sum(c.finish_reason == "length" for c in cut) == 3
+    for key, weight in reference.items():
+        step = weight - initial[key]
+        assert (masked[key] - weight).norm() <= 1e-4 * step.norm() + 1e-9, key
+    embedding = "model.embed_tokens.weight"
+    assert (unmasked[embedding] - reference[embedding]).norm() > 1e-2 * (reference[embedding] - initial[embedding]).norm()
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

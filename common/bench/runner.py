@@ -103,7 +103,8 @@ def _p3o_suite() -> Suite:
 
 SUITES = {suite.name: suite for suite in [
     Suite("bench", "Every method with its defaults on the built-in task", [
-        Config("GRPO", "grpo"), Config("EMA-KPO", "ema_kpo"), Config("P3O", "p3o"), Config("GTPO", "gtpo"),
+        Config("GRPO", "grpo"), Config("DAPO", "grpo", ("--dynamic-sampling", "--overlong-buffer", "4")),
+        Config("EMA-KPO", "ema_kpo"), Config("P3O", "p3o"), Config("GTPO", "gtpo"),
         Config("ISOPO", "isopo"),
         Config("TIS (bf16 engine)", "tis_icepop", ("--engine-dtype", "bfloat16", "--correction", "tis")),
     ], [ACCURACY, Panel("eval/greedy_accuracy", "held-out greedy accuracy", x="time"), AVG_AT_4, ENTROPY,
@@ -361,8 +362,9 @@ def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
             row[name], row[name + "_std"] = mean_std([f.get(key) for f in final])
         row["greedy_at_0"] = mean_std([next((r["eval/greedy_accuracy"] for r in rs if r["step"] == 0), None)
                                        for rs in records])[0]
-        for key, name in [("time/step", "s_per_step"), ("time/rollout", "rollout_s"), ("time/train", "train_s")]:
-            row[name] = statistics.fmean(r[key] for rs in records for r in rs if isinstance(r.get(key), float))
+        for key, name in [("time/step", "s_per_step"), ("time/rollout", "rollout_s"), ("time/train", "train_s"),
+                          ("sampling/rollouts", "rollouts_per_step")]:  # completions generated (dynamic sampling: more)
+            row[name] = mean_std([r.get(key) for rs in records for r in rs if r["step"] > 0])[0]
         if suite.kl_drift:
             row["kl_drift"], row["kl_drift_std"] = mean_std(
                 [measure_kl_drift(folder).get(suite.steps) for folder in folders])
@@ -390,14 +392,15 @@ def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, 
              f"{rows[0]['greedy_at_0']:.3f}). Seconds per step exclude evaluations; {jobs} runs at a time, "
              f"{threads} thread(s) each.", "",
              "| method | flags | greedy acc. | avg@4 | pass@4 |" + (" KL(π‖π₀) |" if suite.kl_drift else "")
-             + " s/step | rollout s | train s |",
-             "|---|---|---|---|---|" + ("---|" if suite.kl_drift else "") + "---|---|---|"]
+             + " s/step | rollout s | train s | rollouts/step |",
+             "|---|---|---|---|---|" + ("---|" if suite.kl_drift else "") + "---|---|---|---|"]
     for row in rows:
         kl = f" {row['kl_drift']:.4f} ± {row['kl_drift_std']:.4f} |" if suite.kl_drift else ""
         label = row["label"] + (f" (n = {row['seeds']})" if row["seeds"] < len(seeds) else "")
         lines.append(f"| {label} | `{row['flags'] or 'defaults'}` | {row['greedy']:.3f} ± {row['greedy_std']:.3f} "
                      f"| {row['avg@4']:.3f} ± {row['avg@4_std']:.3f} | {row['pass@4']:.3f} ± {row['pass@4_std']:.3f} |"
-                     f"{kl} {row['s_per_step']:.2f} | {row['rollout_s']:.2f} | {row['train_s']:.2f} |")
+                     f"{kl} {row['s_per_step']:.2f} | {row['rollout_s']:.2f} | {row['train_s']:.2f} "
+                     f"| {row['rollouts_per_step']:.0f} |")
     lines += ["", f"Run {date} on {machine()}; command: `{command}`."]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

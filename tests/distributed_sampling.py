@@ -1,0 +1,74 @@
+"""common.sampling.GroupSampler on a scripted engine, on however many ranks this is launched with:
+
+    torchrun --nproc_per_node 2 tests/distributed_sampling.py OUT_PREFIX
+
+Rank 0's engine gives informative groups from its first call, rank 1's only from its third call, so rank
+0 is full after round 0 and rank 1 after round 2. Each rank writes OUT_PREFIX.rank<r>.json: the rounds it
+counted, its engine calls, its groups, and the step's metrics reduced over ranks.
+
+Also the scripted engine and tokenizer test_sampling.py uses: prompt i is the token list [i]; a completion
+is [1] * length (decoded "7", the right answer) or [2] * length ("8", a wrong one)."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import fsdp  # noqa: E402
+from common.reward import Row  # noqa: E402
+from common.rollout import Completion  # noqa: E402
+from common.sampling import GroupSampler  # noqa: E402
+from common.tracking import StepMetrics  # noqa: E402
+
+
+class DigitTokenizer:
+    """Decodes a completion of 1s as "7" and one of 2s as "8" (bare answers, as on the built-in task)."""
+
+    def batch_decode(self, token_ids, skip_special_tokens=True):
+        return ["7" if ids and ids[0] == 1 else "8" for ids in token_ids]
+
+
+class ScriptedEngine:
+    """`informative(call, prompt)`: whether the group of `prompt` at generate call `call` (0, 1, ...) has
+    one right answer among wrong ones; otherwise all G answers are wrong. `length(call, prompt, j)`:
+    the j-th completion's token count; it is truncated ("length") when it reaches max_new_tokens."""
+
+    def __init__(self, informative, length=lambda call, prompt, j: 1):
+        self.informative, self.length, self.calls = informative, length, []
+
+    def generate(self, prompt_ids, n, max_new_tokens, temperature):
+        call = len(self.calls)
+        self.calls.append([p[0] for p in prompt_ids])
+        completions = []
+        for prompt in self.calls[-1]:
+            for j in range(n):
+                token = 1 if j == 0 and self.informative(call, prompt) else 2
+                length = min(self.length(call, prompt, j), max_new_tokens)
+                completions.append(Completion([token] * length, [-1.0] * length,
+                                              "length" if length == max_new_tokens else "stop"))
+        return completions
+
+
+def scripted_sampler(engine, dist, num_rows=100, prompts_per_step=8, group_size=4, **options):
+    """A GroupSampler over `num_rows` prompts [i] whose gold answer is "7"."""
+    rows = [Row(f"question {i}", "7") for i in range(num_rows)]
+    return GroupSampler(engine, DigitTokenizer(), [[i] for i in range(num_rows)], rows, dist, prompts_per_step,
+                        group_size, max_new_tokens=8, temperature=1.0, seed=3, bare=True, **options)
+
+
+def main(out_prefix):
+    dist = fsdp.setup()
+    engine = ScriptedEngine(lambda call, prompt: dist.rank == 0 or call >= 2)
+    sampler = scripted_sampler(engine, dist, dynamic=True, max_rounds=8)
+    metrics = StepMetrics()
+    groups = sampler.draw(5, metrics)
+    logged = metrics.reduce(dist)
+    with open(f"{out_prefix}.rank{dist.rank}.json", "w") as f:
+        json.dump({"calls": engine.calls, "groups": len(groups.rows), "informative": int((groups.rewards.std(1) > 0).sum()),
+                   "rounds": metrics.values["sampling/rounds"], "logged": logged}, f)
+    fsdp.cleanup(dist)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

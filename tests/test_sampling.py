@@ -1,0 +1,134 @@
+"""common/sampling.py: a step's groups, with and without DAPO's dynamic sampling, on a scripted engine
+(which groups are informative is chosen per call), then on two ranks and through a resumed run."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from common import fsdp
+from common.reward import overlong_penalty, sample_batch
+from common.sampling import extra_round_indices
+from common.tracking import StepMetrics
+from distributed_sampling import ScriptedEngine, scripted_sampler
+from helpers import only_run_dir, read_jsonl, run_script, torchrun
+
+ONE_PROCESS = fsdp.Dist(0, 1, 0, torch.device("cpu"))
+LOCAL, G, STEP = 8, 4, 5  # prompts per step, completions per prompt, the step drawn
+
+
+def draw(engine, **options):
+    metrics = StepMetrics()
+    groups = scripted_sampler(engine, ONE_PROCESS, prompts_per_step=LOCAL, group_size=G, **options).draw(STEP, metrics)
+    return groups, metrics.reduce()
+
+
+def test_without_dynamic_sampling_a_step_is_its_sample_batch_prompts():
+    engine = ScriptedEngine(lambda call, prompt: prompt % 2 == 0)
+    groups, logged = draw(engine)
+    assert engine.calls == [sample_batch(100, STEP, LOCAL, seed=3)]
+    assert [p[0] for p in groups.prompt_ids] == engine.calls[0] and len(groups.completions) == LOCAL * G
+    assert groups.rewards.shape == (LOCAL, G)
+    assert logged == {"sampling/rollouts": LOCAL * G}
+
+
+def test_dynamic_sampling_replaces_all_equal_groups_until_the_batch_is_full():
+    # round 0: every group all wrong; later rounds: the even prompts are informative
+    engine = ScriptedEngine(lambda call, prompt: call > 0 and prompt % 2 == 0)
+    groups, logged = draw(engine, dynamic=True)
+    assert engine.calls[0] == sample_batch(100, STEP, LOCAL, seed=3)
+    assert engine.calls[1] == extra_round_indices(100, 3, STEP, 1, 0, LOCAL)  # nothing informative yet: a full round
+    assert len(groups.rows) == LOCAL and bool((groups.rewards.std(dim=1) > 0).all())
+    kept = [p[0] for p in groups.prompt_ids]
+    drawn_later = [p for call in engine.calls[1:] for p in call]
+    assert kept == [p for p in drawn_later if p % 2 == 0][:LOCAL]  # in the order they were drawn
+    generated_groups = sum(len(call) for call in engine.calls)
+    assert logged["sampling/rounds"] == len(engine.calls) > 1
+    assert logged["sampling/rollouts"] == G * generated_groups
+    assert logged["sampling/groups_discarded"] == generated_groups - LOCAL
+    assert logged["sampling/groups_short"] == 0
+
+
+def test_an_extra_round_asks_for_the_missing_groups_over_the_informative_share():
+    informative_in_round_0 = set(sample_batch(100, STEP, LOCAL, seed=3)[:6])  # 6 of 8: share 3/4, 2 missing
+    engine = ScriptedEngine(lambda call, prompt: call > 0 or prompt in informative_in_round_0)
+    groups, logged = draw(engine, dynamic=True)
+    assert [len(call) for call in engine.calls] == [LOCAL, math.ceil(2 / 0.75)]
+    assert logged["sampling/groups_discarded"] == 2 + 1  # round 0's all-equal groups, round 1's spare one
+    assert [p[0] for p in groups.prompt_ids] == sample_batch(100, STEP, LOCAL, seed=3)[:6] + engine.calls[1][:2]
+
+
+def test_at_the_round_cap_the_batch_is_completed_with_the_earliest_all_equal_groups():
+    engine = ScriptedEngine(lambda call, prompt: call == 1 and prompt == engine.calls[1][0])  # one informative group
+    groups, logged = draw(engine, dynamic=True, max_rounds=3)
+    assert len(engine.calls) == 3
+    assert [p[0] for p in groups.prompt_ids] == [engine.calls[1][0]] + engine.calls[0][: LOCAL - 1]
+    assert logged["sampling/rounds"] == 3 and logged["sampling/groups_short"] == LOCAL - 1
+    assert logged["sampling/groups_discarded"] == 3 * LOCAL - LOCAL
+
+
+def test_extra_rounds_depend_only_on_seed_step_and_round():
+    first = extra_round_indices(50, seed=1, step=7, round_=2, start=0, count=30)
+    assert first == extra_round_indices(50, seed=1, step=7, round_=2, start=0, count=30)
+    assert len(set(first)) == 30  # a permutation: no prompt twice in a round
+    assert extra_round_indices(50, 1, 7, 2, start=10, count=5) == first[10:15]  # rank 1's slice of the same round
+    for other in ((2, 7, 2), (1, 8, 2), (1, 7, 3)):
+        assert extra_round_indices(50, *other, start=0, count=30) != first
+    assert extra_round_indices(3, 1, 7, 2, start=0, count=7)[3:6] == extra_round_indices(3, 1, 7, 2, start=0, count=3)
+    # two samplers (a run and its resumption) draw the same prompts for the same step
+    calls = []
+    for _ in range(2):
+        engine = ScriptedEngine(lambda call, prompt: call > 0 and prompt % 3 == 0)
+        draw(engine, dynamic=True)
+        calls.append(engine.calls)
+    assert calls[0] == calls[1]
+
+
+def test_rewards_carry_the_overlong_penalty():
+    lengths = {0: 3, 1: 5, 2: 8, 3: 4}  # max_new_tokens 8, buffer 4: penalty from the 5th token, -1 at the 8th
+    engine = ScriptedEngine(lambda call, prompt: True, length=lambda call, prompt, j: lengths[j])
+    groups, _ = draw(engine, overlong_buffer=4)
+    torch.testing.assert_close(groups.rewards[0], torch.tensor([1.0, -0.25, -1.0, 0.0]))
+    assert [c.finish_reason for c in groups.completions[:4]] == ["stop", "stop", "length", "stop"]
+
+
+@pytest.mark.parametrize("length, penalty", [
+    (0, 0.0), (12, 0.0),                    # up to L_max − L_cache = 12: nothing
+    (13, -0.25), (14, -0.5), (15, -0.75),   # ((L_max − L_cache) − |y|) / L_cache
+    (16, -1.0),                             # |y| = L_max: the whole punishment
+    (17, -1.0), (40, -1.0),                 # beyond L_max: −1 (Eq. 13's third case)
+])
+def test_overlong_penalty_is_dapo_eq_13_at_the_buffer_edges(length, penalty):
+    assert overlong_penalty(length, max_new_tokens=16, buffer=4) == pytest.approx(penalty)
+    assert overlong_penalty(length, max_new_tokens=16, buffer=0) == 0.0  # off
+
+
+def test_two_ranks_draw_the_same_number_of_rounds(tmp_path):
+    """Rank 0 is full after round 0, rank 1 after round 2: both count 3 rounds (rank 0 generating nothing
+    more), each holds its 4 groups, and the metrics reduced over ranks are the same on both."""
+    torchrun(2, "tests/distributed_sampling.py", tmp_path / "out")
+    ranks = [json.load(open(tmp_path / f"out.rank{r}.json")) for r in range(2)]
+    assert [r["rounds"] for r in ranks] == [3, 3]
+    assert [len(r["calls"]) for r in ranks] == [1, 3]
+    assert [(r["groups"], r["informative"]) for r in ranks] == [(4, 4), (4, 4)]
+    assert ranks[0]["logged"] == ranks[1]["logged"]
+    assert ranks[0]["logged"]["sampling/groups_short"] == 0
+    assert ranks[0]["logged"]["sampling/rollouts"] == 4 * sum(len(c) for r in ranks for c in r["calls"])
+
+
+@pytest.mark.slow
+def test_a_resumed_run_draws_what_an_uninterrupted_one_draws(tmp_path):
+    flags = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0, "--save-every", 2,
+             "--dynamic-sampling", "--max-sampling-rounds", 4, "--overlong-buffer", 2]
+    run_script("algorithms/grpo.py", "--steps", 4, "--output-dir", tmp_path / "straight", *flags)
+    run_script("algorithms/grpo.py", "--steps", 2, "--output-dir", tmp_path / "split", *flags)
+    run_script("algorithms/grpo.py", "--steps", 4, "--output-dir", tmp_path / "split", "--resume", "auto", *flags)
+    straight, split = (read_jsonl(os.path.join(only_run_dir(tmp_path / d), "metrics.jsonl")) for d in ("straight", "split"))
+    assert [r["step"] for r in split] == [1, 2, 3, 4]
+    assert any(r["sampling/rounds"] > 1 for r in straight)  # dynamic sampling did draw more
+    for a, b in zip(straight, split, strict=True):
+        for key in a:
+            if not key.startswith("time/") and key != "charts/tokens_per_second":
+                assert a[key] == b[key], (a["step"], key)
