@@ -13,14 +13,14 @@ Objective. For each prompt q, sample a group of G completions o_1..o_G from the 
     A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
 
 Variants, each a flag (the first three concern rollouts and rewards, so every fork has them too):
-  --dynamic-sampling (DAPO §3.2): a group whose rewards are all equal (A_i = 0) is replaced by a new prompt's
+  --dynamic-sampling (DAPO §3.2): a group whose rewards are all equal (A_i = 0) is replaced by another prompt's
   --overlong-buffer L (DAPO Eq. 13): r_i falls linearly to −1 over the last L tokens before --max-new-tokens
   --mask-truncated (DAPO's overlong filtering): completions cut off by the length limit get no gradient
-  --loss-aggregation token-sum (Dr. GRPO): the token sum over completions × --max-new-tokens, not over Σ|o_i|
-  --ratio-level sequence (GSPO, Eq. 5): one ratio per completion, s_i = exp(mean_t log ρ_it), clipped whole
+  --loss-aggregation token-sum (Dr. GRPO): the token sum divided by completions × --max-new-tokens, not by Σ|o_i|
+  --ratio-level sequence (GSPO): one ratio per completion, s_i = exp(mean_t log ρ_it), clipped as a whole
 Presets: DAPO `--dynamic-sampling --overlong-buffer 4` (clip-higher, token-mean, β = 0: the defaults); Dr. GRPO
 `--loss-aggregation token-sum --no-scale-advantages`; GSPO `--ratio-level sequence --loss-aggregation
-sequence-mean --clip-low 3e-4 --clip-high 4e-4`.
+sequence-mean --clip-low 3e-4 --clip-high 4e-4 --num-minibatches 4` (with one update per batch every ratio is 1).
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them and compute advantages, update the policy on minibatches, push the new weights to the
@@ -181,8 +181,8 @@ def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1
 
 
 def sequence_mean(values, mask):
-    """Each completion's mean of [B, T] values, on each of its tokens: from log-probs, GSPO's (arXiv:2507.18071,
-    Eq. 5) s_i = (π_θ(o_i|q) / π_old(o_i|q))^(1/|o_i|) = exp(mean_t log ρ_it), clipped per completion."""
+    """Each completion's mean of [B, T] values, on each of its tokens: from log-probs, GSPO's (arXiv:2507.18071)
+    s_i = (π_θ(o_i|q) / π_old(o_i|q))^(1/|o_i|) = exp(mean_t log ρ_it), clipped per completion (its Eq. 5)."""
     return ((values * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(values)
 
 
@@ -215,10 +215,11 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     return scores[..., 0], (scores[..., 1].detach() if with_entropy else None)
 
 
-def make_batch(prompt_ids, completions, group_size, pad_id, device, mask_truncated=False):
+def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None):
     """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding. The
-    response mask marks the tokens that train: none of a completion cut off by the length limit when
-    `mask_truncated` (DAPO's overlong filtering, TRL's mask_truncated_completions)."""
+    response mask marks the tokens that train: every completion's, or those whose `trains` entry is True
+    (the sampler's: not a completion cut off with --mask-truncated, nor a filler group of a batch left
+    short by dynamic sampling)."""
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(len(c.token_ids) for c in completions)
     rows, masks, response_masks, sampler_logprobs = [], [], [], []
@@ -227,8 +228,7 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, mask_truncat
         left, right = prompt_width - len(prompt), response_width - len(response)
         rows.append([pad_id] * left + prompt + response + [pad_id] * right)
         masks.append([0] * left + [1] * (len(prompt) + len(response)) + [0] * right)
-        trains = not (mask_truncated and completion.finish_reason == "length")
-        response_masks.append([int(trains)] * len(response) + [0] * right)
+        response_masks.append([int(trains is None or trains[index])] * len(response) + [0] * right)
         sampler_logprobs.append(completion.logprobs + [0.0] * right)
     attention_mask = torch.tensor(masks, device=device)
     input_ids = torch.tensor(rows, device=device)
@@ -271,7 +271,7 @@ def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step: the reward and how it came about."""
+    """What the engine sampled this step (the groups of the batch): the reward and how it came about."""
     lengths, rollouts = torch.tensor([len(c.token_ids) for c in completions]), len(scores)  # EOS included
     metrics.mean("charts/reward", rewards.sum(), rollouts)
     metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
@@ -449,10 +449,11 @@ def main(args: Args) -> None:
     if args.eval_every and start_step == 0:
         tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
     # rollouts: each rank takes whole groups of G completions (group statistics are one process's), with the
-    # sampler's log-probs μ, rewarded 1 for a correct answer minus DAPO's overlong penalty (Eq. 13)
+    # sampler's log-probs μ, rewarded 1 for a correct answer, else 0, plus DAPO's overlong penalty (Eq. 13)
     sampler = GroupSampler(engine, tokenizer, prompts, train_rows, dist, args.prompts_per_step, args.group_size,
                            args.max_new_tokens, args.temperature, args.seed, bare=args.task == "arith",
-                           overlong_buffer=args.overlong_buffer, dynamic=args.dynamic_sampling, max_rounds=args.max_sampling_rounds)
+                           overlong_buffer=args.overlong_buffer, mask_truncated=args.mask_truncated,
+                           dynamic=args.dynamic_sampling, max_rounds=args.max_sampling_rounds)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
@@ -460,9 +461,9 @@ def main(args: Args) -> None:
         with metrics.timer("time/rollout"):
             groups = sampler.draw(step, metrics)
 
-        # 2. advantages (--mask-truncated: a completion cut off by the length limit counts in them, learns nothing)
+        # 2. advantages (a completion cut off with --mask-truncated counts in its group's, but does not train)
         batch = make_batch(groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device,
-                           mask_truncated=args.mask_truncated)
+                           groups.trains)
         batch["advantages"] = compute_advantages(groups.rewards, args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
@@ -517,4 +518,6 @@ if __name__ == "__main__":
 # sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04 (--kl-coef 0.04); AdamW betas (0.9, 0.99).
 # DAPO's recipe (verl) draws 3× the batch per round, keeps groups whose *accuracies* differ and stops with an
 # error after its last round; here extra rounds are sized by the share of informative groups so far, groups
-# whose rewards differ are kept, and a batch still short at the cap is completed with all-equal groups.
+# whose rewards differ are kept, and a batch still short at the cap is completed with all-equal groups that
+# do not train. Eq. 13's penalty reaches −1, the whole gap between a right (1) and a wrong (0) answer here;
+# with DAPO's ±1 rewards it is half the gap.

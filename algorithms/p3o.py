@@ -274,10 +274,11 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     return scores[..., 0], (scores[..., 1].detach() if with_entropy else None)
 
 
-def make_batch(prompt_ids, completions, group_size, pad_id, device, mask_truncated=False):
+def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None):
     """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding. The
-    response mask marks the tokens that train: none of a completion cut off by the length limit when
-    `mask_truncated` (DAPO's overlong filtering, TRL's mask_truncated_completions)."""
+    response mask marks the tokens that train: every completion's, or those whose `trains` entry is True
+    (the sampler's: not a completion cut off with --mask-truncated, nor a filler group of a batch left
+    short by dynamic sampling)."""
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(len(c.token_ids) for c in completions)
     rows, masks, response_masks, sampler_logprobs = [], [], [], []
@@ -286,8 +287,7 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, mask_truncat
         left, right = prompt_width - len(prompt), response_width - len(response)
         rows.append([pad_id] * left + prompt + response + [pad_id] * right)
         masks.append([0] * left + [1] * (len(prompt) + len(response)) + [0] * right)
-        trains = not (mask_truncated and completion.finish_reason == "length")
-        response_masks.append([int(trains)] * len(response) + [0] * right)
+        response_masks.append([int(trains is None or trains[index])] * len(response) + [0] * right)
         sampler_logprobs.append(completion.logprobs + [0.0] * right)
     attention_mask = torch.tensor(masks, device=device)
     input_ids = torch.tensor(rows, device=device)
@@ -330,7 +330,7 @@ def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step: the reward and how it came about."""
+    """What the engine sampled this step (the groups of the batch): the reward and how it came about."""
     lengths, rollouts = torch.tensor([len(c.token_ids) for c in completions]), len(scores)  # EOS included
     metrics.mean("charts/reward", rewards.sum(), rollouts)
     metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
@@ -523,10 +523,11 @@ def main(args: Args) -> None:
     if args.eval_every and start_step == 0:
         tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
     # rollouts: each rank takes whole groups of G completions (group statistics are one process's), with the
-    # sampler's log-probs μ, rewarded 1 for a correct answer minus DAPO's overlong penalty (Eq. 13)
+    # sampler's log-probs μ, rewarded 1 for a correct answer, else 0, plus DAPO's overlong penalty (Eq. 13)
     sampler = GroupSampler(engine, tokenizer, prompts, train_rows, dist, args.prompts_per_step, args.group_size,
                            args.max_new_tokens, args.sampling_temperature or args.temperature, args.seed, bare=args.task == "arith",
-                           overlong_buffer=args.overlong_buffer, dynamic=args.dynamic_sampling, max_rounds=args.max_sampling_rounds)
+                           overlong_buffer=args.overlong_buffer, mask_truncated=args.mask_truncated,
+                           dynamic=args.dynamic_sampling, max_rounds=args.max_sampling_rounds)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
@@ -534,9 +535,9 @@ def main(args: Args) -> None:
         with metrics.timer("time/rollout"):
             groups = sampler.draw(step, metrics)
 
-        # 2. advantages (--mask-truncated: a completion cut off by the length limit counts in them, learns nothing)
+        # 2. advantages (a completion cut off with --mask-truncated counts in its group's, but does not train)
         batch = make_batch(groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device,
-                           mask_truncated=args.mask_truncated)
+                           groups.trains)
         batch["advantages"] = compute_advantages(groups.rewards, args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 

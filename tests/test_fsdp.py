@@ -42,6 +42,19 @@ def _one_and_two_ranks(tmp_path, *flags):
     return one, two, weights
 
 
+@pytest.mark.parametrize("variant", ['{"loss_aggregation": "token-sum"}', '{"ratio_level": "sequence"}'],
+                         ids=["dr-grpo", "gspo"])
+def test_two_ranks_equal_one_with_grpo_loss_variants(tmp_path, variant):
+    """Dr. GRPO's constant (the minibatch's completions on all ranks × --max-new-tokens) and GSPO's sequence
+    ratio (two epochs: the ratios move off 1) through update_policy: every statistic and weight agree."""
+    one, two, (weights_one, weights_two) = _one_and_two_ranks(tmp_path, "grpo", variant)
+    assert one["losses/approx_kl"] > 0 and one.keys() == two.keys()
+    for key in one:
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+    for name in weights_one:
+        torch.testing.assert_close(weights_two[name], weights_one[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_two_ranks_equal_one_with_the_output_layer_in_chunks(tmp_path):
     """Chunks of 5 positions through the tied output layer, recomputed in the backward: under FSDP2 the
     root unit still gathers the embedding / output weight and reduces its gradient."""

@@ -83,6 +83,27 @@ def test_gspo_sequence_ratio_by_hand():
     torch.testing.assert_close(new.grad, torch.tensor([[s[0] / 2, s[0] / 2, 0.0], [s[1] / 3] * 3], dtype=torch.float64))
 
 
+@pytest.mark.parametrize("aggregation", ["token-mean", "sequence-mean", "token-sum"])
+def test_update_policy_normalizes_as_each_aggregation_says(tiny, aggregation):
+    """One on-policy update (ratio 1): each token's loss is −A_i, so the logged loss is −Σ_i A_i |o_i| over
+    the tokens (token-mean), −Σ_i A_i over the completions (sequence-mean; 0 for centred advantages), or
+    −Σ_i A_i |o_i| over completions × --max-new-tokens (token-sum: Dr. GRPO's constant)."""
+    from common import fsdp
+    from distributed_update import update_policy
+
+    model, tokenizer = tiny
+    prompts, completions = two_group_rollouts(tokenizer)
+    batch = grpo.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
+    advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.3, -0.9, 0.4])
+    batch["advantages"] = advantages
+    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
+    args = grpo.Args(group_size=4, loss_aggregation=aggregation, max_new_tokens=16, lr=1e-3)
+    logged = update_policy(grpo, type(model)(model.config), batch, args, fsdp.Dist(0, 1, 0, torch.device("cpu")))
+    expected = {"token-mean": -(advantages * lengths).sum() / lengths.sum(), "sequence-mean": -advantages.sum() / 8,
+                "token-sum": -(advantages * lengths).sum() / (8 * 16)}[aggregation]
+    assert logged["losses/policy_loss"] == pytest.approx(expected.item(), rel=1e-6)
+
+
 # --- the whole loss through padding and micro-batches vs. brute force ------------------------
 
 @pytest.mark.parametrize("aggregation, ratio_level", [

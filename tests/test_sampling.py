@@ -66,6 +66,7 @@ def test_at_the_round_cap_the_batch_is_completed_with_the_earliest_all_equal_gro
     assert len(engine.calls) == 3
     assert [p[0] for p in groups.prompt_ids] == [engine.calls[1][0]] + engine.calls[0][: LOCAL - 1]
     assert logged["sampling/rounds"] == 3 and logged["sampling/groups_short"] == LOCAL - 1
+    assert groups.trains == [True] * G + [False] * (LOCAL - 1) * G  # the fillers do not train
     assert logged["sampling/groups_discarded"] == 3 * LOCAL - LOCAL
 
 
@@ -86,12 +87,16 @@ def test_extra_rounds_depend_only_on_seed_step_and_round():
     assert calls[0] == calls[1]
 
 
-def test_rewards_carry_the_overlong_penalty():
+def test_rewards_carry_the_overlong_penalty_and_truncated_completions_can_be_left_out():
     lengths = {0: 3, 1: 5, 2: 8, 3: 4}  # max_new_tokens 8, buffer 4: penalty from the 5th token, -1 at the 8th
     engine = ScriptedEngine(lambda call, prompt: True, length=lambda call, prompt, j: lengths[j])
     groups, _ = draw(engine, overlong_buffer=4)
     torch.testing.assert_close(groups.rewards[0], torch.tensor([1.0, -0.25, -1.0, 0.0]))
     assert [c.finish_reason for c in groups.completions[:4]] == ["stop", "stop", "length", "stop"]
+    assert all(groups.trains)
+    masked, _ = draw(engine, overlong_buffer=4, mask_truncated=True)  # still in the rewards, not trained
+    torch.testing.assert_close(masked.rewards, groups.rewards)
+    assert masked.trains == [True, True, False, True] * LOCAL
 
 
 @pytest.mark.parametrize("length, penalty", [

@@ -132,7 +132,8 @@ def _args(algorithm, micro_batch_size=16, **overrides):
 def _updated(algorithm, model, tokenizer, prompts, completions, rewards, args, mask_truncated=False):
     """(weights after one update_policy on this batch, its logged statistics)."""
     policy = copy.deepcopy(model).train()
-    batch = algorithm.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"), mask_truncated)
+    trains = [c.finish_reason != "length" for c in completions] if mask_truncated else None  # as the sampler sets it
+    batch = algorithm.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"), trains)
     batch["advantages"] = algorithm.compute_advantages(torch.tensor(rewards).view(-1, 4)).flatten()
     logged = update_policy(algorithm, policy, batch, args, ONE_PROCESS)
     return {name: p.detach().clone() for name, p in policy.named_parameters()}, logged

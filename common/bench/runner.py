@@ -102,7 +102,7 @@ def _p3o_suite() -> Suite:
 
 
 SUITES = {suite.name: suite for suite in [
-    Suite("bench", "Every method with its defaults on the built-in task", [
+    Suite("bench", "Every method with its defaults on the built-in task, and grpo.py with DAPO's flags", [
         Config("GRPO", "grpo"), Config("DAPO", "grpo", ("--dynamic-sampling", "--overlong-buffer", "4")),
         Config("EMA-KPO", "ema_kpo"), Config("P3O", "p3o"), Config("GTPO", "gtpo"),
         Config("ISOPO", "isopo"),
