@@ -18,8 +18,9 @@ the policy gradient g_l = (1/M) Σ_i A_i v_i (§1.2) becomes, non-interacting (d
     u_l = (1/M) Σ_micro-batches Jᵀ (K + cI)⁻¹ A,  K = J Jᵀ (the layer's NTK),  c = --ntk-reg-coef × E[mean eig K]
 AdamW steps on −u_l; every other parameter (embeddings, norms, biases) takes (1/M) Σ_i A_i ∇ log π (REINFORCE).
 
-What this file changes relative to grpo.py: no loss, ratio or clip; one backward of Σ log π, whose hooks build every
-gradient (`IsopoHooks`); --micro-batch-size (8) is part of the math; full logits; --log-kl-ref for --kl-coef; one rank.
+What this file changes relative to grpo.py: no loss, ratio or clip; one backward of Σ log π builds every gradient
+(`IsopoGradients`: each Linear's backward returns ISOPO's weight update); --micro-batch-size (8) is part of the math,
+its blocks are cut from whole groups; full logits; --log-kl-ref for --kl-coef.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them and compute advantages, update the policy on minibatches, push the new weights to the
@@ -136,7 +137,7 @@ class Args:
     update_epochs: int = 1
     """passes over each rollout batch"""
     micro_batch_size: int = 8
-    """sequences per forward/backward; in ISOPO also the block that shares one Fisher-estimate pool and one NTK (paper: 8), so it changes the update (a random draw, not sorted by length)"""
+    """sequences per forward/backward; in ISOPO also the block that shares one Fisher-estimate pool and one NTK (paper: 8), so it changes the update (cut from whole groups in a random order, not sorted by length)"""
     eval_every: int = 10
     """evaluate every this many steps (0: never)"""
     eval_prompts: int = 256
@@ -175,7 +176,7 @@ class Args:
     """log KL(π_θ ‖ π_ref) to the initial policy, the paper's KL drift (Fig. 5); loads a reference model"""
 
 
-# ALGO LOGIC: the Fisher-norm estimate, the sequence scales, the NTK preconditioner, the backward hooks, advantages
+# ALGO LOGIC: the Fisher-norm estimate, the sequence scales, the NTK preconditioner, the ISOPO backward, advantages
 # A Linear layer's micro-batch below is g [B, T, out] (gradients of Σ log π w.r.t. its outputs, zero at pads) and
 # a [B, T, in] (its inputs); V_b = Σ_t g_bt a_btᵀ over row b's non-pad positions (prompt too) is ∇ log π(o_b | q_b).
 def overlap_rows(valid: torch.Tensor, n: int) -> torch.Tensor:
@@ -250,9 +251,15 @@ class TrailingMeans:
     def add(self, key, values: torch.Tensor) -> None:
         self.pending.setdefault(key, []).append(values.detach().reshape(-1))
 
-    def end_minibatch(self, commit: bool = True) -> None:
-        for key, values in self.pending.items() if commit else ():
-            mean = torch.cat(values).double().mean().item()
+    def end_minibatch(self, commit: bool = True, dist=None) -> None:
+        """Commit the finished minibatch's means over every rank (one all-reduce of sums and counts), or drop them."""
+        keys = sorted(self.pending, key=str) if commit else []  # the same keys, in the same order, on every rank
+        values = [torch.cat(self.pending[key]).double() for key in keys]
+        sums = torch.stack([v.sum() for v in values]).tolist() if keys else []  # one device sync
+        totals = fsdp.all_reduce_dict({**{f"sum{i}": s for i, s in enumerate(sums)},
+                                       **{f"count{i}": len(v) for i, v in enumerate(values)}}, dist) if dist else None
+        for i, key in enumerate(keys):
+            mean = totals[f"sum{i}"] / totals[f"count{i}"] if dist else sums[i] / len(values[i])
             self.ema[key] = mean if key not in self.ema else self.decay * self.ema[key] + (1 - self.decay) * mean
         self.pending = {}
 
@@ -276,52 +283,65 @@ def weighted_gradient(g: torch.Tensor, a: torch.Tensor, weights: torch.Tensor) -
     return (g * weights[:, None, None]).flatten(0, 1).T @ a.flatten(0, 1)
 
 
-class IsopoHooks:
-    """One backward of Σ log π → the ISOPO gradient of every parameter. Per micro-batch: the forward inside capture(mask,
-    weights_i = −A_i/M), then backward(Σ log π); per minibatch: set_gradients(), end_minibatch(commit); per batch: record(metrics).
-    A parameter used outside its module, or a Linear run twice per forward: an error, not a wrong gradient."""
+class IsopoLinear(torch.autograd.Function):
+    """y = a Wᵀ + b whose backward passes the usual g W to the input (earlier layers see the plain gradient of
+    Σ log π) and gives W and b what `update(a, g)` builds from the same g and a: no autograd weight GEMM is wasted,
+    and the gradient lands in .grad where FSDP2 reduce-scatters it like any other."""
 
-    def __init__(self, model: torch.nn.Module, args: Args, state: dict | None = None):
-        self.args, self.stats = args, TrailingMeans(args.ema_decay)
+    @staticmethod
+    def forward(ctx, a, weight, bias, update):
+        ctx.save_for_backward(a, weight)
+        ctx.update = update
+        return torch.nn.functional.linear(a, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, weight = ctx.saved_tensors
+        grad_input = g @ weight.to(g.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight, grad_bias = ctx.update(a, g)
+        return grad_input, grad_weight, grad_bias, None
+
+
+class IsopoGradients:
+    """Makes one backward of Σ log π leave the ISOPO gradient in every parameter's .grad (on N ranks FSDP2 reduces it).
+    Every Linear runs as IsopoLinear; every other module owning parameters (embeddings, norms) runs twice, once with
+    its parameters detached (the signal to earlier layers) and once with its inputs detached, whose output gradient is
+    weighted by −A_i/M (REINFORCE). Per micro-batch: the forward and backward inside capture(mask, weights_i = −A_i/M);
+    per minibatch: end_minibatch(commit); per batch: record(metrics). A Linear run twice per forward is an error."""
+
+    def __init__(self, model: torch.nn.Module, args: Args, dist=None, state: dict | None = None):
+        self.args, self.dist, self.stats = args, dist, TrailingMeans(args.ema_decay)
         self.stats.ema = dict(state["ema"]) if state is not None else {}  # a checkpoint's "isopo": exact --resume
-        self.parameters = {p: name for name, p in model.named_parameters() if p.requires_grad}
-        self.micro, self.roots, self.grads, self.log, self.handles = None, [], {}, {}, []
-        self.trace = None  # set to a list to record each layer's statistics (tests)
+        self.micro, self.log, self.modules, self.trace = None, {}, {}, None  # trace: a list records each layer (tests)
         for name, module in model.named_modules():
             own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
             if isinstance(module, torch.nn.Linear) and set(own) - {"weight", "bias"}:
                 raise ValueError(f"ISOPO: Linear module {name} has parameters {own}; only weight and bias are handled")
-            if own:
-                self.handles.append(module.register_forward_hook(partial(self._forward, name), with_kwargs=True))
+            if own:  # an instance attribute: nn.Module.__call__ (hooks, FSDP2's unsharded weights) then runs it
+                wrapper = self._linear_forward if isinstance(module, torch.nn.Linear) else self._module_forward
+                module.forward, self.modules[name] = partial(wrapper, name, module, module.forward), module
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        for module in self.modules.values():
+            del module.forward
 
     @contextlib.contextmanager
-    def capture(self, attention_mask, weights):  # arm the hooks for one micro-batch: [B, T] non-pad mask, [B] weights
-        self.micro = {"valid": attention_mask.bool(), "weights": weights.detach(), "called": set()}
+    def capture(self, attention_mask, weights):  # arm the forwards for one micro-batch: [B, T] non-pad mask, [B] weights
+        self.micro = {"valid": attention_mask.bool(), "weights": weights.detach(), "ran": set(), "backward": False}
         try:
             yield
         finally:
             self.micro = None
 
     def backward(self, objective: torch.Tensor) -> None:
-        """Gradients w.r.t. the roots (embedding outputs) only: no autograd weight GEMM, which ISOPO would discard."""
-        roots, self.roots = self.roots, []
-        if not roots:
-            raise RuntimeError("ISOPO: no module output requires grad; run the forward inside capture()")
-        torch.autograd.grad(objective, roots, allow_unused=True)
-
-    def set_gradients(self) -> None:
-        for parameter, name in self.parameters.items():
-            if parameter not in self.grads:
-                raise ValueError(f"ISOPO: no gradient reached parameter {name}: its module never ran inside "
-                                 "capture(), or the parameter is used outside its module's forward")
-            parameter.grad = self.grads.pop(parameter).to(parameter.dtype)
+        """objective.backward() while armed (--gradient-checkpointing re-runs forwards in it); every module ran."""
+        self.micro["backward"] = True
+        objective.backward()
+        if missing := sorted(set(self.modules) - self.micro["ran"]):
+            raise ValueError(f"ISOPO: module {missing[0]} never ran inside capture(); its parameters got no gradient")
 
     def end_minibatch(self, commit: bool = True) -> None:
-        self.stats.end_minibatch(commit)
+        self.stats.end_minibatch(commit, self.dist)
 
     def record(self, metrics) -> None:
         """The per-group statistics since the last call: means (NaN left out), minima or maxima; empty: none."""
@@ -334,27 +354,43 @@ class IsopoHooks:
                 getattr(metrics, how)(f"isopo/{group}/{key}", values)
         self.log = {}
 
-    def _forward(self, name, module, args, kwargs, output):  # every module that owns parameters: keep its input
-        if (micro := self.micro) is None or not torch.is_grad_enabled() or not getattr(output, "requires_grad", False):
-            return  # rollouts, evaluation, no-grad passes, outputs that need no gradient: nothing to do
-        if isinstance(module, torch.nn.Linear) and name in micro["called"]:
+    def _armed(self, name, module, output_batch=None):  # the micro-batch, if this call builds ISOPO gradients
+        micro = self.micro
+        if micro is None or not torch.is_grad_enabled():
+            return None  # rollouts, evaluation, no-grad passes: the module's own forward
+        if isinstance(module, torch.nn.Linear) and name in micro["ran"] and not micro["backward"]:
             raise ValueError(f"ISOPO: Linear {name} ran twice in one forward pass; its per-sequence statistics need one call")
-        micro["called"].add(name)
-        if output.dim() < 2 or output.shape[:1] != micro["valid"].shape[:1] or output.shape[1] > micro["valid"].shape[1]:
-            raise ValueError(f"ISOPO: module {name} returned {tuple(output.shape)}; expected [batch, positions, ...]")
-        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values())):
-            self.roots.append(output)  # e.g. the embedding lookup: where the backward stops
-        if isinstance(module, torch.nn.Linear):
-            activations = (args[0] if args else kwargs["input"]).detach()
-            output.register_hook(partial(self._linear_backward, name, module, activations, micro))
-        else:
-            detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
-            device = output.device.type  # the forward's autocast, for the re-run in the backward
-            autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-            output.register_hook(partial(self._module_backward, name, module, [detach(x) for x in args],
-                                         {k: detach(v) for k, v in kwargs.items()}, autocast, micro))
+        micro["ran"].add(name)
+        return micro
 
-    def _linear_backward(self, name, module, a, micro, g):
+    def _linear_forward(self, name, module, forward, input):
+        if (micro := self._armed(name, module)) is None:
+            return forward(input)
+        return IsopoLinear.apply(input, module.weight, module.bias, partial(self._linear_update, name, micro))
+
+    def _module_forward(self, name, module, forward, *args, **kwargs):
+        if (micro := self._armed(name, module)) is None or micro.get("bypass") is module:
+            return forward(*args, **kwargs)
+        detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E732
+        through_parameters = forward(*map(detach, args), **{k: detach(v) for k, v in kwargs.items()})
+        if any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*args, *kwargs.values())):
+            frozen = {n: p.detach() for n, p in module.named_parameters(recurse=False)}
+            micro["bypass"] = module  # functional_call calls module(...), which comes back here
+            try:
+                through_inputs = torch.func.functional_call(module, frozen, args, kwargs)
+            finally:
+                micro["bypass"] = None
+        else:  # e.g. the embedding lookup of token ids
+            through_inputs = through_parameters.detach()
+        out = through_parameters
+        if out.dim() < 2 or out.shape[:1] != micro["valid"].shape[:1] or out.shape[1] > micro["valid"].shape[1]:
+            raise ValueError(f"ISOPO: module {name} returned {tuple(out.shape)}; expected [batch, positions, ...]")
+        weights = (micro["weights"][:, None] * micro["valid"][:, -out.shape[1]:]).to(out.dtype)
+        weights = weights.view(*out.shape[:2], *[1] * (out.dim() - 2))
+        # the value of through_inputs; gradients: g to the inputs, g_t·(−A_i/M) to the parameters (REINFORCE)
+        return through_inputs + (out - out.detach()) * weights
+
+    def _linear_update(self, name, micro, a, g):  # in IsopoLinear's backward: ISOPO for W, REINFORCE for b
         if g.dim() != 3 or a.dim() != 3:
             raise ValueError(f"ISOPO: Linear {name} saw {tuple(a.shape)} -> {tuple(g.shape)}; "
                              "expected [batch, positions, features]")
@@ -363,12 +399,14 @@ class IsopoHooks:
         g, a = g.to(dtype, copy=True).mul_(valid[..., None]), a.to(dtype)  # one copy of g, pads masked
         weights = micro["weights"].to(dtype)
         group = name.rsplit(".", 1)[-1]  # statistics per layer group (q_proj, ..., lm_head), over its layers
+        module = self.modules[name]
         with torch.no_grad():
             coefficients = (weights * self._scales(name, group, g, a, valid) if self.args.variant == "non-interacting"
                             else self._precondition(name, group, g, a, weights))
-            self._add(module.weight, weighted_gradient(g, a, coefficients))
-            if module.bias is not None:  # a bias is not a Linear weight: the REINFORCE gradient Σ_t (−A_i/M) g_t
-                self._add(module.bias, torch.einsum("bto,b->o", g, weights))
+            grad_weight = weighted_gradient(g, a, coefficients)
+            # a bias is not a Linear weight: the REINFORCE gradient Σ_t (−A_i/M) g_t
+            grad_bias = torch.einsum("bto,b->o", g, weights) if module.bias is not None else None
+        return grad_weight, grad_bias
 
     def _scales(self, name, group, g, a, valid):  # non-interacting: Fig. 3's s_i from Eq. 6 (and ‖v_i‖ for q, r)
         args = self.args
@@ -408,32 +446,21 @@ class IsopoHooks:
             self.trace.append({"layer": name, "K": K, "c": c, "weights": preconditioned})
         return preconditioned
 
-    def _module_backward(self, name, module, args, kwargs, autocast, micro, g):
-        """Norms, lookups (cheap): REINFORCE, a VJP with g_t·(−A_i/M) of the forward re-run on the detached inputs."""
-        valid = micro["valid"][:, -g.shape[1]:]
-        weights = (micro["weights"][:, None] * valid).to(g.dtype).view(*g.shape[:2], *[1] * (g.dim() - 2))
-        parameters = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        with torch.enable_grad(), torch.autocast(*autocast):
-            output = module.forward(*args, **kwargs)  # forward(), not __call__: no hooks
-            grads = torch.autograd.grad(output, parameters, g * weights)
-        for parameter, grad in zip(parameters, grads):
-            self._add(parameter, grad)
-
-    def _add(self, parameter, grad):  # tied embeddings: the lookup's gradient and lm_head's ISOPO update add up
-        self.grads[parameter] = self.grads[parameter] + grad if parameter in self.grads else grad
-
     def _log(self, group, key, values, how="mean"):  # kept as they are (record() reduces them): no device sync here
         self.log.setdefault((group, key, how), []).append(values.detach() if isinstance(values, torch.Tensor) else values)
 
 
-def isopo_backward(policy, hooks: IsopoHooks, micro: dict, temperature: float, minibatch_sequences: int, autocast):
-    """One micro-batch: forward with the hooks armed, one backward of Σ log π without advantages (Alg. 2 line 2); the
-    hooks add their share of every gradient. Returns logprobs, entropy, L (losses/policy_loss; ISOPO transforms ∇L)."""
+def isopo_backward(policy, isopo: IsopoGradients, micro: dict, temperature: float, minibatch_sequences: int, autocast,
+                   world_size: int = 1):
+    """One micro-batch: the forward and one backward of Σ log π without advantages (Alg. 2 line 2), the ISOPO forwards
+    armed: every parameter's .grad gains this micro-batch's share. Returns logprobs, entropy, L (losses/policy_loss;
+    ISOPO transforms ∇L)."""
     weights = -micro["advantages"] / minibatch_sequences  # ∂L/∂log π(o_i|q_i), L = −(1/M) Σ_i A_i log π(o_i|q_i)
-    with autocast, hooks.capture(micro["attention_mask"], weights):
-        logprobs, entropy = token_logprobs(policy, micro, temperature, with_entropy=True)
-    sequence_logprobs = (logprobs * micro["response_mask"]).sum(1)
-    hooks.backward(sequence_logprobs.sum())
+    with isopo.capture(micro["attention_mask"], weights * world_size):  # FSDP2 averages over ranks: × N undoes it
+        with autocast:
+            logprobs, entropy = token_logprobs(policy, micro, temperature, with_entropy=True)
+        sequence_logprobs = (logprobs * micro["response_mask"]).sum(1)
+        isopo.backward(sequence_logprobs.sum())
     return logprobs, entropy, (weights * sequence_logprobs.detach()).sum()
 
 
@@ -448,7 +475,7 @@ def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1
 def token_logprobs(model, micro, temperature, with_entropy=False):
     """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their entropy, no
     gradient). The logits are divided by the sampling temperature, so the trainer scores the very
-    distribution the engine sampled from. Full [B, T, vocabulary] logits: the hooks need lm_head's output gradient."""
+    distribution the engine sampled from. Full [B, T, vocabulary] logits: ISOPO needs lm_head's output gradient."""
     targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))  # the last position predicts past the end
     logp_all = torch.log_softmax(model(
         input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"],
@@ -531,7 +558,7 @@ PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/re
 # END TRY NOT TO MODIFY
 
 
-def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics, hooks) -> int:
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics, isopo) -> int:
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
     Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     # old log-probs only when π_θ will move away from π_old within this batch. ISOPO has no ratio: they
@@ -550,7 +577,11 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 
     skipped = 0
     for epoch in range(args.update_epochs):
-        order = torch.randperm(len(every_row), device=every_row.device)
+        # ALGO LOGIC: whole groups in a random order: a micro-batch (ISOPO's block) of G rows, or a divisor of G, holds
+        # completions of one prompt, and is the same block on any number of ranks
+        groups = torch.randperm(len(every_row) // args.group_size, device=every_row.device)
+        order = (groups[:, None] * args.group_size + torch.arange(args.group_size, device=groups.device)).flatten()
+        # END ALGO LOGIC
         for minibatch in order.chunk(args.num_minibatches):
             # sequence-mean counts the completions that have a response token (an empty one adds nothing)
             response_mask = batch["response_mask"][minibatch]
@@ -563,8 +594,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
             minibatch_loss = 0.0
             for micro in micro_batches(batch, minibatch, args.micro_batch_size, by_length=False):
                 mask = micro["response_mask"]
-                # ALGO LOGIC: one backward of Σ log π; the hooks build this micro-batch's share of the update
-                logprobs, entropy, loss = isopo_backward(policy, hooks, micro, args.temperature, minibatch_sequences, autocast)
+                # ALGO LOGIC: one backward of Σ log π builds this micro-batch's share of every ISOPO gradient
+                logprobs, entropy, loss = isopo_backward(policy, isopo, micro, args.temperature, minibatch_sequences,
+                                                         autocast, dist.world_size)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 if reference is not None:  # --log-kl-ref: the drift from the initial policy (Fig. 5), a metric only
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
@@ -579,7 +611,6 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
                     if not multiple_updates:  # this single pass sees every rollout once, under π_old
                         record_mismatch(metrics, old_logprobs, micro["sampler_logprobs"], mask)
-            hooks.set_gradients()  # ALGO LOGIC: the ISOPO gradient of every parameter, built by the hooks
             # TRY NOT TO MODIFY: the optimizer step; a step whose loss or gradient norm is not finite is
             # skipped (counted in charts/skipped_steps), so weights never become NaN
             grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
@@ -587,15 +618,15 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
             if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)):
                 optimizer.step()
                 scheduler.step()
-                hooks.end_minibatch()  # the minibatch joins the EMA of the regularization
+                isopo.end_minibatch()  # the minibatch joins the EMA of the regularization
             else:
                 skipped += 1
-                hooks.end_minibatch(commit=False)  # a skipped step leaves that EMA untouched
+                isopo.end_minibatch(commit=False)  # a skipped step leaves that EMA untouched
             optimizer.zero_grad(set_to_none=True)
             # the loss of all ranks and the global norm (before clipping): the same numbers on every rank
             metrics.mean("losses/policy_loss", minibatch_loss, 1)
             metrics.mean("losses/grad_norm", grad_norm, 1)
-    hooks.record(metrics)  # isopo/<group>/...: the per-layer statistics of the step
+    isopo.record(metrics)  # isopo/<group>/...: the per-layer statistics of the step
     return skipped
 
 
@@ -619,9 +650,6 @@ def check_args(args: Args) -> None:
         ("ema-decay", not 0 <= args.ema_decay < 1, "in [0, 1)"),
     ] if bad]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        problems.append(f"isopo.py runs on one rank (WORLD_SIZE={world_size}): its hooks build full gradients outside "
-                        "autograd, which FSDP2 would need summed over ranks and sharded by hand")
     if not 0 < args.gpu_memory_utilization < 1:
         problems.append("--gpu-memory-utilization must be in (0, 1)")
     if args.prompts_per_step % world_size:
@@ -679,7 +707,7 @@ def main(args: Args) -> None:
         state = load_checkpoint(checkpoint, policy, optimizer, dist)
         scheduler.load_state_dict(state["scheduler"])
         start_step, skipped_steps = state["step"], state["skipped_steps"]
-    hooks = IsopoHooks(policy, args, state["isopo"] if checkpoint else None)  # idle outside capture(); exact resume
+    isopo = IsopoGradients(policy, args, dist, state["isopo"] if checkpoint else None)  # idle outside capture(); exact resume
     tracker = Tracker(run_dir, asdict(args), enabled=dist.is_main, resume_step=start_step if checkpoint else None,
                       track=args.track, project=args.wandb_project_name, entity=args.wandb_entity)
     eval_kwargs = dict(task=eval_task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
@@ -708,7 +736,7 @@ def main(args: Args) -> None:
         # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
         with metrics.timer("time/train"):
             engine.sleep()
-            skipped_steps += update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics, hooks)
+            skipped_steps += update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics, isopo)
 
         # TRY NOT TO MODIFY: 5. push the new weights to the engine (every rank gathers each full tensor in turn)
         with metrics.timer("time/weight_sync"):
@@ -730,7 +758,7 @@ def main(args: Args) -> None:
                               if k in logged})
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
             trainer_state = {"step": step + 1, "skipped_steps": skipped_steps, "args": asdict(args),
-                             "scheduler": scheduler.state_dict(), "isopo": {"ema": dict(hooks.stats.ema)}}
+                             "scheduler": scheduler.state_dict(), "isopo": {"ema": dict(isopo.stats.ema)}}
             save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist, args.keep_checkpoints)
 
     plot = tracker.close(plot_keys=PLOTTED + [f"eval/avg@{args.eval_k}"])
@@ -763,4 +791,7 @@ if __name__ == "__main__":
 # update a sum over the minibatch; here v_i = ∇ log π and a mean: a factor M apart for p + q = −1 without
 # regularization, a batch-dependent scale otherwise (AdamW mostly absorbs it). It computes and discards autograd's
 # weight gradients and materializes every V_i; here neither. Its AdamW: betas (0.9, 0.999), weight decay 0.01 (grpo.py's
-# (0.9, 0.99) kept). It is single-GPU too (one rank here: the EMA would need an all-reduce).
+# (0.9, 0.99) kept). It runs on one GPU; here
+# torchrun works as for every script: FSDP2 reduce-scatters the weight gradients IsopoLinear returns, and the EMA's
+# minibatch means are all-reduced. Its micro-batches are cut in rollout order (verl keeps that order on one GPU), where
+# a prompt's 8 completions are adjacent: with --micro-batch-size 8 and --group-size 8, one group per block, as here.

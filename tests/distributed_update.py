@@ -30,8 +30,8 @@ RESPONSES = ["3", "12", "4", "396", "96", "9", "91", "906", "18", "1", "81", "18
 DEFAULT_ARGS = {"group_size": 4, "num_minibatches": 1, "update_epochs": 2, "micro_batch_size": 3, "clip_low": 0.01, "clip_high": 0.01, "lr": 0.5}
 # the extra inputs some methods' update_policy take, by parameter name
 EXTRAS = {
-    "initial_entropy": lambda algorithm, args, policy: 1.0,  # gtpo: ⟨H⟩_ini (above ln 2: the filter stays off)
-    "hooks": lambda algorithm, args, policy: algorithm.IsopoHooks(policy, args),  # isopo: its backward hooks
+    "initial_entropy": lambda algorithm, args, policy, dist: 1.0,  # gtpo: ⟨H⟩_ini (above ln 2: the filter stays off)
+    "isopo": lambda algorithm, args, policy, dist: algorithm.IsopoGradients(policy, args, dist),  # isopo: its forwards
 }
 
 
@@ -47,7 +47,7 @@ def update_policy(algorithm, policy, batch, args, dist, optimizer=None):
     available = {"policy": policy, "reference": None, "optimizer": optimizer, "scheduler": scheduler, "batch": batch,
                  "args": args, "dist": dist, "autocast": autocast, "metrics": metrics}
     parameters = inspect.signature(algorithm.update_policy).parameters
-    skipped = algorithm.update_policy(**{name: available[name] if name in available else EXTRAS[name](algorithm, args, policy)
+    skipped = algorithm.update_policy(**{name: available[name] if name in available else EXTRAS[name](algorithm, args, policy, dist)
                                          for name in parameters})
     # the entropy's count: every response token, once per epoch (none when every minibatch was skipped)
     tokens_seen = fsdp.all_reduce(metrics.means.get("charts/entropy", (0.0, 0.0))[1], dist)

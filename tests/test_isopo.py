@@ -104,17 +104,16 @@ def make_args(**overrides):
     return isopo.Args(**{"n_overlap": 5, **overrides})
 
 
-def script_gradients(model, args, batch, order, micro_size, hooks=None):
-    """The script's path for one minibatch: isopo_backward per micro-batch, then set_gradients."""
-    hooks = hooks or isopo.IsopoHooks(model, args)
-    hooks.trace = []
+def script_gradients(model, args, batch, order, micro_size, isopo_gradients=None):
+    """The script's path for one minibatch: isopo_backward per micro-batch, the gradients accumulating in .grad."""
+    isopo_gradients = isopo_gradients or isopo.IsopoGradients(model, args)
+    isopo_gradients.trace = []
     micros = list(isopo.micro_batches(batch, order, micro_size, by_length=False))
     for micro in micros:
-        isopo.isopo_backward(model, hooks, micro, 1.0, len(order), NO_AUTOCAST)
-    hooks.set_gradients()
+        isopo.isopo_backward(model, isopo_gradients, micro, 1.0, len(order), NO_AUTOCAST)
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    return grads, hooks, micros
+    return grads, isopo_gradients, micros
 
 
 # --- brute force --------------------------------------------------------------------------------
@@ -232,15 +231,15 @@ def test_every_gradient_matches_brute_force(float64_logprobs, case, tied):
     explicit (K + cI)⁻¹A solve; everything else: REINFORCE. Micro-batches of 4, 4 and 1 sequences."""
     model, args = tiny_lm(tied), make_args(**CASES[case])
     order = torch.tensor([4, 0, 7, 2, 8, 1, 5, 3, 6])
-    grads, hooks, micros = script_gradients(model, args, rollouts(), order, micro_size=4)
-    reference, _ = reference_gradients(model, args, micros, hooks.trace, len(order))
+    grads, isopo_gradients, micros = script_gradients(model, args, rollouts(), order, micro_size=4)
+    reference, _ = reference_gradients(model, args, micros, isopo_gradients.trace, len(order))
     assert set(grads) == set(reference)
     for name in grads:
         assert relative_error(grads[name], reference[name]) <= 1e-8, name
     if args.variant == "non-interacting":
-        for entry in hooks.trace:  # distinct rows; 5 of them (a strict subsample) where there are more
+        for entry in isopo_gradients.trace:  # distinct rows; 5 of them (a strict subsample) where there are more
             assert len(set(entry["rows"].tolist())) == len(entry["rows"]) <= 5
-        assert sum(len(e["rows"]) == 5 for e in hooks.trace) >= 6
+        assert sum(len(e["rows"]) == 5 for e in isopo_gradients.trace) >= 6
 
 
 def test_overlap_rows_are_distinct_non_pad_positions():
@@ -263,10 +262,10 @@ def test_rescalings_of_the_paper(float64_logprobs, p, q, r):
     matrix: p = −1 gives every sequence's step unit Fisher norm (§2.0.1); r = −2 gives the multiple of v
     closest to the natural gradient, vᵀv / vᵀF̂v (Eq. 7); q = −1 unit Euclidean norm; p = q = r = 0 s = 1."""
     model, args = tiny_lm(False), make_args(p=p, q=q, r=r)
-    grads, hooks, micros = script_gradients(model, args, rollouts(), torch.arange(9), micro_size=5)
+    grads, isopo_gradients, micros = script_gradients(model, args, rollouts(), torch.arange(9), micro_size=5)
     v = per_sequence_gradients(model)["fc2.weight"]
     a, g = token_gradients(model, micros[0])["fc2"]
-    entry = next(e for e in hooks.trace if e["layer"] == "fc2")  # the first micro-batch's
+    entry = next(e for e in isopo_gradients.trace if e["layer"] == "fc2")  # the first micro-batch's
     g0, a0 = g.flatten(0, 1)[entry["rows"]], a.flatten(0, 1)[entry["rows"]]
     samples = torch.einsum("jo,ji->joi", g0, a0).flatten(1)
     fisher_matrix = samples.T @ samples / (g0.norm(dim=1) * a0.norm(dim=1)).square().sum()
@@ -305,8 +304,8 @@ def test_non_linear_parameters_get_the_advantage_weighted_gradient(float64_logpr
     """Under default ISOPO, the embedding, the norm and the bias take −(1/M) Σ_i A_i ∇ log π_i (the authors'
     code gives them an advantage-free gradient); with tied embeddings lm_head's ISOPO update adds to it."""
     model = tiny_lm(True)
-    grads, hooks, micros = script_gradients(model, make_args(), rollouts(), torch.arange(9), micro_size=4)
-    reference, reinforce = reference_gradients(model, make_args(), micros, hooks.trace, 9)
+    grads, isopo_gradients, micros = script_gradients(model, make_args(), rollouts(), torch.arange(9), micro_size=4)
+    reference, reinforce = reference_gradients(model, make_args(), micros, isopo_gradients.trace, 9)
     for name in ("fc1.bias", "norm.weight"):
         assert relative_error(grads[name], reinforce[name]) <= 1e-10, name
     lookup_only = reinforce["embed.weight"]
@@ -320,23 +319,23 @@ def test_regularization_uses_trailing_minibatches(float64_logprobs):
     """E[F²] of a minibatch is the mean over the previous minibatch (then an EMA with decay 0.9), never
     the minibatch itself; an uncommitted (skipped) minibatch leaves it unchanged."""
     model, args = tiny_lm(False), make_args(reg_coef=1.0)
-    hooks = isopo.IsopoHooks(model, args)
+    isopo_gradients = isopo.IsopoGradients(model, args)
     batch, first, second = rollouts(), torch.arange(0, 5), torch.arange(5, 9)
-    _, _, _ = script_gradients(model, args, batch, first, 5, hooks)
-    first_fisher = {e["layer"]: e["quantities"]["fisher"] for e in hooks.trace}
-    hooks.end_minibatch(commit=True)
-    _, _, _ = script_gradients(model, args, batch, second, 4, hooks)
-    for entry in hooks.trace:
+    _, _, _ = script_gradients(model, args, batch, first, 5, isopo_gradients)
+    first_fisher = {e["layer"]: e["quantities"]["fisher"] for e in isopo_gradients.trace}
+    isopo_gradients.end_minibatch(commit=True)
+    _, _, _ = script_gradients(model, args, batch, second, 4, isopo_gradients)
+    for entry in isopo_gradients.trace:
         expected = first_fisher[entry["layer"]].square().mean().item()
         assert entry["expectations"]["fisher"] == pytest.approx(expected, rel=1e-12)
         torch.testing.assert_close(entry["scales"], (entry["quantities"]["fisher"] ** 2 + expected + 1e-8) ** -0.5)
-    hooks.end_minibatch(commit=False)  # a skipped step
-    assert hooks.stats.get(("fc2", "fisher")) == pytest.approx(first_fisher["fc2"].square().mean().item())
-    _, _, _ = script_gradients(model, args, batch, second, 4, hooks)
-    second_fisher = {e["layer"]: e["quantities"]["fisher"] for e in hooks.trace}
-    hooks.end_minibatch(commit=True)
+    isopo_gradients.end_minibatch(commit=False)  # a skipped step
+    assert isopo_gradients.stats.get(("fc2", "fisher")) == pytest.approx(first_fisher["fc2"].square().mean().item())
+    _, _, _ = script_gradients(model, args, batch, second, 4, isopo_gradients)
+    second_fisher = {e["layer"]: e["quantities"]["fisher"] for e in isopo_gradients.trace}
+    isopo_gradients.end_minibatch(commit=True)
     expected = 0.9 * first_fisher["fc2"].square().mean() + 0.1 * second_fisher["fc2"].square().mean()
-    assert hooks.stats.get(("fc2", "fisher")) == pytest.approx(expected.item(), rel=1e-12)
+    assert isopo_gradients.stats.get(("fc2", "fisher")) == pytest.approx(expected.item(), rel=1e-12)
 
 
 def test_trailing_means_by_hand():
@@ -402,7 +401,7 @@ def test_preconditioner_is_the_regularized_solve():
     assert torch.isnan(isopo.preconditioned_weights(K, A, 0.3)).all()  # no eigh error: the step gets skipped
 
 
-# --- the hooks with a transformers Llama (float64 weights, float32 inside: 1e-5) ------------------
+# --- ISOPO on a transformers Llama (float64 weights, float32 inside: 1e-5) ------------------
 
 @pytest.mark.parametrize("variant", ["non-interacting", "interacting", "reinforce"])
 def test_llama_linear_layers_match_brute_force(tiny, float64_logprobs, variant):
@@ -417,7 +416,7 @@ def test_llama_linear_layers_match_brute_force(tiny, float64_logprobs, variant):
     advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.0, -0.9, 0.4], dtype=torch.float64)
     batch["advantages"] = advantages
     args = make_args(**{"non-interacting": {}, "interacting": {"variant": "interacting"}, "reinforce": {"p": 0.0}}[variant])
-    grads, hooks, micros = script_gradients(llama, args, batch, torch.arange(8), micro_size=4)
+    grads, isopo_gradients, micros = script_gradients(llama, args, batch, torch.arange(8), micro_size=4)
 
     names, params = zip(*llama.named_parameters())
     per_sequence = []
@@ -439,7 +438,7 @@ def test_llama_linear_layers_match_brute_force(tiny, float64_logprobs, variant):
                 assert relative_error(grads[name], reinforce[name]) <= 1e-5, name
             continue
         layer = name[: -len(".weight")]
-        entries = [e for e in hooks.trace if e["layer"] == layer]
+        entries = [e for e in isopo_gradients.trace if e["layer"] == layer]
         update = torch.zeros_like(v[name][0])
         for micro, entry, token in zip(micros, entries, tokens):
             rows = micro["rows"].tolist()
@@ -457,14 +456,19 @@ def test_llama_linear_layers_match_brute_force(tiny, float64_logprobs, variant):
         assert relative_error(grads[name], update) <= 1e-5, name
 
 
-# --- hooks: scope and clear errors ---------------------------------------------------------------
+# --- IsopoGradients: scope and clear errors ---------------------------------------------------------------
 
-def test_hooks_are_idle_outside_capture():
-    model = tiny_lm(False)
-    hooks = isopo.IsopoHooks(model, make_args())
-    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()  # a plain pass: ordinary autograd
-    assert not hooks.roots and not hooks.grads and model.fc1.weight.grad is not None
-    hooks.remove()
+def test_isopo_forwards_are_idle_outside_capture():
+    """Outside capture() the model computes and differentiates as plain PyTorch; remove() restores its forwards."""
+    model, plain = tiny_lm(False), tiny_lm(False)
+    isopo_gradients = isopo.IsopoGradients(model, make_args())
+    for m in (model, plain):
+        m(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()  # a plain pass: ordinary autograd
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert "forward" in vars(model.fc1) and "forward" in vars(model.norm)
+    isopo_gradients.remove()
+    assert "forward" not in vars(model.fc1) and "forward" not in vars(model.norm)
 
 
 def test_a_linear_called_twice_is_refused():
@@ -474,8 +478,8 @@ def test_a_linear_called_twice_is_refused():
             return types.SimpleNamespace(logits=self.lm_head(self.fc2(torch.tanh(self.fc1(x)) + self.fc1(x))))
 
     model = Twice().double()
-    hooks = isopo.IsopoHooks(model, make_args())
-    with pytest.raises(ValueError, match="fc1 ran twice"), hooks.capture(torch.ones(1, 3), torch.ones(1)):
+    isopo_gradients = isopo.IsopoGradients(model, make_args())
+    with pytest.raises(ValueError, match="fc1 ran twice"), isopo_gradients.capture(torch.ones(1, 3), torch.ones(1)):
         model(input_ids=torch.tensor([[1, 2, 3]]))
 
 
@@ -487,7 +491,7 @@ def test_a_parameter_used_outside_its_module_is_refused(float64_logprobs):
 
     model = Bypass().double()
     batch = rollouts()
-    with pytest.raises(ValueError, match="no gradient reached parameter norm.weight"):
+    with pytest.raises(ValueError, match="module norm never ran inside capture"):
         script_gradients(model, make_args(), batch, torch.arange(9), 9)
 
 
@@ -520,7 +524,7 @@ GROUPS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 @pytest.mark.slow
 def test_both_variants_two_steps_end_to_end(tmp_path, tiny_dir):
     """Non-interacting (the defaults): its per-layer statistics, no ratio, π_old = π_θ, and every parameter
-    trained by the hooks. Interacting, two minibatches, --log-kl-ref: the NTK statistics and the drift."""
+    trained by the isopo_gradients. Interacting, two minibatches, --log-kl-ref: the NTK statistics and the drift."""
     from transformers import AutoModelForCausalLM
 
     run_script("algorithms/isopo.py", "--steps", 2, "--output-dir", tmp_path / "non-interacting", *SMALL)
