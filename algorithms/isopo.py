@@ -19,8 +19,8 @@ the policy gradient g_l = (1/M) Σ_i A_i v_i (§1.2) becomes, non-interacting (d
 AdamW steps on −u_l; every other parameter (embeddings, norms, biases) takes (1/M) Σ_i A_i ∇ log π (REINFORCE).
 
 What this file changes relative to grpo.py: no loss, ratio or clip; one backward of Σ log π builds every gradient
-(`IsopoGradients`: each Linear's backward returns ISOPO's weight update); --micro-batch-size (8) is part of the math,
-its blocks are cut from whole groups; full logits; --log-kl-ref for --kl-coef.
+(`IsopoGradients`: each Linear's backward returns ISOPO's weight update); --block-size (8) is part of the math, its blocks
+cut from whole groups; full logits; --log-kl-ref for --kl-coef.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them and compute advantages, update the policy on minibatches, push the new weights to the
@@ -136,8 +136,8 @@ class Args:
     """optimizer steps per rollout batch and epoch"""
     update_epochs: int = 1
     """passes over each rollout batch"""
-    micro_batch_size: int = 8
-    """sequences per forward/backward; in ISOPO also the block that shares one Fisher-estimate pool and one NTK (paper: 8), so it changes the update (cut from whole groups in a random order, not sorted by length)"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward (gradient accumulation; memory only, not the math)"""
     eval_every: int = 10
     """evaluate every this many steps (0: never)"""
     eval_prompts: int = 256
@@ -150,6 +150,8 @@ class Args:
     """how many of the newest checkpoints to keep"""
 
     # Algorithm specific arguments
+    block_size: int = 8
+    """sequences that share one Fisher-estimate pool (Eq. 6) and one NTK (§3), the paper's micro-batch of 8: part of the math. Cut in order from whole groups shuffled together: with --group-size 8, one prompt's group each"""
     variant: Literal["non-interacting", "interacting"] = "non-interacting"
     """non-interacting: rescale each sequence's gradient by s_i (Alg. 2, Fig. 3); interacting: precondition the advantages with each layer's micro-batch NTK (Alg. 6)"""
     p: float = -1.0
@@ -177,48 +179,60 @@ class Args:
 
 
 # ALGO LOGIC: the Fisher-norm estimate, the sequence scales, the NTK preconditioner, the ISOPO backward, advantages
-# A Linear layer's micro-batch below is g [B, T, out] (gradients of Σ log π w.r.t. its outputs, zero at pads) and
-# a [B, T, in] (its inputs); V_b = Σ_t g_bt a_btᵀ over row b's non-pad positions (prompt too) is ∇ log π(o_b | q_b).
+# A Linear layer's block below is g [b, T, out] (gradients of Σ log π w.r.t. its outputs, zero at pads) and a [b, T, in]
+# (its inputs), with a leading [n] for n blocks at once; V_i = Σ_t g_it a_itᵀ over row i's non-pad positions (prompt
+# too) is ∇ log π(o_i | q_i).
 def overlap_rows(valid: torch.Tensor, n: int) -> torch.Tensor:
-    """Eq. 6's sample (Alg. 2 line 6): n distinct flat indices into [B*T], uniform among the non-pad `valid` [B, T]."""
-    if valid.numel() <= n:  # every row (pads add 0): no draw needed
-        return torch.arange(valid.numel(), device=valid.device)
-    keys = torch.rand(valid.shape, device=valid.device).masked_fill(~valid, 2.0).flatten()
-    return keys.topk(n, largest=False).indices
+    """Eq. 6's sample (Alg. 2 line 6), per block: n distinct indices into its b·T token rows [blocks, n], uniform among
+    its non-pad rows `valid` [blocks, b, T]."""
+    valid = valid.flatten(1)
+    if valid.shape[1] <= n:  # every row (pads add 0): no draw needed
+        return torch.arange(valid.shape[1], device=valid.device).expand(len(valid), -1)
+    keys = torch.rand(valid.shape, device=valid.device).masked_fill(~valid, 2.0)
+    return keys.topk(n, dim=1, largest=False).indices
 
 
 def fisher_norms(g: torch.Tensor, a: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Eq. 6's estimate of ‖v_b‖_F [B] over the token rows `rows`, in k·N·(out+in) FLOPs: no V_b is formed."""
-    g0, a0 = g.flatten(0, 1)[rows], a.flatten(0, 1)[rows]  # [k, out], [k, in]
-    overlaps = ((g @ g0.T) * (a @ a0.T)).sum(1)  # [B, k]: g0_j · V_b a0_j = Σ_t (g0_j · g_bt)(a0_j · a_bt) (Eq. 4)
-    return overlaps.norm(dim=1) / ((g0.norm(dim=1) * a0.norm(dim=1)).norm() + 1e-12)  # Eq. 5: the denominator
+    """Eq. 6's estimate of ‖v_i‖_F [blocks, b] over each block's token rows `rows`, in k·b·T·(out+in) FLOPs per block:
+    no V_i is formed."""
+    n, b, T, _ = g.shape
+    g, a = g.flatten(1, 2), a.flatten(1, 2)  # [blocks, b·T, features]
+    block = torch.arange(n, device=g.device)[:, None]
+    g0, a0 = g[block, rows], a[block, rows]  # [blocks, k, out], [blocks, k, in]
+    # g0_j · V_i a0_j = Σ_t (g0_j · g_it)(a0_j · a_it) (Eq. 4): [blocks, b, k]
+    overlaps = ((g @ g0.mT) * (a @ a0.mT)).view(n, b, T, -1).sum(2)
+    return overlaps.norm(dim=-1) / ((g0.norm(dim=-1) * a0.norm(dim=-1)).norm(dim=-1, keepdim=True) + 1e-12)  # Eq. 5
 
 
 def sequence_gradients(g: torch.Tensor, a: torch.Tensor, budget: int = 2**24):
-    """V_b for all b, a block of output rows at a time ([B, rows, in], at most `budget` numbers)."""
+    """V_i for all rows i of g [B, T, out], a block of output rows at a time ([B, rows, in], at most `budget` numbers)."""
     step = max(1, budget // (g.shape[0] * a.shape[-1]))
     for start in range(0, g.shape[-1], step):
         yield torch.einsum("bto,bti->boi", g[..., start : start + step], a)
 
 
 def sequence_norms(g: torch.Tensor, a: torch.Tensor, form: str = "auto") -> torch.Tensor:
-    """‖V_b‖ [B]: gram, Σ_{t,t'} (g_t·g_t')(a_t·a_t') in B·T²·(out+in) FLOPs, or materialize V_b (B·T·out·in)."""
-    _, T, out = g.shape  # auto: the cheaper
+    """‖V_i‖ [B] for rows [B, T, ·]: gram, Σ_{t,t'} (g_t·g_t')(a_t·a_t') in B·T²·(out+in) FLOPs, or materialize V_i
+    (B·T·out·in); auto: the cheaper."""
+    _, T, out = g.shape
     if form == "gram" or form == "auto" and T * (out + a.shape[-1]) <= out * a.shape[-1]:
-        squares = ((g @ g.transpose(1, 2)) * (a @ a.transpose(1, 2))).sum((1, 2))
+        squares = ((g @ g.mT) * (a @ a.mT)).sum((1, 2))
     else:
         squares = sum(block.square().sum((1, 2)) for block in sequence_gradients(g, a))
     return squares.clamp(min=0).sqrt()
 
 
-def ntk(g: torch.Tensor, a: torch.Tensor, form: str = "auto") -> torch.Tensor:
-    """The layer's empirical NTK K_bc = ⟨V_b, V_c⟩ (§3): gram, Σ_{t∈b,t'∈c} (g_t·g_t')(a_t·a_t'), or materialize."""
-    B, T, out = g.shape  # auto: the cheaper, gram's B²·T²·(out+in) FLOPs or materialize's B·T·out·in + B²·out·in
-    if form == "gram" or form == "auto" and B * T * T * (out + a.shape[-1]) <= out * a.shape[-1] * (T + B):
-        K = torch.stack([((g @ g[b].T) * (a @ a[b].T)).sum((1, 2)) for b in range(B)])
+def ntk(g: torch.Tensor, a: torch.Tensor, form: str = "auto", budget: int = 2**24) -> torch.Tensor:
+    """Each block's empirical NTK K_ij = ⟨V_i, V_j⟩ (§3) [blocks, b, b]: gram, Σ_{t∈i,t'∈j} (g_t·g_t')(a_t·a_t') from the
+    token Gram matrices of a few blocks at a time (at most `budget` numbers), or materialize the V_i."""
+    n, b, T, out = g.shape  # auto: the cheaper, gram's (bT)²·(out+in) FLOPs or materialize's b·T·out·in + b²·out·in
+    if form == "gram" or form == "auto" and b * T * T * (out + a.shape[-1]) <= out * a.shape[-1] * (T + b):
+        g, a, step = g.flatten(1, 2), a.flatten(1, 2), max(1, budget // (b * T) ** 2)
+        K = torch.cat([((g[s : s + step] @ g[s : s + step].mT) * (a[s : s + step] @ a[s : s + step].mT))
+                       .view(-1, b, T, b, T).sum((2, 4)) for s in range(0, n, step)])
     else:
-        K = sum(block.flatten(1) @ block.flatten(1).T for block in sequence_gradients(g, a))
-    return (K + K.T) / 2
+        K = sum(V.view(n, b, -1) @ V.view(n, b, -1).mT for V in sequence_gradients(g.flatten(0, 1), a.flatten(0, 1)))
+    return (K + K.mT) / 2
 
 
 def reg2(x: torch.Tensor, coef: float, expectation, form: str = "paper") -> torch.Tensor:
@@ -265,13 +279,14 @@ class TrailingMeans:
 
 
 def preconditioned_weights(K: torch.Tensor, weights: torch.Tensor, c, form: str = "paper", eigenvalues=False):
-    """Alg. 6: (K + cI)⁻¹ A through K = U diag(D) Uᵀ (paper), or c (K + cI)⁻¹ A (authors); also D if asked.
-    In float64; a non-finite K gives a non-finite result (the step is then skipped), not an eigh error."""
+    """Alg. 6 per block: (K + cI)⁻¹ A through K = U diag(D) Uᵀ (paper), or c (K + cI)⁻¹ A (authors); also D if asked.
+    K [blocks, b, b], A [blocks, b], c a number or one per block. In float64; a non-finite K gives a non-finite result
+    (the step is then skipped), not an eigh error."""
     finite = torch.isfinite(K).all()
     D, U = torch.linalg.eigh(torch.where(finite, K, 0).double())
-    c = torch.as_tensor(c, dtype=torch.float64, device=K.device)
+    c = torch.as_tensor(c, dtype=torch.float64, device=K.device).reshape(-1, 1)
     inverse = torch.where(D + c > 0, 1 / (D + c), 0)  # K is PSD and c > 0: D + c > 0 except for K = 0, c = 0
-    result = U @ (inverse * (U.T @ weights.double()))
+    result = (U @ (inverse * (U.mT @ weights.double()[..., None])[..., 0])[..., None])[..., 0]
     result = torch.where(finite, c * result if form == "authors" else result, torch.nan).to(weights.dtype)
     return (result, D) if eigenvalues else result
 
@@ -400,10 +415,17 @@ class IsopoGradients:
         weights = micro["weights"].to(dtype)
         group = name.rsplit(".", 1)[-1]  # statistics per layer group (q_proj, ..., lm_head), over its layers
         module = self.modules[name]
+        coefficients, size = [], self.args.block_size
         with torch.no_grad():
-            coefficients = (weights * self._scales(name, group, g, a, valid) if self.args.variant == "non-interacting"
-                            else self._precondition(name, group, g, a, weights))
-            grad_weight = weighted_gradient(g, a, coefficients)
+            # the micro-batch's blocks of --block-size rows, all at once; a minibatch's last block may be shorter
+            for rows in (slice(0, len(g) - len(g) % size), slice(len(g) - len(g) % size, len(g))):
+                if rows.stop > rows.start:
+                    blocks = lambda x: x[rows].unflatten(0, (-1, min(size, rows.stop - rows.start)))  # noqa: E731
+                    if self.args.variant == "non-interacting":
+                        coefficients.append(blocks(weights) * self._scales(name, group, blocks(g), blocks(a), blocks(valid)))
+                    else:
+                        coefficients.append(self._precondition(name, group, blocks(g), blocks(a), blocks(weights)))
+            grad_weight = weighted_gradient(g, a, torch.cat([c.flatten() for c in coefficients]))
             # a bias is not a Linear weight: the REINFORCE gradient Σ_t (−A_i/M) g_t
             grad_bias = torch.einsum("bto,b->o", g, weights) if module.bias is not None else None
         return grad_weight, grad_bias
@@ -411,14 +433,14 @@ class IsopoGradients:
     def _scales(self, name, group, g, a, valid):  # non-interacting: Fig. 3's s_i from Eq. 6 (and ‖v_i‖ for q, r)
         args = self.args
         rows = overlap_rows(valid, args.n_overlap)
-        quantities = {"fisher": fisher_norms(g, a, rows)}
+        quantities = {"fisher": fisher_norms(g, a, rows)}  # [blocks, b]
         if args.q or args.r:
-            euclid = sequence_norms(g, a)
+            euclid = sequence_norms(g.flatten(0, 1), a.flatten(0, 1)).view_as(quantities["fisher"])
             quantities.update(euclid=euclid, rel=quantities["fisher"] / (euclid + 1e-12))
         expectations = {}
         for key, x in quantities.items():
-            trailing = self.stats.get((name, key))  # None before any minibatch has finished: this micro-batch's mean
-            expectations[key] = x.square().mean() if trailing is None else trailing
+            trailing = self.stats.get((name, key))  # None before any minibatch has finished: the block's own mean
+            expectations[key] = x.square().mean(1, keepdim=True) if trailing is None else trailing
             self.stats.add((name, key), x.square())
             # isopo/<group>/fisher_norm, euclid_norm, rel_fisher_norm: mean ‖v_i‖_F (Eq. 6), ‖v_i‖, ‖v_i‖_F/‖v_i‖
             self._log(group, {"fisher": "fisher_norm", "euclid": "euclid_norm", "rel": "rel_fisher_norm"}[key], x)
@@ -426,24 +448,27 @@ class IsopoGradients:
         scales = sequence_scales(quantities, args.p, args.q, args.r, args.reg_coef, expectations, args.reg_form)
         for how in ("mean", "min", "max"):  # scale_mean, scale_min, scale_max: of the sequence scales s_i (Fig. 3)
             self._log(group, f"scale_{how}", scales, how=how)
-        if self.trace is not None:
-            self.trace.append(dict(layer=name, rows=rows, quantities=quantities, expectations=expectations, scales=scales))
+        for i in range(len(rows)) if self.trace is not None else ():  # one entry per block
+            pick = lambda d: {k: v[i] if isinstance(v, torch.Tensor) else v for k, v in d.items()}  # noqa: E731
+            self.trace.append(dict(layer=name, rows=rows[i], quantities=pick(quantities),
+                                   expectations=pick(expectations), scales=scales[i]))
         return scales
 
     def _precondition(self, name, group, g, a, weights):  # interacting: (K + cI)⁻¹ A (Alg. 6, Fig. 7)
-        K = ntk(g, a)
-        trailing = self.stats.get((name, "ntk_eig"))
-        c = self.args.ntk_reg_coef * (K.diagonal().mean() if trailing is None else trailing)  # mean eig = trace/m
-        self.stats.add((name, "ntk_eig"), K.diagonal())
+        K = ntk(g, a)  # [blocks, b, b]
+        diagonal, trailing = K.diagonal(dim1=1, dim2=2), self.stats.get((name, "ntk_eig"))
+        c = self.args.ntk_reg_coef * (diagonal.mean(1) if trailing is None else trailing)  # mean eig = trace/b
+        self.stats.add((name, "ntk_eig"), diagonal)
         preconditioned, eigenvalues = preconditioned_weights(K, weights, c, self.args.ntk_scale, eigenvalues=True)
-        self._log(group, "ntk_eig_mean", K.diagonal())  # mean and largest eigenvalue of the micro-batch NTK K
+        self._log(group, "ntk_eig_mean", diagonal)  # mean and largest eigenvalue of the blocks' NTK K
         self._log(group, "ntk_eig_max", eigenvalues, how="max")
         self._log(group, "ntk_reg", c)  # c = --ntk-reg-coef × E[mean eig K]
-        # ‖c (K + cI)⁻¹ A‖ / ‖A‖: 1 = vanilla policy gradient, → 0 = damped; NaN (left out) when every A_i = 0
+        # ‖c (K + cI)⁻¹ A‖ / ‖A‖ per block: 1 = vanilla policy gradient, → 0 = damped; NaN (left out) when every A_i = 0
+        c = torch.as_tensor(c, device=K.device).reshape(-1, 1)
         damped = preconditioned if self.args.ntk_scale == "authors" else c * preconditioned
-        self._log(group, "shrink", damped.norm() / weights.norm())
-        if self.trace is not None:
-            self.trace.append({"layer": name, "K": K, "c": c, "weights": preconditioned})
+        self._log(group, "shrink", damped.norm(dim=1) / weights.norm(dim=1))
+        for i in range(len(K)) if self.trace is not None else ():  # one entry per block
+            self.trace.append({"layer": name, "K": K[i], "c": c[min(i, len(c) - 1), 0], "weights": preconditioned[i]})
         return preconditioned
 
     def _log(self, group, key, values, how="mean"):  # kept as they are (record() reduces them): no device sync here
@@ -577,8 +602,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 
     skipped = 0
     for epoch in range(args.update_epochs):
-        # ALGO LOGIC: whole groups in a random order: a micro-batch (ISOPO's block) of G rows, or a divisor of G, holds
-        # completions of one prompt, and is the same block on any number of ranks
+        # ALGO LOGIC: whole groups in a random order, so that a block of G rows (or of a divisor of G) holds completions of
+        # one prompt, and is the same block on any number of ranks
         groups = torch.randperm(len(every_row) // args.group_size, device=every_row.device)
         order = (groups[:, None] * args.group_size + torch.arange(args.group_size, device=groups.device)).flatten()
         # END ALGO LOGIC
@@ -592,6 +617,13 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 skipped += 1
                 continue
             minibatch_loss = 0.0
+            # ALGO LOGIC: micro-batches of whole blocks (--block-size rows in the minibatch's order), the blocks sorted by
+            # their longest response so that a micro-batch pads little; a shorter last block stays last
+            whole = len(minibatch) - len(minibatch) % args.block_size
+            blocks = minibatch[:whole].view(-1, args.block_size)
+            longest = batch["response_mask"][blocks].sum(-1).amax(1)
+            minibatch = torch.cat([blocks[longest.argsort(descending=True, stable=True)].flatten(), minibatch[whole:]])
+            # END ALGO LOGIC
             for micro in micro_batches(batch, minibatch, args.micro_batch_size, by_length=False):
                 mask = micro["response_mask"]
                 # ALGO LOGIC: one backward of Σ log π builds this micro-batch's share of every ISOPO gradient
@@ -642,6 +674,8 @@ def check_args(args: Args) -> None:
          "between 1 and the number of rollouts per step"),
         ("update-epochs", args.update_epochs < 1, ">= 1"),
         ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
+        ("block-size", args.block_size < 1, ">= 1"),
+        ("micro-batch-size", args.micro_batch_size % args.block_size, "a multiple of --block-size (a block is never split)"),
         ("lr", not args.lr > 0, "> 0"),
         *[(name, not math.isfinite(getattr(args, name)), "a finite number") for name in ("p", "q", "r")],
         ("n-overlap", args.n_overlap < 1, ">= 1"),
@@ -776,7 +810,7 @@ if __name__ == "__main__":
 # Paper scale: the paper's setting (§2.1; run.sh of the authors' code), Qwen3-0.6B on GSM8K on one GPU
 #   python algorithms/isopo.py --model Qwen/Qwen3-0.6B --task gsm8k --eval-task gsm8k \
 #       --steps 102 --prompts-per-step 128 --group-size 8 --max-prompt-tokens 512 --max-new-tokens 2048 \
-#       --lr 2e-6 --weight-decay 0.01 --num-minibatches 2 --micro-batch-size 8 --dtype bfloat16 \
+#       --lr 2e-6 --weight-decay 0.01 --num-minibatches 2 --block-size 8 --dtype bfloat16 \
 #       --rollout-engine vllm --eval-every 10 --eval-prompts 1319 --eval-k 1 --log-kl-ref --track
 #   add --variant interacting for Fig. 7, --p 0 --q -1 --r -2 for Fig. 4, --p 0 --q -1 for Fig. 5 (yellow)
 #
@@ -794,4 +828,4 @@ if __name__ == "__main__":
 # (0.9, 0.99) kept). It runs on one GPU; here
 # torchrun works as for every script: FSDP2 reduce-scatters the weight gradients IsopoLinear returns, and the EMA's
 # minibatch means are all-reduced. Its micro-batches are cut in rollout order (verl keeps that order on one GPU), where
-# a prompt's 8 completions are adjacent: with --micro-batch-size 8 and --group-size 8, one group per block, as here.
+# a prompt's 8 completions are adjacent: with --block-size 8 and --group-size 8, one group per block, as here.

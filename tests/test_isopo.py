@@ -4,6 +4,7 @@ estimate with the same overlap rows, an explicit NTK solve), the paper's special
 Exact checks (<= 1e-8 relative) use a small pure-PyTorch float64 model: transformers' Llama keeps its
 norms, rotary embeddings and softmax in float32, so it is checked at 1e-5."""
 
+import dataclasses
 import os
 import re
 import types
@@ -16,7 +17,7 @@ from torch import nn
 from algorithms import isopo
 from common.rollout import Completion
 from helpers import (
-    BASE_LOGGED, assert_weights_unchanged, only_run_dir, read_jsonl, run_script, two_group_rollouts,
+    BASE_LOGGED, assert_weights_unchanged, only_run_dir, read_jsonl, run_script, torchrun, two_group_rollouts,
 )
 
 NO_AUTOCAST = torch.autocast("cpu", enabled=False)
@@ -105,8 +106,9 @@ def make_args(**overrides):
 
 
 def script_gradients(model, args, batch, order, micro_size, isopo_gradients=None):
-    """The script's path for one minibatch: isopo_backward per micro-batch, the gradients accumulating in .grad."""
-    isopo_gradients = isopo_gradients or isopo.IsopoGradients(model, args)
+    """The script's path for one minibatch: isopo_backward per micro-batch (one block each unless `isopo_gradients`
+    says otherwise), the gradients accumulating in .grad."""
+    isopo_gradients = isopo_gradients or isopo.IsopoGradients(model, dataclasses.replace(args, block_size=micro_size))
     isopo_gradients.trace = []
     micros = list(isopo.micro_batches(batch, order, micro_size, by_length=False))
     for micro in micros:
@@ -242,16 +244,32 @@ def test_every_gradient_matches_brute_force(float64_logprobs, case, tied):
         assert sum(len(e["rows"]) == 5 for e in isopo_gradients.trace) >= 6
 
 
+@pytest.mark.parametrize("variant", ["non-interacting", "interacting"])
+def test_blocks_not_micro_batches_set_the_update(float64_logprobs, variant):
+    """--block-size is the math, --micro-batch-size only memory: blocks of 4 (the last one of 1) give the same gradients
+    computed one block per micro-batch or two per micro-batch (every token row in Eq. 6's pool: no random draw)."""
+    args = make_args(variant=variant, n_overlap=1000, block_size=4, p=-1.0, q=-0.5)
+    order = torch.tensor([4, 0, 7, 2, 8, 1, 5, 3, 6])
+    grads = []
+    for micro_size in (4, 8):
+        model = tiny_lm(True)
+        grads.append(script_gradients(model, args, rollouts(), order, micro_size, isopo.IsopoGradients(model, args))[0])
+    for name in grads[0]:
+        assert relative_error(grads[1][name], grads[0][name]) <= 1e-12, name
+
+
 def test_overlap_rows_are_distinct_non_pad_positions():
-    valid = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 0, 1, 1]]).bool()
-    positions = set(valid.flatten().nonzero().squeeze(1).tolist())
-    seen = set()
-    for _ in range(50):
-        rows = isopo.overlap_rows(valid, 4).tolist()
-        assert len(set(rows)) == 4 and set(rows) <= positions
-        seen |= set(rows)
-    assert seen == positions  # every non-pad row gets drawn
-    assert positions <= set(isopo.overlap_rows(valid, 100).tolist())  # more asked than there are: all of them
+    valid = torch.tensor([[[0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 0, 1, 1]],
+                          [[1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]]).bool()  # 2 blocks of 3 rows
+    for block in range(2):
+        positions = set(valid[block].flatten().nonzero().squeeze(1).tolist())
+        seen = set()
+        for _ in range(50):
+            rows = isopo.overlap_rows(valid, 4)[block].tolist()
+            assert len(set(rows)) == 4 and set(rows) <= positions
+            seen |= set(rows)
+        assert seen == positions  # every non-pad row of the block gets drawn
+        assert positions <= set(isopo.overlap_rows(valid, 100)[block].tolist())  # more asked than there are: all
 
 
 # --- the paper's special cases, against the explicit Fisher matrix ---------------------------------
@@ -377,27 +395,38 @@ def _random_layer(B, T, out, inp, seed=0):
 def test_gram_and_materialized_forms_agree_with_explicit_matrices(shape):
     g, a = _random_layer(*shape)
     V = torch.einsum("bto,bti->boi", g, a)  # the per-sequence matrices the Gram forms avoid
+    blocks = lambda x: torch.cat([x, x.flip(0)]).unflatten(0, (2, -1))  # noqa: E731  2 blocks: the rows, reversed
     for form in ("auto", "gram", "materialize"):
         torch.testing.assert_close(isopo.sequence_norms(g, a, form), V.flatten(1).norm(dim=1), rtol=1e-12, atol=0)
-        torch.testing.assert_close(isopo.ntk(g, a, form), V.flatten(1) @ V.flatten(1).T, rtol=1e-12, atol=1e-12)
+        K = V.flatten(1) @ V.flatten(1).T
+        expected = torch.stack([K, K.flip(0, 1)])
+        torch.testing.assert_close(isopo.ntk(blocks(g), blocks(a), form), expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(isopo.ntk(blocks(g), blocks(a), form, budget=1), expected, rtol=1e-12, atol=1e-12)
     chunks = list(isopo.sequence_gradients(g, a, budget=2 * shape[0] * shape[3]))
     assert len(chunks) > 1 and torch.allclose(torch.cat(chunks, 1), V)
     weights = torch.randn(shape[0], dtype=torch.float64)
     for gg, aa, VV in ((g, a, V), (a, g, V.transpose(1, 2))):  # both sides of weighted_gradient
         torch.testing.assert_close(isopo.weighted_gradient(gg, aa, weights), torch.einsum("b,boi->oi", weights, VV))
-    rows = torch.tensor([5, 1, 2])
-    g0, a0 = g.flatten(0, 1)[rows], a.flatten(0, 1)[rows]
-    expected = torch.stack([explicit_fisher_norm(Vb, g0, a0) for Vb in V])
-    torch.testing.assert_close(isopo.fisher_norms(g, a, rows), expected, rtol=1e-12, atol=0)
+    rows = torch.tensor([[5, 1, 2], [0, 3, 4]])  # each block's own token rows
+    norms = isopo.fisher_norms(blocks(g), blocks(a), rows)
+    for block, Vs in enumerate((V, V.flip(0))):
+        gb, ab = blocks(g)[block].flatten(0, 1), blocks(a)[block].flatten(0, 1)
+        expected = torch.stack([explicit_fisher_norm(Vb, gb[rows[block]], ab[rows[block]]) for Vb in Vs])
+        torch.testing.assert_close(norms[block], expected, rtol=1e-12, atol=0)
 
 
 def test_preconditioner_is_the_regularized_solve():
     g, a = _random_layer(4, 3, 2, 2)  # 4 sequences, rank-deficient NTK (4 > 2·2)
-    K, A = isopo.ntk(g, a), torch.tensor([1.0, -2.0, 0.5, 0.0], dtype=torch.float64)
-    solved = torch.linalg.solve(K + 0.3 * torch.eye(4, dtype=torch.float64), A)
-    torch.testing.assert_close(isopo.preconditioned_weights(K, A, 0.3), solved, rtol=1e-10, atol=0)
-    torch.testing.assert_close(isopo.preconditioned_weights(K, A, 0.3, "authors"), 0.3 * solved, rtol=1e-10, atol=0)
-    K[1, 2] = float("nan")
+    K, A = isopo.ntk(g[None], a[None]), torch.tensor([[1.0, -2.0, 0.5, 0.0]], dtype=torch.float64)
+    solved = torch.linalg.solve(K[0] + 0.3 * torch.eye(4, dtype=torch.float64), A[0])
+    torch.testing.assert_close(isopo.preconditioned_weights(K, A, 0.3)[0], solved, rtol=1e-10, atol=0)
+    torch.testing.assert_close(isopo.preconditioned_weights(K, A, 0.3, "authors")[0], 0.3 * solved, rtol=1e-10, atol=0)
+    # two blocks with a c each: each its own solve
+    both = isopo.preconditioned_weights(torch.cat([K, 2 * K]), torch.cat([A, A]), torch.tensor([0.3, 0.6], dtype=torch.float64))
+    torch.testing.assert_close(both[0], solved, rtol=1e-10, atol=0)
+    torch.testing.assert_close(both[1], torch.linalg.solve(2 * K[0] + 0.6 * torch.eye(4, dtype=torch.float64), A[0]),
+                               rtol=1e-10, atol=0)
+    K[0, 1, 2] = float("nan")
     assert torch.isnan(isopo.preconditioned_weights(K, A, 0.3)).all()  # no eigh error: the step gets skipped
 
 
@@ -456,6 +485,25 @@ def test_llama_linear_layers_match_brute_force(tiny, float64_logprobs, variant):
         assert relative_error(grads[name], update) <= 1e-5, name
 
 
+def test_gradient_checkpointing_gives_the_same_gradients(tiny, float64_logprobs):
+    """--gradient-checkpointing re-runs each decoder layer's forward inside the backward: the ISOPO forwards run
+    again there (no "ran twice" error) and every gradient is the same."""
+    model, tokenizer = tiny
+    prompts, completions = two_group_rollouts(tokenizer)
+    batch = isopo.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
+    batch["advantages"] = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.0, -0.9, 0.4])
+    grads = []
+    for checkpointing in (False, True):
+        llama = type(model)(model.config)
+        llama.load_state_dict(model.state_dict())
+        llama = llama.double().train()
+        if checkpointing:
+            llama.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        grads.append(script_gradients(llama, make_args(variant="interacting"), batch, torch.arange(8), micro_size=4)[0])
+    for name in grads[0]:
+        assert relative_error(grads[1][name], grads[0][name]) <= 1e-12, name
+
+
 # --- IsopoGradients: scope and clear errors ---------------------------------------------------------------
 
 def test_isopo_forwards_are_idle_outside_capture():
@@ -483,7 +531,8 @@ def test_a_linear_called_twice_is_refused():
         model(input_ids=torch.tensor([[1, 2, 3]]))
 
 
-def test_a_parameter_used_outside_its_module_is_refused(float64_logprobs):
+def test_a_module_that_never_runs_is_refused(float64_logprobs):
+    """Its parameter is used outside its module's forward (which ISOPO cannot see): an error naming the module."""
     class Bypass(TinyLM):
         def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0):
             x = self.embed(input_ids) * self.norm.weight[0]  # norm.weight outside the norm's forward
@@ -506,12 +555,6 @@ def test_a_parameter_used_outside_its_module_is_refused(float64_logprobs):
 def test_bad_flag_values_name_the_flag(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         isopo.check_args(isopo.Args(**flags))
-
-
-def test_several_ranks_are_refused_with_a_reason(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="isopo.py runs on one rank .*FSDP2"):
-        isopo.check_args(isopo.Args(prompts_per_step=4))
 
 
 # --- the script ---------------------------------------------------------------------------------
@@ -582,3 +625,22 @@ def test_non_finite_update_skips_the_step(tmp_path, monkeypatch, tiny_dir):
     assert_weights_unchanged(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_dir)
     state = torch.load(os.path.join(run_dir, "checkpoints", "step_00000002", "trainer_state.pt"), weights_only=False)
     assert state["isopo"]["ema"] == {}  # skipped minibatches leave no trace in the regularization
+
+
+@pytest.mark.slow
+def test_two_ranks_end_to_end_and_exact_resume(tmp_path):
+    """torchrun, 2 ranks (gloo): 3 steps straight equal 2 steps then --resume to 3, with the regularization on (its
+    EMA, all-reduced over ranks, is part of the checkpoint); the per-layer statistics are logged. Both variants."""
+    for variant in ("non-interacting", "interacting"):
+        flags = ["--save-every", 2, *SMALL, "--reg-coef", 1.0, "--micro-batch-size", 4, "--variant", variant]
+        out = tmp_path / variant
+        torchrun(2, "algorithms/isopo.py", "--steps", 3, "--output-dir", out / "straight", *flags)
+        torchrun(2, "algorithms/isopo.py", "--steps", 2, "--output-dir", out / "split", *flags)
+        torchrun(2, "algorithms/isopo.py", "--steps", 3, "--output-dir", out / "split", "--resume", "auto", *flags)
+        straight, split = (read_jsonl(os.path.join(only_run_dir(out / n), "metrics.jsonl")) for n in ("straight", "split"))
+        assert [r["step"] for r in split] == [1, 2, 3]
+        statistic = "isopo/q_proj/reg_fisher" if variant == "non-interacting" else "isopo/q_proj/ntk_reg"
+        assert straight[-1][statistic] > 0
+        for a, b in zip(straight, split):
+            for key in ("charts/reward", "losses/policy_loss", "losses/grad_norm", statistic):
+                assert a[key] == pytest.approx(b[key], rel=1e-6), (variant, a["step"], key)
