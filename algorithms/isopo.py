@@ -12,10 +12,11 @@ v_i = ∇_{θ_l} log π_θ(o_i | q_i) (V_i as a matrix), M the minibatch's non-e
 
 the policy gradient g_l = (1/M) Σ_i A_i v_i (§1.2) becomes, non-interacting (default; §2, Alg. 2, Fig. 3),
     u_l = (1/M) Σ_i A_i s_i v_i,    s_i = reg2(‖v_i‖_F)^p · reg2(‖v_i‖)^q · reg2(‖v_i‖_F / ‖v_i‖)^r
-    ‖v_i‖_F ≈ sqrt(Σ_j (g0_j · V_i a0_j)²) / sqrt(Σ_j (‖g0_j‖ ‖a0_j‖)²)  (Eq. 6; g0_j, a0_j: --n-overlap token rows)
-    reg2(x) = sqrt(x² + λ·E[x²] + 1e-8),    E = EMA (decay 0.9) of trailing minibatch means, per layer
-(p, q, r: see --help) or, interacting (--variant interacting; §3, Alg. 6), with J = [v_1; ..; v_m] over a micro-batch,
-    u_l = (1/M) Σ_micro-batches Jᵀ (K + cI)⁻¹ A,  K = J Jᵀ (the layer's NTK),  c = --ntk-reg-coef × E[mean eig K]
+    ‖v_i‖_F ≈ sqrt(Σ_j (g0_j · V_i a0_j)²) / sqrt(Σ_j (‖g0_j‖ ‖a0_j‖)²)  (Eq. 6; g0_j, a0_j: --n-overlap token rows
+    of i's block of --block-size sequences), reg2(x) = sqrt(x² + λ·E[x²] + 1e-8), E = EMA (decay 0.9) of trailing
+    minibatch means, per layer
+(p, q, r: see --help) or, interacting (--variant interacting; §3, Alg. 6), with J = [v_1; ..; v_m] over a block,
+    u_l = (1/M) Σ_blocks Jᵀ (K + cI)⁻¹ A,  K = J Jᵀ (the layer's NTK),  c = --ntk-reg-coef × E[mean eig K]
 AdamW steps on −u_l; every other parameter (embeddings, norms, biases) takes (1/M) Σ_i A_i ∇ log π (REINFORCE).
 
 What this file changes relative to grpo.py: no loss, ratio or clip; one backward of Σ log π builds every gradient
@@ -369,7 +370,7 @@ class IsopoGradients:
                 getattr(metrics, how)(f"isopo/{group}/{key}", values)
         self.log = {}
 
-    def _armed(self, name, module, output_batch=None):  # the micro-batch, if this call builds ISOPO gradients
+    def _armed(self, name, module):  # the micro-batch, if this call builds ISOPO gradients
         micro = self.micro
         if micro is None or not torch.is_grad_enabled():
             return None  # rollouts, evaluation, no-grad passes: the module's own forward
@@ -390,11 +391,9 @@ class IsopoGradients:
         through_parameters = forward(*map(detach, args), **{k: detach(v) for k, v in kwargs.items()})
         if any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*args, *kwargs.values())):
             frozen = {n: p.detach() for n, p in module.named_parameters(recurse=False)}
-            micro["bypass"] = module  # functional_call calls module(...), which comes back here
-            try:
-                through_inputs = torch.func.functional_call(module, frozen, args, kwargs)
-            finally:
-                micro["bypass"] = None
+            micro["bypass"] = module  # functional_call calls module(...), which comes back here: the plain forward
+            through_inputs = torch.func.functional_call(module, frozen, args, kwargs)
+            micro["bypass"] = None
         else:  # e.g. the embedding lookup of token ids
             through_inputs = through_parameters.detach()
         out = through_parameters
@@ -810,8 +809,10 @@ if __name__ == "__main__":
 # Paper scale: the paper's setting (§2.1; run.sh of the authors' code), Qwen3-0.6B on GSM8K on one GPU
 #   python algorithms/isopo.py --model Qwen/Qwen3-0.6B --task gsm8k --eval-task gsm8k \
 #       --steps 102 --prompts-per-step 128 --group-size 8 --max-prompt-tokens 512 --max-new-tokens 2048 \
-#       --lr 2e-6 --weight-decay 0.01 --num-minibatches 2 --block-size 8 --dtype bfloat16 \
+#       --lr 2e-6 --weight-decay 0.01 --num-minibatches 2 --block-size 8 --micro-batch-size 8 --dtype bfloat16 \
 #       --rollout-engine vllm --eval-every 10 --eval-prompts 1319 --eval-k 1 --log-kl-ref --track
+#   (micro-batches of one block: ISOPO keeps full [B, T, vocabulary] logits, whose gradient lm_head's update needs);
+#   on N GPUs the same flags after `torchrun --nproc_per_node N` (N dividing 128: every rank holds whole groups)
 #   add --variant interacting for Fig. 7, --p 0 --q -1 --r -2 for Fig. 4, --p 0 --q -1 for Fig. 5 (yellow)
 #
 # Differences from the authors' code (commit 2686cda), each deliberate. There, non-Linear parameters (RMSNorm, untied

@@ -588,13 +588,14 @@ def test_both_variants_two_steps_end_to_end(tmp_path, tiny_dir):
         assert not torch.equal(p, q), name  # every parameter trained (norms and the tied embedding included)
 
     run_script("algorithms/isopo.py", "--steps", 2, "--output-dir", tmp_path / "interacting", *SMALL, "--variant",
-               "interacting", "--num-minibatches", 2, "--micro-batch-size", 5, "--log-kl-ref", "--lr", 1e-3)
+               "interacting", "--num-minibatches", 2, "--block-size", 5, "--micro-batch-size", 10, "--log-kl-ref", "--lr", 1e-3)
     first, last = read_jsonl(os.path.join(only_run_dir(tmp_path / "interacting"), "metrics.jsonl"))
     assert first["charts/zero_std_group_fraction"] < 1  # this seed's first batch carries signal
     for key in LOGGED + ["losses/kl_ref"] + [f"isopo/{g}/{k}" for g in GROUPS
                                             for k in ["ntk_eig_mean", "ntk_eig_max", "ntk_reg", "shrink"]]:
         assert isinstance(first[key], float), key
-    assert first["losses/approx_kl"] > 0  # the second minibatch is trained off-policy, uncorrected
+    # the second minibatch is trained off-policy, uncorrected (unless the first one's groups all had equal rewards)
+    assert max(first["losses/approx_kl"], last["losses/approx_kl"]) > 0
     assert last["losses/kl_ref"] > 0  # the first step moved the policy away from the initial one
     assert 0 < first["isopo/lm_head/shrink"] < 1 and first["isopo/lm_head/ntk_reg"] > 0
     assert first["isopo/q_proj/ntk_eig_max"] >= first["isopo/q_proj/ntk_eig_mean"]
@@ -632,7 +633,7 @@ def test_two_ranks_end_to_end_and_exact_resume(tmp_path):
     """torchrun, 2 ranks (gloo): 3 steps straight equal 2 steps then --resume to 3, with the regularization on (its
     EMA, all-reduced over ranks, is part of the checkpoint); the per-layer statistics are logged. Both variants."""
     for variant in ("non-interacting", "interacting"):
-        flags = ["--save-every", 2, *SMALL, "--reg-coef", 1.0, "--micro-batch-size", 4, "--variant", variant]
+        flags = ["--save-every", 2, *SMALL, "--reg-coef", 1.0, "--block-size", 4, "--variant", variant]
         out = tmp_path / variant
         torchrun(2, "algorithms/isopo.py", "--steps", 3, "--output-dir", out / "straight", *flags)
         torchrun(2, "algorithms/isopo.py", "--steps", 2, "--output-dir", out / "split", *flags)

@@ -102,8 +102,9 @@ def test_a_non_finite_step_leaves_the_weights_untouched(name, tmp_path, monkeypa
     assert_weights_unchanged(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_dir)
 
 
-# ISOPO's statistics are those of a micro-batch: micro-batches of one group each are the same on 1 and 2 ranks
-ISOPO_BLOCKS = {"isopo": '{"micro_batch_size": 4, "reg_coef": 1.0}', "isopo interacting": '{"micro_batch_size": 4, "variant": "interacting"}'}
+# ISOPO's statistics are those of a block: blocks of one group each are the same on 1 and 2 ranks
+ISOPO_BLOCKS = {"isopo": '{"block_size": 4, "micro_batch_size": 8, "reg_coef": 1.0}',
+                "isopo interacting": '{"block_size": 4, "micro_batch_size": 8, "variant": "interacting"}'}
 
 
 @pytest.mark.slow
@@ -145,7 +146,7 @@ def _updated(algorithm, model, tokenizer, prompts, completions, rewards, args, m
 
 
 # micro-batches of 3: the last one holds only empty rows. Not for ISOPO, whose statistics are those of a
-# micro-batch (another partition of the real rows is another update)
+# block (another partition of the real rows is another update)
 @pytest.mark.parametrize("name, micro_batch_size", [(n, 16) for n in ALGORITHMS] + [(n, 3) for n in ALGORITHMS if n != "isopo"])
 def test_empty_completions_add_nothing(name, micro_batch_size, tiny):
     """A group of empty completions (no response token) neither contributes nor dilutes the mean: the
