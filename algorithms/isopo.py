@@ -387,7 +387,7 @@ class IsopoGradients:
     def _module_forward(self, name, module, forward, *args, **kwargs):
         if (micro := self._armed(name, module)) is None or micro.get("bypass") is module:
             return forward(*args, **kwargs)
-        detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E732
+        detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
         through_parameters = forward(*map(detach, args), **{k: detach(v) for k, v in kwargs.items()})
         if any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*args, *kwargs.values())):
             frozen = {n: p.detach() for n, p in module.named_parameters(recurse=False)}
