@@ -184,24 +184,25 @@ class Args:
 # (its inputs), with a leading [n] for n blocks at once; V_i = Σ_t g_it a_itᵀ over row i's non-pad positions (prompt
 # too) is ∇ log π(o_i | q_i).
 def overlap_rows(valid: torch.Tensor, n: int) -> torch.Tensor:
-    """Eq. 6's sample (Alg. 2 line 6), per block: n distinct indices into its b·T token rows [blocks, n], uniform among
-    its non-pad rows `valid` [blocks, b, T]."""
+    """Eq. 6's sample (Alg. 2 line 6), per block: distinct indices into its b·T token rows, uniform among its non-pad
+    rows `valid` [blocks, b, T]; [blocks, min(n, most non-pad rows in a block)] (a block with fewer gets pads: 0)."""
     valid = valid.flatten(1)
-    if valid.shape[1] <= n:  # every row (pads add 0): no draw needed
-        return torch.arange(valid.shape[1], device=valid.device).expand(len(valid), -1)
     keys = torch.rand(valid.shape, device=valid.device).masked_fill(~valid, 2.0)
-    return keys.topk(n, dim=1, largest=False).indices
+    return keys.topk(min(n, int(valid.sum(1).max())), dim=1, largest=False).indices
 
 
-def fisher_norms(g: torch.Tensor, a: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Eq. 6's estimate of ‖v_i‖_F [blocks, b] over each block's token rows `rows`, in k·b·T·(out+in) FLOPs per block:
-    no V_i is formed."""
+def fisher_norms(g: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Eq. 6's estimate of ‖v_i‖_F [blocks, b] over each block's token rows `rows`, in k·N·(out+in) FLOPs per block of N
+    non-pad rows (`valid` [blocks, b, T]; None: every row): no V_i is formed."""
     n, b, T, _ = g.shape
-    g, a = g.flatten(1, 2), a.flatten(1, 2)  # [blocks, b·T, features]
-    block = torch.arange(n, device=g.device)[:, None]
+    g, a, block = g.flatten(1, 2), a.flatten(1, 2), torch.arange(n, device=g.device)[:, None]
     g0, a0 = g[block, rows], a[block, rows]  # [blocks, k, out], [blocks, k, in]
-    # g0_j · V_i a0_j = Σ_t (g0_j · g_it)(a0_j · a_it) (Eq. 4): [blocks, b, k]
-    overlaps = ((g @ g0.mT) * (a @ a0.mT)).view(n, b, T, -1).sum(2)
+    tokens = (torch.arange(b * T, device=g.device).expand(n, -1) if valid is None else  # the non-pad rows first
+              valid.flatten(1).float().argsort(dim=1, descending=True, stable=True)[:, : int(valid.flatten(1).sum(1).max())])
+    # (g0_j · g_t)(a0_j · a_t) per token row t, summed over the t of sequence i: g0_j · V_i a0_j (Eq. 4), [blocks, b, k]
+    products = (g[block, tokens] @ g0.mT) * (a[block, tokens] @ a0.mT)
+    overlaps = products.new_zeros(n * b, rows.shape[1]).index_add_(0, (block * b + tokens // T).flatten(),
+                                                                    products.flatten(0, 1)).view(n, b, -1)
     return overlaps.norm(dim=-1) / ((g0.norm(dim=-1) * a0.norm(dim=-1)).norm(dim=-1, keepdim=True) + 1e-12)  # Eq. 5
 
 
@@ -432,7 +433,7 @@ class IsopoGradients:
     def _scales(self, name, group, g, a, valid):  # non-interacting: Fig. 3's s_i from Eq. 6 (and ‖v_i‖ for q, r)
         args = self.args
         rows = overlap_rows(valid, args.n_overlap)
-        quantities = {"fisher": fisher_norms(g, a, rows)}  # [blocks, b]
+        quantities = {"fisher": fisher_norms(g, a, rows, valid)}  # [blocks, b]
         if args.q or args.r:
             euclid = sequence_norms(g.flatten(0, 1), a.flatten(0, 1)).view_as(quantities["fisher"])
             quantities.update(euclid=euclid, rel=quantities["fisher"] / (euclid + 1e-12))
