@@ -11,7 +11,9 @@ the temperature, full vocabulary: top_p = 1 and no top-k, as RL needs), and why 
 
 `HFEngine` is transformers' `generate`. It shares the trainer's module when the dtypes agree (then a
 weight push costs nothing), or keeps its own copy in another dtype (`dtype="bfloat16"`), which is how
-to produce a real train-inference mismatch on a CPU. `VLLMEngine` is vLLM in the same process.
+to produce a real train-inference mismatch on a CPU. With `quantize="fp8"` or `"int8"` its copy's Linear
+weights are rounded as a low-precision inference engine stores them (compute stays in the trainer's
+dtype): the low-precision-rollout setting. `VLLMEngine` is vLLM in the same process.
 """
 
 from __future__ import annotations
@@ -53,17 +55,36 @@ class _RecordSampledLogprobs(LogitsProcessor):
             self.previous = None
 
 
+QUANTIZED_DTYPES = {"fp8": 448.0, "int8": 127.0}  # the largest magnitude each format stores (float8 e4m3, int8)
+
+
+def round_weight(weight: torch.Tensor, kind: str, per_channel: bool = True) -> torch.Tensor:
+    """`weight` [out, in] rounded through `kind` and scaled back, in its own dtype: fp8 (float8 e4m3) or symmetric int8,
+    with scale = absmax / largest value, per output channel (row) or for the whole tensor."""
+    absmax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().amax()
+    scale = (absmax.float() / QUANTIZED_DTYPES[kind]).clamp(min=1e-30)
+    scaled = weight.float() / scale
+    rounded = scaled.to(torch.float8_e4m3fn).float() if kind == "fp8" else scaled.round().clamp(-127, 127)
+    return (rounded * scale).to(weight.dtype)
+
+
 class HFEngine:
     """Sampling with transformers' `generate` (the fallback when vLLM is absent; the CPU default)."""
 
     def __init__(self, model, tokenizer, dtype: torch.dtype | None = None, max_batch_size: int = 1024,
-                 share_weights: bool = True):
+                 share_weights: bool = True, quantize: str | None = None):
         same_dtype = dtype is None or dtype == next(model.parameters()).dtype
-        if share_weights and same_dtype:
+        if share_weights and same_dtype and quantize is None:
             self.model, self.shares_trainer_weights = model, True
-        else:  # its own copy: another dtype, or a trainer whose weights will be sharded across ranks
+        else:  # its own copy: another dtype, rounded weights, or a trainer whose weights will be sharded across ranks
             self.model, self.shares_trainer_weights = copy.deepcopy(model).to(dtype), False
         self.dtype = next(self.model.parameters()).dtype
+        # quantize: every Linear weight but the output layer's (which is also the embedding when tied), as
+        # weight-quantized inference engines do; rounded again after each weight push
+        output = self.model.get_output_embeddings()
+        self.quantize, self.quantized = quantize, [
+            m.weight for m in self.model.modules() if quantize and isinstance(m, torch.nn.Linear) and m is not output]
+        self._round_weights()
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = sorted(set(_eos_ids(model, tokenizer)) | set(end_of_turn_ids(tokenizer)))
         self.max_batch_size = max_batch_size
@@ -132,6 +153,12 @@ class HFEngine:
         for name, tensor in named_tensors:
             if name in own:
                 own[name].copy_(tensor)
+        self._round_weights()
+
+    @torch.no_grad()
+    def _round_weights(self) -> None:
+        for weight in self.quantized:
+            weight.copy_(round_weight(weight, self.quantize))
 
     def sleep(self) -> None:  # nothing to free: the engine owns no cache between calls
         pass
@@ -288,19 +315,22 @@ def make_engine(kind: str, model, tokenizer, dtype: str = "auto", share_weights:
                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False, device=None):
     """`kind`: "hf", "vllm", or "auto" (vLLM when it is installed and a GPU is present, else hf).
     `dtype`: "auto" (hf: the trainer's; vllm: bfloat16 on GPU, float32 on CPU), or "float32" /
-    "bfloat16" / "float16" (hf then keeps its own copy in that dtype).
+    "bfloat16" / "float16" (hf then keeps its own copy in that dtype), or (hf only) "fp8" / "int8": a copy
+    in the trainer's dtype whose Linear weights are rounded through float8 e4m3 / int8, per output channel.
     `share_weights`: the hf engine may generate with the trainer's own module (one process).
     vLLM options: `model_path` (the weights to start from), `max_model_len`, `seed`,
     `gpu_memory_utilization`, `sleep_mode`. Build a vLLM engine before the trainer fills the GPU."""
-    if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ValueError(f"unknown engine dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    if dtype not in ("auto", "float32", "bfloat16", "float16", *QUANTIZED_DTYPES):
+        raise ValueError(f"unknown engine dtype {dtype!r}: use auto, float32, bfloat16, float16, fp8 or int8")
+    if engine_kind(kind) == "vllm" and dtype in QUANTIZED_DTYPES:
+        raise ValueError(f"engine dtype {dtype}: rounded weights are the transformers engine's (--rollout-engine hf)")
     if engine_kind(kind) == "vllm":
         if dtype == "auto":
             dtype = "bfloat16" if torch.cuda.is_available() else "float32"
         return VLLMEngine(model_path or model.name_or_path, dtype, max_model_len, seed, gpu_memory_utilization, sleep_mode,
                           stop_token_ids=end_of_turn_ids(tokenizer))
-    engine = HFEngine(model, tokenizer, dtype=None if dtype == "auto" else getattr(torch, dtype),
-                      share_weights=share_weights)
+    engine = HFEngine(model, tokenizer, dtype=None if dtype in ("auto", *QUANTIZED_DTYPES) else getattr(torch, dtype),
+                      share_weights=share_weights, quantize=dtype if dtype in QUANTIZED_DTYPES else None)
     if device is not None:
         engine.model.to(device)
     return engine

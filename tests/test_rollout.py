@@ -1,5 +1,7 @@
 """The HF rollout engine: completions, finish reasons, and sampler log-probs that match the trainer."""
 
+import os
+
 import pytest
 import torch
 
@@ -132,3 +134,84 @@ def test_chat_models_stop_at_the_end_of_turn_token(tiny):
     stopped = engine._trim([digit, im_end, digit], [-0.1, -0.2, -0.3])
     assert stopped.token_ids == [digit, im_end] and stopped.finish_reason == "stop"
     assert chat.decode(stopped.token_ids, skip_special_tokens=True) == "7"  # the reward sees the answer alone
+
+
+# --- quantized rollouts: Linear weights rounded through fp8 (e4m3) or int8 -----------------------
+
+def _nearest(values, grid):
+    """Round each value to the nearest point of `grid` by brute force (an independent reference)."""
+    return grid[(values.reshape(-1, 1) - grid.reshape(1, -1)).abs().argmin(1)].reshape(values.shape)
+
+
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_rounded_weights_are_the_nearest_representable_values(kind, per_channel):
+    from common.rollout import round_weight
+
+    weight = torch.randn(6, 40, dtype=torch.float64) * torch.logspace(-3, 1, 6, dtype=torch.float64)[:, None]
+    rounded = round_weight(weight, kind, per_channel)
+    if kind == "fp8":  # every finite float8 e4m3 value, from its 256 bit patterns
+        grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+        grid = grid[torch.isfinite(grid)]
+    else:
+        grid = torch.arange(-127, 128, dtype=torch.float64)
+    largest = grid.max()
+    for row in range(6):
+        absmax = weight[row].abs().max() if per_channel else weight.abs().max()
+        scale = (absmax / largest).float().double()  # the scale is kept in float32, as the function keeps it
+        expected = _nearest(weight[row] / scale, grid) * scale
+        torch.testing.assert_close(rounded[row], expected, rtol=1e-6, atol=0)
+    assert not torch.equal(rounded, weight)
+    if per_channel:  # e4m3 keeps 3 mantissa bits (relative error <= 2^-4 near a row's absmax); int8 half a step
+        row_max = weight.abs().amax(1, keepdim=True)
+        if kind == "fp8":
+            assert ((rounded - weight).abs() / weight.abs())[weight.abs() > row_max / 64].max() <= 2**-4
+        else:
+            assert ((rounded - weight).abs() / row_max).max() <= 0.5 / 127 + 1e-9
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_quantized_engine_rounds_its_linear_weights_and_shows_a_mismatch(tiny, kind):
+    """The engine's copy: decoder Linear weights rounded (again after every push), the tied embedding / output
+    layer and the norms exact, the trainer's module untouched; its log-probs differ from the trainer's."""
+    from common.rollout import round_weight
+
+    model, tokenizer = tiny
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    engine = make_engine("hf", model, tokenizer, dtype=kind)
+    assert not engine.shares_trainer_weights and engine.dtype == torch.float32
+    names = dict(engine.model.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name  # the trainer's weights are not rounded
+        if name.endswith("proj.weight"):
+            assert not torch.equal(names[name], p) and torch.equal(names[name], round_weight(p, kind)), name
+        else:  # the embedding (tied output layer) and the norms
+            assert torch.equal(names[name], p), name
+    nudged = {name: p + 1e-3 for name, p in model.named_parameters()}
+    engine.load_weights(nudged.items())
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(names[q_proj], round_weight(nudged[q_proj], kind))
+    engine.load_weights(before.items())
+    torch.manual_seed(0)
+    prompts = _prompt_ids(tokenizer)
+    completions = engine.generate(prompts, n=4, max_new_tokens=6, temperature=1.0)
+    differences = torch.cat([torch.tensor(c.logprobs, dtype=torch.float64)
+                             - _reference_logprobs(model, prompts[i // 4], c.token_ids, 1.0)
+                             for i, c in enumerate(completions)]).abs()
+    assert differences.max() > 1e-4  # a real train-inference mismatch
+    with pytest.raises(ValueError, match="engine dtype int8: rounded weights are the transformers engine's"):
+        make_engine("vllm", model, tokenizer, dtype="int8")
+
+
+@pytest.mark.slow
+def test_a_script_logs_the_quantized_engines_mismatch(tmp_path):
+    """--engine-dtype int8 end to end (tis_icepop.py, whose corrections are for this): the mismatch is logged and
+    is far above that of the float32 engine, which shares the trainer's weights (float noise)."""
+    from helpers import only_run_dir, read_jsonl, run_script
+
+    for dtype in ("auto", "int8"):
+        run_script("algorithms/tis_icepop.py", "--steps", 2, "--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0,
+                   "--engine-dtype", dtype, "--output-dir", tmp_path / dtype)
+    plain, rounded = (read_jsonl(os.path.join(only_run_dir(tmp_path / d), "metrics.jsonl"))[-1] for d in ("auto", "int8"))
+    assert plain["mismatch/kl_k3"] < 1e-7 and rounded["mismatch/kl_k3"] > 100 * plain["mismatch/kl_k3"] + 1e-6
+    assert rounded["mismatch/max_abs_logprob_diff"] > 1e-3
