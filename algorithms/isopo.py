@@ -464,11 +464,11 @@ class IsopoGradients:
         self._log(group, "ntk_eig_max", eigenvalues, how="max")
         self._log(group, "ntk_reg", c)  # c = --ntk-reg-coef × E[mean eig K]
         # ‖c (K + cI)⁻¹ A‖ / ‖A‖ per block: 1 = vanilla policy gradient, → 0 = damped; NaN (left out) when every A_i = 0
-        c = torch.as_tensor(c, device=K.device).reshape(-1, 1)
+        c = torch.as_tensor(c, device=K.device).reshape(-1, 1).expand(len(K), 1)  # one per block
         damped = preconditioned if self.args.ntk_scale == "authors" else c * preconditioned
         self._log(group, "shrink", damped.norm(dim=1) / weights.norm(dim=1))
         for i in range(len(K)) if self.trace is not None else ():  # one entry per block
-            self.trace.append({"layer": name, "K": K[i], "c": c[min(i, len(c) - 1), 0], "weights": preconditioned[i]})
+            self.trace.append({"layer": name, "K": K[i], "c": c[i, 0], "weights": preconditioned[i]})
         return preconditioned
 
     def _log(self, group, key, values, how="mean"):  # kept as they are (record() reduces them): no device sync here
