@@ -51,7 +51,7 @@ from common import fsdp
 from common.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
 from common.evaluate import evaluate
 from common.logprobs import output_layer_scores
-from common.reward import encode_prompts, load_task
+from common.reward import MIN_NEW_TOKENS, encode_prompts, load_task
 from common.rollout import load_tokenizer, make_engine
 from common.sampling import GroupSampler
 from common.tiny import resolve_model
@@ -73,7 +73,7 @@ class Args:
     model: str = "tiny"
     """`tiny` (the built-in offline model), a Hugging Face model id or a local folder"""
     task: str = "arith"
-    """training task: arith (built-in), gsm8k, math, math500, dapo_math, aime24, aime25, or a .jsonl/.json/.parquet file"""
+    """training task: arith or sums (built-in; sums: written reasoning, with --max-new-tokens 48), gsm8k, math, math500, dapo_math, aime24, aime25, or a .jsonl/.json/.parquet file"""
     eval_task: str | None = None
     """held-out task (its test split); defaults to --task"""
     question_column: str = "question"
@@ -94,8 +94,8 @@ class Args:
     """vllm: fraction of GPU memory for the engine (weights and KV cache); the trainer gets the rest"""
     vllm_sleep_mode: bool = False
     """vllm on GPU: free the engine's GPU memory while training (sleep level 1)"""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """trainer compute dtype (weights stay float32); auto = bfloat16 on GPU, float32 on CPU"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """trainer compute dtype (weights stay float32); auto = bfloat16 on GPU, float32 on CPU; float16 scales the loss (dynamic loss scale)"""
     cpu_offload: bool = False
     """with several ranks (torchrun), keep sharded parameters and optimizer state in CPU memory"""
     gradient_checkpointing: bool = False
@@ -358,7 +358,7 @@ PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/re
 # END TRY NOT TO MODIFY
 
 
-def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics) -> int:
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics) -> int:
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
     Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     # old log-probs only when π_θ will move away from π_old within this batch. With one update per batch
@@ -414,7 +414,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
                 # END ALGO LOGIC
-                (loss * dist.world_size).backward()
+                scaler.scale(loss * dist.world_size).backward()  # float16: scaled (otherwise the loss as it is)
                 minibatch_loss += loss.item()
                 with torch.no_grad():  # statistics of the response tokens
                     log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
@@ -430,13 +430,15 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                         record_mismatch(metrics, old_logprobs, micro["sampler_logprobs"], mask)
             # TRY NOT TO MODIFY: the optimizer step; a step whose loss or gradient norm is not finite is
             # skipped (counted in charts/skipped_steps), so weights never become NaN
+            scaler.unscale_(optimizer)  # float16: the gradients divided by the loss scale, before clipping
             grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)
             if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)):
-                optimizer.step()
+                scaler.step(optimizer)  # optimizer.step() (float16: after the scaler's own overflow check)
                 scheduler.step()
             else:
                 skipped += 1
+            scaler.update()  # float16: halve the scale after an overflow, double it after 2000 clean steps
             optimizer.zero_grad(set_to_none=True)
             # the loss of all ranks and the global norm (before clipping): the same numbers on every rank
             metrics.mean("losses/policy_loss", minibatch_loss, 1)
@@ -448,7 +450,8 @@ def check_args(args: Args) -> None:
     problems = [f"--{name} must be {rule}" for name, bad, rule in [
         ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
         ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
-        ("max-new-tokens", args.max_new_tokens < 1, ">= 1"),
+        ("max-new-tokens", args.max_new_tokens < MIN_NEW_TOKENS.get(args.task, 1),
+         f">= {MIN_NEW_TOKENS.get(args.task, 1)} for task {args.task} (its longest completion)"),
         ("max-sampling-rounds", args.max_sampling_rounds < 1, ">= 1"),
         ("overlong-buffer", not 0 <= args.overlong_buffer < args.max_new_tokens, "in [0, --max-new-tokens)"),
         ("temperature", not args.temperature > 0, "> 0"),
@@ -486,12 +489,17 @@ def main(args: Args) -> None:
 
     disable_progress_bar()  # no "Loading weights" bars: the training bar is the one to watch
 
-    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; bf16 autocast over float32 weights)
+    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; bf16 / fp16 autocast over float32 weights)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device = dist.device
-    bfloat16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=bfloat16)
+    compute_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+                     "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    autocast = torch.autocast(device.type, compute_dtype, enabled=compute_dtype != torch.float32)
+    # float16 (5 exponent bits) flushes small gradients to zero: the loss is multiplied by a scale that halves
+    # whenever the gradients overflow (that step is skipped) and doubles after 2000 clean steps (Micikevicius
+    # et al. 2018, arXiv:1710.03740); torch's GradScaler, whose overflow check FSDP2 reduces over ranks
+    scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)
     run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
     checkpoint = find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
     if checkpoint:  # <run_dir>/checkpoints/step_N
@@ -501,7 +509,7 @@ def main(args: Args) -> None:
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
     eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)[: args.eval_prompts]
-    args.model = resolve_model(args.model)
+    args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     train_rows, prompts = encode_prompts(train_rows, tokenizer, args.task, args.chat_template, args.max_prompt_tokens)
 
@@ -537,7 +545,7 @@ def main(args: Args) -> None:
     # rollouts: each rank takes whole groups of G completions (group statistics are one process's), with the
     # sampler's log-probs μ, rewarded 1 for a correct answer, else 0, plus DAPO's overlong penalty (Eq. 13)
     sampler = GroupSampler(engine, tokenizer, prompts, train_rows, dist, args.prompts_per_step, args.group_size,
-                           args.max_new_tokens, args.temperature, args.seed, bare=args.task == "arith",
+                           args.max_new_tokens, args.temperature, args.seed, task=args.task,
                            overlong_buffer=args.overlong_buffer, mask_truncated=args.mask_truncated,
                            dynamic=args.dynamic_sampling, max_rounds=args.max_sampling_rounds)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
@@ -556,7 +564,7 @@ def main(args: Args) -> None:
         # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
         with metrics.timer("time/train"):
             engine.sleep()
-            skipped_steps += update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, metrics)
+            skipped_steps += update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics)
 
         # TRY NOT TO MODIFY: 5. push the new weights to the engine (every rank gathers each full tensor in turn)
         with metrics.timer("time/weight_sync"):

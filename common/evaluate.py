@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from math import comb
 from typing import Literal
 
-from common.reward import check_answer, encode_prompt
+from common.reward import encode_prompt, score
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -41,15 +41,14 @@ def evaluate(
         weighted = all_reduce_dict({key: value * len(local_rows) for key, value in local.items()}, dist)
         return {key: value / all_reduce(len(local_rows), dist) for key, value in weighted.items()}
     prompts = [encode_prompt(row.question, tokenizer, task, use_chat_template) for row in rows]
-    bare = task == "arith"
 
-    greedy = score_completions(engine.generate(prompts, 1, max_new_tokens, 0.0), rows, 1, tokenizer, bare)
+    greedy = score_completions(engine.generate(prompts, 1, max_new_tokens, 0.0), rows, 1, tokenizer, task)
     metrics = {
         "eval/greedy_accuracy": sum(s.correct for s in greedy) / len(rows),
         "eval/greedy_no_answer_rate": sum(not s.found for s in greedy) / len(rows),
     }
     if k > 0:
-        sampled = score_completions(engine.generate(prompts, k, max_new_tokens, temperature), rows, k, tokenizer, bare)
+        sampled = score_completions(engine.generate(prompts, k, max_new_tokens, temperature), rows, k, tokenizer, task)
         correct_per_prompt = [sum(s.correct for s in sampled[i * k : (i + 1) * k]) for i in range(len(rows))]
         metrics[f"eval/avg@{k}"] = sum(correct_per_prompt) / (k * len(rows))
         for j in sorted({2**i for i in range(k.bit_length()) if 2**i <= k} | {k}):
@@ -57,16 +56,16 @@ def evaluate(
     return metrics
 
 
-def score_completions(completions, rows, n: int, tokenizer, bare: bool):
+def score_completions(completions, rows, n: int, tokenizer, task: str):
     """Score each completion against its prompt's gold answer (prompt i owns completions[i*n:(i+1)*n])."""
     texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-    return [check_answer(text, rows[i // n].answer, bare) for i, text in enumerate(texts)]
+    return [score(text, rows[i // n].answer, task) for i, text in enumerate(texts)]
 
 
 @dataclass
 class EvalArgs:
     model: str = "tiny"
-    """a checkpoint folder, a Hugging Face model id or local folder, or `tiny`"""
+    """a checkpoint folder, a Hugging Face model id or local folder, or `tiny` (the built-in model of --task)"""
     task: str = "arith"
     """task whose test split is scored (as in the training scripts' --task)"""
     k: int = 16
@@ -98,16 +97,19 @@ def main() -> None:
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.reward import load_task
+    from common.reward import MIN_NEW_TOKENS, load_task
     from common.rollout import engine_kind, load_tokenizer, make_engine
     from common.tiny import resolve_model
 
     args = tyro.cli(EvalArgs, description="Score a model on a task's test split: greedy, avg@k, pass@j.")
     if args.k < 1:
         raise ValueError("--k must be >= 1")
+    if args.max_new_tokens < MIN_NEW_TOKENS.get(args.task, 1):
+        raise ValueError(f"--max-new-tokens must be >= {MIN_NEW_TOKENS.get(args.task, 1)} for task {args.task} "
+                         "(its longest completion)")
     torch.manual_seed(args.seed)
     rows = load_task(args.task, "test", args.question_column, args.answer_column)[: args.prompts]
-    path = resolve_model(args.model)
+    path = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(path)
     # the engine's context holds the longest prompt plus --max-new-tokens (the trainer bounds it the same
     # way): checked before any weights are loaded

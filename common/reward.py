@@ -1,14 +1,16 @@
 """Tasks (prompt + gold answer) and answer checking.
 
     rows = load_task("arith", "train")            # built-in, offline, deterministic
+    rows = load_task("sums", "train")             # built-in: sums with a written scratchpad
     rows = load_task("gsm8k", "test")             # Hugging Face datasets (needs the hub once)
     rows = load_task("data/my.jsonl", "train", question_column="q", answer_column="a")
     prompt = format_prompt(rows[0].question, tokenizer, task="gsm8k")
     score = check_answer(completion_text, rows[0].answer)   # Score(correct, found)
 
 Answer checking extracts the final answer (the last \\boxed{...}, else the last `#### x`, else the
-last `Answer: x`; for the built-in task the whole completion) and compares it with the gold answer:
-plain numbers exactly, anything else with math-verify. math-verify's timeouts are signals, which
+last `Answer: x`; for the built-in `arith` task the whole completion) and compares it with the gold
+answer: plain numbers exactly, anything else with math-verify (the built-in tasks accept plain numbers
+only). math-verify's timeouts are signals, which
 cannot interrupt sympy inside C code (`1E55910418` hangs it), so it runs in a worker process that is
 killed when it overruns a deadline. The built-in task accepts plain numbers only.
 """
@@ -94,6 +96,7 @@ HUB_TASKS: dict[str, HubTask] = {
 }
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 ARITH_TEST_SIZE = 500
+SUMS_TEST_SIZE, SUMS_TRAIN_SIZE = 500, 20_000
 
 
 def arith_rows(split: str, seed: int = 1234) -> list[Row]:
@@ -107,21 +110,54 @@ def arith_rows(split: str, seed: int = 1234) -> list[Row]:
     return [Row(f"Q: {a}+{b}=", str(a + b)) for a, b in chosen]
 
 
+def sums_scratchpad(numbers) -> str:
+    """The written reasoning of the `sums` task: one running sum per step, then the answer after ####.
+    (37, 48, 91) -> `37+48=85,85+91=176 #### 176`."""
+    steps, total = [], numbers[0]
+    for number in numbers[1:]:
+        steps.append(f"{total}+{number}={total + number}")
+        total += number
+    return f"{','.join(steps)} #### {total}"
+
+
+def sums_rows(split: str, seed: int = 4321) -> list[Row]:
+    """The built-in reasoning task: `Q: 37+48+91=`, three or four numbers in 10..99, whose completion is
+    written out step by step (`sums_scratchpad`); the gold answer is the sum. Responses are 20-40
+    tokens of the character-level tiny model, and their format tokens (`+`, `=`, `,`, ` #### `) are the
+    same in right and wrong answers.
+
+    Distinct number lists are drawn with a fixed seed, 500 for the test split, then 20,000 for the
+    training split: disjoint, and identical on every machine."""
+    generator, seen, chosen = random.Random(seed), set(), []
+    while len(chosen) < SUMS_TEST_SIZE + SUMS_TRAIN_SIZE:
+        numbers = tuple(generator.randint(10, 99) for _ in range(generator.choice((3, 4))))
+        if numbers not in seen:
+            seen.add(numbers)
+            chosen.append(numbers)
+    chosen = chosen[:SUMS_TEST_SIZE] if split == "test" else chosen[SUMS_TEST_SIZE:]
+    return [Row(f"Q: {'+'.join(map(str, numbers))}=", str(sum(numbers))) for numbers in chosen]
+
+
+BUILT_IN_TASKS = {"arith": arith_rows, "sums": sums_rows}  # offline, answers are plain numbers
+# --max-new-tokens a task needs: room for its longest completion and EOS (99+99=198,198+99=297,297+99=396 #### 396)
+MIN_NEW_TOKENS = {"sums": 41}
+
+
 def load_task(
     name_or_path: str, split: str, question_column: str = "question", answer_column: str = "answer"
 ) -> list[Row]:
     """Rows (question, gold answer) of a named task or a local .jsonl / .json / .parquet file."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    if name_or_path == "arith":
-        return arith_rows(split)
+    if name_or_path in BUILT_IN_TASKS:
+        return BUILT_IN_TASKS[name_or_path](split)
     if name_or_path in HUB_TASKS:
         return _load_hub_task(name_or_path, split)
     extension = os.path.splitext(name_or_path)[1].lower()
     if extension in LOCAL_FORMATS:
         return _load_local_file(name_or_path, question_column, answer_column)
     raise ValueError(
-        f"unknown task {name_or_path!r}: use one of {['arith', *HUB_TASKS]} or a path to a "
+        f"unknown task {name_or_path!r}: use one of {[*BUILT_IN_TASKS, *HUB_TASKS]} or a path to a "
         f"{'/'.join(LOCAL_FORMATS)} file"
     )
 
@@ -206,10 +242,10 @@ MATH_INSTRUCTION = "Please reason step by step, and put your final answer within
 
 
 def format_prompt(question: str, tokenizer, task: str, use_chat_template: bool = True) -> str:
-    """The text the policy sees. The built-in task is used verbatim (the tiny model was trained on it).
+    """The text the policy sees. The built-in tasks are used verbatim (the tiny models were trained on them).
     Math tasks get an instruction to box the answer, inside the chat template when the tokenizer has
     one (and `use_chat_template`), else as a plain `Question: ... Answer:` completion prompt."""
-    if task == "arith":
+    if task in BUILT_IN_TASKS:
         return question
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": f"{question}\n{MATH_INSTRUCTION}"}]
@@ -219,7 +255,7 @@ def format_prompt(question: str, tokenizer, task: str, use_chat_template: bool =
 
 def encode_prompt(question: str, tokenizer, task: str, use_chat_template: bool = True) -> list[int]:
     """Token ids of the formatted prompt. A chat template already writes its special tokens."""
-    templated = task != "arith" and use_chat_template and bool(getattr(tokenizer, "chat_template", None))
+    templated = task not in BUILT_IN_TASKS and use_chat_template and bool(getattr(tokenizer, "chat_template", None))
     text = format_prompt(question, tokenizer, task, use_chat_template)
     return tokenizer(text, add_special_tokens=not templated)["input_ids"]
 
@@ -340,16 +376,24 @@ def _math_verify(predicted: str, gold: str) -> bool:
         return False
 
 
-def check_answer(completion: str, gold: str, bare: bool = False) -> Score:
+def check_answer(completion: str, gold: str, bare: bool = False, numbers_only: bool | None = None) -> Score:
+    """`bare`: the completion may be the answer itself; `numbers_only` (default: `bare`): only a plain
+    number can be right, so math-verify is never called."""
     predicted = extract_answer(completion, bare=bare)
     if predicted is None:
         return Score(correct=False, found=False)
-    return Score(correct=answers_match(predicted, gold, numbers_only=bare), found=True)
+    return Score(correct=answers_match(predicted, gold, bare if numbers_only is None else numbers_only), found=True)
+
+
+def score(completion: str, gold: str, task: str) -> Score:
+    """A completion of `task` against its gold answer: the built-in `arith` answers bare, `sums` after
+    its `####`, both plain numbers; any other task as a math answer (\\boxed{}, ####, Answer:)."""
+    return check_answer(completion, gold, bare=task == "arith", numbers_only=task in BUILT_IN_TASKS)
 
 
 def reward(completion: str, gold: str, task: str) -> float:
     """1.0 when the completion's final answer equals the gold answer, else 0.0."""
-    return check_answer(completion, gold, bare=(task == "arith")).reward
+    return score(completion, gold, task).reward
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:

@@ -1,7 +1,7 @@
 """A training step's rollouts: which prompts, G completions for each, and their rewards.
 
     sampler = GroupSampler(engine, tokenizer, prompts, rows, dist, prompts_per_step=32, group_size=8,
-                           max_new_tokens=16, temperature=1.0, seed=1, dynamic=True)
+                           max_new_tokens=16, temperature=1.0, seed=1, task="arith", dynamic=True)
     groups = sampler.draw(step, metrics)   # groups.completions, groups.rewards [prompts, G], ...
 
 Round 0 of step s takes the prompts `reward.sample_batch` gives step s (epochs of seeded permutations).
@@ -53,17 +53,17 @@ def extra_round_indices(num_rows: int, seed: int, step: int, round_: int, start:
 
 
 class GroupSampler:
-    """Draws each training step's groups for this rank (see the module docstring); `bare`: the completion
-    is the answer itself (the built-in task); `overlong_buffer`: DAPO's L_cache (0: no length penalty);
+    """Draws each training step's groups for this rank (see the module docstring); `task`: how answers are
+    checked (`common.reward.score`); `overlong_buffer`: DAPO's L_cache (0: no length penalty);
     `mask_truncated`: completions cut off by the length limit do not train (DAPO's overlong filtering)."""
 
     def __init__(self, engine, tokenizer, prompts, rows, dist, prompts_per_step: int, group_size: int,
-                 max_new_tokens: int, temperature: float, seed: int, *, bare: bool = False, overlong_buffer: int = 0,
+                 max_new_tokens: int, temperature: float, seed: int, *, task: str, overlong_buffer: int = 0,
                  mask_truncated: bool = False, dynamic: bool = False, max_rounds: int = 8):
         self.engine, self.tokenizer, self.prompts, self.rows, self.dist = engine, tokenizer, prompts, rows, dist
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
-        self.bare, self.overlong_buffer, self.mask_truncated = bare, overlong_buffer, mask_truncated
+        self.task, self.overlong_buffer, self.mask_truncated = task, overlong_buffer, mask_truncated
         self.dynamic, self.max_rounds = dynamic, max_rounds
         self.local_prompts = prompts_per_step // dist.world_size
 
@@ -73,7 +73,7 @@ class GroupSampler:
         completions = []
         if indices:  # a rank that is already full asks for nothing in a round
             completions = self.engine.generate(prompt_ids, self.group_size, self.max_new_tokens, self.temperature)
-        scores = score_completions(completions, rows, self.group_size, self.tokenizer, self.bare)
+        scores = score_completions(completions, rows, self.group_size, self.tokenizer, self.task)
         rewards = [s.reward + overlong_penalty(len(c.token_ids), self.max_new_tokens, self.overlong_buffer)
                    for s, c in zip(scores, completions)]
         rewards = torch.tensor(rewards, dtype=torch.float32).view(-1, self.group_size)

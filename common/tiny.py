@@ -1,8 +1,9 @@
-"""The built-in default model: a character-level Llama warm-started on the arithmetic task, offline.
+"""The built-in models: a character-level Llama warm-started on each built-in task, offline.
 
-    model_dir = tiny_model_dir()        # builds it on first use (about a minute on 2 CPU cores)
-    model_dir = resolve_model("tiny")   # what `--model tiny` does
-    python -m common.tiny [--force]     # build (or rebuild) it by hand
+    model_dir = tiny_model_dir()               # `arith`: built on first use (about a minute on 2 CPU cores)
+    model_dir = tiny_model_dir("sums")         # `sums`: built from the arith model (about two minutes)
+    model_dir = resolve_model("tiny", task)    # what `--model tiny` does: the warm start of --task
+    python -m common.tiny [--force] [sums]     # build (or rebuild) one by hand
 
 The tokenizer maps each printable ASCII character to one token (plus <pad>, <bos>, <eos>, <unk>) and is
 a regular `PreTrainedTokenizerFast`; the model is a `LlamaForCausalLM` (4 layers, hidden 256, 3.2M
@@ -10,10 +11,12 @@ parameters). Both are saved with `save_pretrained`, so `--model tiny` goes throu
 AutoTokenizer / AutoModelForCausalLM path as any Hugging Face model. (A Llama, not a Qwen2: with a
 Qwen2 config transformers swaps in a byte-level tokenizer that drops spaces.)
 
-The warm start is supervised training on `Q: a+b=` -> `sum<eos>` and stops as soon as the sampled
-(temperature 1) accuracy on training prompts reaches `TARGET_ACCURACY`: a policy that is right about a
-quarter of the time leaves RL plenty of room. The build is deterministic for a given torch version; it
-is cached in `.cache/` of the repository (or $TINY_MODEL_DIR) and rebuilt when missing or unreadable.
+The warm start is supervised training on the task's prompts and completions (`Q: a+b=` -> `sum<eos>`;
+`Q: 37+48+91=` -> `37+48=85,85+91=176 #### 176<eos>`) and stops as soon as the sampled (temperature 1)
+accuracy on training prompts reaches the task's target: a policy that is right a fifth to a quarter of
+the time leaves RL plenty of room. The `sums` model starts from the `arith` one, which already adds two
+numbers. A build is deterministic for a given torch version; it is cached in `.cache/` of the
+repository (or $TINY_MODEL_DIR, $TINY_SUMS_MODEL_DIR) and rebuilt when missing or unreadable.
 """
 
 from __future__ import annotations
@@ -25,42 +28,66 @@ import shutil
 import string
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
-from common.reward import arith_rows, check_answer
+from common.reward import load_task, score, sums_scratchpad
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # 94 visible + space + newline
-VERSION = "tiny-llama-arith-v1"
-TARGET_ACCURACY = 0.20  # stop the warm start once sampled accuracy reaches this
-CHECK_EVERY, FIRST_CHECK, MAX_STEPS = 25, 300, 2000
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def tiny_model_dir() -> str:
-    """Path of the built tiny model; builds it first if it is missing or unreadable."""
-    path = os.environ.get("TINY_MODEL_DIR") or os.path.join(REPO_ROOT, ".cache", VERSION)
-    if _is_valid(path):
+@dataclass(frozen=True)
+class WarmStart:
+    version: str  # the cache folder's name; a new version rebuilds
+    environment: str  # the variable that may point the cache elsewhere
+    target_accuracy: float  # stop once sampled accuracy on training prompts reaches this
+    max_new_tokens: int  # when sampling to check the accuracy
+    first_check: int  # supervised steps before the first check, then one every CHECK_EVERY
+    max_steps: int
+    lr: float
+    starts_from: str | None = None  # another built-in task whose model this one continues
+
+
+WARM_STARTS = {
+    "arith": WarmStart("tiny-llama-arith-v1", "TINY_MODEL_DIR", 0.20, 8, 300, 2000, 1e-3),
+    "sums": WarmStart("tiny-llama-sums-v1", "TINY_SUMS_MODEL_DIR", 0.25, 48, 400, 1500, 1e-3, starts_from="arith"),
+}
+VERSION = WARM_STARTS["arith"].version
+CHECK_EVERY = 25
+
+
+def cache_dir(task: str = "arith") -> str:
+    spec = WARM_STARTS[task]
+    return os.environ.get(spec.environment) or os.path.join(REPO_ROOT, ".cache", spec.version)
+
+
+def tiny_model_dir(task: str = "arith") -> str:
+    """Path of the built model of a built-in task; builds it first if it is missing or unreadable."""
+    path = cache_dir(task)
+    if _is_valid(path, task):
         return path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".lock", "w") as lock:  # several processes (torchrun ranks, tests) may ask at once
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_valid(path):
-            build(path)
+        if not _is_valid(path, task):
+            build(path, task)
     return path
 
 
 MODEL_CHOICES = "`tiny` (the built-in model), a Hugging Face model id such as Qwen/Qwen2.5-Math-1.5B, or a local folder holding a model (config.json, weights, tokenizer)"
 
 
-def resolve_model(name: str) -> str:
-    """`tiny` -> the built-in model's folder (built if needed); a Hugging Face model id or a local model
+def resolve_model(name: str, task: str = "arith") -> str:
+    """`tiny` -> the folder of the built-in model warm-started on `task` (the `arith` one for a task that
+    is not built in; built if needed); a Hugging Face model id or a local model
     folder is returned unchanged. A local folder without config.json, or a local path that does not
     exist, is an error that says so (transformers would otherwise try to convert a tokenizer and fail
     with a message about sentencepiece and tiktoken)."""
     if name == "tiny":
-        return tiny_model_dir()
+        return tiny_model_dir(task if task in WARM_STARTS else "arith")
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
             raise FileNotFoundError(f"--model {name}: this folder holds no model (no config.json); "
@@ -70,12 +97,12 @@ def resolve_model(name: str) -> str:
     return name
 
 
-def _is_valid(path: str) -> bool:
+def _is_valid(path: str, task: str = "arith") -> bool:
     try:
         with open(os.path.join(path, "build_info.json")) as f:
             info = json.load(f)
         load(path)
-        return info.get("version") == VERSION
+        return info.get("version") == WARM_STARTS[task].version
     except Exception:  # missing, half-written or corrupted: rebuild
         return False
 
@@ -116,57 +143,70 @@ def make_model(tokenizer):
 
 
 @torch.no_grad()
-def sampled_accuracy(model, tokenizer, rows) -> float:
-    """Fraction of `rows` answered right by one sample each at temperature 1 (at most 8 new tokens):
-    plain `generate`, so that the built-in model depends on nothing but the answer checker."""
+def sampled_accuracy(model, tokenizer, rows, task: str = "arith", max_new_tokens: int = 8) -> float:
+    """Fraction of `rows` answered right by one sample each at temperature 1: plain `generate`, so that
+    the built-in models depend on nothing but the answer checker."""
     prompts = [tokenizer(row.question)["input_ids"] for row in rows]
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     was_training = model.training
     model.eval()
     sequences = model.generate(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(),
-                               do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8,
+                               do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                                pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id])
     model.train(was_training)
     texts = tokenizer.batch_decode(sequences[:, width:], skip_special_tokens=True)
-    return sum(check_answer(text, row.answer, bare=True).correct for text, row in zip(texts, rows)) / len(rows)
+    return sum(score(text, row.answer, task).correct for text, row in zip(texts, rows)) / len(rows)
 
 
-def build(path: str, seed: int = 0, batch_size: int = 64, lr: float = 1e-3) -> None:
-    """Build the tokenizer and model, warm-start them, and save atomically to `path`."""
+def target_text(row, task: str) -> str:
+    """The completion the warm start imitates."""
+    if task == "sums":
+        return sums_scratchpad([int(n) for n in row.question.removeprefix("Q: ").removesuffix("=").split("+")])
+    return row.answer
+
+
+def build(path: str, task: str = "arith", seed: int = 0, batch_size: int = 64) -> None:
+    """Build the tokenizer and model (or load the model this one starts from), warm-start them on `task`,
+    and save atomically to `path`."""
     from tqdm import tqdm
 
+    spec = WARM_STARTS[task]
     started = time.time()
     torch.manual_seed(seed)
-    tokenizer = make_tokenizer()
-    model = make_model(tokenizer)
-    train = arith_rows("train")
+    if spec.starts_from:
+        model, tokenizer = load(tiny_model_dir(spec.starts_from))
+    else:
+        tokenizer = make_tokenizer()
+        model = make_model(tokenizer)
+    train = load_task(task, "train")
     check_rows = train[:256]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     generator = torch.Generator().manual_seed(seed)
     accuracy = 0.0
-    progress = tqdm(range(1, MAX_STEPS + 1), desc="building the tiny model (warm start)", file=sys.stderr,
-                    mininterval=0.5 if sys.stderr.isatty() else 15)  # a log file gets a line every 15 s
+    progress = tqdm(range(1, spec.max_steps + 1), desc=f"building the tiny {task} model (warm start)",
+                    file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 15)  # a log gets a line every 15 s
     for step in progress:
         batch = [train[i] for i in torch.randint(len(train), (batch_size,), generator=generator).tolist()]
-        input_ids, labels = _supervised_batch(batch, tokenizer)
+        input_ids, labels = _supervised_batch(batch, tokenizer, task)
         loss = model(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(), labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        if step >= FIRST_CHECK and step % CHECK_EVERY == 0:
-            accuracy = sampled_accuracy(model, tokenizer, check_rows)
+        if step >= spec.first_check and step % CHECK_EVERY == 0:
+            accuracy = sampled_accuracy(model, tokenizer, check_rows, task, spec.max_new_tokens)
             progress.set_postfix(loss=f"{loss.item():.3f}", sampled_accuracy=f"{accuracy:.2f}")
-            if accuracy >= TARGET_ACCURACY:
+            if accuracy >= spec.target_accuracy:
                 break
     progress.close()
-    test_accuracy = sampled_accuracy(model, tokenizer, arith_rows("test")[:256])
+    test_accuracy = sampled_accuracy(model, tokenizer, load_task(task, "test")[:256], task, spec.max_new_tokens)
     info = {
-        "version": VERSION, "seed": seed, "warm_start_steps": step, "train_sampled_accuracy": accuracy,
-        "test_sampled_accuracy": test_accuracy, "parameters": sum(p.numel() for p in model.parameters()),
+        "version": spec.version, "task": task, "seed": seed, "warm_start_steps": step,
+        "train_sampled_accuracy": accuracy, "test_sampled_accuracy": test_accuracy,
+        "parameters": sum(p.numel() for p in model.parameters()),
         "build_seconds": round(time.time() - started, 1), "torch": torch.__version__,
     }
     temporary = f"{path}.tmp{os.getpid()}"
@@ -177,15 +217,15 @@ def build(path: str, seed: int = 0, batch_size: int = 64, lr: float = 1e-3) -> N
         json.dump(info, f, indent=2)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(temporary, path)  # a kill before this line leaves no half-written model at `path`
-    print(f"built the tiny model in {path}: {json.dumps(info)}", file=sys.stderr)
+    print(f"built the tiny {task} model in {path}: {json.dumps(info)}", file=sys.stderr)
 
 
-def _supervised_batch(rows, tokenizer):
-    """Right-padded `<bos>Q: a+b=sum<eos>` with the loss on `sum<eos>` only."""
+def _supervised_batch(rows, tokenizer, task: str):
+    """Right-padded `<bos>prompt completion<eos>` with the loss on `completion<eos>` only."""
     sequences, label_rows = [], []
     for row in rows:
         prompt = tokenizer(row.question)["input_ids"]
-        target = tokenizer(row.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        target = tokenizer(target_text(row, task), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         sequences.append(prompt + target)
         label_rows.append([-100] * len(prompt) + target)
     width = max(len(s) for s in sequences)
@@ -195,7 +235,8 @@ def _supervised_batch(rows, tokenizer):
 
 
 if __name__ == "__main__":
-    if "--force" in sys.argv:
-        target = os.environ.get("TINY_MODEL_DIR") or os.path.join(REPO_ROOT, ".cache", VERSION)
-        shutil.rmtree(target, ignore_errors=True)
-    print(tiny_model_dir())
+    chosen = [a for a in sys.argv[1:] if a in WARM_STARTS] or ["arith"]
+    for name in chosen:
+        if "--force" in sys.argv:
+            shutil.rmtree(cache_dir(name), ignore_errors=True)
+        print(tiny_model_dir(name))

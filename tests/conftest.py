@@ -18,6 +18,14 @@ def tiny_dir():
 
 
 @pytest.fixture(scope="session")
+def tiny_sums_dir(tiny_dir):
+    """The built-in model of the `sums` task (warm-started from the arith one)."""
+    from common.tiny import tiny_model_dir
+
+    return tiny_model_dir("sums")
+
+
+@pytest.fixture(scope="session")
 def tiny(tiny_dir):
     """(model, tokenizer) of the built-in model, float32, eval mode. Tests must not modify the model."""
     from common.tiny import load

@@ -54,7 +54,7 @@ def scripted_sampler(engine, dist, num_rows=100, prompts_per_step=8, group_size=
     """A GroupSampler over `num_rows` prompts [i] whose gold answer is "7"."""
     rows = [Row(f"question {i}", "7") for i in range(num_rows)]
     return GroupSampler(engine, DigitTokenizer(), [[i] for i in range(num_rows)], rows, dist, prompts_per_step,
-                        group_size, max_new_tokens=8, temperature=1.0, seed=3, bare=True, **options)
+                        group_size, max_new_tokens=8, temperature=1.0, seed=3, task="arith", **options)
 
 
 def main(out_prefix):

@@ -24,6 +24,7 @@ from common import fsdp, logprobs  # noqa: E402
 from common.rollout import Completion  # noqa: E402
 from common.tiny import load, tiny_model_dir  # noqa: E402
 from common.tracking import StepMetrics  # noqa: E402
+from helpers import precision  # noqa: E402
 
 QUESTIONS = ["Q: 1+2=", "Q: 45+51=", "Q: 9+9=", "Q: 70+30="]
 RESPONSES = ["3", "12", "4", "396", "96", "9", "91", "906", "18", "1", "81", "188", "100", "10", "1000", "0"]
@@ -36,16 +37,16 @@ EXTRAS = {
 
 
 def update_policy(algorithm, policy, batch, args, dist, optimizer=None):
-    """algorithm.update_policy on `batch` with SGD at args.lr, no reference model, bf16 autocast iff
-    args.dtype says so, and whatever extra inputs the method's update_policy takes. Returns the metrics it
+    """algorithm.update_policy on `batch` with SGD at args.lr, no reference model, bf16 / fp16 autocast (and
+    fp16's loss scale) as args.dtype says, and whatever extra inputs the method's update_policy takes. Returns the metrics it
     recorded, reduced over ranks (collectives), with "skipped" (the optimizer steps it skipped) and
     "tokens_seen" (the response tokens its updates saw, over ranks and epochs)."""
     optimizer = optimizer or torch.optim.SGD(policy.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     metrics = StepMetrics()
-    autocast = torch.autocast("cpu", torch.bfloat16, enabled=args.dtype == "bfloat16")
+    autocast, scaler = precision(args.dtype)
     available = {"policy": policy, "reference": None, "optimizer": optimizer, "scheduler": scheduler, "batch": batch,
-                 "args": args, "dist": dist, "autocast": autocast, "metrics": metrics}
+                 "args": args, "dist": dist, "autocast": autocast, "scaler": scaler, "metrics": metrics}
     parameters = inspect.signature(algorithm.update_policy).parameters
     skipped = algorithm.update_policy(**{name: available[name] if name in available else EXTRAS[name](algorithm, args, policy, dist)
                                          for name in parameters})

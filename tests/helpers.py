@@ -19,6 +19,16 @@ BASE_LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "cha
 CLIP_LOGGED = ["losses/clip_fraction", "losses/ratio_min", "losses/ratio_max"]  # scripts with a ratio
 
 
+def precision(dtype="float32"):
+    """(autocast, scaler) of the scripts' --dtype on the CPU (auto: float32): bf16 / fp16 autocast, and fp16's
+    loss scale."""
+    import torch
+
+    compute = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    return (torch.autocast("cpu", compute, enabled=compute != torch.float32),
+            torch.amp.GradScaler("cpu", enabled=compute == torch.float16))
+
+
 def run_script(script, *flags, timeout=600, check=True, env=None):
     """Run `python <script> <flags>` (or `python -m <module> <flags>`) from the repository root, with
     `env` on top of the offline environment; returns the CompletedProcess."""

@@ -12,7 +12,7 @@ import torch
 
 from algorithms import ema_kpo
 from common.tracking import StepMetrics
-from helpers import only_run_dir, read_jsonl, run_script, torchrun, two_group_rollouts
+from helpers import only_run_dir, precision, read_jsonl, run_script, torchrun, two_group_rollouts
 
 Q, V = 1e-6, 1.0
 
@@ -331,8 +331,7 @@ def test_update_policy_matches_two_epochs_of_sgd_by_hand(tiny, smoother, aggrega
     optimizer = torch.optim.SGD(policy.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     dist, metrics = ema_kpo.fsdp.setup(), StepMetrics()
-    skipped = ema_kpo.update_policy(policy, None, optimizer, scheduler, batch, args, dist,
-                                    torch.autocast("cpu", enabled=False), metrics)
+    skipped = ema_kpo.update_policy(policy, None, optimizer, scheduler, batch, args, dist, *precision(), metrics)
     logged = metrics.reduce()
     assert skipped == 0 and metrics.means["losses/policy_loss"][1] == 2  # two optimizer steps, none skipped
     assert 0 < logged["losses/clip_fraction"] < 1 and logged["losses/rho_hat_abs_mean"] > 0

@@ -77,6 +77,20 @@ def test_two_ranks_equal_one_in_bfloat16(tmp_path):
         torch.testing.assert_close(weights_two[name], weights_one[name], rtol=1e-3, atol=1e-3, msg=name)
 
 
+def test_two_ranks_equal_one_in_float16(tmp_path):
+    """--dtype float16: fp16 autocast under torch's dynamic loss scale. One process and two FSDP2 ranks take
+    the same step (the scaler's overflow check is reduced over ranks), and the unscaled gradient is float32's
+    up to fp16 rounding: a scale left in it would multiply the norm by 2^16."""
+    one, two, (weights_one, weights_two) = _one_and_two_ranks(tmp_path, "grpo", '{"dtype": "float16", "update_epochs": 1}')
+    run_script("tests/distributed_update.py", tmp_path / "fp32.json", "grpo", '{"update_epochs": 1}')
+    fp32 = json.loads((tmp_path / "fp32.json").read_text())
+    assert one["skipped"] == two["skipped"] == 0
+    assert one["losses/grad_norm"] == pytest.approx(fp32["losses/grad_norm"], rel=1e-2)
+    assert two["losses/grad_norm"] == pytest.approx(one["losses/grad_norm"], rel=1e-2)
+    for name in weights_one:
+        torch.testing.assert_close(weights_two[name], weights_one[name], rtol=1e-3, atol=1e-3, msg=name)
+
+
 def test_grpo_on_two_ranks_end_to_end_and_resume(tmp_path):
     from transformers import AutoModelForCausalLM
 

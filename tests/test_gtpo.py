@@ -15,7 +15,7 @@ from algorithms import gtpo, grpo
 from common import fsdp
 from common.rollout import Completion, HFEngine
 from common.tracking import StepMetrics
-from helpers import BASE_LOGGED, CLIP_LOGGED, only_run_dir, read_jsonl, run_script, torchrun, two_group_rollouts
+from helpers import BASE_LOGGED, CLIP_LOGGED, only_run_dir, precision, read_jsonl, run_script, torchrun, two_group_rollouts
 
 CPU = fsdp.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 EOS = "$"  # in the hand-built groups below, each character is one token and "$" plays the EOS
@@ -279,7 +279,7 @@ def _update(model, batch, args, initial_entropy, module=gtpo):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     metrics = StepMetrics()
-    common = (optimizer, scheduler, batch, args, CPU, torch.autocast("cpu", enabled=False))
+    common = (optimizer, scheduler, batch, args, CPU, *precision())
     if module is gtpo:
         skipped = gtpo.update_policy(model, *common, metrics, initial_entropy)
     else:

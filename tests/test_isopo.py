@@ -551,6 +551,7 @@ def test_a_module_that_never_runs_is_refused(float64_logprobs):
     (dict(ema_decay=1.0), "--ema-decay must be in [0, 1)"),
     (dict(p=float("nan")), "--p must be a finite number"),
     (dict(group_size=1), "--group-size must be >= 2"),
+    (dict(dtype="float16"), "--dtype must be auto, float32 or bfloat16: Eq. 6 normalizes"),
 ])
 def test_bad_flag_values_name_the_flag(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -22,7 +22,7 @@ from algorithms import p3o  # noqa: E402
 from common import fsdp  # noqa: E402
 from common.rollout import Completion  # noqa: E402
 from common.tracking import StepMetrics  # noqa: E402
-from helpers import CLIP_LOGGED, help_text, only_run_dir, read_jsonl, run_script, torchrun  # noqa: E402
+from helpers import CLIP_LOGGED, help_text, only_run_dir, precision, read_jsonl, run_script, torchrun  # noqa: E402
 
 # --- the effective sample size --------------------------------------------------------------------
 
@@ -195,7 +195,7 @@ def _update(model, batch, dist=fsdp.Dist(0, 1, 0, torch.device("cpu")), **overri
     args = p3o.Args(max_grad_norm=1e9, **overrides)
     recorder, metrics = GradRecorder(model), StepMetrics()
     skipped = p3o.update_policy(model, None, recorder, types.SimpleNamespace(step=lambda: None), batch, args,
-                                dist, torch.autocast("cpu", enabled=False), metrics)
+                                dist, *precision(), metrics)
     return {"skipped": skipped, **metrics.reduce(dist)}, recorder.grads
 
 
@@ -267,7 +267,7 @@ def test_several_updates_tighten_as_pi_drifts_from_mu(tiny):
     torch.manual_seed(0)
     metrics = StepMetrics()
     skipped = p3o.update_policy(model, None, optimizer, scheduler, batch, args, fsdp.Dist(0, 1, 0, torch.device("cpu")),
-                                torch.autocast("cpu", enabled=False), metrics)
+                                *precision(), metrics)
     logged = metrics.reduce()
     assert scheduler.last_epoch == 4 and skipped == 0  # four optimizer steps, none skipped
     assert logged["losses/ess_min"] < 0.999  # the later updates see π_θ ≠ μ
@@ -289,8 +289,7 @@ def _distributed_update(out_path):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     args = p3o.Args(micro_batch_size=3, max_grad_norm=1e9)
     metrics = StepMetrics()
-    skipped = p3o.update_policy(policy, None, optimizer, scheduler, batch, args, dist,
-                                torch.autocast("cpu", enabled=False), metrics)
+    skipped = p3o.update_policy(policy, None, optimizer, scheduler, batch, args, dist, *precision(), metrics)
     logged = {"skipped": skipped, "tokens": fsdp.all_reduce(batch["response_mask"].sum().item(), dist),
               **metrics.reduce(dist)}  # means over the tokens of all ranks
     weights = dict(fsdp.named_full_tensors(policy, dist.device))

@@ -7,7 +7,8 @@ import pytest
 
 from common import reward
 from common.reward import (
-    HUB_TASKS, Row, arith_rows, check_answer, extract_answer, extract_boxed, format_prompt, load_task, sample_batch,
+    HUB_TASKS, MIN_NEW_TOKENS, Row, arith_rows, check_answer, extract_answer, extract_boxed, format_prompt, load_task,
+    sample_batch, sums_rows, sums_scratchpad,
 )
 
 
@@ -67,6 +68,20 @@ def test_bare_answers_of_the_built_in_task():
     assert reward.reward("81", "81", "gsm8k") == 0.0  # other tasks need a marked answer
 
 
+@pytest.mark.parametrize("completion, correct, found", [
+    ("37+48=85,85+91=176 #### 176", True, True),
+    ("37+48=85,85+91=175 #### 175", False, True),   # a slip in the reasoning: the final answer decides
+    ("37+48=84,84+91=176 #### 176", True, True),    # a wrong step with the right total still counts (as in GSM8K)
+    ("37+48=85,85+91=176", False, False),           # the total written, but no answer after ####
+    ("176", False, False),                          # a bare number is no answer on this task
+    ("37+48=85 #### 1+76", False, True),            # not a plain number: wrong, and math-verify is not asked
+    ("#### 176 #### 17", False, True),              # the last marked answer is the one
+])
+def test_sums_answers_are_read_after_the_marker(completion, correct, found, monkeypatch):
+    monkeypatch.setattr(reward, "_math_verify_with_deadline", lambda *a: pytest.fail("math-verify was called"))
+    assert reward.score(completion, "176", "sums") == reward.Score(correct=correct, found=found)
+
+
 def test_math_verify_off_the_main_thread():
     """math-verify's signal timeouts fail off the main thread; we must still get an answer there."""
     results = []
@@ -86,6 +101,31 @@ def test_arith_is_deterministic_disjoint_and_correct():
     for row in train[:50] + test[:50]:
         a, b = row.question.removeprefix("Q: ").removesuffix("=").split("+")
         assert int(row.answer) == int(a) + int(b)
+
+
+def test_sums_is_deterministic_disjoint_and_its_scratchpads_add_up():
+    train, test = sums_rows("train"), sums_rows("test")
+    assert (len(train), len(test)) == (20_000, 500)
+    assert train == sums_rows("train") and load_task("sums", "test") == test
+    assert len({r.question for r in train + test}) == 20_500  # distinct, so train and test are disjoint
+    assert sums_scratchpad([37, 48, 91]) == "37+48=85,85+91=176 #### 176"  # the issue's example
+    lengths = {3: 0, 4: 0}
+    for row in train + test:
+        numbers = [int(n) for n in row.question.removeprefix("Q: ").removesuffix("=").split("+")]
+        assert len(numbers) in (3, 4) and all(10 <= n <= 99 for n in numbers) and int(row.answer) == sum(numbers)
+        lengths[len(numbers)] += 1
+        pad = sums_scratchpad(numbers)
+        steps, answer = pad.split(" #### ")
+        running = numbers[0]
+        for step, number in zip(steps.split(","), numbers[1:]):  # each step adds the next number to the running sum
+            assert step == f"{running}+{number}={running + number}"
+            running += number
+        assert int(answer) == running == sum(numbers)
+        assert reward.score(pad, row.answer, "sums").correct
+        assert len(pad) + 1 <= MIN_NEW_TOKENS["sums"]  # one token per character, plus EOS
+    assert min(lengths.values()) > 0.45 * len(train + test)  # about as many of each
+    longest = max(len(sums_scratchpad([int(n) for n in r.question[3:-1].split("+")])) for r in train)
+    assert longest + 1 == MIN_NEW_TOKENS["sums"]  # the limit is what the task needs, not more
 
 
 def test_sample_batch_walks_seeded_epochs():

@@ -40,7 +40,8 @@ def test_help_documents_every_flag(name):
 
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_a_bad_flag_value_gets_a_clear_error(name, tmp_path):
-    for flags, message in ((["--group-size", 1], "--group-size must be >= 2"), (["--steps", "many"], "--steps")):
+    for flags, message in ((["--group-size", 1], "--group-size must be >= 2"), (["--steps", "many"], "--steps"),
+                           (["--task", "sums"], "--max-new-tokens must be >= 41 for task sums")):
         result = run_script(f"algorithms/{name}.py", "--output-dir", tmp_path, *flags, check=False)
         assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
         assert not os.listdir(tmp_path)  # refused before any run folder is made
@@ -79,6 +80,25 @@ def test_dapo_rollout_flags_end_to_end(name, tmp_path):
         if record["sampling/groups_short"] == 0:
             assert record["charts/zero_std_group_fraction"] == 0
     assert any(r["sampling/rounds"] > 1 for r in records)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_the_reasoning_task_in_float16_end_to_end(name, tmp_path, tiny_sums_dir):
+    """`--task sums` (the scratchpad task and its own warm start, `--model tiny`) with the float16 trainer
+    (autocast under a loss scale; ISOPO, which refuses float16, in float32): responses are the written
+    reasoning, scored after their ####, and some are right."""
+    dtype = "float32" if name == "isopo" else "float16"
+    run_script(f"algorithms/{name}.py", "--task", "sums", "--max-new-tokens", 48, "--dtype", dtype, "--steps", 2,
+               "--eval-every", 2, "--output-dir", tmp_path, *SMALL)
+    run_dir = only_run_dir(tmp_path)
+    assert os.path.basename(run_dir).startswith("sums__")
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["charts/response_length_mean"] > 20 and r["charts/no_answer_rate"] < 0.5 for r in records[1:])
+    assert max(r["charts/accuracy"] for r in records[1:]) > 0 and "eval/greedy_accuracy" in records[-1]
+    assert records[-1]["charts/skipped_steps"] <= 1  # float16: at most the first step overflows the initial scale
+    assert_weights_changed(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_sums_dir)
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

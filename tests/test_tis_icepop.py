@@ -12,7 +12,7 @@ import torch
 from algorithms import tis_icepop as tim
 from common.rollout import Completion
 from common.tracking import StepMetrics
-from helpers import BASE_LOGGED, CLIP_LOGGED, only_run_dir, read_jsonl, run_script, torchrun, two_group_rollouts
+from helpers import BASE_LOGGED, CLIP_LOGGED, only_run_dir, precision, read_jsonl, run_script, torchrun, two_group_rollouts
 
 MODES = ["none", "tis", "tis-seq", "mis", "mis-seq", "icepop", "kpop", "seq-mask"]
 F64 = torch.float64
@@ -325,9 +325,8 @@ def test_update_policy_applies_the_weights(tiny, correction):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     dist = tim.fsdp.setup()
-    autocast = torch.autocast("cpu", enabled=False)
     metrics = StepMetrics()
-    assert tim.update_policy(policy, None, optimizer, scheduler, batch, args, dist, autocast, metrics) == 0
+    assert tim.update_policy(policy, None, optimizer, scheduler, batch, args, dist, *precision(), metrics) == 0
     moved = {n: before[n] - p.detach() for n, p in policy.named_parameters()}
 
     tokens = sum(len(r) for r in responses)
