@@ -115,6 +115,35 @@ def test_summary_table_and_plots_from_known_runs(tmp_path):
     assert bench.series(metrics, "eval/greedy_accuracy", "kl_drift", {0: 0.0, 4: 0.3}) == {0: (0.0, 0.25), 4: (0.3, 0.7)}
 
 
+def test_a_setting_fails_only_beyond_two_seed_standard_deviations_of_the_baseline(tmp_path):
+    """The stress search's verdict: below the baseline by more than 2 × the larger seed std of the two."""
+    configs = [bench.Config("normal", "grpo"), bench.Config("hard", "grpo", ("--lr", "1e-3")),
+               bench.Config("noisy", "grpo", ("--lr", "2e-3")), bench.Config("higher", "grpo", ("--lr", "3e-3"))]
+    suite = bench.Suite("demo", "demo", configs, [], steps=6, baseline="normal")
+    # (greedy, entropy at each of the last 5 steps) per seed
+    values = {"normal": [(0.50, 0.60), (0.52, 0.62), (0.54, 0.64)],   # greedy 0.52 ± 0.02, entropy 0.62 ± 0.02
+              "hard": [(0.40, 0.30), (0.41, 0.31), (0.42, 0.32)],     # both far below: 0.12 > 2 × 0.02
+              "noisy": [(0.20, 0.60), (0.50, 0.62), (0.80, 0.64)],    # greedy 0.50 ± 0.30: within noise
+              "higher": [(0.60, 0.57), (0.60, 0.57), (0.60, 0.59)]}   # entropy 0.577: 0.043 > 2 × 0.02
+    runs = []
+    for config in configs:
+        for seed, (greedy, entropy) in enumerate(values[config.label], start=1):
+            run = make_run(tmp_path, config, seed, steps=6)
+            history = records(6, greedy)
+            for record in history[1:]:  # only the last 5 steps count; an earlier collapse does not
+                record["charts/entropy"] = entropy if record["step"] > 1 else 0.0
+            write_run(run, history)
+            runs.append(run)
+    rows = {row["label"]: row for row in bench.summarise(suite, runs)}
+    assert rows["normal"]["entropy"] == pytest.approx(0.62) and rows["normal"]["entropy_std"] == pytest.approx(0.02)
+    assert [rows[n]["fails"] for n in ("normal", "hard", "noisy", "higher")] == [[], ["greedy", "entropy"], [], ["entropy"]]
+    table = tmp_path / "demo.md"
+    bench.write_table(suite, list(rows.values()), (1, 2, 3), 2, "./run.sh bench demo", str(table), "2026-01-02")
+    text = table.read_text()
+    assert "| 0.620 ± 0.020 | baseline |" in text and "| greedy, entropy |" in text and "| 0.577 ± 0.012 | entropy |" in text
+    assert "| 0.500 ± 0.300 |" in text and "| no |" in text
+
+
 def test_seeds_are_averaged_step_by_step_even_with_a_nan_or_a_torn_line(tmp_path):
     """A NaN (logged as "nan") or an unreadable line must not shift one seed against the others."""
     config = bench.Config("A", "grpo")

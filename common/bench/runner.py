@@ -5,6 +5,7 @@
     ./run.sh bench ema_kpo p3o     # paper-claim experiments (ema_kpo, p3o, tis_icepop, gtpo, isopo)
     ./run.sh bench all             # the benchmark and every experiment
     ./run.sh bench isopo --plot-only   # redraw from the runs already there
+    ./run.sh bench stress_search   # GRPO alone on the reasoning task, in each setting searched for a failure
 (`./run.sh bench ARGS` is `python -m common.bench ARGS`; `python -m common.bench.engines` times the
 rollout engines.)
 
@@ -77,6 +78,7 @@ class Suite:
     steps: int = 60
     flags: tuple[str, ...] = ()  # given to every config
     kl_drift: bool = False  # measure KL(π_θ ‖ π_0) at every checkpoint
+    baseline: str | None = None  # a config's label: the others are judged against it (the "fails" column)
     extra_figures: dict[str, list[Panel]] = field(default_factory=dict)
 
 
@@ -144,6 +146,20 @@ SUITES = {suite.name: suite for suite in [
     ], [Panel("eval/greedy_accuracy", "held-out greedy accuracy vs KL(π_θ ‖ π_0)", x="kl_drift"),
         Panel("kl_drift", "KL(π_θ ‖ π_0) per token"), ACCURACY, AVG_AT_4], kl_drift=True),
 ]}
+# The reasoning task (`sums`, a written scratchpad) with 128 held-out prompts per evaluation.
+SUMS = ("--task", "sums", "--max-new-tokens", "48", "--eval-prompts", "128")
+# GRPO alone, in settings meant to produce the failure each paper's method was made to prevent. A setting
+# "fails" when its held-out greedy accuracy or its entropy ends more than two seed standard deviations
+# (the larger of the two settings') below the normal setting's. Every setting tried stays in this list.
+SUITES["stress_search"] = Suite(
+    "stress_search", "GRPO alone on the reasoning task: the normal setting and each stress setting", [
+        Config("normal", "grpo"),
+        Config("entropy: 8 updates/batch, lr 1e-3", "grpo", ("--num-minibatches", "4", "--update-epochs", "2", "--lr", "1e-3")),
+        Config("off-policy: 4 steps stale, T=1.2", "p3o", ("--loss", "clip", "--sync-every", "4", "--sampling-temperature", "1.2")),
+        Config("mismatch: fp8 engine", "grpo", ("--engine-dtype", "fp8")),
+    ], [ACCURACY, ENTROPY, AVG_AT_4, Panel("charts/response_length_mean", "response length (tokens)"),
+        Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"), Panel("losses/grad_norm", "gradient norm")],
+    steps=40, flags=SUMS, baseline="normal")
 QUICK = dict(steps=8, seeds=(1,), flags=("--eval-every", "4", "--eval-prompts", "64"))
 
 
@@ -360,6 +376,10 @@ def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
                "finished": max(os.path.getmtime(os.path.join(folder, "metrics.jsonl")) for folder in folders)}
         for key, name in [("eval/greedy_accuracy", "greedy"), ("eval/avg@4", "avg@4"), ("eval/pass@4", "pass@4")]:
             row[name], row[name + "_std"] = mean_std([f.get(key) for f in final])
+        # entropy at response tokens, over each run's last 5 steps (one step's is noisy)
+        row["entropy"], row["entropy_std"] = mean_std([statistics.fmean(
+            [r["charts/entropy"] for r in rs if r["step"] > suite.steps - 5 and "charts/entropy" in r] or [math.nan])
+            for rs in records])
         row["greedy_at_0"] = mean_std([next((r["eval/greedy_accuracy"] for r in rs if r["step"] == 0), None)
                                        for rs in records])[0]
         for key, name in [("time/step", "s_per_step"), ("time/rollout", "rollout_s"), ("time/train", "train_s"),
@@ -369,7 +389,17 @@ def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
             row["kl_drift"], row["kl_drift_std"] = mean_std(
                 [measure_kl_drift(folder).get(suite.steps) for folder in folders])
         rows.append(row)
+    judge_against_baseline(suite, rows)
     return rows
+
+
+def judge_against_baseline(suite: Suite, rows: list[dict]) -> None:
+    """row["fails"]: which of greedy accuracy and entropy end below the baseline's by more than twice the
+    larger seed standard deviation of the two settings (a suite with a baseline only)."""
+    base = next((row for row in rows if row["label"] == suite.baseline), None)
+    for row in rows if base else []:
+        row["fails"] = [name for name in ("greedy", "entropy")
+                        if base[name] - row[name] > 2 * max(base[name + "_std"], row[name + "_std"])]
 
 
 def machine() -> str:
@@ -387,15 +417,20 @@ def machine() -> str:
 def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, path: str, date: str) -> None:
     """The markdown table; a config with fewer finished seeds than asked for shows its count."""
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    lines = [f"**{suite.title}** — built-in task, {suite.steps} steps, seeds {', '.join(map(str, seeds))}; "
+    task = next((flags[i + 1] for flags in [suite.flags] for i in range(len(flags) - 1) if flags[i] == "--task"), "arith")
+    lines = [f"**{suite.title}** — built-in task {task}, {suite.steps} steps, seeds {', '.join(map(str, seeds))}; "
              f"mean ± std over seeds at the last step (held-out greedy accuracy at step 0: "
              f"{rows[0]['greedy_at_0']:.3f}). Seconds per step exclude evaluations; {jobs} runs at a time, "
              f"{threads} thread(s) each.", "",
              "| method | flags | greedy acc. | avg@4 | pass@4 |" + (" KL(π‖π₀) |" if suite.kl_drift else "")
-             + " s/step | rollout s | train s | rollouts/step |",
-             "|---|---|---|---|---|" + ("---|" if suite.kl_drift else "") + "---|---|---|---|"]
+             + (" entropy | fails vs. baseline |" if suite.baseline else "") + " s/step | rollout s | train s | rollouts/step |",
+             "|---|---|---|---|---|" + ("---|" if suite.kl_drift else "") + ("---|---|" if suite.baseline else "")
+             + "---|---|---|---|"]
     for row in rows:
         kl = f" {row['kl_drift']:.4f} ± {row['kl_drift_std']:.4f} |" if suite.kl_drift else ""
+        if suite.baseline:
+            verdict = "baseline" if row["label"] == suite.baseline else ", ".join(row.get("fails", [])) or "no"
+            kl += f" {row['entropy']:.3f} ± {row['entropy_std']:.3f} | {verdict} |"
         label = row["label"] + (f" (n = {row['seeds']})" if row["seeds"] < len(seeds) else "")
         lines.append(f"| {label} | `{row['flags'] or 'defaults'}` | {row['greedy']:.3f} ± {row['greedy_std']:.3f} "
                      f"| {row['avg@4']:.3f} ± {row['avg@4_std']:.3f} | {row['pass@4']:.3f} ± {row['pass@4_std']:.3f} |"
