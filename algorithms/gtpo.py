@@ -414,7 +414,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, sca
                 token_losses = token_losses * micro["conflict_weights"]  # λ_it (Eq. 5); |o_i| and G still count all
                 loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
                 # END ALGO LOGIC
-                scaler.scale(loss * dist.world_size).backward()  # float16: scaled (otherwise the loss as it is)
+                scaler.scale(loss * dist.world_size).backward()  # float16: scaled up, or small gradients flush to zero
                 minibatch_loss += loss.item()
                 with torch.no_grad():  # statistics of the response tokens
                     log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
@@ -436,7 +436,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, sca
                 scheduler.step()
             else:
                 skipped += 1
-            scaler.update()  # float16: halve the scale after an overflow, double it after 2000 clean steps
+            scaler.update()  # float16: halve the scale after an overflow (any rank), double it after 2000 clean steps
             optimizer.zero_grad(set_to_none=True)
             # the loss of all ranks and the global norm (before clipping): the same numbers on every rank
             metrics.mean("losses/policy_loss", minibatch_loss, 1)
@@ -488,13 +488,9 @@ def main(args: Args) -> None:
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device = dist.device
-    compute_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-                     "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    compute_dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
     autocast = torch.autocast(device.type, compute_dtype, enabled=compute_dtype != torch.float32)
-    # float16 (5 exponent bits) flushes small gradients to zero: the loss is multiplied by a scale that halves
-    # whenever the gradients overflow (that step is skipped) and doubles after 2000 clean steps (Micikevicius
-    # et al. 2018, arXiv:1710.03740); torch's GradScaler, whose overflow check FSDP2 reduces over ranks
-    scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)
+    scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)  # float16's dynamic loss scale
     run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
     checkpoint = find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
     if checkpoint:  # <run_dir>/checkpoints/step_N
