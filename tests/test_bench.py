@@ -119,7 +119,7 @@ def test_a_setting_fails_only_beyond_two_seed_standard_deviations_of_the_baselin
     """The stress search's verdict: below the baseline by more than 2 × the larger seed std of the two."""
     configs = [bench.Config("normal", "grpo"), bench.Config("hard", "grpo", ("--lr", "1e-3")),
                bench.Config("noisy", "grpo", ("--lr", "2e-3")), bench.Config("higher", "grpo", ("--lr", "3e-3"))]
-    suite = bench.Suite("demo", "demo", configs, [], steps=6, baseline="normal")
+    suite = bench.Suite("demo", "demo", configs, [], steps=6, baseline="normal", columns=(("mismatch/kl_k3", "KL"),))
     # (greedy, entropy at each of the last 5 steps) per seed
     values = {"normal": [(0.50, 0.60), (0.52, 0.62), (0.54, 0.64)],   # greedy 0.52 ± 0.02, entropy 0.62 ± 0.02
               "hard": [(0.40, 0.30), (0.41, 0.31), (0.42, 0.32)],     # both far below: 0.12 > 2 × 0.02
@@ -132,6 +132,7 @@ def test_a_setting_fails_only_beyond_two_seed_standard_deviations_of_the_baselin
             history = records(6, greedy)
             for record in history[1:]:  # only the last 5 steps count; an earlier collapse does not
                 record["charts/entropy"] = entropy if record["step"] > 1 else 0.0
+                record["mismatch/kl_k3"] = 2e-5 * (record["step"] % 2)  # averaged over every step: 1e-5
             write_run(run, history)
             runs.append(run)
     rows = {row["label"]: row for row in bench.summarise(suite, runs)}
@@ -141,7 +142,7 @@ def test_a_setting_fails_only_beyond_two_seed_standard_deviations_of_the_baselin
     bench.write_table(suite, list(rows.values()), (1, 2, 3), 2, "./run.sh bench demo", str(table), "2026-01-02")
     text = table.read_text()
     assert "| 0.620 ± 0.020 | baseline |" in text and "| greedy, entropy |" in text and "| 0.577 ± 0.012 | entropy |" in text
-    assert "| 0.500 ± 0.300 |" in text and "| no |" in text
+    assert "| 0.500 ± 0.300 |" in text and "| no | 1e-05 ± 0 |" in text and "| KL |" in text
 
 
 def test_seeds_are_averaged_step_by_step_even_with_a_nan_or_a_torn_line(tmp_path):

@@ -6,6 +6,7 @@
     ./run.sh bench all             # the benchmark and every experiment
     ./run.sh bench isopo --plot-only   # redraw from the runs already there
     ./run.sh bench stress_search   # GRPO alone on the reasoning task, in each setting searched for a failure
+    ./run.sh bench fp16            # the train-inference mismatch of fp32 / bf16 / fp16 trainers and engines
 (`./run.sh bench ARGS` is `python -m common.bench ARGS`; `python -m common.bench.engines` times the
 rollout engines.)
 
@@ -79,6 +80,7 @@ class Suite:
     flags: tuple[str, ...] = ()  # given to every config
     kl_drift: bool = False  # measure KL(π_θ ‖ π_0) at every checkpoint
     baseline: str | None = None  # a config's label: the others are judged against it (the "fails" column)
+    columns: tuple[tuple[str, str], ...] = ()  # (metric, header): its mean over every training step, extra columns
     extra_figures: dict[str, list[Panel]] = field(default_factory=dict)
 
 
@@ -146,8 +148,11 @@ SUITES = {suite.name: suite for suite in [
     ], [Panel("eval/greedy_accuracy", "held-out greedy accuracy vs KL(π_θ ‖ π_0)", x="kl_drift"),
         Panel("kl_drift", "KL(π_θ ‖ π_0) per token"), ACCURACY, AVG_AT_4], kl_drift=True),
 ]}
+TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # The reasoning task (`sums`, a written scratchpad) with 128 held-out prompts per evaluation.
-SUMS = ("--task", "sums", "--max-new-tokens", "48", "--eval-prompts", "128")
+SUMS_TASK = ("--task", "sums", "--max-new-tokens", "48")
+SUMS = SUMS_TASK + ("--eval-prompts", "128")
+MISMATCH_COLUMNS = (("mismatch/kl_k3", "KL(μ ‖ π_old) k3"), ("mismatch/max_abs_logprob_diff", "max abs Δ log p"))
 # GRPO alone, in settings meant to produce the failure each paper's method was made to prevent. A setting
 # "fails" when its held-out greedy accuracy or its entropy ends more than two seed standard deviations
 # (the larger of the two settings') below the normal setting's. Every setting tried stays in this list.
@@ -159,7 +164,19 @@ SUITES["stress_search"] = Suite(
         Config("mismatch: fp8 engine", "grpo", ("--engine-dtype", "fp8")),
     ], [ACCURACY, ENTROPY, AVG_AT_4, Panel("charts/response_length_mean", "response length (tokens)"),
         Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"), Panel("losses/grad_norm", "gradient norm")],
-    steps=40, flags=SUMS, baseline="normal")
+    steps=40, flags=SUMS, baseline="normal", columns=MISMATCH_COLUMNS[:1])
+# The precision of the trainer (autocast over float32 weights) and of the engine's weights: the mismatch it
+# makes, on the reasoning task, over 5 steps of GRPO (float16 autocast is ~10x slower than float32 on CPUs)
+SUITES["fp16"] = Suite(
+    "fp16", "Trainer and engine precision: the train-inference mismatch of GRPO on the reasoning task", [
+        Config(f"{trainer} trainer, {engine} engine", "grpo", ("--dtype", TORCH_NAMES[trainer], "--engine-dtype",
+                                                               TORCH_NAMES.get(engine, engine)))
+        for trainer, engine in [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "fp16"), ("fp32", "fp8"),
+                                ("bf16", "bf16"), ("fp16", "fp16")]
+    ], [Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"), Panel("mismatch/max_abs_logprob_diff", "max |log μ − log π_old|"),
+        Panel("losses/grad_norm", "gradient norm")],
+    steps=5, flags=SUMS_TASK + ("--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32"),
+    columns=MISMATCH_COLUMNS)
 QUICK = dict(steps=8, seeds=(1,), flags=("--eval-every", "4", "--eval-prompts", "64"))
 
 
@@ -385,6 +402,9 @@ def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
         for key, name in [("time/step", "s_per_step"), ("time/rollout", "rollout_s"), ("time/train", "train_s"),
                           ("sampling/rollouts", "rollouts_per_step")]:  # completions generated (dynamic sampling: more)
             row[name] = mean_std([r.get(key) for rs in records for r in rs if r["step"] > 0])[0]
+        for key, _ in suite.columns:  # each run's mean over its training steps, then mean ± std over seeds
+            row[key], row[key + "_std"] = mean_std([statistics.fmean(
+                [r[key] for r in rs if r["step"] > 0 and key in r] or [math.nan]) for rs in records])
         if suite.kl_drift:
             row["kl_drift"], row["kl_drift_std"] = mean_std(
                 [measure_kl_drift(folder).get(suite.steps) for folder in folders])
@@ -423,14 +443,16 @@ def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, 
              f"{rows[0]['greedy_at_0']:.3f}). Seconds per step exclude evaluations; {jobs} runs at a time, "
              f"{threads} thread(s) each.", "",
              "| method | flags | greedy acc. | avg@4 | pass@4 |" + (" KL(π‖π₀) |" if suite.kl_drift else "")
-             + (" entropy | fails vs. baseline |" if suite.baseline else "") + " s/step | rollout s | train s | rollouts/step |",
+             + (" entropy | fails vs. baseline |" if suite.baseline else "") + "".join(f" {h} |" for _, h in suite.columns)
+             + " s/step | rollout s | train s | rollouts/step |",
              "|---|---|---|---|---|" + ("---|" if suite.kl_drift else "") + ("---|---|" if suite.baseline else "")
-             + "---|---|---|---|"]
+             + "---|" * len(suite.columns) + "---|---|---|---|"]
     for row in rows:
         kl = f" {row['kl_drift']:.4f} ± {row['kl_drift_std']:.4f} |" if suite.kl_drift else ""
         if suite.baseline:
             verdict = "baseline" if row["label"] == suite.baseline else ", ".join(row.get("fails", [])) or "no"
             kl += f" {row['entropy']:.3f} ± {row['entropy_std']:.3f} | {verdict} |"
+        kl += "".join(f" {row[key]:.2g} ± {row[key + '_std']:.1g} |" for key, _ in suite.columns)
         label = row["label"] + (f" (n = {row['seeds']})" if row["seeds"] < len(seeds) else "")
         lines.append(f"| {label} | `{row['flags'] or 'defaults'}` | {row['greedy']:.3f} ± {row['greedy_std']:.3f} "
                      f"| {row['avg@4']:.3f} ± {row['avg@4_std']:.3f} | {row['pass@4']:.3f} ± {row['pass@4_std']:.3f} |"
