@@ -162,6 +162,10 @@ SUITES["stress_search"] = Suite(
         Config("entropy: 8 updates/batch, lr 1e-3", "grpo", ("--num-minibatches", "4", "--update-epochs", "2", "--lr", "1e-3")),
         Config("off-policy: 4 steps stale, T=1.2", "p3o", ("--loss", "clip", "--sync-every", "4", "--sampling-temperature", "1.2")),
         Config("mismatch: fp8 engine", "grpo", ("--engine-dtype", "fp8")),
+        # added after the first four had run (seed 1): 8 updates at lr 1e-3 diverged (accuracy 0, entropy up),
+        # and 4 steps stale at T = 1.2 looked harmless; a milder push on the entropy and a harder off-policy one
+        Config("entropy: 4 updates/batch, lr 3e-4", "grpo", ("--num-minibatches", "4", "--lr", "3e-4")),
+        Config("off-policy: 8 steps stale, T=1.5", "p3o", ("--loss", "clip", "--sync-every", "8", "--sampling-temperature", "1.5")),
     ], [ACCURACY, ENTROPY, AVG_AT_4, Panel("charts/response_length_mean", "response length (tokens)"),
         Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"), Panel("losses/grad_norm", "gradient norm")],
     steps=40, flags=SUMS, baseline="normal", columns=MISMATCH_COLUMNS[:1])
