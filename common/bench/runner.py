@@ -166,9 +166,12 @@ SUITES["stress_search"] = Suite(
         # and 4 steps stale at T = 1.2 looked harmless; a milder push on the entropy and a harder off-policy one
         Config("entropy: 4 updates/batch, lr 3e-4", "grpo", ("--num-minibatches", "4", "--lr", "3e-4")),
         Config("off-policy: 8 steps stale, T=1.5", "p3o", ("--loss", "clip", "--sync-every", "8", "--sampling-temperature", "1.5")),
+        # long training (ISOPO's KL drift, GTPO's formatting tokens), compressed: 3x the step size for 40 steps
+        Config("drift: lr 3e-4 (long training, compressed)", "grpo", ("--lr", "3e-4")),
     ], [ACCURACY, ENTROPY, AVG_AT_4, Panel("charts/response_length_mean", "response length (tokens)"),
         Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"), Panel("losses/grad_norm", "gradient norm")],
-    steps=40, flags=SUMS, baseline="normal", columns=MISMATCH_COLUMNS[:1])
+    steps=40, flags=SUMS, baseline="normal",
+    columns=MISMATCH_COLUMNS[:1] + (("charts/no_answer_rate", "no-answer rate (format broken)"),))
 # The precision of the trainer (autocast over float32 weights) and of the engine's weights: the mismatch it
 # makes, on the reasoning task, over 5 steps of GRPO (float16 autocast is ~10x slower than float32 on CPUs)
 SUITES["fp16"] = Suite(
