@@ -10,9 +10,8 @@
 Answer checking extracts the final answer (the last \\boxed{...}, else the last `#### x`, else the
 last `Answer: x`; for the built-in `arith` task the whole completion) and compares it with the gold
 answer: plain numbers exactly, anything else with math-verify (the built-in tasks accept plain numbers
-only). math-verify's timeouts are signals, which
-cannot interrupt sympy inside C code (`1E55910418` hangs it), so it runs in a worker process that is
-killed when it overruns a deadline. The built-in task accepts plain numbers only.
+only). math-verify's timeouts are signals, which cannot interrupt sympy inside C code (`1E55910418`
+hangs it), so it runs in a worker process that is killed when it overruns a deadline.
 """
 
 from __future__ import annotations
@@ -122,8 +121,8 @@ def sums_scratchpad(numbers) -> str:
 
 def sums_rows(split: str, seed: int = 4321) -> list[Row]:
     """The built-in reasoning task: `Q: 37+48+91=`, three or four numbers in 10..99, whose completion is
-    written out step by step (`sums_scratchpad`); the gold answer is the sum. Responses are 20-40
-    tokens of the character-level tiny model, and their format tokens (`+`, `=`, `,`, ` #### `) are the
+    written out step by step (`sums_scratchpad`); the gold answer is the sum. Responses are 26-41
+    tokens of the character-level tiny model (EOS included), and their format tokens (`+`, `=`, `,`, ` #### `) are the
     same in right and wrong answers.
 
     Distinct number lists are drawn with a fixed seed, 500 for the test split, then 20,000 for the
@@ -376,13 +375,13 @@ def _math_verify(predicted: str, gold: str) -> bool:
         return False
 
 
-def check_answer(completion: str, gold: str, bare: bool = False, numbers_only: bool | None = None) -> Score:
-    """`bare`: the completion may be the answer itself; `numbers_only` (default: `bare`): only a plain
-    number can be right, so math-verify is never called."""
+def check_answer(completion: str, gold: str, bare: bool = False, numbers_only: bool = False) -> Score:
+    """`bare`: the completion may be the answer itself; `numbers_only`: only a plain number can be right,
+    so math-verify is never called."""
     predicted = extract_answer(completion, bare=bare)
     if predicted is None:
         return Score(correct=False, found=False)
-    return Score(correct=answers_match(predicted, gold, bare if numbers_only is None else numbers_only), found=True)
+    return Score(correct=answers_match(predicted, gold, numbers_only), found=True)
 
 
 def score(completion: str, gold: str, task: str) -> Score:

@@ -1,7 +1,7 @@
 """The built-in models: a character-level Llama warm-started on each built-in task, offline.
 
     model_dir = tiny_model_dir()               # `arith`: built on first use (about a minute on 2 CPU cores)
-    model_dir = tiny_model_dir("sums")         # `sums`: built from the arith model (about two minutes)
+    model_dir = tiny_model_dir("sums")         # `sums`: built from the arith model (about 6 minutes)
     model_dir = resolve_model("tiny", task)    # what `--model tiny` does: the warm start of --task
     python -m common.tiny [--force] [sums]     # build (or rebuild) one by hand
 

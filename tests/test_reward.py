@@ -108,7 +108,7 @@ def test_sums_is_deterministic_disjoint_and_its_scratchpads_add_up():
     assert (len(train), len(test)) == (20_000, 500)
     assert train == sums_rows("train") and load_task("sums", "test") == test
     assert len({r.question for r in train + test}) == 20_500  # distinct, so train and test are disjoint
-    assert sums_scratchpad([37, 48, 91]) == "37+48=85,85+91=176 #### 176"  # the example
+    assert sums_scratchpad([37, 48, 91]) == "37+48=85,85+91=176 #### 176"  # the docstring example
     lengths = {3: 0, 4: 0}
     for row in train + test:
         numbers = [int(n) for n in row.question.removeprefix("Q: ").removesuffix("=").split("+")]

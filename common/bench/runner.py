@@ -188,6 +188,11 @@ QUICK = dict(steps=8, seeds=(1,), flags=("--eval-every", "4", "--eval-prompts", 
 
 
 # running ---------------------------------------------------------------------------------------------
+def task_of(flags: tuple[str, ...]) -> str:
+    """The --task these flags give a script (its default: arith)."""
+    return flags[flags.index("--task") + 1] if "--task" in flags else "arith"
+
+
 @dataclass
 class Run:
     config: Config
@@ -205,8 +210,7 @@ class Run:
 
     @property
     def prefix(self) -> str:  # the scripts name their run folders <task>__<exp_name>__<seed>__<time>
-        task = self.flags[self.flags.index("--task") + 1] if "--task" in self.flags else "arith"
-        return f"{os.path.basename(task)}__{self.exp_name}__{self.seed}__"
+        return f"{os.path.basename(task_of(self.flags))}__{self.exp_name}__{self.seed}__"
 
     def folders(self) -> list[str]:
         if not os.path.isdir(self.output_dir):
@@ -444,8 +448,7 @@ def machine() -> str:
 def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, path: str, date: str) -> None:
     """The markdown table; a config with fewer finished seeds than asked for shows its count."""
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    task = next((flags[i + 1] for flags in [suite.flags] for i in range(len(flags) - 1) if flags[i] == "--task"), "arith")
-    lines = [f"**{suite.title}** — built-in task {task}, {suite.steps} steps, seeds {', '.join(map(str, seeds))}; "
+    lines = [f"**{suite.title}** — built-in task {task_of(suite.flags)}, {suite.steps} steps, seeds {', '.join(map(str, seeds))}; "
              f"mean ± std over seeds at the last step (held-out greedy accuracy at step 0: "
              f"{rows[0]['greedy_at_0']:.3f}). Seconds per step exclude evaluations; {jobs} runs at a time, "
              f"{threads} thread(s) each.", "",
@@ -455,15 +458,15 @@ def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, 
              "|---|---|---|---|---|" + ("---|" if suite.kl_drift else "") + ("---|---|" if suite.baseline else "")
              + "---|" * len(suite.columns) + "---|---|---|---|"]
     for row in rows:
-        kl = f" {row['kl_drift']:.4f} ± {row['kl_drift_std']:.4f} |" if suite.kl_drift else ""
+        extra = f" {row['kl_drift']:.4f} ± {row['kl_drift_std']:.4f} |" if suite.kl_drift else ""
         if suite.baseline:
             verdict = "baseline" if row["label"] == suite.baseline else ", ".join(row.get("fails", [])) or "no"
-            kl += f" {row['entropy']:.3f} ± {row['entropy_std']:.3f} | {verdict} |"
-        kl += "".join(f" {row[key]:.2g} ± {row[key + '_std']:.1g} |" for key, _ in suite.columns)
+            extra += f" {row['entropy']:.3f} ± {row['entropy_std']:.3f} | {verdict} |"
+        extra += "".join(f" {row[key]:.2g} ± {row[key + '_std']:.1g} |" for key, _ in suite.columns)
         label = row["label"] + (f" (n = {row['seeds']})" if row["seeds"] < len(seeds) else "")
         lines.append(f"| {label} | `{row['flags'] or 'defaults'}` | {row['greedy']:.3f} ± {row['greedy_std']:.3f} "
                      f"| {row['avg@4']:.3f} ± {row['avg@4_std']:.3f} | {row['pass@4']:.3f} ± {row['pass@4_std']:.3f} |"
-                     f"{kl} {row['s_per_step']:.2f} | {row['rollout_s']:.2f} | {row['train_s']:.2f} "
+                     f"{extra} {row['s_per_step']:.2f} | {row['rollout_s']:.2f} | {row['train_s']:.2f} "
                      f"| {row['rollouts_per_step']:.0f} |")
     lines += ["", f"Run {date} on {machine()}; command: `{command}`."]
     with open(path, "w") as f:
