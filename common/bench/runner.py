@@ -6,6 +6,7 @@
     ./run.sh bench all             # the benchmark and every experiment
     ./run.sh bench isopo --plot-only   # redraw from the runs already there
     ./run.sh bench stress_search   # GRPO alone on the reasoning task, in each setting searched for a failure
+    ./run.sh bench stress          # each method in the stress setting of its claim, beside GRPO there
     ./run.sh bench fp16            # the train-inference mismatch of fp32 / bf16 / fp16 trainers and engines
 (`./run.sh bench ARGS` is `python -m common.bench ARGS`; `python -m common.bench.engines` times the
 rollout engines.)
@@ -80,6 +81,9 @@ class Suite:
     flags: tuple[str, ...] = ()  # given to every config
     kl_drift: bool = False  # measure KL(π_θ ‖ π_0) at every checkpoint
     baseline: str | None = None  # a config's label: the others are judged against it (the "fails" column)
+    # with labels "setting · method": the method every other one is compared with in its own setting (the
+    # "verdict" column: whether the other method prevents the failure this one shows there)
+    reference: str | None = None
     columns: tuple[tuple[str, str], ...] = ()  # (metric, header): its mean over every training step, extra columns
     extra_figures: dict[str, list[Panel]] = field(default_factory=dict)
 
@@ -153,6 +157,11 @@ TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SUMS_TASK = ("--task", "sums", "--max-new-tokens", "48")
 SUMS = SUMS_TASK + ("--eval-prompts", "128")
 MISMATCH_COLUMNS = (("mismatch/kl_k3", "KL(μ ‖ π_old) k3"), ("mismatch/max_abs_logprob_diff", "max abs Δ log p"))
+# The stress settings: the flags that push GRPO toward the failure each paper's method was made to prevent.
+ENTROPY_STRESS = ("--num-minibatches", "4", "--lr", "3e-4")  # many large updates per batch (EMA-KPO)
+DRIFT_STRESS = ("--lr", "3e-4")  # long training compressed into 3x the step size (ISOPO's KL drift, GTPO)
+OFF_POLICY_STRESS = ("--sync-every", "8", "--sampling-temperature", "1.5")  # stale, hotter rollouts (P3O)
+MISMATCH_STRESS = ("--engine-dtype", "fp8")  # an engine whose Linear weights are rounded through fp8 (TIS)
 # GRPO alone, in settings meant to produce the failure each paper's method was made to prevent. A setting
 # "fails" when its held-out greedy accuracy or its entropy ends more than two seed standard deviations
 # (the larger of the two settings') below the normal setting's. Every setting tried stays in this list.
@@ -161,16 +170,36 @@ SUITES["stress_search"] = Suite(
         Config("normal", "grpo"),
         Config("entropy: 8 updates/batch, lr 1e-3", "grpo", ("--num-minibatches", "4", "--update-epochs", "2", "--lr", "1e-3")),
         Config("off-policy: 4 steps stale, T=1.2", "p3o", ("--loss", "clip", "--sync-every", "4", "--sampling-temperature", "1.2")),
-        Config("mismatch: fp8 engine", "grpo", ("--engine-dtype", "fp8")),
+        Config("mismatch: fp8 engine", "grpo", MISMATCH_STRESS),
         # added after the first four had run (seed 1): 8 updates at lr 1e-3 diverged (accuracy 0, entropy up),
         # and 4 steps stale at T = 1.2 looked harmless; a milder push on the entropy and a harder off-policy one
-        Config("entropy: 4 updates/batch, lr 3e-4", "grpo", ("--num-minibatches", "4", "--lr", "3e-4")),
-        Config("off-policy: 8 steps stale, T=1.5", "p3o", ("--loss", "clip", "--sync-every", "8", "--sampling-temperature", "1.5")),
+        Config("entropy: 4 updates/batch, lr 3e-4", "grpo", ENTROPY_STRESS),
+        Config("off-policy: 8 steps stale, T=1.5", "p3o", ("--loss", "clip") + OFF_POLICY_STRESS),
         # long training (ISOPO's KL drift, GTPO's formatting tokens), compressed: 3x the step size for 40 steps
-        Config("drift: lr 3e-4 (long training, compressed)", "grpo", ("--lr", "3e-4")),
+        Config("drift: lr 3e-4 (long training, compressed)", "grpo", DRIFT_STRESS),
     ], [ACCURACY, ENTROPY, AVG_AT_4, Panel("charts/response_length_mean", "response length (tokens)"),
         Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"), Panel("losses/grad_norm", "gradient norm")],
     steps=40, flags=SUMS, baseline="normal",
+    columns=MISMATCH_COLUMNS[:1] + (("charts/no_answer_rate", "no-answer rate (format broken)"),))
+# Then each method with its own defaults in the setting of its claim, beside GRPO there (the same runs as
+# the search's: same flags). Fixed after the search and before any of these methods ran: of the two
+# settings where GRPO's entropy went wrong, the milder (4 updates at lr 3e-4, which is EMA-KPO's own 4
+# minibatches); the harder off-policy setting; the fp8 engine (fp8 per tensor, 1.2e-4, and int8, at most
+# 3.5e-5, are no harsher than fp8 per channel's 1.0e-4 on this model). P3O and TIS run although GRPO did
+# not fail in their settings: the verdict is then "failure not produced", with their numbers beside it.
+SUITES["stress"] = Suite(
+    "stress", "Each method with its defaults in the stress setting of its claim, beside GRPO there", [
+        Config("normal · GRPO", "grpo"),
+        Config("entropy · GRPO", "grpo", ENTROPY_STRESS), Config("entropy · EMA-KPO", "ema_kpo", ENTROPY_STRESS),
+        Config("drift · GRPO", "grpo", DRIFT_STRESS), Config("drift · ISOPO", "isopo", DRIFT_STRESS),
+        Config("drift · GTPO", "gtpo", DRIFT_STRESS),
+        Config("off-policy · GRPO", "p3o", ("--loss", "clip") + OFF_POLICY_STRESS),
+        Config("off-policy · P3O", "p3o", OFF_POLICY_STRESS),
+        Config("mismatch · GRPO", "grpo", MISMATCH_STRESS),
+        Config("mismatch · TIS", "tis_icepop", MISMATCH_STRESS + ("--correction", "tis")),
+    ], [ACCURACY, ENTROPY, AVG_AT_4, Panel("charts/no_answer_rate", "no-answer rate (format broken)"),
+        Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"), Panel("losses/grad_norm", "gradient norm")],
+    steps=40, flags=SUMS, baseline="normal · GRPO", reference="GRPO",
     columns=MISMATCH_COLUMNS[:1] + (("charts/no_answer_rate", "no-answer rate (format broken)"),))
 # The precision of the trainer (autocast over float32 weights) and of the engine's weights: the mismatch it
 # makes, on the reasoning task, over 5 steps of GRPO (float16 autocast is ~10x slower than float32 on CPUs)
@@ -426,11 +455,25 @@ def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
 
 def judge_against_baseline(suite: Suite, rows: list[dict]) -> None:
     """row["fails"]: which of greedy accuracy and entropy end below the baseline's by more than twice the
-    larger seed standard deviation of the two settings (a suite with a baseline only)."""
+    larger seed standard deviation of the two settings (a suite with a baseline only). With a reference
+    method, row["verdict"] for every other method: "prevents" when the reference fails in the same setting
+    and this method does not, "does not prevent" when both fail, "failure not produced" when the reference
+    does not fail there."""
     base = next((row for row in rows if row["label"] == suite.baseline), None)
     for row in rows if base else []:
         row["fails"] = [name for name in ("greedy", "entropy")
                         if base[name] - row[name] > 2 * max(base[name + "_std"], row[name + "_std"])]
+    if not (base and suite.reference):
+        return
+    reference = {row["label"].split(" · ")[0]: row for row in rows if row["label"].endswith(" · " + suite.reference)}
+    for row in rows:
+        setting = row["label"].split(" · ")[0]
+        if row is base or row["label"].endswith(" · " + suite.reference) or setting not in reference:
+            continue
+        if not reference[setting]["fails"]:
+            row["verdict"] = "failure not produced"
+        else:
+            row["verdict"] = "does not prevent" if row["fails"] else "prevents"
 
 
 def machine() -> str:
@@ -453,15 +496,18 @@ def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, 
              f"{rows[0]['greedy_at_0']:.3f}). Seconds per step exclude evaluations; {jobs} runs at a time, "
              f"{threads} thread(s) each.", "",
              "| method | flags | greedy acc. | avg@4 | pass@4 |" + (" KL(π‖π₀) |" if suite.kl_drift else "")
-             + (" entropy | fails vs. baseline |" if suite.baseline else "") + "".join(f" {h} |" for _, h in suite.columns)
-             + " s/step | rollout s | train s | rollouts/step |",
+             + (" entropy | fails vs. baseline |" if suite.baseline else "") + (" verdict |" if suite.reference else "")
+             + "".join(f" {h} |" for _, h in suite.columns) + " s/step | rollout s | train s | rollouts/step |",
              "|---|---|---|---|---|" + ("---|" if suite.kl_drift else "") + ("---|---|" if suite.baseline else "")
+             + ("---|" if suite.reference else "")
              + "---|" * len(suite.columns) + "---|---|---|---|"]
     for row in rows:
         extra = f" {row['kl_drift']:.4f} ± {row['kl_drift_std']:.4f} |" if suite.kl_drift else ""
         if suite.baseline:
             verdict = "baseline" if row["label"] == suite.baseline else ", ".join(row.get("fails", [])) or "no"
             extra += f" {row['entropy']:.3f} ± {row['entropy_std']:.3f} | {verdict} |"
+        if suite.reference:
+            extra += f" {row.get('verdict', '')} |"
         extra += "".join(f" {row[key]:.2g} ± {row[key + '_std']:.1g} |" for key, _ in suite.columns)
         label = row["label"] + (f" (n = {row['seeds']})" if row["seeds"] < len(seeds) else "")
         lines.append(f"| {label} | `{row['flags'] or 'defaults'}` | {row['greedy']:.3f} ± {row['greedy_std']:.3f} "
