@@ -145,6 +145,25 @@ def test_a_setting_fails_only_beyond_two_seed_standard_deviations_of_the_baselin
     assert "| 0.500 ± 0.300 |" in text and "| no | 1e-05 ± 0 |" in text and "| KL |" in text
 
 
+def test_each_method_is_judged_against_the_reference_in_its_own_setting():
+    """The stress suite's verdict: a method prevents a failure only where the reference (GRPO) fails."""
+    def row(label, greedy, entropy, std=0.01):
+        return {"label": label, "greedy": greedy, "greedy_std": std, "entropy": entropy, "entropy_std": std}
+
+    rows = [row("normal · GRPO", 0.80, 0.10),
+            row("hard · GRPO", 0.10, 0.30), row("hard · Fixer", 0.79, 0.09), row("hard · Bystander", 0.20, 0.25),
+            row("mild · GRPO", 0.79, 0.10), row("mild · Calm", 0.80, 0.10), row("mild · Broken", 0.50, 0.10),
+            row("alone · Orphan", 0.80, 0.10)]  # no GRPO in its setting: nothing to compare with
+    suite = bench.Suite("demo", "demo", [], [], baseline="normal · GRPO", reference="GRPO")
+    bench.judge_against_baseline(suite, rows)
+    verdicts = {r["label"]: r.get("verdict") for r in rows}
+    assert verdicts == {"normal · GRPO": None, "hard · GRPO": None, "hard · Fixer": "prevents",
+                        "hard · Bystander": "does not prevent", "mild · GRPO": None,
+                        "mild · Calm": "failure not produced", "mild · Broken": "fails where GRPO does not",
+                        "alone · Orphan": None}
+    assert rows[1]["fails"] == ["greedy"] and rows[2]["fails"] == []  # the fixer: 0.01 below on both, within 2 std
+
+
 def test_seeds_are_averaged_step_by_step_even_with_a_nan_or_a_torn_line(tmp_path):
     """A NaN (logged as "nan") or an unreadable line must not shift one seed against the others."""
     config = bench.Config("A", "grpo")

@@ -457,8 +457,8 @@ def judge_against_baseline(suite: Suite, rows: list[dict]) -> None:
     """row["fails"]: which of greedy accuracy and entropy end below the baseline's by more than twice the
     larger seed standard deviation of the two settings (a suite with a baseline only). With a reference
     method, row["verdict"] for every other method: "prevents" when the reference fails in the same setting
-    and this method does not, "does not prevent" when both fail, "failure not produced" when the reference
-    does not fail there."""
+    and this method does not, "does not prevent" when both fail, "failure not produced" when neither does
+    (and says so when only this method fails)."""
     base = next((row for row in rows if row["label"] == suite.baseline), None)
     for row in rows if base else []:
         row["fails"] = [name for name in ("greedy", "entropy")
@@ -471,7 +471,7 @@ def judge_against_baseline(suite: Suite, rows: list[dict]) -> None:
         if row is base or row["label"].endswith(" · " + suite.reference) or setting not in reference:
             continue
         if not reference[setting]["fails"]:
-            row["verdict"] = "failure not produced"
+            row["verdict"] = f"fails where {suite.reference} does not" if row["fails"] else "failure not produced"
         else:
             row["verdict"] = "does not prevent" if row["fails"] else "prevents"
 
@@ -599,7 +599,8 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 @dataclass
 class BenchArgs:
     suites: tyro.conf.Positional[tuple[str, ...]] = ("bench",)
-    """what to run: bench (every method), ema_kpo, p3o, tis_icepop, gtpo, isopo, or all"""
+    """what to run: bench (every method), ema_kpo, p3o, tis_icepop, gtpo, isopo (the claims on the built-in
+    task), stress_search, stress, fp16 (on the reasoning task), or all"""
     quick: bool = False
     """a few minutes: 1 seed, 8 steps, smaller evaluations (results under --output-dir)"""
     seeds: int | None = None
