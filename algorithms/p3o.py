@@ -598,3 +598,6 @@ if __name__ == "__main__":
 # ±10 everywhere, where they clamp only the exponent of 1/ρ in k3 (which flips the KL gradient's sign for
 # log ρ < −10) and fall back to e_B = 1 when a ratio overflows; no +1e-8 in the ESS denominator (ρ ≥ e^−10 > 0);
 # advantages divide by std + 1e-4, not 1e-8; AdamW betas (0.9, 0.99) as grpo.py, theirs (0.9, 0.95).
+# Tempered μ has a cost: the KL term's target is then the sampler's own (hotter) distribution. With rollouts 8 steps
+# stale at T = 1.5 on the reasoning task (`./run.sh bench stress`, README), P3O's entropy ran away (0.13 to 3.5 in 40
+# steps, greedy accuracy to 0 in all 3 seeds) where GRPO's clipped loss held; raw (T = 1) μ is not offered here.

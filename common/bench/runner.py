@@ -197,8 +197,13 @@ SUITES["stress"] = Suite(
         Config("off-policy · P3O", "p3o", OFF_POLICY_STRESS),
         Config("mismatch · GRPO", "grpo", MISMATCH_STRESS),
         Config("mismatch · TIS", "tis_icepop", MISMATCH_STRESS + ("--correction", "tis")),
-    ], [ACCURACY, ENTROPY, AVG_AT_4, Panel("charts/no_answer_rate", "no-answer rate (format broken)"),
-        Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"), Panel("losses/grad_norm", "gradient norm")],
+    ], [Panel(key, f"{setting}: {title}", labels=("normal · GRPO", *methods))
+        for key, title in [("eval/greedy_accuracy", "held-out greedy accuracy"), ("charts/entropy", "entropy")]
+        for setting, methods in [("entropy", ("entropy · GRPO", "entropy · EMA-KPO")),
+                                 ("drift", ("drift · GRPO", "drift · ISOPO", "drift · GTPO")),
+                                 ("off-policy", ("off-policy · GRPO", "off-policy · P3O")),
+                                 ("mismatch", ("mismatch · GRPO", "mismatch · TIS"))]]
+    + [Panel("charts/no_answer_rate", "no-answer rate (format broken)")],
     steps=40, flags=SUMS, baseline="normal · GRPO", reference="GRPO",
     columns=MISMATCH_COLUMNS[:1] + (("charts/no_answer_rate", "no-answer rate (format broken)"),))
 # The precision of the trainer (autocast over float32 weights) and of the engine's weights: the mismatch it
@@ -548,6 +553,8 @@ def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: 
     # one color per method: "setting · method" labels keep the method's color across settings
     methods = list(dict.fromkeys(c.label.split(" · ")[-1] for c in suite.configs))
     colors = {c.label: plt.get_cmap("tab10")(methods.index(c.label.split(" · ")[-1]) % 10) for c in suite.configs}
+    if suite.baseline:  # the baseline in gray, dashed: it shares its method's color with that method's other settings
+        colors[suite.baseline] = "gray"
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
@@ -574,8 +581,12 @@ def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: 
             low = _moving_average([min(y) for y in ys], window)
             high = _moving_average([max(y) for y in ys], window)
             marker = "o" if length <= 12 else None
-            short_label = config.label.split(" · ")[-1] if panel.labels is not None else config.label
-            axis.plot(xs, mean, color=colors[config.label], marker=marker, markersize=3, label=short_label)
+            # a panel of one setting names its methods alone, unless two of them are one method (the baseline's)
+            short_names = [label.split(" · ")[-1] for label in panel.labels or ()]
+            short = panel.labels is not None and len(set(short_names)) == len(short_names)
+            axis.plot(xs, mean, color=colors[config.label], marker=marker, markersize=3,
+                      linestyle="--" if config.label == suite.baseline else "-",
+                      label=config.label.split(" · ")[-1] if short else config.label)
             if len(per_seed) > 1:
                 axis.fill_between(xs, low, high, color=colors[config.label], alpha=0.15, linewidth=0)
         axis.set_title(panel.title, fontsize=10)
