@@ -164,6 +164,18 @@ def test_each_method_is_judged_against_the_reference_in_its_own_setting():
     assert rows[1]["fails"] == ["greedy"] and rows[2]["fails"] == []  # the fixer: 0.01 below on both, within 2 std
 
 
+def test_the_stress_suite_reuses_the_searchs_grpo_runs(tmp_path):
+    """GRPO's rows in `stress` are the runs of `stress_search` (same script, steps and flags, so the same folder):
+    the README's timing of `./run.sh bench stress` counts on it, and both tables must show the same runs."""
+    def names(suite):
+        return {bench.Run(c, 1, suite.steps, c.flags + suite.flags, str(tmp_path)).exp_name: c.label for c in suite.configs}
+
+    search, stress = names(bench.SUITES["stress_search"]), names(bench.SUITES["stress"])
+    grpo_rows = {name for name, label in stress.items() if label.endswith(" · GRPO")}
+    assert len(grpo_rows) == 5 and grpo_rows <= set(search)
+    assert not (set(stress) - grpo_rows) & set(search)  # the methods' runs are new
+
+
 def test_seeds_are_averaged_step_by_step_even_with_a_nan_or_a_torn_line(tmp_path):
     """A NaN (logged as "nan") or an unreadable line must not shift one seed against the others."""
     config = bench.Config("A", "grpo")
