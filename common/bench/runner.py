@@ -162,6 +162,9 @@ ENTROPY_STRESS = ("--num-minibatches", "4", "--lr", "3e-4")  # many large update
 DRIFT_STRESS = ("--lr", "3e-4")  # long training compressed into 3x the step size (ISOPO's KL drift, GTPO)
 OFF_POLICY_STRESS = ("--sync-every", "8", "--sampling-temperature", "1.5")  # stale, hotter rollouts (P3O)
 MISMATCH_STRESS = ("--engine-dtype", "fp8")  # an engine whose Linear weights are rounded through fp8 (TIS)
+GRPO_OFF_POLICY = ("--loss", "clip") + OFF_POLICY_STRESS  # p3o.py's GRPO loss, on the same stale, hotter rollouts
+NO_ANSWER = ("charts/no_answer_rate", "no-answer rate (format broken)")
+STRESS_COLUMNS = MISMATCH_COLUMNS[:1] + (NO_ANSWER,)
 # GRPO alone, in settings meant to produce the failure each paper's method was made to prevent. A setting
 # "fails" when its held-out greedy accuracy or its entropy ends more than two seed standard deviations
 # (the larger of the two settings') below the normal setting's. Every setting tried stays in this list.
@@ -174,38 +177,39 @@ SUITES["stress_search"] = Suite(
         # added after the first four had run (seed 1): 8 updates at lr 1e-3 diverged (accuracy 0, entropy up),
         # and 4 steps stale at T = 1.2 looked harmless; a milder push on the entropy and a harder off-policy one
         Config("entropy: 4 updates/batch, lr 3e-4", "grpo", ENTROPY_STRESS),
-        Config("off-policy: 8 steps stale, T=1.5", "p3o", ("--loss", "clip") + OFF_POLICY_STRESS),
+        Config("off-policy: 8 steps stale, T=1.5", "p3o", GRPO_OFF_POLICY),
         # long training (ISOPO's KL drift, GTPO's formatting tokens), compressed: 3x the step size for 40 steps
         Config("drift: lr 3e-4 (long training, compressed)", "grpo", DRIFT_STRESS),
     ], [ACCURACY, ENTROPY, AVG_AT_4, Panel("charts/response_length_mean", "response length (tokens)"),
         Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"), Panel("losses/grad_norm", "gradient norm")],
-    steps=40, flags=SUMS, baseline="normal",
-    columns=MISMATCH_COLUMNS[:1] + (("charts/no_answer_rate", "no-answer rate (format broken)"),))
+    steps=40, flags=SUMS, baseline="normal", columns=STRESS_COLUMNS)
 # Then each method with its own defaults in the setting of its claim, beside GRPO there (the same runs as
 # the search's: same flags). Fixed after the search and before any of these methods ran: of the two
 # settings where GRPO's entropy went wrong, the milder (4 updates at lr 3e-4, which is EMA-KPO's own 4
 # minibatches); the harder off-policy setting; the fp8 engine (fp8 per tensor, 1.2e-4, and int8, at most
 # 3.5e-5, are no harsher than fp8 per channel's 1.0e-4 on this model). P3O and TIS run although GRPO did
 # not fail in their settings: the verdict is then "failure not produced", with their numbers beside it.
-SUITES["stress"] = Suite(
-    "stress", "Each method with its defaults in the stress setting of its claim, beside GRPO there", [
+def _stress_suite() -> Suite:
+    configs = [
         Config("normal · GRPO", "grpo"),
         Config("entropy · GRPO", "grpo", ENTROPY_STRESS), Config("entropy · EMA-KPO", "ema_kpo", ENTROPY_STRESS),
         Config("drift · GRPO", "grpo", DRIFT_STRESS), Config("drift · ISOPO", "isopo", DRIFT_STRESS),
         Config("drift · GTPO", "gtpo", DRIFT_STRESS),
-        Config("off-policy · GRPO", "p3o", ("--loss", "clip") + OFF_POLICY_STRESS),
-        Config("off-policy · P3O", "p3o", OFF_POLICY_STRESS),
+        Config("off-policy · GRPO", "p3o", GRPO_OFF_POLICY), Config("off-policy · P3O", "p3o", OFF_POLICY_STRESS),
         Config("mismatch · GRPO", "grpo", MISMATCH_STRESS),
         Config("mismatch · TIS", "tis_icepop", MISMATCH_STRESS + ("--correction", "tis")),
-    ], [Panel(key, f"{setting}: {title}", labels=("normal · GRPO", *methods))
-        for key, title in [("eval/greedy_accuracy", "held-out greedy accuracy"), ("charts/entropy", "entropy")]
-        for setting, methods in [("entropy", ("entropy · GRPO", "entropy · EMA-KPO")),
-                                 ("drift", ("drift · GRPO", "drift · ISOPO", "drift · GTPO")),
-                                 ("off-policy", ("off-policy · GRPO", "off-policy · P3O")),
-                                 ("mismatch", ("mismatch · GRPO", "mismatch · TIS"))]]
-    + [Panel("charts/no_answer_rate", "no-answer rate (format broken)")],
-    steps=40, flags=SUMS, baseline="normal · GRPO", reference="GRPO",
-    columns=MISMATCH_COLUMNS[:1] + (("charts/no_answer_rate", "no-answer rate (format broken)"),))
+    ]
+    normal, settings = configs[0].label, dict.fromkeys(c.label.split(" · ")[0] for c in configs[1:])
+    panels = [Panel(key, f"{setting}: {title}", labels=(normal, *(c.label for c in configs
+                                                                  if c.label.split(" · ")[0] == setting)))
+              for key, title in [("eval/greedy_accuracy", "held-out greedy accuracy"), ("charts/entropy", "entropy")]
+              for setting in settings]  # one panel per setting, normal GRPO in each
+    return Suite("stress", "Each method with its defaults in the stress setting of its claim, beside GRPO there",
+                 configs, panels + [Panel(*NO_ANSWER)], steps=40, flags=SUMS, baseline=normal, reference="GRPO",
+                 columns=STRESS_COLUMNS)
+
+
+SUITES["stress"] = _stress_suite()
 # The precision of the trainer (autocast over float32 weights) and of the engine's weights: the mismatch it
 # makes, on the reasoning task, over 5 steps of GRPO (float16 autocast is ~10x slower than float32 on CPUs)
 SUITES["fp16"] = Suite(
@@ -470,10 +474,14 @@ def judge_against_baseline(suite: Suite, rows: list[dict]) -> None:
                         if base[name] - row[name] > 2 * max(base[name + "_std"], row[name + "_std"])]
     if not (base and suite.reference):
         return
-    reference = {row["label"].split(" · ")[0]: row for row in rows if row["label"].endswith(" · " + suite.reference)}
+    def setting_and_method(row):
+        setting, _, method = row["label"].partition(" · ")
+        return setting, method
+
+    reference = {setting_and_method(row)[0]: row for row in rows if setting_and_method(row)[1] == suite.reference}
     for row in rows:
-        setting = row["label"].split(" · ")[0]
-        if row is base or row["label"].endswith(" · " + suite.reference) or setting not in reference:
+        setting, method = setting_and_method(row)
+        if row is base or method == suite.reference or setting not in reference:
             continue
         if not reference[setting]["fails"]:
             row["verdict"] = f"fails where {suite.reference} does not" if row["fails"] else "failure not produced"
@@ -559,6 +567,9 @@ def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: 
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
     for axis, panel in zip(axes.flat, panels):
+        # a panel of one setting names its methods alone, unless two of them are one method (the baseline's)
+        short_names = [label.split(" · ")[-1] for label in panel.labels or ()]
+        short = panel.labels is not None and len(set(short_names)) == len(short_names)
         for config in suite.configs:
             if panel.labels is not None and config.label not in panel.labels:
                 continue
@@ -581,9 +592,6 @@ def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: 
             low = _moving_average([min(y) for y in ys], window)
             high = _moving_average([max(y) for y in ys], window)
             marker = "o" if length <= 12 else None
-            # a panel of one setting names its methods alone, unless two of them are one method (the baseline's)
-            short_names = [label.split(" · ")[-1] for label in panel.labels or ()]
-            short = panel.labels is not None and len(set(short_names)) == len(short_names)
             axis.plot(xs, mean, color=colors[config.label], marker=marker, markersize=3,
                       linestyle="--" if config.label == suite.baseline else "-",
                       label=config.label.split(" · ")[-1] if short else config.label)
