@@ -505,9 +505,7 @@ def main(args: Args) -> None:
                          share_weights=dist.world_size == 1 and args.sync_every == 1, model_path=checkpoint or args.model,
                          max_model_len=max_model_len, seed=args.seed + dist.rank,
                          gpu_memory_utilization=args.gpu_memory_utilization, sleep_mode=args.vllm_sleep_mode)
-    policy = policy.to(device)
-    if args.gradient_checkpointing:  # before sharding; non-reentrant, as FSDP2 requires
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = fsdp.prepare_for_training(policy.to(device), args.gradient_checkpointing)  # train mode, no dropout
     policy = fsdp.shard(policy, dist, cpu_offload=args.cpu_offload)
     reference = None
     if args.kl_coef > 0:

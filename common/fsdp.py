@@ -47,6 +47,25 @@ def setup() -> Dist:
     return Dist(rank, world_size, local_rank, device)
 
 
+def prepare_for_training(model, gradient_checkpointing: bool = False):
+    """The policy as the update needs it: in training mode, with dropout off, and (optionally) with each
+    decoder layer's activations recomputed in the backward. Returns the model.
+    - Training mode: `from_pretrained` returns a model in eval mode, and transformers' decoder layers
+      checkpoint only in training mode, so without it --gradient-checkpointing silently does nothing.
+    - Dropout off: the update scores the sampled tokens again and compares (ρ = π_θ / π_old), so π_θ must be a
+      deterministic function of the weights (0 already in Llama / Qwen configs; not in every model's).
+    - Checkpointing before sharding; non-reentrant, as FSDP2 requires."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # attention's functional dropout rate
+            module.attention_dropout = 0.0
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def shard(model, dist: Dist, cpu_offload: bool = False):
     """FSDP2: `fully_shard` each decoder layer, then the root, over all ranks. On one rank the model is
     returned as it is. Parameters, gathers and gradient reductions stay float32: bf16 compute comes from

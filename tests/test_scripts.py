@@ -224,3 +224,32 @@ def test_a_minibatch_without_response_tokens_is_skipped_and_counted(name, tiny):
     for key, p in model.named_parameters():
         assert torch.equal(weights[key], p), key
     assert logged["skipped"] == 1 and "losses/policy_loss" not in logged
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_gradient_checkpointing_recomputes_every_layer(name, tmp_path, monkeypatch):
+    """Through the script's own set-up (main()): with --gradient-checkpointing every decoder layer runs
+    twice per training forward (the forward, then its recomputation inside the backward), without it once.
+    Counted by calls with autograd on, so generation and the no-grad scoring passes do not count. The
+    recomputation changes no number: the step's loss and gradient norm are the same."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM
+
+    algorithm = importlib.import_module(f"algorithms.{name}")
+    fields = {f.name for f in dataclasses.fields(algorithm.Args)}
+    counts = {}
+    for cls, key in ((LlamaDecoderLayer, "layer"), (LlamaForCausalLM, "model")):
+        def counting(self, *args, _forward=cls.forward, _key=key, **kwargs):
+            counts[_key] += torch.is_grad_enabled()
+            return _forward(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "forward", counting)
+    for checkpointing in (False, True):
+        counts.update(layer=0, model=0)
+        overrides = {"steps": 1, "eval_every": 0, "output_dir": str(tmp_path / str(checkpointing)), "prompts_per_step": 4,
+                     "group_size": 4, "num_minibatches": 2, "micro_batch_size": 8, "gradient_checkpointing": checkpointing}
+        algorithm.main(algorithm.Args(**{k: v for k, v in overrides.items() if k in fields}))
+        layers = 4  # the built-in model's
+        assert counts["model"] >= 2, counts  # a training forward per micro-batch
+        assert counts["layer"] == layers * counts["model"] * (2 if checkpointing else 1), (checkpointing, counts)
+    plain, checkpointed = (read_jsonl(os.path.join(only_run_dir(tmp_path / str(c)), "metrics.jsonl"))[-1] for c in (False, True))
+    for key in ("losses/policy_loss", "losses/grad_norm"):
+        assert checkpointed[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-8), key
