@@ -90,7 +90,7 @@ class Args:
     rollout_engine: Literal["auto", "hf", "vllm"] = "auto"
     """vllm (in-process vLLM), hf (transformers generate), or auto: vllm on a GPU when installed, else hf"""
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "int8"] = "auto"
-    """engine weights' dtype; auto = hf: the trainer's, vllm: bfloat16 on GPU (another dtype than the trainer's is a train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""
+    """engine weights' dtype; auto = hf: the trainer's weights, vllm: the trainer's compute dtype on GPU (another dtype than the trainer's is a train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""
     gpu_memory_utilization: float = 0.3
     """vllm: fraction of GPU memory for the engine (weights and KV cache); the trainer gets the rest"""
     vllm_sleep_mode: bool = False
@@ -511,9 +511,10 @@ def main(args: Args) -> None:
     engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype, device=device,
                          share_weights=dist.world_size == 1, model_path=checkpoint or args.model,
                          max_model_len=max_model_len, seed=args.seed + dist.rank,
-                         gpu_memory_utilization=args.gpu_memory_utilization, sleep_mode=args.vllm_sleep_mode)
+                         gpu_memory_utilization=args.gpu_memory_utilization, sleep_mode=args.vllm_sleep_mode,
+                         compute_dtype=compute_dtype)
     policy = fsdp.prepare_for_training(policy.to(device), args.gradient_checkpointing)  # train mode, no dropout
-    policy = fsdp.shard(policy, dist, cpu_offload=args.cpu_offload)
+    policy = fsdp.shard(policy, dist, args.cpu_offload, compute_dtype)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     start_step, skipped_steps = 0, 0

@@ -39,12 +39,35 @@ def setup() -> Dist:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
+        check_no_gpu_is_left_unused()
         device = torch.device("cpu")
     if world_size > 1 and not torch_dist.is_initialized():
         # on GPUs, CUDA tensors go through nccl and CPU tensors (--cpu-offload's shards and gradients)
         # through gloo: an nccl-only group cannot reduce a CPU tensor
         torch_dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo")
     return Dist(rank, world_size, local_rank, device)
+
+
+def check_no_gpu_is_left_unused() -> None:
+    """Stop when the machine has an NVIDIA GPU that torch cannot use, rather than train on the CPU for days:
+    PyPI's torch 2.14 is a CUDA 13 build, which a driver older than CUDA 13's cannot run. Setting
+    CUDA_VISIBLE_DEVICES to an empty value says the CPU is meant."""
+    import shutil
+    import subprocess
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1") or not shutil.which("nvidia-smi"):
+        return
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return
+    gpus = [line for line in listed.splitlines() if line.startswith("GPU ")]
+    if gpus:
+        raise RuntimeError(
+            f"nvidia-smi lists {len(gpus)} GPU(s) ({gpus[0].split(' (')[0]}), but torch {torch.__version__} cannot use "
+            f"them (torch.cuda.is_available() is False; this torch is built for CUDA {torch.version.cuda or 'none: a CPU build'}). "
+            "Install a torch build that this driver supports (nvidia-smi shows the driver's CUDA version; "
+            "https://pytorch.org/get-started/locally), or set CUDA_VISIBLE_DEVICES= to train on the CPU on purpose.")
 
 
 def prepare_for_training(model, gradient_checkpointing: bool = False):
@@ -66,18 +89,25 @@ def prepare_for_training(model, gradient_checkpointing: bool = False):
     return model
 
 
-def shard(model, dist: Dist, cpu_offload: bool = False):
+def shard(model, dist: Dist, cpu_offload: bool = False, compute_dtype: torch.dtype = torch.float32):
     """FSDP2: `fully_shard` each decoder layer, then the root, over all ranks. On one rank the model is
-    returned as it is. Parameters, gathers and gradient reductions stay float32: bf16 compute comes from
-    the caller's torch.autocast, as on one rank, so N ranks compute what one process computes (FSDP2's
-    MixedPrecisionPolicy would instead round every weight to bf16 before the forward, norms included).
+    returned as it is. The shards stay float32 (the optimizer's weights).
+    With a bfloat16 `compute_dtype`, each unit is gathered in bf16 and its gradients are reduced in float32
+    (FSDP2's MixedPrecisionPolicy, as verl does). Why: under autocast alone every float32 weight gathered
+    for the forward is cast again and autograd keeps the cast for the backward, a full-size bf16 copy of
+    the model on every rank however many ranks share it. The price: every weight is bf16 in the forward
+    (norms and the embedding too, so the residual stream is bf16), where one process computes with float32
+    weights under autocast; N ranks agree with one process to bf16 rounding, not exactly (float32 exactly).
+    float16 stays autocast over float32 weights: float16 gradients of a loss scaled by 2^16 would overflow.
     `cpu_offload`: keep sharded parameters and optimizer state in CPU memory."""
     if dist.world_size == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     options = {"mesh": init_device_mesh(dist.device.type, (dist.world_size,))}
+    if compute_dtype == torch.bfloat16:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if cpu_offload:  # pinned memory needs an accelerator
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())

