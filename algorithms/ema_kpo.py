@@ -504,10 +504,12 @@ def main(args: Args) -> None:
         run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
-    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)[: args.eval_prompts]
+    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     train_rows, prompts = encode_prompts(train_rows, tokenizer, args.task, args.chat_template, args.max_prompt_tokens)
+    # held-out prompts are bounded like the training ones: the engine's context has no room for longer ones
+    eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, args.max_prompt_tokens)[0][: args.eval_prompts]
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
     # One rank: the hf engine can share the trainer's module; several: it keeps a full copy per rank.

