@@ -107,46 +107,26 @@ def test_two_gpus_then_resume(tmp_path):
 @needs_two_gpus
 def test_two_gpus_with_cpu_offload(tmp_path):
     """Sharded weights, gradients and optimizer state in CPU memory: the gradient norm (gloo) and the
-    weight push (each shard moved to the GPU before its nccl gather) work from the first step."""
-    torchrun(2, "algorithms/grpo.py", *SHORT, "--cpu-offload", "--rollout-engine", "hf", "--output-dir", tmp_path)
+    weight push (each shard moved to the GPU before its nccl gather) work from the first step. Trainer and
+    hf engine both float32, so any log-prob gap beyond float32 noise means the push did not arrive (a bf16
+    trainer against the float32 engine differs by 0.03-0.07 from rounding alone)."""
+    torchrun(2, "algorithms/grpo.py", *SHORT, "--cpu-offload", "--rollout-engine", "hf", "--dtype", "float32",
+             "--output-dir", tmp_path)
     records = _records(tmp_path)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(r["losses/grad_norm"] > 0 and r["charts/skipped_steps"] == 0 for r in records[1:])
-    assert all(r["mismatch/max_abs_logprob_diff"] < 1e-2 for r in records[1:])  # the engine got the weights
+    assert all(r["mismatch/max_abs_logprob_diff"] < 1e-3 for r in records[1:])  # the engine got the weights
 
 
 @needs_vllm
-def test_evaluate_a_long_generation_with_vllm():
-    """A generation up to the model's context (256 tokens for the built-in model): the engine's context is
-    bounded by the longest prompt + --max-new-tokens, not refused."""
-    result = run_script("-m", "common.evaluate", "--engine", "vllm", "--k", 2, "--prompts", 16, "--max-new-tokens", 240)
-    metrics = json.loads(result.stdout[result.stdout.index("{"):])
-    assert metrics["prompts"] == 16
-
-
-@needs_gpu
-def test_output_layer_memory_does_not_grow_with_the_response_length():
-    """Qwen's vocabulary (151,936), bf16 autocast, forward + backward of grpo.token_logprobs: the peak GPU
-    memory of the log-prob stage at 8,192 response tokens is within 1.3x of that at 1,024 (full float32
-    logits would be 5 GB at 8,192 tokens, four times over)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from algorithms import grpo
-
-    config = LlamaConfig(vocab_size=151936, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=8192 + 64)
-    model = LlamaForCausalLM(config).cuda()
-    growth = {}
-    for length in (1024, 8192):
-        ids = torch.randint(0, config.vocab_size, (1, 32 + length), device="cuda")
-        micro = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                 "position_ids": torch.arange(ids.shape[1], device="cuda")[None], "response_ids": ids[:, 32:]}
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        with torch.autocast("cuda", torch.bfloat16):
-            logprobs, _ = grpo.token_logprobs(model, micro, 1.0, with_entropy=True)
-        logprobs.mean().backward()
-        growth[length] = torch.cuda.max_memory_allocated() - before
-    assert growth[8192] < 1.3 * growth[1024] + 256 * 2**20, growth
+def test_float16_trainer_gets_a_float16_engine(tmp_path):
+    """--dtype float16 alone: --engine-dtype auto gives vLLM the trainer's float16, so the FP16 remedy is what
+    runs. Its mismatch is well below that of the same trainer beside a bf16 engine (7 mantissa bits, not 10)."""
+    kl = {}
+    for engine_dtype in ("auto", "bfloat16"):
+        run_script("algorithms/grpo.py", *SHORT, "--rollout-engine", "vllm", "--dtype", "float16",
+                   "--engine-dtype", engine_dtype, "--output-dir", tmp_path / engine_dtype)
+        records = _records(tmp_path / engine_dtype)
+        assert [r["step"] for r in records] == [0, 1, 2, 3]
+        kl[engine_dtype] = sum(r["mismatch/kl_k3"] for r in records[1:]) / 3
+    assert kl["auto"] < 0.25 * kl["bfloat16"], kl
