@@ -504,11 +504,10 @@ def main(args: Args) -> None:
         run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
-    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)
+    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)  # bounded like training's:
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     train_rows, prompts = encode_prompts(train_rows, tokenizer, args.task, args.chat_template, args.max_prompt_tokens)
-    # held-out prompts are bounded like the training ones: the engine's context has no room for longer ones
     eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, args.max_prompt_tokens)[0][: args.eval_prompts]
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
@@ -598,12 +597,16 @@ if __name__ == "__main__":
     main(tyro.cli(Args))
 
 
-# Paper scale: the KPO script's setting that EMA-KPO follows, on one GPU or on 8 with torchrun (FSDP2, same flags)
-#   python algorithms/ema_kpo.py --model Qwen/Qwen3-4B-Base --task dapo_math --eval-task aime24 \
+# Paper scale: the KPO script's setting that EMA-KPO follows, on 8 80 GB GPUs with torchrun (FSDP2)
+#   torchrun --nproc_per_node 8 algorithms/ema_kpo.py --model Qwen/Qwen3-4B-Base --task dapo_math --eval-task aime24 \
 #       --steps 500 --prompts-per-step 32 --group-size 8 --max-new-tokens 4096 --max-prompt-tokens 1024 \
 #       --lr 1e-6 --warmup-steps 100 --weight-decay 0.1 --num-minibatches 4 --micro-batch-size 4 \
-#       --dtype bfloat16 --vllm-sleep-mode --eval-every 50 --eval-k 16 --track
-#   torchrun --nproc_per_node 8 algorithms/ema_kpo.py ...
+#       --gradient-checkpointing --dtype bfloat16 --vllm-sleep-mode --gpu-memory-utilization 0.5 \
+#       --eval-every 50 --eval-k 16 --track
+# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 7.5 GiB (16 bytes × 4.02 B
+# parameters / 8), bf16 gathers 1.1, checkpointed activations 8.4 (4 × 5,120 tokens, 166 KiB per token per layer),
+# output-layer chunks 0.5, the sleeping engine 1.0, CUDA 1.5: 20 GiB in the update; 47 GiB while vLLM generates
+# (its 0.5 × 80 beside the weights and AdamW state): fits. One GPU does not: 60 GiB of training state alone.
 #
 # Differences from the authors' code (KPO's: github.com/shuohe1995/verl-kpo, core_algos.py; EMA-KPO's could not be read):
 # - P0 = 1 here, as the EMA-KPO paper states; 0 in the KPO code (--p0 0). Its gains come in closed form, clamped

@@ -418,11 +418,10 @@ def main(args: Args) -> None:
         run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
-    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)
+    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)  # bounded like training's:
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     train_rows, prompts = encode_prompts(train_rows, tokenizer, args.task, args.chat_template, args.max_prompt_tokens)
-    # held-out prompts are bounded like the training ones: the engine's context has no room for longer ones
     eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, args.max_prompt_tokens)[0][: args.eval_prompts]
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
@@ -512,11 +511,15 @@ if __name__ == "__main__":
     main(tyro.cli(Args))
 
 
-# Paper scale: the settings of the papers' smaller runs, on one GPU or on 8 with torchrun (FSDP2, same flags)
+# Paper scale: the settings of the papers' smaller runs, on one 80 GB GPU or on 8 with torchrun (FSDP2, same flags)
 #   python algorithms/grpo.py --model Qwen/Qwen2.5-Math-1.5B --task gsm8k --eval-task gsm8k \
 #       --steps 500 --prompts-per-step 64 --group-size 8 --max-new-tokens 1024 --lr 1e-6 \
-#       --num-minibatches 4 --micro-batch-size 8 --dtype bfloat16 --eval-every 50 --eval-k 4 --track
+#       --num-minibatches 4 --micro-batch-size 8 --gradient-checkpointing --dtype bfloat16 --eval-every 50 --eval-k 4 --track
 #   torchrun --nproc_per_node 8 algorithms/grpo.py ...
+# Memory per GPU (`python -m common.memory` with these flags; worst case, every micro-batch 8 × 1,536 tokens), one
+# GPU: training state 23.0 GiB (16 bytes × 1.54 B parameters), checkpointed activations 4.0 (116 KiB per token per
+# layer, one layer at a time), bf16 weight casts 0.5, output-layer chunks 0.5, vLLM 24.0 (0.3 × 80), CUDA 1.5: peak
+# 54 of 80 GiB (without --gradient-checkpointing, 91: it does not fit). 8 GPUs: 32 GiB (state 2.9 each).
 #
 # Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and clip-higher
 # (ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip (--loss-aggregation

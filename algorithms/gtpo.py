@@ -499,11 +499,10 @@ def main(args: Args) -> None:
         run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
-    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)
+    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)  # bounded like training's:
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     train_rows, prompts = encode_prompts(train_rows, tokenizer, args.task, args.chat_template, args.max_prompt_tokens)
-    # held-out prompts are bounded like the training ones: the engine's context has no room for longer ones
     eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, args.max_prompt_tokens)[0][: args.eval_prompts]
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
@@ -593,11 +592,17 @@ if __name__ == "__main__":
     main(tyro.cli(Args))
 
 
-# Paper scale: the paper's LLaMA/GSM8K run (G = 12, γ = 0.1, one epoch); its other run: --model
-# Qwen/Qwen2.5-3B-Instruct --task math --eval-task math500. On 8 GPUs with torchrun: --prompts-per-step 8 or more
-#   python algorithms/gtpo.py --model meta-llama/Llama-3.1-8B-Instruct --task gsm8k --eval-task gsm8k \
-#       --steps 7473 --prompts-per-step 1 --group-size 12 --max-new-tokens 1500 --lr 1e-6 --max-grad-norm 0.1 \
-#       --weight-decay 0.1 --entropy-coef 0.1 --micro-batch-size 4 --dtype bfloat16 --eval-every 500 --eval-k 8 --track
+# Paper scale: the paper's LLaMA/GSM8K run (G = 12, γ = 0.1, one epoch) on 8 80 GB GPUs with torchrun (FSDP2); its
+# other run: --model Qwen/Qwen2.5-3B-Instruct --task math --eval-task math500. The paper trains one prompt per step
+# with LoRA on one GPU; here every weight trains, which needs the 8 GPUs, and each takes one prompt per step (8 in all)
+#   torchrun --nproc_per_node 8 algorithms/gtpo.py --model meta-llama/Llama-3.1-8B-Instruct --task gsm8k \
+#       --eval-task gsm8k --steps 934 --prompts-per-step 8 --group-size 12 --max-new-tokens 1500 --lr 1e-6 \
+#       --max-grad-norm 0.1 --weight-decay 0.1 --entropy-coef 0.1 --micro-batch-size 4 --gradient-checkpointing \
+#       --dtype bfloat16 --vllm-sleep-mode --gpu-memory-utilization 0.5 --eval-every 60 --eval-k 8 --track
+# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 15.0 GiB (16 bytes × 8.03 B
+# parameters / 8), bf16 gathers 2.8, checkpointed activations 4.2 (4 × 2,012 tokens, 196 KiB per token per layer),
+# output-layer chunks 0.5, the sleeping engine 1.0, CUDA 1.5: 25 GiB in the update, 53 GiB while vLLM generates.
+# On one GPU the training state alone is 120 GiB.
 #
 # Differences from the authors' code (5d33811e), each a flag: Â_i std-scaled (Eq. 1), the code only centres
 # (--no-scale-advantages; its rewards reach 20, so γ⟨H⟩_i weighs less there); M^fw ∨ M^bw, the code multiplies the

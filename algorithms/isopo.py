@@ -53,7 +53,7 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import fsdp
+from common import fsdp, memory
 from common.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
 from common.evaluate import evaluate
 from common.reward import MIN_NEW_TOKENS, encode_prompts, load_task
@@ -510,6 +510,28 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     return logprobs, (-(logp_all.exp() * logp_all).sum(-1).detach() if with_entropy else None)
 
 
+def check_full_logits(args) -> None:
+    """Refuse, before minutes of set-up, a micro-batch whose full logits cannot fit: the stage holds about four
+    float32 [B, T, vocabulary] tensors beside the training state (16 bytes per parameter over the ranks) and an
+    awake vLLM engine's share. The model's config is read, not its weights."""
+    world_size, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    config = memory.load_config(resolve_model(args.model, args.task))  # the built-in model of --task for tiny
+    vocab, parameters = config.vocab_size, memory.parameter_counts(config)["total"]
+    need = memory.full_logits_bytes(args.micro_batch_size, args.max_new_tokens, vocab)
+    total = memory.device_bytes(device)
+    engine_share = args.gpu_memory_utilization * total if device.type == "cuda" and not args.vllm_sleep_mode else 0
+    room = total - 16 * parameters / world_size - engine_share
+    if need > room:
+        gib = lambda n: f"{max(n, 0) / 2**30:.{1 if n >= 2**30 else 4}f} GiB"  # noqa: E731
+        raise ValueError(
+            f"ISOPO keeps full logits: --micro-batch-size {args.micro_batch_size} × {args.max_new_tokens + 1} positions × "
+            f"{vocab:,} vocabulary needs about {gib(need)} for the output layer's stage, where "
+            f"{gib(room)} of {gib(total)} are left beside the training state"
+            f"{' and the engine' if engine_share else ''}: lower --micro-batch-size (a multiple of --block-size) or "
+            f"--max-new-tokens, add --vllm-sleep-mode or ranks (python -m common.memory --full-logits estimates a plan)")
+
+
 def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None):
     """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding. The
     response mask marks the tokens that train: every completion's, or those whose `trains` entry is True
@@ -695,6 +717,7 @@ def check_args(args: Args) -> None:
         problems.append(f"--prompts-per-step must be divisible by the number of ranks ({world_size})")
     if problems:
         raise ValueError("invalid arguments: " + "; ".join(problems))
+    check_full_logits(args)
 
 
 def main(args: Args) -> None:
@@ -719,11 +742,10 @@ def main(args: Args) -> None:
         run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
-    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)
+    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)  # bounded like training's:
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     train_rows, prompts = encode_prompts(train_rows, tokenizer, args.task, args.chat_template, args.max_prompt_tokens)
-    # held-out prompts are bounded like the training ones: the engine's context has no room for longer ones
     eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, args.max_prompt_tokens)[0][: args.eval_prompts]
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
@@ -818,8 +840,14 @@ if __name__ == "__main__":
 #   python algorithms/isopo.py --model Qwen/Qwen3-0.6B --task gsm8k --eval-task gsm8k \
 #       --steps 102 --prompts-per-step 128 --group-size 8 --max-prompt-tokens 512 --max-new-tokens 2048 \
 #       --lr 2e-6 --weight-decay 0.01 --num-minibatches 2 --block-size 8 --micro-batch-size 8 --dtype bfloat16 \
-#       --rollout-engine vllm --eval-every 10 --eval-prompts 1319 --eval-k 1 --log-kl-ref --track
-#   (micro-batches of one block: ISOPO keeps full [B, T, vocabulary] logits, whose gradient lm_head's update needs);
+#       --gradient-checkpointing --rollout-engine vllm --vllm-sleep-mode \
+#       --eval-every 10 --eval-prompts 1319 --eval-k 1 --log-kl-ref --track
+#   (micro-batches of one block: ISOPO keeps full [B, T, vocabulary] logits, whose gradient lm_head's update needs;
+#   a micro-batch whose logits cannot fit on the device is refused at start-up).
+#   Memory on one 80 GB GPU (`python -m common.memory --full-logits` with these flags): the full logits 37.1 GiB (four
+#   float32 tensors of 8 × 2,049 × 151,936), training state 8.9 (16 bytes × 0.60 B parameters), checkpointed
+#   activations 4.5 (80 KiB per token per layer), bf16 weight casts 0.3, the sleeping engine 1.0, CUDA 1.5: 53 GiB.
+#   Without --vllm-sleep-mode (vLLM keeps 24 GiB) or --gradient-checkpointing (45 GiB of activations) it does not fit;
 #   on N GPUs the same flags after `torchrun --nproc_per_node N` (N dividing 128: every rank holds whole groups)
 #   add --variant interacting for Fig. 7, --p 0 --q -1 --r -2 for Fig. 4, --p 0 --q -1 for Fig. 5 (yellow)
 #

@@ -492,11 +492,10 @@ def main(args: Args) -> None:
         run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
-    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)
+    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)  # bounded like training's:
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     train_rows, prompts = encode_prompts(train_rows, tokenizer, args.task, args.chat_template, args.max_prompt_tokens)
-    # held-out prompts are bounded like the training ones: the engine's context has no room for longer ones
     eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, args.max_prompt_tokens)[0][: args.eval_prompts]
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
@@ -588,11 +587,17 @@ if __name__ == "__main__":
 
 # Paper scale: Qwen3-4B-Thinking-2507 or Qwen2.5-1.5B, 4,096-token rollouts, one optimizer step per batch, the authors'
 # DeepScaleR config (dapo_math for DeepScaleR-Preview); add --sampling-temperature 1.2 or --sync-every 2 (asynchronous)
-#   python algorithms/p3o.py --model Qwen/Qwen3-4B-Thinking-2507 --task dapo_math --eval-task aime24 \
-#       --steps 500 --prompts-per-step 256 --group-size 4 --max-new-tokens 4096 --lr 1e-5 --weight-decay 0.01 \
-#       --max-grad-norm 0.5 --warmup-steps 50 --num-minibatches 1 --micro-batch-size 4 --dtype bfloat16 \
-#       --rollout-engine vllm --engine-dtype bfloat16 --vllm-sleep-mode --eval-every 25 --eval-k 16 --track
-#   torchrun --nproc_per_node 8 algorithms/p3o.py ... --rollout-engine hf     # FSDP2 over 8 GPUs
+# (on 8 80 GB GPUs with torchrun, FSDP2; one vLLM engine per GPU)
+#   torchrun --nproc_per_node 8 algorithms/p3o.py --model Qwen/Qwen3-4B-Thinking-2507 --task dapo_math \
+#       --eval-task aime24 --steps 500 --prompts-per-step 256 --group-size 4 --max-new-tokens 4096 --lr 1e-5 \
+#       --weight-decay 0.01 --max-grad-norm 0.5 --warmup-steps 50 --num-minibatches 1 --micro-batch-size 4 \
+#       --gradient-checkpointing --dtype bfloat16 --rollout-engine vllm --engine-dtype bfloat16 --vllm-sleep-mode \
+#       --gpu-memory-utilization 0.5 --eval-every 25 --eval-k 16 --track
+# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 7.5 GiB (16 bytes × 4.02 B
+# parameters / 8), bf16 gathers 1.1, checkpointed activations 7.6 (4 × 4,608 tokens, 166 KiB per token per layer),
+# output-layer chunks 0.5, the sleeping engine 1.0, CUDA 1.5: 19 GiB in the update, 47 GiB while vLLM generates.
+# One GPU does not fit (60 GiB of training state alone), nor 8 with --rollout-engine hf: transformers' generate of a
+# rank's 128 sequences keeps a KV cache of 147 KiB per token, about 81 GiB at 4,608 tokens.
 #
 # Differences from the authors' code (FeynRL, algs/P3O/p3o.py): e_B over the optimizer step, not per micro-batch
 # (--ess-scope micro-batch is theirs); tempered behavior log-probs (their vLLM's are raw, T = 1); log ρ clamped to

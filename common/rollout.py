@@ -292,8 +292,11 @@ class VLLMEngine:
             self.llm.sleep(level=1)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Safe order: wake_up(["weights"]), load_weights(...), wake_up(["kv_cache"])."""
+        """Safe order: wake_up(["weights"]), load_weights(...), wake_up(["kv_cache"]). The trainer's cached
+        blocks are handed back to the GPU first: PyTorch keeps the update's peak reserved otherwise, and the
+        engine's weights and KV cache would have to fit beside it."""
         if self.sleep_mode:
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags)
 
     def close(self) -> None:

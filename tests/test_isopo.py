@@ -646,3 +646,16 @@ def test_two_ranks_end_to_end_and_exact_resume(tmp_path):
         for a, b in zip(straight, split):
             for key in ("charts/reward", "losses/policy_loss", "losses/grad_norm", statistic):
                 assert a[key] == pytest.approx(b[key], rel=1e-6), (variant, a["step"], key)
+
+
+def test_full_logits_that_cannot_fit_are_refused_before_set_up(tmp_path, monkeypatch):
+    """ISOPO keeps [B, T, vocabulary] logits: a micro-batch whose logits stage exceeds the device is refused with the
+    numbers and the flags that help, before the engine or the trainer is built. The stage's size: four float32
+    tensors of micro-batch × (--max-new-tokens + 1) × vocabulary (the paper's 8 × 2049 × 151,936: 37 GiB)."""
+    from common import memory
+
+    assert memory.full_logits_bytes(8, 2048, 151936) == 16 * 8 * 2049 * 151936
+    monkeypatch.setattr(memory, "device_bytes", lambda device: 2**20)  # a 1 MiB device: nothing fits
+    with pytest.raises(ValueError, match=r"ISOPO keeps full logits: --micro-batch-size 64 × 17 positions × 100 vocabulary needs about 0.0016 GiB"):
+        isopo.main(isopo.Args(steps=1, eval_every=0, output_dir=str(tmp_path)))
+    assert not any(tmp_path.iterdir())

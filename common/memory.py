@@ -1,0 +1,287 @@
+"""Will it fit? The peak memory per GPU of a training script's settings, estimated before anything is loaded.
+
+    python -m common.memory --model Qwen/Qwen3-4B-Base --gpus 8 --max-prompt-tokens 1024 --max-new-tokens 4096 \
+        --micro-batch-size 4 --gradient-checkpointing --rollout-engine vllm --vllm-sleep-mode
+    python -m common.memory --model Qwen/Qwen2.5-Math-1.5B --max-new-tokens 1024 --device cpu   # a CPU run
+
+The same flags as the scripts (the ones that change memory), plus --gpus (torchrun's ranks) and --gpu-gib. Prints
+each part of the peak, where the peak is (generation or the update), whether it fits, and which flags would make it
+fit when it does not. The parts, per GPU:
+- training state: float32 weights, gradients and AdamW's two moments, 16 bytes per parameter, split over the
+  ranks by FSDP2 (in CPU memory with --cpu-offload);
+- weights in the compute dtype: one process under bf16 autocast keeps a bf16 cast of every weight for the backward
+  (one layer's with --gradient-checkpointing); FSDP2 ranks gather bf16 weights one layer at a time (two in
+  flight) beside the root module (embedding, output layer), which stays gathered between forward and backward;
+- activations: what autograd saves per response token per decoder layer, measured here on the CPU by running one
+  and two decoder layers of the model's own width (the difference of their saved bytes over a range of lengths),
+  for the micro-batch's longest case, micro-batch size × (max prompt + max new tokens); with
+  --gradient-checkpointing only each layer's input is saved, and one layer is recomputed at a time;
+- the output layer: chunks of CHUNK_BYTES of float32 logits (common/logprobs.py), a few alive in the backward;
+  isopo.py's full [B, T, vocabulary] logits instead (--full-logits);
+- the engine: vLLM's --gpu-memory-utilization share while it is awake (asleep, about 1 GiB stays); the hf engine's
+  KV cache while it generates (a rank's rollouts at once, up to 1024 sequences), and its own copy of the weights on
+  several ranks (one rank shares the trainer's);
+- the CUDA context and allocator slack (1.5 GiB), or on a CPU the Python process itself (0.45 GB).
+It is an estimate for dense decoder models (Llama, Qwen2, Qwen3): fragmentation and kernels' workspaces are not
+modelled. On the CPU it agrees with a measured whole step (peak RSS) within 20% at two widths (tests/test_memory.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from common.logprobs import CHUNK_BYTES
+
+GiB = 2**30
+CUDA_CONTEXT = 1.5 * GiB  # the CUDA context, cuBLAS / NCCL workspaces and allocator slack
+CPU_PROCESS = 0.45e9  # python, torch, transformers and the tokenizer, measured before the model loads
+VLLM_ASLEEP = 1.0 * GiB  # what a sleeping vLLM engine keeps on the GPU (CUDA graphs, its context)
+HF_MAX_BATCH = 1024  # HFEngine's max_batch_size: sequences per generate call
+
+
+@dataclass
+class Plan:
+    """The settings that decide memory: a script's flags, the ranks, and the hardware."""
+
+    model: str = "tiny"
+    """a Hugging Face model id or local folder (its config.json is read), or `tiny`"""
+    gpus: int = 1
+    """ranks (torchrun --nproc_per_node × nodes); FSDP2 shards the training state over them"""
+    gpu_gib: float = 80.0
+    """memory of one GPU, GiB (an H100: 80)"""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """cuda: per GPU; cpu: the process's peak RSS on a CPU (how the estimate is checked against a measurement)"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """the scripts' --dtype (auto: bfloat16 on a GPU, float32 on a CPU)"""
+    gradient_checkpointing: bool = False
+    """the scripts' --gradient-checkpointing"""
+    cpu_offload: bool = False
+    """the scripts' --cpu-offload (several ranks)"""
+    micro_batch_size: int = 64
+    """the scripts' --micro-batch-size"""
+    max_prompt_tokens: int = 512
+    """the scripts' --max-prompt-tokens"""
+    max_new_tokens: int = 16
+    """the scripts' --max-new-tokens"""
+    prompts_per_step: int = 32
+    """the scripts' --prompts-per-step (all ranks)"""
+    group_size: int = 8
+    """the scripts' --group-size"""
+    rollout_engine: Literal["hf", "vllm"] = "vllm"
+    """the engine (on a GPU the scripts' auto is vllm when it is installed)"""
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """the hf engine's copy on several ranks (auto: the trainer's float32)"""
+    gpu_memory_utilization: float = 0.3
+    """vllm's share of the GPU while it is awake"""
+    vllm_sleep_mode: bool = False
+    """the scripts' --vllm-sleep-mode"""
+    kl_coef: float = 0.0
+    """> 0 loads a reference model (float32, sharded like the policy)"""
+    full_logits: bool = False
+    """full [B, T, vocabulary] logits in the update (isopo.py) instead of chunks"""
+
+
+def load_config(model: str):
+    """The model's transformers config (`tiny`: the built-in model's)."""
+    from transformers import AutoConfig
+
+    from common.tiny import resolve_model
+
+    return AutoConfig.from_pretrained(resolve_model(model))
+
+
+def parameter_counts(config) -> dict[str, int]:
+    """Parameters in all, in one decoder layer, and outside the layers (embedding, output layer, final norm),
+    counted on the meta device (nothing is allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # a tied output layer counts once
+    layers = model.model.layers
+    per_layer = sum(p.numel() for p in layers[0].parameters())
+    return {"total": total, "layer": per_layer, "root": total - per_layer * len(layers), "layers": len(layers)}
+
+
+def activation_bytes_per_token(config, compute_dtype: torch.dtype, residual_dtype: torch.dtype, lengths=(128, 256)) -> float:
+    """Bytes autograd keeps per token per decoder layer in a training forward, measured on the CPU at the model's
+    width: the saved tensors of 2 layers minus those of 1 layer, at two lengths, over the extra tokens (weights and
+    their casts, which do not grow with the length, cancel). `compute_dtype`: autocast's; `residual_dtype`: the
+    dtype of the hidden states between layers (float32 when the weights are float32 under autocast)."""
+    from transformers import AutoModelForCausalLM
+
+    saved = {}
+    for layers in (1, 2):
+        small = copy.deepcopy(config)
+        small.num_hidden_layers, small.vocab_size, small.tie_word_embeddings = layers, 64, True
+        if hasattr(small, "layer_types") and small.layer_types is not None:
+            small.layer_types = small.layer_types[:layers]
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(small, dtype=residual_dtype).train()
+        for length in lengths:
+            ids = torch.randint(0, 64, (1, length))
+            storages = {}
+
+            def pack(tensor):
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autocast("cpu", compute_dtype, enabled=compute_dtype != residual_dtype):
+                    model(input_ids=ids, use_cache=False)
+            parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            saved[layers, length] = sum(n for p, n in storages.items() if p and p not in parameters)
+        del model
+    (short, long) = lengths
+    return ((saved[2, long] - saved[1, long]) - (saved[2, short] - saved[1, short])) / (long - short)
+
+
+def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
+    """Each part of the peak in bytes, the phase that sets it, and the total. `config`: the model's (default: read from
+    plan.model); `per_token`: activation bytes per token per layer (default: measured, activation_bytes_per_token)."""
+    config = config or load_config(plan.model)
+    counts = parameter_counts(config)
+    gpu = plan.device == "cuda"
+    compute = {"auto": torch.bfloat16 if gpu else torch.float32, "float32": torch.float32,
+               "bfloat16": torch.bfloat16, "float16": torch.float16}[plan.dtype]
+    sharded = plan.gpus > 1
+    mixed = sharded and compute == torch.bfloat16  # fsdp.shard's MixedPrecisionPolicy: bf16 weights in the forward
+    residual = compute if mixed else torch.float32
+    if per_token is None:
+        per_token = activation_bytes_per_token(config, compute, residual)
+    hidden, vocab, layers = config.hidden_size, config.vocab_size, counts["layers"]
+    compute_bytes = compute.itemsize
+
+    parts = {}
+    # training state: float32 weights + gradients + AdamW (16 bytes / parameter), sharded over the ranks
+    state = 16 * counts["total"] / plan.gpus
+    parts["training state (fp32 weights, grads, AdamW)"] = 0.0 if (plan.cpu_offload and sharded and gpu) else state
+    if plan.kl_coef > 0:
+        parts["reference model (fp32)"] = 4 * counts["total"] / plan.gpus
+    # weights in the compute dtype during the update
+    if sharded:  # gathered: the root stays, two layers in flight
+        parts["gathered weights"] = (counts["root"] + 2 * counts["layer"]) * (compute_bytes if mixed else 4)
+    elif compute != torch.float32:  # autocast's casts, kept for the backward
+        kept_layers = 1 if plan.gradient_checkpointing else layers
+        parts["weight casts for the backward"] = (counts["root"] + kept_layers * counts["layer"]) * compute_bytes
+    # activations of the longest micro-batch
+    rows = min(plan.micro_batch_size, plan.prompts_per_step // plan.gpus * plan.group_size)  # a micro-batch's
+    tokens = rows * (plan.max_prompt_tokens + plan.max_new_tokens)
+    # the backward's own working memory (gradients of one layer's activations): about half a layer's saved tensors
+    if plan.gradient_checkpointing:  # each layer's input kept, one layer recomputed at a time
+        parts["activations"] = tokens * (layers * hidden * residual.itemsize + 1.5 * per_token)
+    else:  # every layer's saved tensors
+        parts["activations"] = tokens * per_token * (layers + 0.5)
+    response_positions = rows * (plan.max_new_tokens + 1)
+    if plan.full_logits:
+        parts["output layer (full logits)"] = full_logits_bytes(rows, plan.max_new_tokens, vocab)
+    else:
+        parts["output layer (chunks)"] = min(4 * CHUNK_BYTES, 4 * 4 * response_positions * vocab)
+    engine_training, generation = 0.0, {}
+    if plan.rollout_engine == "vllm" and gpu:
+        awake = plan.gpu_memory_utilization * plan.gpu_gib * GiB
+        engine_training = VLLM_ASLEEP if plan.vllm_sleep_mode else awake
+        generation["vllm engine (weights, KV cache)"] = awake
+    else:
+        engine_dtype = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}[plan.engine_dtype]
+        if sharded:  # its own full copy on every rank
+            engine_training = engine_dtype * counts["total"]
+        sequences = min(HF_MAX_BATCH, plan.prompts_per_step // plan.gpus * plan.group_size)
+        kv_width = 2 * layers * config.num_key_value_heads * getattr(config, "head_dim", hidden // config.num_attention_heads)
+        context = plan.max_prompt_tokens + plan.max_new_tokens
+        generation["hf engine KV cache"] = sequences * context * kv_width * engine_dtype
+        generation["hf engine logits"] = 3 * 4 * sequences * vocab
+    parts["engine during the update"] = engine_training
+    fixed = CUDA_CONTEXT if gpu else CPU_PROCESS
+    parts["CUDA context, slack" if gpu else "python process"] = fixed
+
+    update = sum(parts.values())
+    on_device = 0.0 if (plan.cpu_offload and sharded and gpu) else counts["total"] / plan.gpus
+    # the optimizer step: the state, and AdamW's foreach temporaries (about one more float32 copy of the shard)
+    step = 20 * on_device + engine_training + fixed
+    # generation: weights and AdamW's moments (gradients are freed), the engine, but no activations
+    resident = 12 * on_device + fixed + (engine_training if plan.rollout_engine != "vllm" or not gpu else 0.0)
+    rollout = resident + sum(generation.values())
+    phases = {"update": update, "optimizer step": step, "generation": rollout}
+    return {"parts": parts, "generation": generation, "phases": phases, "peak_bytes": max(phases.values()),
+            "phase": max(phases, key=phases.get), "parameters": counts["total"],
+            "activation_bytes_per_token_per_layer": per_token}
+
+
+def full_logits_bytes(micro_batch_size: int, max_new_tokens: int, vocab: int) -> int:
+    """isopo.py's output-layer stage: float32 logits [B, T + 1, V], divided by the temperature, their log-softmax
+    and its gradient, alive together."""
+    return 4 * 4 * micro_batch_size * (max_new_tokens + 1) * vocab
+
+
+def device_bytes(device: torch.device) -> int:
+    """All of a GPU's memory, or the machine's RAM."""
+    import os
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def advice(plan: Plan, result: dict) -> list[str]:
+    """Flags that would lower the peak, most effective first, for the phase that sets it."""
+    tips, parts, phase = [], result["parts"], result["phase"]
+    more_ranks = "more GPUs with torchrun (FSDP2 splits the 16 bytes per parameter)" + (
+        ", or --cpu-offload" if plan.gpus > 1 and not plan.cpu_offload else "")
+    if phase == "update":
+        if not plan.gradient_checkpointing and parts["activations"] > 0.1 * result["peak_bytes"]:
+            tips.append("--gradient-checkpointing (activations: each layer's input only)")
+        if plan.rollout_engine == "vllm" and not plan.vllm_sleep_mode and plan.device == "cuda":
+            tips.append("--vllm-sleep-mode (frees vLLM's share during the update)")
+        if plan.micro_batch_size > 1:
+            tips.append(f"--micro-batch-size {max(1, plan.micro_batch_size // 2)} (activations scale with it)")
+    if phase in ("update", "optimizer step"):
+        if plan.rollout_engine == "vllm" and not plan.vllm_sleep_mode and plan.device == "cuda" and phase != "update":
+            tips.append("--vllm-sleep-mode (frees vLLM's share during the update)")
+        tips.append(more_ranks)
+    if phase == "generation":
+        if plan.rollout_engine == "hf":
+            tips.append("--rollout-engine vllm (paged KV cache), or fewer --prompts-per-step per rank")
+        else:
+            tips.append("a lower --gpu-memory-utilization (vLLM's share), or " + more_ranks)
+    return tips
+
+
+def report(plan: Plan, result: dict) -> str:
+    unit, scale = ("GiB", GiB) if plan.device == "cuda" else ("GB", 1e9)
+    budget = plan.gpu_gib * GiB if plan.device == "cuda" else None
+    lines = [f"{plan.model}: {result['parameters'] / 1e9:.2f} B parameters, {plan.gpus} rank(s); activations "
+             f"{result['activation_bytes_per_token_per_layer'] / 1024:.0f} KiB per token per layer"]
+    row = lambda name, value: f"  {name:<46} {value / scale:8.2f} {unit}"  # noqa: E731
+    lines += [row(name, value) for name, value in result["parts"].items()]
+    lines.append(row("= the update (forward and backward)", result["phases"]["update"]))
+    lines.append(row("= the optimizer step (state + AdamW's temporaries)", result["phases"]["optimizer step"]))
+    lines += [row(name, value) for name, value in result["generation"].items()]
+    lines.append(row("= generation (with weights, AdamW, context)", result["phases"]["generation"]))
+    peak = result["peak_bytes"]
+    where = f"peak {peak / scale:.1f} {unit} per {'GPU' if plan.device == 'cuda' else 'process'}, in {result['phase']}"
+    if budget is None:
+        lines.append(where)
+    elif peak <= 0.95 * budget:
+        lines.append(f"{where}: fits in {plan.gpu_gib:.0f} GiB")
+    else:
+        lines.append(f"{where}: does NOT fit in {plan.gpu_gib:.0f} GiB. Try: " + "; ".join(advice(plan, result)))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import tyro
+
+    plan = tyro.cli(Plan, description="Estimate the peak memory per GPU of a training script's settings.")
+    if plan.gpus < 1 or plan.prompts_per_step % plan.gpus:
+        raise SystemExit("--gpus must be >= 1 and divide --prompts-per-step")
+    print(report(plan, estimate(plan)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""common.memory, the per-GPU estimate: its parts against exact counts, and its total against the peak memory of a
+real training step measured on the CPU (a script run as users run it)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common import memory
+from helpers import OFFLINE, REPO
+
+
+def _llama_config(hidden, intermediate, layers, vocab, heads=8, kv_heads=2, context=1024):
+    from transformers import LlamaConfig
+
+    from common.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=context,
+                       tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id), tokenizer
+
+
+def test_parameter_counts_are_the_models(tiny):
+    """Counted on the meta device: the same numbers as the built model (tied output layer counted once)."""
+    model, _ = tiny
+    counts = memory.parameter_counts(model.config)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    assert counts["layer"] == sum(p.numel() for p in model.model.layers[0].parameters())
+    assert counts["root"] + counts["layers"] * counts["layer"] == counts["total"]
+
+
+def test_activations_grow_with_the_width_and_shrink_in_bf16():
+    """Saved bytes per token per layer: more for a wider layer, about half in bf16 with a bf16 residual stream
+    (float32 under autocast keeps the residual stream, norms and softmax inputs in float32)."""
+    narrow, _ = _llama_config(256, 688, 1, 64)
+    wide, _ = _llama_config(512, 1376, 1, 64)
+    fp32 = [memory.activation_bytes_per_token(c, torch.float32, torch.float32) for c in (narrow, wide)]
+    assert 1.8 < fp32[1] / fp32[0] < 2.2  # every saved tensor is a multiple of the widths
+    bf16 = memory.activation_bytes_per_token(wide, torch.bfloat16, torch.bfloat16)
+    assert 0.4 < bf16 / fp32[1] < 0.6
+    autocast = memory.activation_bytes_per_token(wide, torch.bfloat16, torch.float32)
+    assert bf16 < autocast < fp32[1]
+
+
+def test_the_estimate_names_the_flags_that_would_make_a_plan_fit():
+    """A 1.5B model at 4,096 tokens on one GPU without checkpointing does not fit; the advice starts with
+    --gradient-checkpointing, and with it and --vllm-sleep-mode the plan fits."""
+    config, _ = _llama_config(1536, 8960, 28, 151936, heads=12)
+    plan = memory.Plan(model="1.5B", max_new_tokens=4096, micro_batch_size=8, prompts_per_step=64)
+    result = memory.estimate(plan, config, per_token=116 * 1024)
+    assert result["peak_bytes"] > 80 * memory.GiB and memory.advice(plan, result)[0].startswith("--gradient-checkpointing")
+    assert "does NOT fit" in memory.report(plan, result)
+    plan.gradient_checkpointing = plan.vllm_sleep_mode = True
+    assert "fits in 80 GiB" in memory.report(plan, memory.estimate(plan, config, per_token=116 * 1024))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_the_estimate_is_within_20_percent_of_a_measured_step(tmp_path, checkpointing):
+    """grpo.py, two steps (AdamW's state exists in the second), on a model of 2 layers of width 768 and a 16,000-token
+    vocabulary whose responses are all 512 tokens (random weights almost never sample EOS): the peak RSS of the
+    process against the estimate of the same settings on the CPU."""
+    config, tokenizer = _llama_config(768, 3072, 2, 16000, heads=12)
+    torch.manual_seed(0)
+    from transformers import LlamaForCausalLM
+
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    flags = ["--model", tmp_path / "model", "--steps", 2, "--prompts-per-step", 1, "--group-size", 4,
+             "--max-new-tokens", 512, "--max-prompt-tokens", 16, "--eval-every", 0, "--output-dir", tmp_path / "runs",
+             *(["--gradient-checkpointing"] if checkpointing else [])]
+    # the peak RSS of the script alone: a launcher whose only child it is
+    launcher = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); " \
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)"
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "2"}
+    result = subprocess.run([sys.executable, "-c", launcher, sys.executable, os.path.join(REPO, "algorithms/grpo.py"),
+                             *map(str, flags)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = int(result.stdout.split()[-1])
+    plan = memory.Plan(model="test", device="cpu", gradient_checkpointing=checkpointing, max_prompt_tokens=16,
+                       max_new_tokens=512, prompts_per_step=1, group_size=4, rollout_engine="hf")
+    estimated = memory.estimate(plan, config)["peak_bytes"]
+    assert 0.8 < estimated / measured < 1.2, (estimated / 1e9, measured / 1e9)
