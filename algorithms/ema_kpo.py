@@ -489,7 +489,7 @@ def main(args: Args) -> None:
 
     disable_progress_bar()  # no "Loading weights" bars: the training bar is the one to watch
 
-    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; bf16 / fp16 autocast over float32 weights)
+    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16 compute)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device = dist.device
