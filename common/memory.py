@@ -255,7 +255,9 @@ def advice(plan: Plan, result: dict) -> list[str]:
 def report(plan: Plan, result: dict) -> str:
     unit, scale = ("GiB", GiB) if plan.device == "cuda" else ("GB", 1e9)
     budget = plan.gpu_gib * GiB if plan.device == "cuda" else None
-    lines = [f"{plan.model}: {result['parameters'] / 1e9:.2f} B parameters, {plan.gpus} rank(s); activations "
+    count = result["parameters"]
+    count = f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.1f} M"
+    lines = [f"{plan.model}: {count} parameters, {plan.gpus} rank(s); activations "
              f"{result['activation_bytes_per_token_per_layer'] / 1024:.0f} KiB per token per layer"]
     row = lambda name, value: f"  {name:<46} {value / scale:8.2f} {unit}"  # noqa: E731
     lines += [row(name, value) for name, value in result["parts"].items()]
