@@ -5,8 +5,8 @@
     python -m common.memory --model Qwen/Qwen2.5-Math-1.5B --max-new-tokens 1024 --device cpu   # a CPU run
 
 The same flags as the scripts (the ones that change memory), plus --gpus (torchrun's ranks) and --gpu-gib. Prints
-each part of the peak, where the peak is (generation or the update), whether it fits, and which flags would make it
-fit when it does not. The parts, per GPU:
+each part of the peak, the phase that sets it (the update, the optimizer step or generation), whether it fits, and
+which flags would make it fit when it does not. The parts, per GPU:
 - training state: float32 weights, gradients and AdamW's two moments, 16 bytes per parameter, split over the
   ranks by FSDP2 (in CPU memory with --cpu-offload);
 - weights in the compute dtype: one process under bf16 autocast keeps a bf16 cast of every weight for the backward
@@ -23,7 +23,7 @@ fit when it does not. The parts, per GPU:
   several ranks (one rank shares the trainer's);
 - the CUDA context and allocator slack (1.5 GiB), or on a CPU the Python process itself (0.45 GB).
 It is an estimate for dense decoder models (Llama, Qwen2, Qwen3): fragmentation and kernels' workspaces are not
-modelled. On the CPU it agrees with a measured whole step (peak RSS) within 20% at two widths (tests/test_memory.py).
+modelled. On the CPU it agrees with the measured peak RSS of whole training steps within 20% (tests/test_memory.py).
 """
 
 from __future__ import annotations
@@ -158,9 +158,9 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
     compute_bytes = compute.itemsize
 
     parts = {}
-    # training state: float32 weights + gradients + AdamW (16 bytes / parameter), sharded over the ranks
-    state = 16 * counts["total"] / plan.gpus
-    parts["training state (fp32 weights, grads, AdamW)"] = 0.0 if (plan.cpu_offload and sharded and gpu) else state
+    # parameters whose float32 weight, gradient and AdamW moments (16 bytes) this GPU holds: its shard
+    on_device = 0.0 if (plan.cpu_offload and sharded and gpu) else counts["total"] / plan.gpus
+    parts["training state (fp32 weights, grads, AdamW)"] = 16 * on_device
     if plan.kl_coef > 0:
         parts["reference model (fp32)"] = 4 * counts["total"] / plan.gpus
     # weights in the compute dtype during the update
@@ -201,7 +201,6 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
     parts["CUDA context, slack" if gpu else "python process"] = fixed
 
     update = sum(parts.values())
-    on_device = 0.0 if (plan.cpu_offload and sharded and gpu) else counts["total"] / plan.gpus
     # the optimizer step: the state, and AdamW's foreach temporaries (about one more float32 copy of the shard)
     step = 20 * on_device + engine_training + fixed
     # generation: weights and AdamW's moments (gradients are freed), the engine, but no activations
@@ -233,22 +232,19 @@ def advice(plan: Plan, result: dict) -> list[str]:
     tips, parts, phase = [], result["parts"], result["phase"]
     more_ranks = "more GPUs with torchrun (FSDP2 splits the 16 bytes per parameter)" + (
         ", or --cpu-offload" if plan.gpus > 1 and not plan.cpu_offload else "")
-    if phase == "update":
-        if not plan.gradient_checkpointing and parts["activations"] > 0.1 * result["peak_bytes"]:
-            tips.append("--gradient-checkpointing (activations: each layer's input only)")
-        if plan.rollout_engine == "vllm" and not plan.vllm_sleep_mode and plan.device == "cuda":
-            tips.append("--vllm-sleep-mode (frees vLLM's share during the update)")
-        if plan.micro_batch_size > 1:
-            tips.append(f"--micro-batch-size {max(1, plan.micro_batch_size // 2)} (activations scale with it)")
+    vllm_awake = plan.rollout_engine == "vllm" and not plan.vllm_sleep_mode and plan.device == "cuda"
+    if phase == "update" and not plan.gradient_checkpointing and parts["activations"] > 0.1 * result["peak_bytes"]:
+        tips.append("--gradient-checkpointing (activations: each layer's input only)")
+    if phase in ("update", "optimizer step") and vllm_awake:
+        tips.append("--vllm-sleep-mode (frees vLLM's share during the update)")
+    if phase == "update" and plan.micro_batch_size > 1:
+        tips.append(f"--micro-batch-size {plan.micro_batch_size // 2} (activations scale with it)")
     if phase in ("update", "optimizer step"):
-        if plan.rollout_engine == "vllm" and not plan.vllm_sleep_mode and plan.device == "cuda" and phase != "update":
-            tips.append("--vllm-sleep-mode (frees vLLM's share during the update)")
         tips.append(more_ranks)
-    if phase == "generation":
-        if plan.rollout_engine == "hf":
-            tips.append("--rollout-engine vllm (paged KV cache), or fewer --prompts-per-step per rank")
-        else:
-            tips.append("a lower --gpu-memory-utilization (vLLM's share), or " + more_ranks)
+    elif plan.rollout_engine == "hf":  # generation
+        tips.append("--rollout-engine vllm (paged KV cache), or fewer --prompts-per-step per rank")
+    else:
+        tips.append("a lower --gpu-memory-utilization (vLLM's share), or " + more_ranks)
     return tips
 
 

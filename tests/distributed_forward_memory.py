@@ -5,7 +5,7 @@ The built-in model is set up as the scripts set it up (fsdp.prepare_for_training
 compute dtype) and scores one short response with grpo.py's token_logprobs under the scripts' autocast.
 Every tensor autograd saves for the backward is recorded; after the forward, the bytes of the storages
 still allocated are counted (a weight FSDP2 gathered and freed again holds none). Writes, from rank 0:
-{"saved_bytes": ..., "layer_weight_bytes": (the decoder layers' weights in DTYPE, the full model's)}.
+{"saved_bytes": ..., "layer_weight_bytes": ...}, the latter the size of all decoder layers' weights in DTYPE.
 The response is short, so the activations are small beside the weights: what is left is the weights'."""
 
 import json
@@ -20,16 +20,14 @@ from algorithms import grpo  # noqa: E402
 from common import fsdp  # noqa: E402
 from common.rollout import Completion  # noqa: E402
 from common.tiny import load, tiny_model_dir  # noqa: E402
-from distributed_update import COMPUTE_DTYPES  # noqa: E402
-from helpers import precision  # noqa: E402
+from helpers import compute_dtype, precision  # noqa: E402
 
 
 def main(out_path, dtype):
     dist = fsdp.setup()
     model, tokenizer = load(tiny_model_dir())
-    compute_dtype = COMPUTE_DTYPES.get(dtype, torch.float32)
-    layer_weight_bytes = sum(p.numel() * compute_dtype.itemsize for p in model.model.layers.parameters())
-    policy = fsdp.shard(fsdp.prepare_for_training(model), dist, compute_dtype=compute_dtype)
+    layer_weight_bytes = sum(p.numel() * compute_dtype(dtype).itemsize for p in model.model.layers.parameters())
+    policy = fsdp.shard(fsdp.prepare_for_training(model), dist, compute_dtype=compute_dtype(dtype))
     prompt = tokenizer("Q: 1+2=")["input_ids"]
     batch = grpo.make_batch([prompt], [Completion(tokenizer("3", add_special_tokens=False)["input_ids"], [-1.0], "stop")],
                             1, tokenizer.pad_token_id, dist.device)

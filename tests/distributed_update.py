@@ -24,12 +24,11 @@ from common import fsdp, logprobs  # noqa: E402
 from common.rollout import Completion  # noqa: E402
 from common.tiny import load, tiny_model_dir  # noqa: E402
 from common.tracking import StepMetrics  # noqa: E402
-from helpers import precision  # noqa: E402
+from helpers import compute_dtype, precision  # noqa: E402
 
 QUESTIONS = ["Q: 1+2=", "Q: 45+51=", "Q: 9+9=", "Q: 70+30="]
 RESPONSES = ["3", "12", "4", "396", "96", "9", "91", "906", "18", "1", "81", "188", "100", "10", "1000", "0"]
 DEFAULT_ARGS = {"group_size": 4, "num_minibatches": 1, "update_epochs": 2, "micro_batch_size": 3, "clip_low": 0.01, "clip_high": 0.01, "lr": 0.5}
-COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype on the CPU (auto: float32)
 # the extra inputs some methods' update_policy take, by parameter name
 EXTRAS = {
     "initial_entropy": lambda algorithm, args, policy, dist: 1.0,  # gtpo: ⟨H⟩_ini (above ln 2: the filter stays off)
@@ -96,7 +95,7 @@ def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):
     batch["advantages"] = advantages[mine.start * 4 : mine.stop * 4]
     fields = {f.name for f in dataclasses.fields(algorithm.Args)}  # e.g. P3O has no clip range
     args = algorithm.Args(**{k: v for k, v in {**DEFAULT_ARGS, **json.loads(args_json)}.items() if k in fields})
-    policy = fsdp.shard(model, dist, compute_dtype=COMPUTE_DTYPES.get(args.dtype, torch.float32))  # as the scripts do
+    policy = fsdp.shard(model, dist, compute_dtype=compute_dtype(args.dtype))  # as the scripts do
     if dist.world_size == 1 and args.dtype == "bfloat16":
         in_bfloat16(policy)  # what FSDP2 ranks compute in bf16
     logged = update_policy(algorithm, policy, batch, args, dist)

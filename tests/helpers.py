@@ -19,13 +19,20 @@ BASE_LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "cha
 CLIP_LOGGED = ["losses/clip_fraction", "losses/ratio_min", "losses/ratio_max"]  # scripts with a ratio
 
 
-def precision(dtype="float32"):
-    """(autocast, scaler) of the scripts' --dtype on the CPU (auto: float32): bf16 / fp16 autocast, and fp16's
-    loss scale, starting at 2^10 rather than the scripts' 2^16: whether the built-in model's activation
-    gradients times 2^16 overflow float16 (a skipped first step) depends on the machine that built it."""
+def compute_dtype(dtype="float32"):
+    """The scripts' compute dtype for --dtype on the CPU (auto: float32)."""
     import torch
 
-    compute = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    return {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def precision(dtype="float32"):
+    """(autocast, scaler) of the scripts' --dtype on the CPU: bf16 / fp16 autocast, and fp16's loss scale,
+    starting at 2^10 rather than the scripts' 2^16: the built-in model's first-step activation gradients
+    times 2^16 overflow float16, a skipped step that a one-update test cannot recover from."""
+    import torch
+
+    compute = compute_dtype(dtype)
     return (torch.autocast("cpu", compute, enabled=compute != torch.float32),
             torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=compute == torch.float16))
 
