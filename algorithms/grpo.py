@@ -75,7 +75,8 @@ class Args:
     model: str = "tiny"
     """`tiny` (the built-in offline model), a Hugging Face model id or a local folder"""
     task: str = "arith"
-    """training task: arith or sums (built-in; sums: written reasoning, with --max-new-tokens 48), gsm8k, math, math500, dapo_math, aime24, aime25, or a .jsonl/.json/.parquet file"""
+    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math, math500, dapo_math,
+    aime24, aime25, or a .jsonl/.json/.parquet file"""
     eval_task: str | None = None
     """held-out task (its test split); defaults to --task"""
     question_column: str = "question"
@@ -91,13 +92,14 @@ class Args:
     rollout_engine: Literal["auto", "hf", "vllm"] = "auto"
     """vllm (in-process vLLM), hf (transformers generate), or auto: vllm on a GPU when installed, else hf"""
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "int8"] = "auto"
-    """engine weights' dtype; auto = hf: the trainer's weights, vllm: the trainer's compute dtype on GPU (another dtype than the trainer's is a train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""
+    """engine weights' dtype; auto: hf the trainer's weights, vllm the trainer's compute dtype on GPU (another is a
+    train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""
     gpu_memory_utilization: float = 0.3
     """vllm: fraction of GPU memory for the engine (weights and KV cache); the trainer gets the rest"""
     vllm_sleep_mode: bool = False
     """vllm on GPU: free the engine's GPU memory while training (sleep level 1)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """trainer compute dtype (weights stay float32); auto = bfloat16 on GPU, float32 on CPU; float16 scales the loss (dynamic loss scale)"""
+    """trainer compute dtype (weights stay float32); auto: bfloat16 on GPU, float32 on CPU; float16 scales the loss"""
     cpu_offload: bool = False
     """with several ranks (torchrun), keep sharded parameters and optimizer state in CPU memory"""
     gradient_checkpointing: bool = False
@@ -119,7 +121,7 @@ class Args:
     max_sampling_rounds: int = 8
     """dynamic sampling: rounds of drawing per step at most; then the batch is completed with all-equal groups"""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: the reward falls linearly to -1 over the last this many tokens before --max-new-tokens (0: off)"""
+    """DAPO's soft overlong punishment: the reward falls linearly to -1 over this many last tokens (0: off)"""
     mask_truncated: bool = False
     """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
     lr: float = 1e-4
@@ -155,9 +157,10 @@ class Args:
     scale_advantages: bool = True
     """divide group-centred rewards by the group's std (GRPO); --no-scale-advantages is Dr. GRPO"""
     loss_aggregation: Literal["token-mean", "sequence-mean", "token-sum"] = "token-mean"
-    """token-mean over the minibatch (DAPO); mean per completion, then over completions (GRPO); or token-sum: the sum over a constant, completions × --max-new-tokens (Dr. GRPO)"""
+    """token-mean over the minibatch (DAPO); sequence-mean: per completion, then over completions (GRPO); token-sum:
+    the sum over a constant, completions × --max-new-tokens (Dr. GRPO)"""
     ratio_level: Literal["token", "sequence"] = "token"
-    """the importance ratio of each token (PPO, GRPO), or one per completion: the geometric mean of its tokens' ratios (GSPO)"""
+    """an importance ratio per token (PPO, GRPO), or per completion: the geometric mean of its tokens' (GSPO)"""
     kl_coef: float = 0.0
     """β of the k3 KL penalty to the initial policy (0: no reference model is loaded)"""
 
@@ -197,6 +200,8 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences, m
         return (token_losses * mask).sum() / minibatch_constant
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
     return per_sequence.sum() / minibatch_sequences
+
+
 # END ALGO LOGIC
 
 
@@ -209,8 +214,11 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))  # the last position predicts past the end
     with output_layer_scores(model, targets, temperature, with_entropy):
         scores = model(
-            input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"],
-            logits_to_keep=targets.shape[1], use_cache=False,  # the output layer only runs where a response token is predicted
+            input_ids=micro["input_ids"],
+            attention_mask=micro["attention_mask"],
+            position_ids=micro["position_ids"],
+            logits_to_keep=targets.shape[1],
+            use_cache=False,  # the output layer only runs where a response token is predicted
         ).logits[:, :-1]
     return scores[..., 0], (scores[..., 1].detach() if with_entropy else None)
 
@@ -233,9 +241,11 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None)
     attention_mask = torch.tensor(masks, device=device)
     input_ids = torch.tensor(rows, device=device)
     return {
-        "input_ids": input_ids, "attention_mask": attention_mask,
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
-        "response_ids": input_ids[:, prompt_width:], "response_mask": torch.tensor(response_masks, device=device).float(),
+        "response_ids": input_ids[:, prompt_width:],
+        "response_mask": torch.tensor(response_masks, device=device).float(),
         "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
     }
 
@@ -283,8 +293,16 @@ def record_rollouts(metrics, scores, completions, rewards):
     metrics.mean("charts/zero_std_group_fraction", (rewards.std(dim=1) == 0).sum(), len(rewards))
 
 
-PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/response_length_mean",
-           "losses/approx_kl", "losses/clip_fraction", "losses/grad_norm", "mismatch/kl_k3"]  # curves.png
+PLOTTED = [
+    "charts/reward",
+    "eval/greedy_accuracy",
+    "charts/entropy",
+    "charts/response_length_mean",
+    "losses/approx_kl",
+    "losses/clip_fraction",
+    "losses/grad_norm",
+    "mismatch/kl_k3",
+]  # curves.png
 # END TRY NOT TO MODIFY
 
 
@@ -306,15 +324,16 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
         record_mismatch(metrics, batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
 
     skipped = 0
-    for epoch in range(args.update_epochs):
+    for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
         for minibatch in order.chunk(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over ranks,
             # so each rank's share is scaled by the world size
             # sequence-mean counts the completions that have a response token (an empty one adds nothing)
             response_mask = batch["response_mask"][minibatch]
-            counts = fsdp.all_reduce_dict({"tokens": response_mask.sum().item(),
-                                           "sequences": response_mask.any(1).sum().item()}, dist)
+            counts = fsdp.all_reduce_dict(
+                {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
+            )
             minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
             if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
                 skipped += 1
@@ -330,14 +349,21 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 if args.ratio_level == "sequence":
                     ratio_inputs = (sequence_mean(logprobs, mask), sequence_mean(old_logprobs, mask))
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
-                    *ratio_inputs, micro["advantages"], args.clip_low, args.clip_high)
+                    *ratio_inputs, micro["advantages"], args.clip_low, args.clip_high
+                )
                 if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
                     kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
-                loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences,
-                                 len(minibatch) * dist.world_size * args.max_new_tokens)  # every rank has as many rows
+                loss = aggregate(
+                    token_losses,
+                    mask,
+                    args.loss_aggregation,
+                    minibatch_tokens,
+                    minibatch_sequences,
+                    len(minibatch) * dist.world_size * args.max_new_tokens,
+                )  # every rank has as many rows
                 # END ALGO LOGIC
                 scaler.scale(loss * dist.world_size).backward()  # float16: scaled up, or small gradients flush to zero
                 minibatch_loss += loss.item()
@@ -370,23 +396,33 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 
 
 def check_args(args: Args) -> None:
-    problems = [f"--{name} must be {rule}" for name, bad, rule in [
-        ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
-        ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
-        ("max-new-tokens", args.max_new_tokens < MIN_NEW_TOKENS.get(args.task, 1),
-         f">= {MIN_NEW_TOKENS.get(args.task, 1)} for task {args.task} (its longest completion)"),
-        ("max-sampling-rounds", args.max_sampling_rounds < 1, ">= 1"),
-        ("overlong-buffer", not 0 <= args.overlong_buffer < args.max_new_tokens, "in [0, --max-new-tokens)"),
-        ("temperature", not args.temperature > 0, "> 0"),
-        ("num-minibatches", not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
-         "between 1 and the number of rollouts per step"),
-        ("update-epochs", args.update_epochs < 1, ">= 1"),
-        ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
-        ("lr", not args.lr > 0, "> 0"),
-        ("clip-low", not 0 <= args.clip_low < 1, "in [0, 1)"),
-        ("clip-high", args.clip_high < 0, ">= 0"),
-        ("kl-coef", args.kl_coef < 0, ">= 0"),
-    ] if bad]
+    problems = [
+        f"--{name} must be {rule}"
+        for name, bad, rule in [
+            ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
+            ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
+            (
+                "max-new-tokens",
+                args.max_new_tokens < MIN_NEW_TOKENS.get(args.task, 1),
+                f">= {MIN_NEW_TOKENS.get(args.task, 1)} for task {args.task} (its longest completion)",
+            ),
+            ("max-sampling-rounds", args.max_sampling_rounds < 1, ">= 1"),
+            ("overlong-buffer", not 0 <= args.overlong_buffer < args.max_new_tokens, "in [0, --max-new-tokens)"),
+            ("temperature", not args.temperature > 0, "> 0"),
+            (
+                "num-minibatches",
+                not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
+                "between 1 and the number of rollouts per step",
+            ),
+            ("update-epochs", args.update_epochs < 1, ">= 1"),
+            ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
+            ("lr", not args.lr > 0, "> 0"),
+            ("clip-low", not 0 <= args.clip_low < 1, "in [0, 1)"),
+            ("clip-high", args.clip_high < 0, ">= 0"),
+            ("kl-coef", args.kl_coef < 0, ">= 0"),
+        ]
+        if bad
+    ]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if not 0 < args.gpu_memory_utilization < 1:
         problems.append("--gpu-memory-utilization must be in (0, 1)")
@@ -407,7 +443,13 @@ def main(args: Args) -> None:
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device = dist.device
-    compute_dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
+    compute_dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype != "auto"
+        else torch.bfloat16
+        if device.type == "cuda"
+        else torch.float32
+    )
     autocast = torch.autocast(device.type, compute_dtype, enabled=compute_dtype != torch.float32)
     scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)  # float16's dynamic loss scale
     run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
@@ -418,21 +460,34 @@ def main(args: Args) -> None:
         run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
-    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)  # bounded below, as training's prompts
+    eval_rows = load_task(
+        eval_task, "test", args.question_column, args.answer_column
+    )  # bounded below, as training's prompts
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     train_rows, prompts = encode_prompts(train_rows, tokenizer, args.task, args.chat_template, args.max_prompt_tokens)
-    eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, args.max_prompt_tokens)[0][: args.eval_prompts]
+    eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, args.max_prompt_tokens)[0][
+        : args.eval_prompts
+    ]
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
     # One rank: the hf engine can share the trainer's module; several: it keeps a full copy per rank.
     policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32)
     max_model_len = min(args.max_prompt_tokens + args.max_new_tokens, policy.config.max_position_embeddings)
-    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype, device=device,
-                         share_weights=dist.world_size == 1, model_path=checkpoint or args.model,
-                         max_model_len=max_model_len, seed=args.seed + dist.rank,
-                         gpu_memory_utilization=args.gpu_memory_utilization, sleep_mode=args.vllm_sleep_mode,
-                         compute_dtype=compute_dtype)
+    engine = make_engine(
+        args.rollout_engine,
+        policy,
+        tokenizer,
+        dtype=args.engine_dtype,
+        device=device,
+        share_weights=dist.world_size == 1,
+        model_path=checkpoint or args.model,
+        max_model_len=max_model_len,
+        seed=args.seed + dist.rank,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        sleep_mode=args.vllm_sleep_mode,
+        compute_dtype=compute_dtype,
+    )
     policy = fsdp.prepare_for_training(policy.to(device), args.gradient_checkpointing)  # train mode, no dropout
     policy = fsdp.shard(policy, dist, args.cpu_offload, compute_dtype)
     reference = None
@@ -446,18 +501,44 @@ def main(args: Args) -> None:
         state = load_checkpoint(checkpoint, policy, optimizer, dist)
         scheduler.load_state_dict(state["scheduler"])
         start_step, skipped_steps = state["step"], state["skipped_steps"]
-    tracker = Tracker(run_dir, asdict(args), enabled=dist.is_main, resume_step=start_step if checkpoint else None,
-                      track=args.track, project=args.wandb_project_name, entity=args.wandb_entity)
-    eval_kwargs = dict(task=eval_task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, use_chat_template=args.chat_template, dist=dist)
+    tracker = Tracker(
+        run_dir,
+        asdict(args),
+        enabled=dist.is_main,
+        resume_step=start_step if checkpoint else None,
+        track=args.track,
+        project=args.wandb_project_name,
+        entity=args.wandb_entity,
+    )
+    eval_kwargs = dict(
+        task=eval_task,
+        k=args.eval_k,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        use_chat_template=args.chat_template,
+        dist=dist,
+    )
     if args.eval_every and start_step == 0:
         tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
     # rollouts: each rank takes whole groups of G completions (group statistics are one process's), with the
     # sampler's log-probs μ, rewarded 1 for a correct answer, else 0, plus DAPO's overlong penalty (Eq. 13)
-    sampler = GroupSampler(engine, tokenizer, prompts, train_rows, dist, args.prompts_per_step, args.group_size,
-                           args.max_new_tokens, args.temperature, args.seed, task=args.task,
-                           overlong_buffer=args.overlong_buffer, mask_truncated=args.mask_truncated,
-                           dynamic=args.dynamic_sampling, max_rounds=args.max_sampling_rounds)
+    sampler = GroupSampler(
+        engine,
+        tokenizer,
+        prompts,
+        train_rows,
+        dist,
+        args.prompts_per_step,
+        args.group_size,
+        args.max_new_tokens,
+        args.temperature,
+        args.seed,
+        task=args.task,
+        overlong_buffer=args.overlong_buffer,
+        mask_truncated=args.mask_truncated,
+        dynamic=args.dynamic_sampling,
+        max_rounds=args.max_sampling_rounds,
+    )
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
@@ -466,15 +547,18 @@ def main(args: Args) -> None:
             groups = sampler.draw(step, metrics)
 
         # 2. advantages (a completion cut off with --mask-truncated counts in its group's, but does not train)
-        batch = make_batch(groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device,
-                           groups.trains)
+        batch = make_batch(
+            groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
+        )
         batch["advantages"] = compute_advantages(groups.rewards, args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
         # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
         with metrics.timer("time/train"):
             engine.sleep()
-            skipped_steps += update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics)
+            skipped_steps += update_policy(
+                policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics
+            )
 
         # TRY NOT TO MODIFY: 5. push the new weights to the engine (every rank gathers each full tensor in turn)
         with metrics.timer("time/weight_sync"):
@@ -492,11 +576,16 @@ def main(args: Args) -> None:
                 metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in ("charts/reward", "eval/greedy_accuracy")
-                              if k in logged})
+        progress.set_postfix(
+            {k.split("/")[1]: f"{logged[k]:.3f}" for k in ("charts/reward", "eval/greedy_accuracy") if k in logged}
+        )
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
-            trainer_state = {"step": step + 1, "skipped_steps": skipped_steps, "args": asdict(args),
-                             "scheduler": scheduler.state_dict()}
+            trainer_state = {
+                "step": step + 1,
+                "skipped_steps": skipped_steps,
+                "args": asdict(args),
+                "scheduler": scheduler.state_dict(),
+            }
             save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist, args.keep_checkpoints)
 
     plot = tracker.close(plot_keys=PLOTTED + [f"eval/avg@{args.eval_k}"])
@@ -514,7 +603,8 @@ if __name__ == "__main__":
 # Paper scale: the settings of the papers' smaller runs, on one 80 GB GPU or on 8 with torchrun (FSDP2, same flags)
 #   python algorithms/grpo.py --model Qwen/Qwen2.5-Math-1.5B --task gsm8k --eval-task gsm8k \
 #       --steps 500 --prompts-per-step 64 --group-size 8 --max-new-tokens 1024 --lr 1e-6 \
-#       --num-minibatches 4 --micro-batch-size 8 --gradient-checkpointing --dtype bfloat16 --eval-every 50 --eval-k 4 --track
+#       --num-minibatches 4 --micro-batch-size 8 --gradient-checkpointing --dtype bfloat16 \
+#       --eval-every 50 --eval-k 4 --track
 #   torchrun --nproc_per_node 8 algorithms/grpo.py ...
 # Memory per GPU (`python -m common.memory` with these flags; worst case, every micro-batch 8 × 1,536 tokens), one
 # GPU: training state 23.0 GiB (16 bytes × 1.54 B parameters), checkpointed activations 4.0 (116 KiB per token per

@@ -20,8 +20,8 @@ the policy gradient g_l = (1/M) Σ_i A_i v_i (§1.2) becomes, non-interacting (d
 AdamW steps on −u_l; every other parameter (embeddings, norms, biases) takes (1/M) Σ_i A_i ∇ log π (REINFORCE).
 
 What this file changes relative to grpo.py: no loss, ratio or clip; one backward of Σ log π builds every gradient
-(`IsopoGradients`: each Linear's backward returns ISOPO's weight update); --block-size (8) is part of the math, its blocks
-cut from whole groups; full logits; --log-kl-ref for --kl-coef.
+(`IsopoGradients`: each Linear's backward returns ISOPO's weight update); --block-size (8) is part of the math, its
+blocks cut from whole groups; full logits; --log-kl-ref for --kl-coef.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them and compute advantages, update the policy on minibatches, push the new weights to the
@@ -78,7 +78,8 @@ class Args:
     model: str = "tiny"
     """`tiny` (the built-in offline model), a Hugging Face model id or a local folder"""
     task: str = "arith"
-    """training task: arith or sums (built-in; sums: written reasoning, with --max-new-tokens 48), gsm8k, math, math500, dapo_math, aime24, aime25, or a .jsonl/.json/.parquet file"""
+    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math, math500, dapo_math,
+    aime24, aime25, or a .jsonl/.json/.parquet file"""
     eval_task: str | None = None
     """held-out task (its test split); defaults to --task"""
     question_column: str = "question"
@@ -94,13 +95,14 @@ class Args:
     rollout_engine: Literal["auto", "hf", "vllm"] = "auto"
     """vllm (in-process vLLM), hf (transformers generate), or auto: vllm on a GPU when installed, else hf"""
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "int8"] = "auto"
-    """engine weights' dtype; auto = hf: the trainer's weights, vllm: the trainer's compute dtype on GPU (another dtype than the trainer's is a train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""
+    """engine weights' dtype; auto: hf the trainer's weights, vllm the trainer's compute dtype on GPU (another is a
+    train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""
     gpu_memory_utilization: float = 0.3
     """vllm: fraction of GPU memory for the engine (weights and KV cache); the trainer gets the rest"""
     vllm_sleep_mode: bool = False
     """vllm on GPU: free the engine's GPU memory while training (sleep level 1)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """trainer compute dtype (weights stay float32); auto = bfloat16 on GPU, float32 on CPU; float16 scales the loss (dynamic loss scale)"""
+    """trainer compute dtype (weights stay float32); auto: bfloat16 on GPU, float32 on CPU; float16 scales the loss"""
     cpu_offload: bool = False
     """with several ranks (torchrun), keep sharded parameters and optimizer state in CPU memory"""
     gradient_checkpointing: bool = False
@@ -122,7 +124,7 @@ class Args:
     max_sampling_rounds: int = 8
     """dynamic sampling: rounds of drawing per step at most; then the batch is completed with all-equal groups"""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: the reward falls linearly to -1 over the last this many tokens before --max-new-tokens (0: off)"""
+    """DAPO's soft overlong punishment: the reward falls linearly to -1 over this many last tokens (0: off)"""
     mask_truncated: bool = False
     """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
     lr: float = 1e-4
@@ -152,19 +154,23 @@ class Args:
 
     # Algorithm specific arguments
     block_size: int = 8
-    """sequences that share one Fisher-estimate pool (Eq. 6) and one NTK (§3), the paper's micro-batch of 8: part of the math. Cut in order from whole groups shuffled together: with --group-size 8, one prompt's group each"""
+    """sequences sharing one Fisher-estimate pool (Eq. 6) and one NTK (§3), the paper's micro-batch of 8: part of the
+    math, cut in order from whole groups shuffled together (with --group-size 8, one prompt's group each)"""
     variant: Literal["non-interacting", "interacting"] = "non-interacting"
-    """non-interacting: rescale each sequence's gradient by s_i (Alg. 2, Fig. 3); interacting: precondition the advantages with each layer's micro-batch NTK (Alg. 6)"""
+    """non-interacting: rescale each sequence's gradient by s_i (Alg. 2, Fig. 3); interacting: precondition the
+    advantages with each layer's micro-batch NTK (Alg. 6)"""
     p: float = -1.0
     """exponent of the Fisher-norm estimate ‖v_i‖_F in s_i (Fig. 3; −1: the same KL for every sequence, §2.0.1)"""
     q: float = 0.0
     """exponent of the Euclidean norm ‖v_i‖ in s_i (Fig. 3; −1: Euclidean normalization)"""
     r: float = 0.0
-    """exponent of the relative Fisher norm ‖v_i‖_F/‖v_i‖ in s_i (Fig. 3; −2 with p = q = 0: the multiple of v_i closest to the natural gradient, §2.0.3, Eq. 7)"""
+    """exponent of the relative Fisher norm ‖v_i‖_F/‖v_i‖ in s_i (Fig. 3; −2 with p = q = 0: the multiple of v_i
+    closest to the natural gradient, §2.0.3, Eq. 7)"""
     n_overlap: int = 250
     """token rows per layer and micro-batch sampled for the Fisher-norm estimate (Eq. 6)"""
     reg_coef: float = 0.0
-    """λ in reg2(x) = sqrt(x² + λ·E[x²] + 1e-8), E an EMA of trailing minibatch means per layer (0: none, as in the paper's runs)"""
+    """λ in reg2(x) = sqrt(x² + λ·E[x²] + 1e-8), E an EMA of trailing minibatch means per layer (0: none, as in the
+    paper's runs)"""
     reg_form: Literal["paper", "authors"] = "paper"
     """paper: reg2(x) = sqrt(x² + λE[x²]) (Fig. 3); authors: the official code's default sqrt(x²/(λE[x²]) + 1)"""
     ntk_reg_coef: float = 1.0
@@ -191,23 +197,35 @@ def overlap_rows(valid: torch.Tensor, n: int) -> torch.Tensor:
     return keys.topk(min(n, int(valid.sum(1).max())), dim=1, largest=False).indices
 
 
-def fisher_norms(g: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def fisher_norms(
+    g: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Eq. 6's estimate of ‖v_i‖_F [blocks, b] over each block's token rows `rows`, in k·N·(out+in) FLOPs per block of N
     non-pad rows (`valid` [blocks, b, T]; None: every row): no V_i is formed."""
     n, b, T, _ = g.shape
     g, a, block = g.flatten(1, 2), a.flatten(1, 2), torch.arange(n, device=g.device)[:, None]
     g0, a0 = g[block, rows], a[block, rows]  # [blocks, k, out], [blocks, k, in]
-    tokens = (torch.arange(b * T, device=g.device).expand(n, -1) if valid is None else  # the non-pad rows first
-              valid.flatten(1).float().argsort(dim=1, descending=True, stable=True)[:, : int(valid.flatten(1).sum(1).max())])
+    tokens = (
+        torch.arange(b * T, device=g.device).expand(n, -1)
+        if valid is None
+        # the non-pad rows first
+        else valid.flatten(1)
+        .float()
+        .argsort(dim=1, descending=True, stable=True)[:, : int(valid.flatten(1).sum(1).max())]
+    )
     # (g0_j · g_t)(a0_j · a_t) per token row t, summed over the t of sequence i: g0_j · V_i a0_j (Eq. 4), [blocks, b, k]
     products = (g[block, tokens] @ g0.mT) * (a[block, tokens] @ a0.mT)
-    overlaps = products.new_zeros(n * b, rows.shape[1]).index_add_(0, (block * b + tokens // T).flatten(),
-                                                                    products.flatten(0, 1)).view(n, b, -1)
+    overlaps = (
+        products.new_zeros(n * b, rows.shape[1])
+        .index_add_(0, (block * b + tokens // T).flatten(), products.flatten(0, 1))
+        .view(n, b, -1)
+    )
     return overlaps.norm(dim=-1) / ((g0.norm(dim=-1) * a0.norm(dim=-1)).norm(dim=-1, keepdim=True) + 1e-12)  # Eq. 5
 
 
 def sequence_gradients(g: torch.Tensor, a: torch.Tensor, budget: int = 2**24):
-    """V_i for all rows i of g [B, T, out], a block of output rows at a time ([B, rows, in], at most `budget` numbers)."""
+    """V_i for all rows i of g [B, T, out], a block of output rows at a time ([B, rows, in], at most `budget`
+    numbers)."""
     step = max(1, budget // (g.shape[0] * a.shape[-1]))
     for start in range(0, g.shape[-1], step):
         yield torch.einsum("bto,bti->boi", g[..., start : start + step], a)
@@ -225,13 +243,19 @@ def sequence_norms(g: torch.Tensor, a: torch.Tensor, form: str = "auto") -> torc
 
 
 def ntk(g: torch.Tensor, a: torch.Tensor, form: str = "auto", budget: int = 2**24) -> torch.Tensor:
-    """Each block's empirical NTK K_ij = ⟨V_i, V_j⟩ (§3) [blocks, b, b]: gram, Σ_{t∈i,t'∈j} (g_t·g_t')(a_t·a_t') from the
-    token Gram matrices of a few blocks at a time (at most `budget` numbers), or materialize the V_i."""
+    """Each block's empirical NTK K_ij = ⟨V_i, V_j⟩ (§3) [blocks, b, b]: gram, Σ_{t∈i,t'∈j} (g_t·g_t')(a_t·a_t') from
+    the token Gram matrices of a few blocks at a time (at most `budget` numbers), or materialize the V_i."""
     n, b, T, out = g.shape  # auto: the cheaper, gram's (bT)²·(out+in) FLOPs or materialize's b·T·out·in + b²·out·in
     if form == "gram" or form == "auto" and b * T * T * (out + a.shape[-1]) <= out * a.shape[-1] * (T + b):
         g, a, step = g.flatten(1, 2), a.flatten(1, 2), max(1, budget // (b * T) ** 2)
-        K = torch.cat([((g[s : s + step] @ g[s : s + step].mT) * (a[s : s + step] @ a[s : s + step].mT))
-                       .view(-1, b, T, b, T).sum((2, 4)) for s in range(0, n, step)])
+        K = torch.cat(
+            [
+                ((g[s : s + step] @ g[s : s + step].mT) * (a[s : s + step] @ a[s : s + step].mT))
+                .view(-1, b, T, b, T)
+                .sum((2, 4))
+                for s in range(0, n, step)
+            ]
+        )
     else:
         K = sum(V.view(n, b, -1) @ V.view(n, b, -1).mT for V in sequence_gradients(g.flatten(0, 1), a.flatten(0, 1)))
     return (K + K.mT) / 2
@@ -245,8 +269,9 @@ def reg2(x: torch.Tensor, coef: float, expectation, form: str = "paper") -> torc
 
 
 def sequence_scales(quantities: dict, p: float, q: float, r: float, reg_coef=0.0, expectations=None, form="paper"):
-    """Fig. 3: s = reg2(‖v‖_F)^p · reg2(‖v‖)^q · reg2(‖v‖_F/‖v‖)^r per sequence from {"fisher": ‖v‖_F, if q or r needs
-    them "euclid": ‖v‖, "rel": the ratio} and E[x²] (batch-size free: v_i = ∇ log π). p + q = −1, λ = 0: v's scale cancels."""
+    """Fig. 3: s = reg2(‖v‖_F)^p · reg2(‖v‖)^q · reg2(‖v‖_F/‖v‖)^r per sequence from {"fisher": ‖v‖_F, if q or r
+    needs them "euclid": ‖v‖, "rel": the ratio} and E[x²] (batch-size free: v_i = ∇ log π). p + q = −1, λ = 0: v's
+    scale cancels."""
     scales = torch.ones_like(quantities["fisher"])
     for key, power in (("fisher", p), ("euclid", q), ("rel", r)):
         if power:
@@ -272,8 +297,14 @@ class TrailingMeans:
         keys = sorted(self.pending, key=str) if commit else []  # the same keys, in the same order, on every rank
         values = [torch.cat(self.pending[key]).double() for key in keys]
         sums = torch.stack([v.sum() for v in values]).tolist() if keys else []  # one device sync
-        totals = fsdp.all_reduce_dict({**{f"sum{i}": s for i, s in enumerate(sums)},
-                                       **{f"count{i}": len(v) for i, v in enumerate(values)}}, dist) if dist else None
+        totals = (
+            fsdp.all_reduce_dict(
+                {**{f"sum{i}": s for i, s in enumerate(sums)}, **{f"count{i}": len(v) for i, v in enumerate(values)}},
+                dist,
+            )
+            if dist
+            else None
+        )
         for i, key in enumerate(keys):
             mean = totals[f"sum{i}"] / totals[f"count{i}"] if dist else sums[i] / len(values[i])
             self.ema[key] = mean if key not in self.ema else self.decay * self.ema[key] + (1 - self.decay) * mean
@@ -298,6 +329,16 @@ def weighted_gradient(g: torch.Tensor, a: torch.Tensor, weights: torch.Tensor) -
     if g.shape[-1] >= a.shape[-1]:
         return g.flatten(0, 1).T @ (a * weights[:, None, None]).flatten(0, 1)
     return (g * weights[:, None, None]).flatten(0, 1).T @ a.flatten(0, 1)
+
+
+def split_blocks(x: torch.Tensor, rows: slice, size: int) -> torch.Tensor:
+    """Rows `rows` of x [B, ...] as [blocks, size, ...]: the blocks of --block-size rows of one micro-batch."""
+    return x[rows].unflatten(0, (-1, size))
+
+
+def block_entry(values: dict, block: int) -> dict:
+    """One block's entries of a dict of per-block tensors (other values as they are): a row of the trace."""
+    return {key: value[block] if isinstance(value, torch.Tensor) else value for key, value in values.items()}
 
 
 class IsopoLinear(torch.autograd.Function):
@@ -343,7 +384,9 @@ class IsopoGradients:
             del module.forward
 
     @contextlib.contextmanager
-    def capture(self, attention_mask, weights):  # arm the forwards for one micro-batch: [B, T] non-pad mask, [B] weights
+    def capture(
+        self, attention_mask, weights
+    ):  # arm the forwards for one micro-batch: [B, T] non-pad mask, [B] weights
         self.micro = {"valid": attention_mask.bool(), "weights": weights.detach(), "ran": set(), "backward": False}
         try:
             yield
@@ -376,7 +419,9 @@ class IsopoGradients:
         if micro is None or not torch.is_grad_enabled():
             return None  # rollouts, evaluation, no-grad passes: the module's own forward
         if isinstance(module, torch.nn.Linear) and name in micro["ran"] and not micro["backward"]:
-            raise ValueError(f"ISOPO: Linear {name} ran twice in one forward pass; its per-sequence statistics need one call")
+            raise ValueError(
+                f"ISOPO: Linear {name} ran twice in one forward pass; its per-sequence statistics need one call"
+            )
         micro["ran"].add(name)
         return micro
 
@@ -388,7 +433,7 @@ class IsopoGradients:
     def _module_forward(self, name, module, forward, *args, **kwargs):
         if (micro := self._armed(name, module)) is None or micro.get("bypass") is module:
             return forward(*args, **kwargs)
-        detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
+        detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x
         through_parameters = forward(*map(detach, args), **{k: detach(v) for k, v in kwargs.items()})
         if any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*args, *kwargs.values())):
             frozen = {n: p.detach() for n, p in module.named_parameters(recurse=False)}
@@ -400,16 +445,17 @@ class IsopoGradients:
         out = through_parameters
         if out.dim() < 2 or out.shape[:1] != micro["valid"].shape[:1] or out.shape[1] > micro["valid"].shape[1]:
             raise ValueError(f"ISOPO: module {name} returned {tuple(out.shape)}; expected [batch, positions, ...]")
-        weights = (micro["weights"][:, None] * micro["valid"][:, -out.shape[1]:]).to(out.dtype)
+        weights = (micro["weights"][:, None] * micro["valid"][:, -out.shape[1] :]).to(out.dtype)
         weights = weights.view(*out.shape[:2], *[1] * (out.dim() - 2))
         # the value of through_inputs; gradients: g to the inputs, g_t·(−A_i/M) to the parameters (REINFORCE)
         return through_inputs + (out - out.detach()) * weights
 
     def _linear_update(self, name, micro, a, g):  # in IsopoLinear's backward: ISOPO for W, REINFORCE for b
         if g.dim() != 3 or a.dim() != 3:
-            raise ValueError(f"ISOPO: Linear {name} saw {tuple(a.shape)} -> {tuple(g.shape)}; "
-                             "expected [batch, positions, features]")
-        valid = micro["valid"][:, -g.shape[1]:]  # lm_head sees only the last positions (logits_to_keep)
+            raise ValueError(
+                f"ISOPO: Linear {name} saw {tuple(a.shape)} -> {tuple(g.shape)}; expected [batch, positions, features]"
+            )
+        valid = micro["valid"][:, -g.shape[1] :]  # lm_head sees only the last positions (logits_to_keep)
         dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
         g, a = g.to(dtype, copy=True).mul_(valid[..., None]), a.to(dtype)  # one copy of g, pads masked
         weights = micro["weights"].to(dtype)
@@ -420,9 +466,11 @@ class IsopoGradients:
             # the micro-batch's blocks of --block-size rows, all at once; a minibatch's last block may be shorter
             for rows in (slice(0, len(g) - len(g) % size), slice(len(g) - len(g) % size, len(g))):
                 if rows.stop > rows.start:
-                    blocks = lambda x: x[rows].unflatten(0, (-1, min(size, rows.stop - rows.start)))  # noqa: E731
+                    blocks = partial(split_blocks, rows=rows, size=min(size, rows.stop - rows.start))
                     if self.args.variant == "non-interacting":
-                        coefficients.append(blocks(weights) * self._scales(name, group, blocks(g), blocks(a), blocks(valid)))
+                        coefficients.append(
+                            blocks(weights) * self._scales(name, group, blocks(g), blocks(a), blocks(valid))
+                        )
                     else:
                         coefficients.append(self._precondition(name, group, blocks(g), blocks(a), blocks(weights)))
             grad_weight = weighted_gradient(g, a, torch.cat([c.flatten() for c in coefficients]))
@@ -449,9 +497,16 @@ class IsopoGradients:
         for how in ("mean", "min", "max"):  # scale_mean, scale_min, scale_max: of the sequence scales s_i (Fig. 3)
             self._log(group, f"scale_{how}", scales, how=how)
         for i in range(len(rows)) if self.trace is not None else ():  # one entry per block
-            pick = lambda d: {k: v[i] if isinstance(v, torch.Tensor) else v for k, v in d.items()}  # noqa: E731
-            self.trace.append(dict(layer=name, rows=rows[i], quantities=pick(quantities),
-                                   expectations=pick(expectations), scales=scales[i]))
+            pick = partial(block_entry, block=i)
+            self.trace.append(
+                dict(
+                    layer=name,
+                    rows=rows[i],
+                    quantities=pick(quantities),
+                    expectations=pick(expectations),
+                    scales=scales[i],
+                )
+            )
         return scales
 
     def _precondition(self, name, group, g, a, weights):  # interacting: (K + cI)⁻¹ A (Alg. 6, Fig. 7)
@@ -472,11 +527,20 @@ class IsopoGradients:
         return preconditioned
 
     def _log(self, group, key, values, how="mean"):  # kept as they are (record() reduces them): no device sync here
-        self.log.setdefault((group, key, how), []).append(values.detach() if isinstance(values, torch.Tensor) else values)
+        self.log.setdefault((group, key, how), []).append(
+            values.detach() if isinstance(values, torch.Tensor) else values
+        )
 
 
-def isopo_backward(policy, isopo: IsopoGradients, micro: dict, temperature: float, minibatch_sequences: int, autocast,
-                   world_size: int = 1):
+def isopo_backward(
+    policy,
+    isopo: IsopoGradients,
+    micro: dict,
+    temperature: float,
+    minibatch_sequences: int,
+    autocast,
+    world_size: int = 1,
+):
     """One micro-batch: the forward and one backward of Σ log π without advantages (Alg. 2 line 2), the ISOPO forwards
     armed: every parameter's .grad gains this micro-batch's share. Returns logprobs, entropy, L (losses/policy_loss;
     ISOPO transforms ∇L)."""
@@ -493,6 +557,8 @@ def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1
     """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
+
+
 # END ALGO LOGIC
 
 
@@ -502,10 +568,19 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     gradient). The logits are divided by the sampling temperature, so the trainer scores the very
     distribution the engine sampled from. Full [B, T, vocabulary] logits: ISOPO needs lm_head's output gradient."""
     targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))  # the last position predicts past the end
-    logp_all = torch.log_softmax(model(
-        input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"],
-        logits_to_keep=targets.shape[1], use_cache=False,  # the output layer only runs where a response token is predicted
-    ).logits[:, :-1].float() / temperature, dim=-1)
+    logp_all = torch.log_softmax(
+        model(
+            input_ids=micro["input_ids"],
+            attention_mask=micro["attention_mask"],
+            position_ids=micro["position_ids"],
+            logits_to_keep=targets.shape[1],
+            use_cache=False,  # the output layer only runs where a response token is predicted
+        )
+        .logits[:, :-1]
+        .float()
+        / temperature,
+        dim=-1,
+    )
     logprobs = logp_all.gather(-1, micro["response_ids"][..., None]).squeeze(-1)
     return logprobs, (-(logp_all.exp() * logp_all).sum(-1).detach() if with_entropy else None)
 
@@ -523,13 +598,15 @@ def check_full_logits(args) -> None:
     engine_share = args.gpu_memory_utilization * total if device.type == "cuda" and not args.vllm_sleep_mode else 0
     room = total - 16 * parameters / world_size - engine_share
     if need > room:
-        gib = lambda n: f"{max(n, 0) / 2**30:.{1 if n >= 2**30 else 4}f} GiB"  # noqa: E731
+        gib = lambda n: f"{max(n, 0) / 2**30:.{1 if n >= 2**30 else 4}f} GiB"
+        positions = args.max_new_tokens + 1
         raise ValueError(
-            f"ISOPO keeps full logits: --micro-batch-size {args.micro_batch_size} × {args.max_new_tokens + 1} positions × "
+            f"ISOPO keeps full logits: --micro-batch-size {args.micro_batch_size} × {positions} positions × "
             f"{vocab:,} vocabulary needs about {gib(need)} for the output layer's stage, where "
             f"{gib(room)} of {gib(total)} are left beside the training state"
             f"{' and the engine' if engine_share else ''}: lower --micro-batch-size (a multiple of --block-size) or "
-            f"--max-new-tokens, add --vllm-sleep-mode or ranks (python -m common.memory --full-logits estimates a plan)")
+            f"--max-new-tokens, add --vllm-sleep-mode or ranks (python -m common.memory --full-logits estimates a plan)"
+        )
 
 
 def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None):
@@ -550,9 +627,11 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None)
     attention_mask = torch.tensor(masks, device=device)
     input_ids = torch.tensor(rows, device=device)
     return {
-        "input_ids": input_ids, "attention_mask": attention_mask,
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
-        "response_ids": input_ids[:, prompt_width:], "response_mask": torch.tensor(response_masks, device=device).float(),
+        "response_ids": input_ids[:, prompt_width:],
+        "response_mask": torch.tensor(response_masks, device=device).float(),
         "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
     }
 
@@ -600,8 +679,17 @@ def record_rollouts(metrics, scores, completions, rewards):
     metrics.mean("charts/zero_std_group_fraction", (rewards.std(dim=1) == 0).sum(), len(rewards))
 
 
-PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/response_length_mean",
-           "losses/kl_ref", "losses/grad_norm", "isopo/lm_head/fisher_norm", "isopo/lm_head/ntk_reg", "mismatch/kl_k3"]
+PLOTTED = [
+    "charts/reward",
+    "eval/greedy_accuracy",
+    "charts/entropy",
+    "charts/response_length_mean",
+    "losses/kl_ref",
+    "losses/grad_norm",
+    "isopo/lm_head/fisher_norm",
+    "isopo/lm_head/ntk_reg",
+    "mismatch/kl_k3",
+]
 # END TRY NOT TO MODIFY
 
 
@@ -623,24 +711,25 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
         record_mismatch(metrics, batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
 
     skipped = 0
-    for epoch in range(args.update_epochs):
-        # ALGO LOGIC: whole groups in a random order, so that a block of G rows (or of a divisor of G) holds completions of
-        # one prompt, and is the same block on any number of ranks
+    for _ in range(args.update_epochs):
+        # ALGO LOGIC: whole groups in a random order, so that a block of G rows (or of a divisor of G) holds
+        # completions of one prompt, and is the same block on any number of ranks
         groups = torch.randperm(len(every_row) // args.group_size, device=every_row.device)
         order = (groups[:, None] * args.group_size + torch.arange(args.group_size, device=groups.device)).flatten()
         # END ALGO LOGIC
         for minibatch in order.chunk(args.num_minibatches):
             # sequence-mean counts the completions that have a response token (an empty one adds nothing)
             response_mask = batch["response_mask"][minibatch]
-            counts = fsdp.all_reduce_dict({"tokens": response_mask.sum().item(),
-                                           "sequences": response_mask.any(1).sum().item()}, dist)
+            counts = fsdp.all_reduce_dict(
+                {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
+            )
             minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
             if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
                 skipped += 1
                 continue
             minibatch_loss = 0.0
-            # ALGO LOGIC: micro-batches of whole blocks (--block-size rows in the minibatch's order), the blocks sorted by
-            # their longest response so that a micro-batch pads little; a shorter last block stays last
+            # ALGO LOGIC: micro-batches of whole blocks (--block-size rows in the minibatch's order), the blocks
+            # sorted by their longest response so that a micro-batch pads little; a shorter last block stays last
             whole = len(minibatch) - len(minibatch) % args.block_size
             blocks = minibatch[:whole].view(-1, args.block_size)
             longest = batch["response_mask"][blocks].sum(-1).amax(1)
@@ -649,8 +738,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
             for micro in micro_batches(batch, minibatch, args.micro_batch_size, by_length=False):
                 mask = micro["response_mask"]
                 # ALGO LOGIC: one backward of Σ log π builds this micro-batch's share of every ISOPO gradient
-                logprobs, entropy, loss = isopo_backward(policy, isopo, micro, args.temperature, minibatch_sequences,
-                                                         autocast, dist.world_size)
+                logprobs, entropy, loss = isopo_backward(
+                    policy, isopo, micro, args.temperature, minibatch_sequences, autocast, dist.world_size
+                )
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 if reference is not None:  # --log-kl-ref: the drift from the initial policy (Fig. 5), a metric only
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
@@ -687,29 +777,51 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 
 
 def check_args(args: Args) -> None:
-    problems = [f"--{name} must be {rule}" for name, bad, rule in [
-        ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
-        ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
-        ("max-new-tokens", args.max_new_tokens < MIN_NEW_TOKENS.get(args.task, 1),
-         f">= {MIN_NEW_TOKENS.get(args.task, 1)} for task {args.task} (its longest completion)"),
-        ("max-sampling-rounds", args.max_sampling_rounds < 1, ">= 1"),
-        ("overlong-buffer", not 0 <= args.overlong_buffer < args.max_new_tokens, "in [0, --max-new-tokens)"),
-        ("temperature", not args.temperature > 0, "> 0"),
-        ("num-minibatches", not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
-         "between 1 and the number of rollouts per step"),
-        ("update-epochs", args.update_epochs < 1, ">= 1"),
-        ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
-        ("block-size", args.block_size < 1, ">= 1"),
-        ("micro-batch-size", args.micro_batch_size % args.block_size, "a multiple of --block-size (a block is never split)"),
-        ("lr", not args.lr > 0, "> 0"),
-        *[(name, not math.isfinite(getattr(args, name)), "a finite number") for name in ("p", "q", "r")],
-        ("n-overlap", args.n_overlap < 1, ">= 1"),
-        ("reg-coef", not args.reg_coef >= 0, ">= 0"),
-        ("ntk-reg-coef", not args.ntk_reg_coef > 0, "> 0 (the NTK of m sequences is singular when m exceeds its rank)"),
-        ("ema-decay", not 0 <= args.ema_decay < 1, "in [0, 1)"),
-        ("dtype", args.dtype == "float16", "auto, float32 or bfloat16: Eq. 6 normalizes each sequence's "
-         "gradient, which a float16 loss scale would change (it is not linear in the scale)"),
-    ] if bad]
+    problems = [
+        f"--{name} must be {rule}"
+        for name, bad, rule in [
+            ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
+            ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
+            (
+                "max-new-tokens",
+                args.max_new_tokens < MIN_NEW_TOKENS.get(args.task, 1),
+                f">= {MIN_NEW_TOKENS.get(args.task, 1)} for task {args.task} (its longest completion)",
+            ),
+            ("max-sampling-rounds", args.max_sampling_rounds < 1, ">= 1"),
+            ("overlong-buffer", not 0 <= args.overlong_buffer < args.max_new_tokens, "in [0, --max-new-tokens)"),
+            ("temperature", not args.temperature > 0, "> 0"),
+            (
+                "num-minibatches",
+                not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
+                "between 1 and the number of rollouts per step",
+            ),
+            ("update-epochs", args.update_epochs < 1, ">= 1"),
+            ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
+            ("block-size", args.block_size < 1, ">= 1"),
+            (
+                "micro-batch-size",
+                args.micro_batch_size % args.block_size,
+                "a multiple of --block-size (a block is never split)",
+            ),
+            ("lr", not args.lr > 0, "> 0"),
+            *[(name, not math.isfinite(getattr(args, name)), "a finite number") for name in ("p", "q", "r")],
+            ("n-overlap", args.n_overlap < 1, ">= 1"),
+            ("reg-coef", not args.reg_coef >= 0, ">= 0"),
+            (
+                "ntk-reg-coef",
+                not args.ntk_reg_coef > 0,
+                "> 0 (the NTK of m sequences is singular when m exceeds its rank)",
+            ),
+            ("ema-decay", not 0 <= args.ema_decay < 1, "in [0, 1)"),
+            (
+                "dtype",
+                args.dtype == "float16",
+                "auto, float32 or bfloat16: Eq. 6 normalizes each sequence's "
+                "gradient, which a float16 loss scale would change (it is not linear in the scale)",
+            ),
+        ]
+        if bad
+    ]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if not 0 < args.gpu_memory_utilization < 1:
         problems.append("--gpu-memory-utilization must be in (0, 1)")
@@ -731,7 +843,13 @@ def main(args: Args) -> None:
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device = dist.device
-    compute_dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
+    compute_dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype != "auto"
+        else torch.bfloat16
+        if device.type == "cuda"
+        else torch.float32
+    )
     autocast = torch.autocast(device.type, compute_dtype, enabled=compute_dtype != torch.float32)
     scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)  # float16's dynamic loss scale
     run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
@@ -742,21 +860,34 @@ def main(args: Args) -> None:
         run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
-    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)  # bounded below, as training's prompts
+    eval_rows = load_task(
+        eval_task, "test", args.question_column, args.answer_column
+    )  # bounded below, as training's prompts
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     train_rows, prompts = encode_prompts(train_rows, tokenizer, args.task, args.chat_template, args.max_prompt_tokens)
-    eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, args.max_prompt_tokens)[0][: args.eval_prompts]
+    eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, args.max_prompt_tokens)[0][
+        : args.eval_prompts
+    ]
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
     # One rank: the hf engine can share the trainer's module; several: it keeps a full copy per rank.
     policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32)
     max_model_len = min(args.max_prompt_tokens + args.max_new_tokens, policy.config.max_position_embeddings)
-    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype, device=device,
-                         share_weights=dist.world_size == 1, model_path=checkpoint or args.model,
-                         max_model_len=max_model_len, seed=args.seed + dist.rank,
-                         gpu_memory_utilization=args.gpu_memory_utilization, sleep_mode=args.vllm_sleep_mode,
-                         compute_dtype=compute_dtype)
+    engine = make_engine(
+        args.rollout_engine,
+        policy,
+        tokenizer,
+        dtype=args.engine_dtype,
+        device=device,
+        share_weights=dist.world_size == 1,
+        model_path=checkpoint or args.model,
+        max_model_len=max_model_len,
+        seed=args.seed + dist.rank,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        sleep_mode=args.vllm_sleep_mode,
+        compute_dtype=compute_dtype,
+    )
     policy = fsdp.prepare_for_training(policy.to(device), args.gradient_checkpointing)  # train mode, no dropout
     policy = fsdp.shard(policy, dist, args.cpu_offload, compute_dtype)
     reference = None
@@ -770,19 +901,47 @@ def main(args: Args) -> None:
         state = load_checkpoint(checkpoint, policy, optimizer, dist)
         scheduler.load_state_dict(state["scheduler"])
         start_step, skipped_steps = state["step"], state["skipped_steps"]
-    isopo = IsopoGradients(policy, args, dist, state["isopo"] if checkpoint else None)  # idle outside capture(); exact resume
-    tracker = Tracker(run_dir, asdict(args), enabled=dist.is_main, resume_step=start_step if checkpoint else None,
-                      track=args.track, project=args.wandb_project_name, entity=args.wandb_entity)
-    eval_kwargs = dict(task=eval_task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, use_chat_template=args.chat_template, dist=dist)
+    isopo = IsopoGradients(
+        policy, args, dist, state["isopo"] if checkpoint else None
+    )  # idle outside capture(); exact resume
+    tracker = Tracker(
+        run_dir,
+        asdict(args),
+        enabled=dist.is_main,
+        resume_step=start_step if checkpoint else None,
+        track=args.track,
+        project=args.wandb_project_name,
+        entity=args.wandb_entity,
+    )
+    eval_kwargs = dict(
+        task=eval_task,
+        k=args.eval_k,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        use_chat_template=args.chat_template,
+        dist=dist,
+    )
     if args.eval_every and start_step == 0:
         tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
     # rollouts: each rank takes whole groups of G completions (group statistics are one process's), with the
     # sampler's log-probs μ, rewarded 1 for a correct answer, else 0, plus DAPO's overlong penalty (Eq. 13)
-    sampler = GroupSampler(engine, tokenizer, prompts, train_rows, dist, args.prompts_per_step, args.group_size,
-                           args.max_new_tokens, args.temperature, args.seed, task=args.task,
-                           overlong_buffer=args.overlong_buffer, mask_truncated=args.mask_truncated,
-                           dynamic=args.dynamic_sampling, max_rounds=args.max_sampling_rounds)
+    sampler = GroupSampler(
+        engine,
+        tokenizer,
+        prompts,
+        train_rows,
+        dist,
+        args.prompts_per_step,
+        args.group_size,
+        args.max_new_tokens,
+        args.temperature,
+        args.seed,
+        task=args.task,
+        overlong_buffer=args.overlong_buffer,
+        mask_truncated=args.mask_truncated,
+        dynamic=args.dynamic_sampling,
+        max_rounds=args.max_sampling_rounds,
+    )
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
@@ -791,15 +950,18 @@ def main(args: Args) -> None:
             groups = sampler.draw(step, metrics)
 
         # 2. advantages (a completion cut off with --mask-truncated counts in its group's, but does not train)
-        batch = make_batch(groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device,
-                           groups.trains)
+        batch = make_batch(
+            groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
+        )
         batch["advantages"] = compute_advantages(groups.rewards, args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
         # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
         with metrics.timer("time/train"):
             engine.sleep()
-            skipped_steps += update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics, isopo)
+            skipped_steps += update_policy(
+                policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics, isopo
+            )
 
         # TRY NOT TO MODIFY: 5. push the new weights to the engine (every rank gathers each full tensor in turn)
         with metrics.timer("time/weight_sync"):
@@ -817,11 +979,17 @@ def main(args: Args) -> None:
                 metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in ("charts/reward", "eval/greedy_accuracy")
-                              if k in logged})
+        progress.set_postfix(
+            {k.split("/")[1]: f"{logged[k]:.3f}" for k in ("charts/reward", "eval/greedy_accuracy") if k in logged}
+        )
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
-            trainer_state = {"step": step + 1, "skipped_steps": skipped_steps, "args": asdict(args),
-                             "scheduler": scheduler.state_dict(), "isopo": {"ema": dict(isopo.stats.ema)}}
+            trainer_state = {
+                "step": step + 1,
+                "skipped_steps": skipped_steps,
+                "args": asdict(args),
+                "scheduler": scheduler.state_dict(),
+                "isopo": {"ema": dict(isopo.stats.ema)},
+            }
             save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist, args.keep_checkpoints)
 
     plot = tracker.close(plot_keys=PLOTTED + [f"eval/avg@{args.eval_k}"])

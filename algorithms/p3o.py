@@ -76,7 +76,8 @@ class Args:
     model: str = "tiny"
     """`tiny` (the built-in offline model), a Hugging Face model id or a local folder"""
     task: str = "arith"
-    """training task: arith or sums (built-in; sums: written reasoning, with --max-new-tokens 48), gsm8k, math, math500, dapo_math, aime24, aime25, or a .jsonl/.json/.parquet file"""
+    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math, math500, dapo_math,
+    aime24, aime25, or a .jsonl/.json/.parquet file"""
     eval_task: str | None = None
     """held-out task (its test split); defaults to --task"""
     question_column: str = "question"
@@ -92,13 +93,14 @@ class Args:
     rollout_engine: Literal["auto", "hf", "vllm"] = "auto"
     """vllm (in-process vLLM), hf (transformers generate), or auto: vllm on a GPU when installed, else hf"""
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "int8"] = "auto"
-    """engine weights' dtype; auto = hf: the trainer's weights, vllm: the trainer's compute dtype on GPU (another dtype than the trainer's is a train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""
+    """engine weights' dtype; auto: hf the trainer's weights, vllm the trainer's compute dtype on GPU (another is a
+    train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""
     gpu_memory_utilization: float = 0.3
     """vllm: fraction of GPU memory for the engine (weights and KV cache); the trainer gets the rest"""
     vllm_sleep_mode: bool = False
     """vllm on GPU: free the engine's GPU memory while training (sleep level 1)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """trainer compute dtype (weights stay float32); auto = bfloat16 on GPU, float32 on CPU; float16 scales the loss (dynamic loss scale)"""
+    """trainer compute dtype (weights stay float32); auto: bfloat16 on GPU, float32 on CPU; float16 scales the loss"""
     cpu_offload: bool = False
     """with several ranks (torchrun), keep sharded parameters and optimizer state in CPU memory"""
     gradient_checkpointing: bool = False
@@ -114,13 +116,14 @@ class Args:
     max_new_tokens: int = 16
     """maximum completion length"""
     temperature: float = 1.0
-    """temperature of π_θ (the trainer divides its logits by it) and of evaluation; the sampling one too unless --sampling-temperature"""
+    """temperature of π_θ (the trainer divides its logits by it) and of evaluation; also the engine's unless
+    --sampling-temperature"""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are replaced by newly drawn prompts"""
     max_sampling_rounds: int = 8
     """dynamic sampling: rounds of drawing per step at most; then the batch is completed with all-equal groups"""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: the reward falls linearly to -1 over the last this many tokens before --max-new-tokens (0: off)"""
+    """DAPO's soft overlong punishment: the reward falls linearly to -1 over this many last tokens (0: off)"""
     mask_truncated: bool = False
     """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
     lr: float = 1e-4
@@ -150,7 +153,7 @@ class Args:
 
     # Algorithm specific arguments
     ess_scope: Literal["minibatch", "micro-batch"] = "minibatch"
-    """e_B over all tokens of one optimizer step (the paper's batch) or of each micro-batch (authors' code); all ranks"""
+    """e_B over one optimizer step's tokens (the paper's batch) or of each micro-batch (authors' code), all ranks"""
     sampling_temperature: float | None = None
     """rollout temperature of the engine (μ) when it differs from --temperature (π_θ): off-policy data, e.g. 1.2"""
     sync_every: int = 1
@@ -167,7 +170,7 @@ class Args:
     """β of the k3 KL penalty to the initial policy (0: no reference model is loaded)"""
 
 
-# ALGO LOGIC: ratios to the behavior policy, the batch ESS, the P3O loss and the clip baseline; advantages, token averaging
+# ALGO LOGIC: ratios to the behavior policy, the batch ESS, the P3O loss, the clip baseline; advantages, token averaging
 def behavior_log_ratio(logprobs, sampler_logprobs, mask):
     """log ρ = log π_θ − log μ at valid tokens, clamped to ±10 (numerical safety; the authors clamp k3's exponent
     at ±10), 0 at prompt / pad positions (before any exp: never inf · 0 = NaN). μ: the engine's tempered log-probs
@@ -179,7 +182,11 @@ def ratio_sums(logprobs, sampler_logprobs, mask) -> dict[str, float]:
     """Σρ, Σρ² and N over the valid tokens, in float64: sums, so they add up over micro-batches and ranks."""
     ratio = torch.exp(behavior_log_ratio(logprobs.detach(), sampler_logprobs, mask).double())
     mask = mask.double()
-    return {"ratio_sum": (ratio * mask).sum().item(), "ratio_sq_sum": (ratio.square() * mask).sum().item(), "tokens": mask.sum().item()}
+    return {
+        "ratio_sum": (ratio * mask).sum().item(),
+        "ratio_sq_sum": (ratio.square() * mask).sum().item(),
+        "tokens": mask.sum().item(),
+    }
 
 
 def effective_sample_size(sums: dict[str, float]) -> tuple[float, bool]:
@@ -194,7 +201,8 @@ def effective_sample_size(sums: dict[str, float]) -> tuple[float, bool]:
 def minibatch_ess(policy, batch, minibatch, args, dist, autocast) -> tuple[float, bool]:
     """e_B over every valid token of one optimizer step (the paper's "tokens in the batch"), on all ranks, from a
     no-grad pass (θ is fixed until the step; +30% train time on the CPU default). Unneeded when each forward gives
-    its own: per micro-batch (--ess-scope micro-batch, as the authors: noisier; rows in random order), or one-micro-batch steps."""
+    its own: per micro-batch (--ess-scope micro-batch, as the authors: noisier; rows in random order), or steps of one
+    micro-batch."""
     sums = dict.fromkeys(["ratio_sum", "ratio_sq_sum", "tokens"], 0.0)
     with torch.no_grad(), autocast:
         for micro in micro_batches(batch, minibatch, args.micro_batch_size):
@@ -221,14 +229,18 @@ def clipped_behavior_loss(logprobs, sampler_logprobs, advantages, mask, clip_eps
     """--loss clip, the paper's GRPO baseline: grpo.py's clipped surrogate (ε_low = ε_high = ε) on P3O's ρ = π_θ/μ
     (FeynRL's GRPO takes its old log-probs from the engine too). Returns what p3o_loss returns (capped: clipped)."""
     log_ratio = behavior_log_ratio(logprobs, sampler_logprobs, mask)
-    token_losses, ratio, clip_active = clipped_surrogate_loss(log_ratio, torch.zeros_like(log_ratio), advantages, clip_eps, clip_eps)
+    token_losses, ratio, clip_active = clipped_surrogate_loss(
+        log_ratio, torch.zeros_like(log_ratio), advantages, clip_eps, clip_eps
+    )
     return token_losses, ratio.detach(), clip_active, (log_ratio + torch.exp(-log_ratio) - 1).detach()
 
 
 def push_weights(args, step) -> bool:
     """--sync-every k: after every k-th step (rollouts up to k − 1 steps old; the hf engine keeps its own copy) and
     before an evaluation of the trained policy. A stale run resumes exactly only from a checkpoint at a push."""
-    return (step + 1) % args.sync_every == 0 or bool(args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps))
+    return (step + 1) % args.sync_every == 0 or bool(
+        args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps)
+    )
 
 
 def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
@@ -256,6 +268,8 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
         return (token_losses * mask).sum() / minibatch_tokens
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
     return per_sequence.sum() / minibatch_sequences
+
+
 # END ALGO LOGIC
 
 
@@ -268,8 +282,11 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))  # the last position predicts past the end
     with output_layer_scores(model, targets, temperature, with_entropy):
         scores = model(
-            input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"],
-            logits_to_keep=targets.shape[1], use_cache=False,  # the output layer only runs where a response token is predicted
+            input_ids=micro["input_ids"],
+            attention_mask=micro["attention_mask"],
+            position_ids=micro["position_ids"],
+            logits_to_keep=targets.shape[1],
+            use_cache=False,  # the output layer only runs where a response token is predicted
         ).logits[:, :-1]
     return scores[..., 0], (scores[..., 1].detach() if with_entropy else None)
 
@@ -292,9 +309,11 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None)
     attention_mask = torch.tensor(masks, device=device)
     input_ids = torch.tensor(rows, device=device)
     return {
-        "input_ids": input_ids, "attention_mask": attention_mask,
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
-        "response_ids": input_ids[:, prompt_width:], "response_mask": torch.tensor(response_masks, device=device).float(),
+        "response_ids": input_ids[:, prompt_width:],
+        "response_mask": torch.tensor(response_masks, device=device).float(),
         "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
     }
 
@@ -342,8 +361,17 @@ def record_rollouts(metrics, scores, completions, rewards):
     metrics.mean("charts/zero_std_group_fraction", (rewards.std(dim=1) == 0).sum(), len(rewards))
 
 
-PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/response_length_mean",
-           "losses/ess", "losses/kl_behavior", "losses/clip_fraction", "losses/grad_norm", "mismatch/kl_k3"]  # curves.png
+PLOTTED = [
+    "charts/reward",
+    "eval/greedy_accuracy",
+    "charts/entropy",
+    "charts/response_length_mean",
+    "losses/ess",
+    "losses/kl_behavior",
+    "losses/clip_fraction",
+    "losses/grad_norm",
+    "mismatch/kl_k3",
+]  # curves.png
 # END TRY NOT TO MODIFY
 
 
@@ -366,15 +394,16 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 
     skipped = 0
     ess_fallbacks = 0
-    for epoch in range(args.update_epochs):
+    for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
         for minibatch in order.chunk(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over ranks,
             # so each rank's share is scaled by the world size
             # sequence-mean counts the completions that have a response token (an empty one adds nothing)
             response_mask = batch["response_mask"][minibatch]
-            counts = fsdp.all_reduce_dict({"tokens": response_mask.sum().item(),
-                                           "sequences": response_mask.any(1).sum().item()}, dist)
+            counts = fsdp.all_reduce_dict(
+                {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
+            )
             minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
             if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
                 skipped += 1
@@ -386,20 +415,27 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 ess, fell_back = minibatch_ess(policy, batch, minibatch, args, dist, autocast)
                 ess_fallbacks += fell_back
             # END ALGO LOGIC
-            for micro in micro_batches(batch, minibatch, args.micro_batch_size, by_length=args.ess_scope != "micro-batch"):
+            for micro in micro_batches(
+                batch, minibatch, args.micro_batch_size, by_length=args.ess_scope != "micro-batch"
+            ):
                 mask = micro["response_mask"]
                 with autocast:
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the P3O loss of this micro-batch, on ρ = π_θ/μ (π_old only feeds the statistics)
                 if ess_from_forward:
-                    ess, fell_back = effective_sample_size(fsdp.all_reduce_dict(ratio_sums(logprobs, micro["sampler_logprobs"], mask), dist))
+                    ess, fell_back = effective_sample_size(
+                        fsdp.all_reduce_dict(ratio_sums(logprobs, micro["sampler_logprobs"], mask), dist)
+                    )
                     ess_fallbacks += fell_back
                 if args.loss == "p3o":
-                    token_losses, ratio, clip_active, kl_behavior = p3o_loss(logprobs, micro["sampler_logprobs"], micro["advantages"], mask, ess)
+                    token_losses, ratio, clip_active, kl_behavior = p3o_loss(
+                        logprobs, micro["sampler_logprobs"], micro["advantages"], mask, ess
+                    )
                 else:  # the GRPO baseline: e_B is only logged
                     token_losses, ratio, clip_active, kl_behavior = clipped_behavior_loss(
-                        logprobs, micro["sampler_logprobs"], micro["advantages"], mask, args.clip_eps)
+                        logprobs, micro["sampler_logprobs"], micro["advantages"], mask, args.clip_eps
+                    )
                 if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
                     kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
@@ -413,7 +449,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
                     k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
-                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)  # P3O: ρ > e_B (capped)
+                    metrics.mean(
+                        "losses/clip_fraction", (clip_active.float() * mask).sum(), tokens
+                    )  # P3O: ρ > e_B (capped)
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])
@@ -438,29 +476,45 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
             # the loss of all ranks and the global norm (before clipping): the same numbers on every rank
             metrics.mean("losses/policy_loss", minibatch_loss, 1)
             metrics.mean("losses/grad_norm", grad_norm, 1)
-    metrics.set("losses/ess_fallbacks", ess_fallbacks)  # ESS computations that fell back to e_B = 1 (the same on every rank)
+    metrics.set(
+        "losses/ess_fallbacks", ess_fallbacks
+    )  # ESS computations that fell back to e_B = 1 (the same on every rank)
     return skipped
 
 
 def check_args(args: Args) -> None:
-    problems = [f"--{name} must be {rule}" for name, bad, rule in [
-        ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
-        ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
-        ("max-new-tokens", args.max_new_tokens < MIN_NEW_TOKENS.get(args.task, 1),
-         f">= {MIN_NEW_TOKENS.get(args.task, 1)} for task {args.task} (its longest completion)"),
-        ("max-sampling-rounds", args.max_sampling_rounds < 1, ">= 1"),
-        ("overlong-buffer", not 0 <= args.overlong_buffer < args.max_new_tokens, "in [0, --max-new-tokens)"),
-        ("temperature", not args.temperature > 0, "> 0"),
-        ("num-minibatches", not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
-         "between 1 and the number of rollouts per step"),
-        ("update-epochs", args.update_epochs < 1, ">= 1"),
-        ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
-        ("lr", not args.lr > 0, "> 0"),
-        ("sampling-temperature", args.sampling_temperature is not None and not args.sampling_temperature > 0, "> 0"),
-        ("sync-every", args.sync_every < 1, ">= 1"),
-        ("clip-eps", not 0 <= args.clip_eps < 1, "in [0, 1)"),
-        ("kl-coef", args.kl_coef < 0, ">= 0"),
-    ] if bad]
+    problems = [
+        f"--{name} must be {rule}"
+        for name, bad, rule in [
+            ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
+            ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
+            (
+                "max-new-tokens",
+                args.max_new_tokens < MIN_NEW_TOKENS.get(args.task, 1),
+                f">= {MIN_NEW_TOKENS.get(args.task, 1)} for task {args.task} (its longest completion)",
+            ),
+            ("max-sampling-rounds", args.max_sampling_rounds < 1, ">= 1"),
+            ("overlong-buffer", not 0 <= args.overlong_buffer < args.max_new_tokens, "in [0, --max-new-tokens)"),
+            ("temperature", not args.temperature > 0, "> 0"),
+            (
+                "num-minibatches",
+                not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
+                "between 1 and the number of rollouts per step",
+            ),
+            ("update-epochs", args.update_epochs < 1, ">= 1"),
+            ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
+            ("lr", not args.lr > 0, "> 0"),
+            (
+                "sampling-temperature",
+                args.sampling_temperature is not None and not args.sampling_temperature > 0,
+                "> 0",
+            ),
+            ("sync-every", args.sync_every < 1, ">= 1"),
+            ("clip-eps", not 0 <= args.clip_eps < 1, "in [0, 1)"),
+            ("kl-coef", args.kl_coef < 0, ">= 0"),
+        ]
+        if bad
+    ]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if not 0 < args.gpu_memory_utilization < 1:
         problems.append("--gpu-memory-utilization must be in (0, 1)")
@@ -481,7 +535,13 @@ def main(args: Args) -> None:
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device = dist.device
-    compute_dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
+    compute_dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype != "auto"
+        else torch.bfloat16
+        if device.type == "cuda"
+        else torch.float32
+    )
     autocast = torch.autocast(device.type, compute_dtype, enabled=compute_dtype != torch.float32)
     scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)  # float16's dynamic loss scale
     run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
@@ -492,21 +552,34 @@ def main(args: Args) -> None:
         run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
     train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
     eval_task = args.eval_task or args.task
-    eval_rows = load_task(eval_task, "test", args.question_column, args.answer_column)  # bounded below, as training's prompts
+    eval_rows = load_task(
+        eval_task, "test", args.question_column, args.answer_column
+    )  # bounded below, as training's prompts
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     train_rows, prompts = encode_prompts(train_rows, tokenizer, args.task, args.chat_template, args.max_prompt_tokens)
-    eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, args.max_prompt_tokens)[0][: args.eval_prompts]
+    eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, args.max_prompt_tokens)[0][
+        : args.eval_prompts
+    ]
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
     # One rank: the hf engine can share the trainer's module; several: it keeps a full copy per rank.
     policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32)
     max_model_len = min(args.max_prompt_tokens + args.max_new_tokens, policy.config.max_position_embeddings)
-    engine = make_engine(args.rollout_engine, policy, tokenizer, dtype=args.engine_dtype, device=device,
-                         share_weights=dist.world_size == 1 and args.sync_every == 1, model_path=checkpoint or args.model,
-                         max_model_len=max_model_len, seed=args.seed + dist.rank,
-                         gpu_memory_utilization=args.gpu_memory_utilization, sleep_mode=args.vllm_sleep_mode,
-                         compute_dtype=compute_dtype)
+    engine = make_engine(
+        args.rollout_engine,
+        policy,
+        tokenizer,
+        dtype=args.engine_dtype,
+        device=device,
+        share_weights=dist.world_size == 1 and args.sync_every == 1,
+        model_path=checkpoint or args.model,
+        max_model_len=max_model_len,
+        seed=args.seed + dist.rank,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        sleep_mode=args.vllm_sleep_mode,
+        compute_dtype=compute_dtype,
+    )
     policy = fsdp.prepare_for_training(policy.to(device), args.gradient_checkpointing)  # train mode, no dropout
     policy = fsdp.shard(policy, dist, args.cpu_offload, compute_dtype)
     reference = None
@@ -520,18 +593,44 @@ def main(args: Args) -> None:
         state = load_checkpoint(checkpoint, policy, optimizer, dist)
         scheduler.load_state_dict(state["scheduler"])
         start_step, skipped_steps = state["step"], state["skipped_steps"]
-    tracker = Tracker(run_dir, asdict(args), enabled=dist.is_main, resume_step=start_step if checkpoint else None,
-                      track=args.track, project=args.wandb_project_name, entity=args.wandb_entity)
-    eval_kwargs = dict(task=eval_task, k=args.eval_k, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, use_chat_template=args.chat_template, dist=dist)
+    tracker = Tracker(
+        run_dir,
+        asdict(args),
+        enabled=dist.is_main,
+        resume_step=start_step if checkpoint else None,
+        track=args.track,
+        project=args.wandb_project_name,
+        entity=args.wandb_entity,
+    )
+    eval_kwargs = dict(
+        task=eval_task,
+        k=args.eval_k,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        use_chat_template=args.chat_template,
+        dist=dist,
+    )
     if args.eval_every and start_step == 0:
         tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
     # rollouts: each rank takes whole groups of G completions (group statistics are one process's), with the
     # sampler's log-probs μ, rewarded 1 for a correct answer, else 0, plus DAPO's overlong penalty (Eq. 13)
-    sampler = GroupSampler(engine, tokenizer, prompts, train_rows, dist, args.prompts_per_step, args.group_size,
-                           args.max_new_tokens, args.sampling_temperature or args.temperature, args.seed, task=args.task,
-                           overlong_buffer=args.overlong_buffer, mask_truncated=args.mask_truncated,
-                           dynamic=args.dynamic_sampling, max_rounds=args.max_sampling_rounds)
+    sampler = GroupSampler(
+        engine,
+        tokenizer,
+        prompts,
+        train_rows,
+        dist,
+        args.prompts_per_step,
+        args.group_size,
+        args.max_new_tokens,
+        args.sampling_temperature or args.temperature,
+        args.seed,
+        task=args.task,
+        overlong_buffer=args.overlong_buffer,
+        mask_truncated=args.mask_truncated,
+        dynamic=args.dynamic_sampling,
+        max_rounds=args.max_sampling_rounds,
+    )
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
@@ -540,15 +639,18 @@ def main(args: Args) -> None:
             groups = sampler.draw(step, metrics)
 
         # 2. advantages (a completion cut off with --mask-truncated counts in its group's, but does not train)
-        batch = make_batch(groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device,
-                           groups.trains)
+        batch = make_batch(
+            groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
+        )
         batch["advantages"] = compute_advantages(groups.rewards, args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
         # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
         with metrics.timer("time/train"):
             engine.sleep()
-            skipped_steps += update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics)
+            skipped_steps += update_policy(
+                policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics
+            )
 
         with metrics.timer("time/weight_sync"):  # 5. push the new weights to the engine (every rank gathers them)
             engine.wake_up(["weights"])
@@ -566,11 +668,16 @@ def main(args: Args) -> None:
                 metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in ("charts/reward", "eval/greedy_accuracy")
-                              if k in logged})
+        progress.set_postfix(
+            {k.split("/")[1]: f"{logged[k]:.3f}" for k in ("charts/reward", "eval/greedy_accuracy") if k in logged}
+        )
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
-            trainer_state = {"step": step + 1, "skipped_steps": skipped_steps, "args": asdict(args),
-                             "scheduler": scheduler.state_dict()}
+            trainer_state = {
+                "step": step + 1,
+                "skipped_steps": skipped_steps,
+                "args": asdict(args),
+                "scheduler": scheduler.state_dict(),
+            }
             save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist, args.keep_checkpoints)
 
     plot = tracker.close(plot_keys=PLOTTED + [f"eval/avg@{args.eval_k}"])

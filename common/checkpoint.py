@@ -70,7 +70,10 @@ def save_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, d
         torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
     del weights
     with _single_process_is_intended():
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(temporary, "optimizer"))
+        dcp.save(
+            {"optimizer": get_optimizer_state_dict(model, optimizer)},
+            checkpoint_id=os.path.join(temporary, "optimizer"),
+        )
     torch.save(rng_state(), os.path.join(temporary, f"rng_rank{dist.rank}.pt"))
     barrier(dist)
     if dist.is_main:

@@ -28,8 +28,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate(
-    engine, tokenizer, rows, task: str, k: int, max_new_tokens: int, temperature: float = 1.0,
-    use_chat_template: bool = True, dist=None,
+    engine,
+    tokenizer,
+    rows,
+    task: str,
+    k: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    use_chat_template: bool = True,
+    dist=None,
 ) -> dict[str, float]:
     """Greedy accuracy, avg@k (mean accuracy of k samples) and pass@k over `rows`. With `dist` (several
     ranks), each rank scores every world_size-th row and the means are combined over ranks."""
@@ -88,13 +95,11 @@ class EvalArgs:
     """sampling seed"""
 
 
-
 def main() -> None:
     import json
 
     import torch
     import tyro
-
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from common.reward import MIN_NEW_TOKENS, load_task
@@ -105,8 +110,10 @@ def main() -> None:
     if args.k < 1:
         raise ValueError("--k must be >= 1")
     if args.max_new_tokens < MIN_NEW_TOKENS.get(args.task, 1):
-        raise ValueError(f"--max-new-tokens must be >= {MIN_NEW_TOKENS.get(args.task, 1)} for task {args.task} "
-                         "(its longest completion)")
+        raise ValueError(
+            f"--max-new-tokens must be >= {MIN_NEW_TOKENS.get(args.task, 1)} for task {args.task} "
+            "(its longest completion)"
+        )
     torch.manual_seed(args.seed)
     rows = load_task(args.task, "test", args.question_column, args.answer_column)[: args.prompts]
     path = resolve_model(args.model, args.task)
@@ -116,17 +123,21 @@ def main() -> None:
     longest = max(len(encode_prompt(row.question, tokenizer, args.task, args.chat_template)) for row in rows)
     model_limit = AutoConfig.from_pretrained(path).max_position_embeddings
     if longest + args.max_new_tokens > model_limit:
-        raise ValueError(f"the longest prompt ({longest} tokens) + --max-new-tokens {args.max_new_tokens} exceeds "
-                         f"{args.model}'s context of {model_limit} tokens: lower --max-new-tokens")
+        raise ValueError(
+            f"the longest prompt ({longest} tokens) + --max-new-tokens {args.max_new_tokens} exceeds "
+            f"{args.model}'s context of {model_limit} tokens: lower --max-new-tokens"
+        )
     kind = engine_kind(args.engine)
     model = None
     if kind == "hf":  # vLLM loads its own weights: no second copy on the GPU
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.to("cuda" if torch.cuda.is_available() else "cpu")
-    engine = make_engine(kind, model, tokenizer, model_path=path, seed=args.seed,
-                         max_model_len=longest + args.max_new_tokens)
-    metrics = evaluate(engine, tokenizer, rows, args.task, args.k, args.max_new_tokens, args.temperature,
-                       args.chat_template)
+    engine = make_engine(
+        kind, model, tokenizer, model_path=path, seed=args.seed, max_model_len=longest + args.max_new_tokens
+    )
+    metrics = evaluate(
+        engine, tokenizer, rows, args.task, args.k, args.max_new_tokens, args.temperature, args.chat_template
+    )
     engine.close()
     print(json.dumps({"model": args.model, "task": args.task, "prompts": len(rows), **metrics}, indent=2))
 

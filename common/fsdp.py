@@ -65,9 +65,11 @@ def check_no_gpu_is_left_unused() -> None:
     if gpus:
         raise RuntimeError(
             f"nvidia-smi lists {len(gpus)} GPU(s) ({gpus[0].split(' (')[0]}), but torch {torch.__version__} cannot use "
-            f"them (torch.cuda.is_available() is False; this torch is built for CUDA {torch.version.cuda or 'none: a CPU build'}). "
+            "them (torch.cuda.is_available() is False; this torch is built for CUDA "
+            f"{torch.version.cuda or 'none: a CPU build'}). "
             "Install a torch build that this driver supports (nvidia-smi shows the driver's CUDA version; "
-            "https://pytorch.org/get-started/locally), or set CUDA_VISIBLE_DEVICES= to train on the CPU on purpose.")
+            "https://pytorch.org/get-started/locally), or set CUDA_VISIBLE_DEVICES= to train on the CPU on purpose."
+        )
 
 
 def prepare_for_training(model, gradient_checkpointing: bool = False):

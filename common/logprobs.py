@@ -30,16 +30,24 @@ CHUNK_BYTES = 128 * 2**20  # float32 logits of one chunk (a few such tensors liv
 
 
 @contextlib.contextmanager
-def output_layer_scores(model, targets: torch.Tensor, temperature: float, with_entropy: bool = False,
-                        chunk_bytes: int | None = None):
+def output_layer_scores(
+    model, targets: torch.Tensor, temperature: float, with_entropy: bool = False, chunk_bytes: int | None = None
+):
     """Within the context, the model's output layer returns [B, T, 2] (log-prob of targets[b, t] at
     `temperature`, and the full-vocabulary entropy without gradient, 0 unless `with_entropy`) for the
     hidden states [B, T, H] that reach it: call the model with logits_to_keep = targets.shape[1]."""
     head = model.get_output_embeddings()
 
     def scores(hidden):
-        return chunked_scores(hidden, head.weight, getattr(head, "bias", None), targets, temperature, with_entropy,
-                              chunk_bytes or CHUNK_BYTES)
+        return chunked_scores(
+            hidden,
+            head.weight,
+            getattr(head, "bias", None),
+            targets,
+            temperature,
+            with_entropy,
+            chunk_bytes or CHUNK_BYTES,
+        )
 
     head.forward = scores  # an instance attribute: nn.Module.__call__ finds it before the class's forward
     try:
@@ -60,8 +68,14 @@ def chunked_scores(hidden, weight, bias, targets, temperature, with_entropy, chu
         return _scores(flat_hidden, weight, bias, flat_targets, temperature, with_entropy).view(rows, width, 2)
     pieces = []
     for start in range(0, len(flat_targets), per_chunk):
-        piece = (flat_hidden[start : start + per_chunk], weight, bias, flat_targets[start : start + per_chunk],
-                 temperature, with_entropy)
+        piece = (
+            flat_hidden[start : start + per_chunk],
+            weight,
+            bias,
+            flat_targets[start : start + per_chunk],
+            temperature,
+            with_entropy,
+        )
         if torch.is_grad_enabled():  # keep no logits for the backward: recompute this chunk there
             pieces.append(checkpoint(_scores, *piece, use_reentrant=False))
         else:

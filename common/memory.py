@@ -107,7 +107,25 @@ def parameter_counts(config) -> dict[str, int]:
     return {"total": total, "layer": per_layer, "root": total - per_layer * len(layers), "layers": len(layers)}
 
 
-def activation_bytes_per_token(config, compute_dtype: torch.dtype, residual_dtype: torch.dtype, lengths=(128, 256)) -> float:
+def saved_activation_bytes(model, length: int, compute_dtype: torch.dtype, residual_dtype: torch.dtype) -> int:
+    """Bytes of the tensors autograd saves in one training forward of `length` random tokens, weights excluded."""
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", compute_dtype, enabled=compute_dtype != residual_dtype):
+            model(input_ids=torch.randint(0, 64, (1, length)), use_cache=False)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for p, n in storages.items() if p and p not in parameters)
+
+
+def activation_bytes_per_token(
+    config, compute_dtype: torch.dtype, residual_dtype: torch.dtype, lengths=(128, 256)
+) -> float:
     """Bytes autograd keeps per token per decoder layer in a training forward, measured on the CPU at the model's
     width: the saved tensors of 2 layers minus those of 1 layer, at two lengths, over the extra tokens (weights and
     their casts, which do not grow with the length, cancel). `compute_dtype`: autocast's; `residual_dtype`: the
@@ -123,19 +141,7 @@ def activation_bytes_per_token(config, compute_dtype: torch.dtype, residual_dtyp
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(small, dtype=residual_dtype).train()
         for length in lengths:
-            ids = torch.randint(0, 64, (1, length))
-            storages = {}
-
-            def pack(tensor):
-                storage = tensor.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-                return tensor
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                with torch.autocast("cpu", compute_dtype, enabled=compute_dtype != residual_dtype):
-                    model(input_ids=ids, use_cache=False)
-            parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-            saved[layers, length] = sum(n for p, n in storages.items() if p and p not in parameters)
+            saved[layers, length] = saved_activation_bytes(model, length, compute_dtype, residual_dtype)
         del model
     (short, long) = lengths
     return ((saved[2, long] - saved[1, long]) - (saved[2, short] - saved[1, short])) / (long - short)
@@ -147,8 +153,12 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
     config = config or load_config(plan.model)
     counts = parameter_counts(config)
     gpu = plan.device == "cuda"
-    compute = {"auto": torch.bfloat16 if gpu else torch.float32, "float32": torch.float32,
-               "bfloat16": torch.bfloat16, "float16": torch.float16}[plan.dtype]
+    compute = {
+        "auto": torch.bfloat16 if gpu else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[plan.dtype]
     sharded = plan.gpus > 1
     mixed = sharded and compute == torch.bfloat16  # fsdp.shard's MixedPrecisionPolicy: bf16 weights in the forward
     residual = compute if mixed else torch.float32
@@ -192,7 +202,9 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
         if sharded:  # its own full copy on every rank
             engine_training = engine_dtype * counts["total"]
         sequences = min(HF_MAX_BATCH, plan.prompts_per_step // plan.gpus * plan.group_size)
-        kv_width = 2 * layers * config.num_key_value_heads * getattr(config, "head_dim", hidden // config.num_attention_heads)
+        kv_width = (
+            2 * layers * config.num_key_value_heads * getattr(config, "head_dim", hidden // config.num_attention_heads)
+        )
         context = plan.max_prompt_tokens + plan.max_new_tokens
         generation["hf engine KV cache"] = sequences * context * kv_width * engine_dtype
         generation["hf engine logits"] = 3 * 4 * sequences * vocab
@@ -207,9 +219,15 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
     resident = 12 * on_device + fixed + (engine_training if plan.rollout_engine != "vllm" or not gpu else 0.0)
     rollout = resident + sum(generation.values())
     phases = {"update": update, "optimizer step": step, "generation": rollout}
-    return {"parts": parts, "generation": generation, "phases": phases, "peak_bytes": max(phases.values()),
-            "phase": max(phases, key=phases.get), "parameters": counts["total"],
-            "activation_bytes_per_token_per_layer": per_token}
+    return {
+        "parts": parts,
+        "generation": generation,
+        "phases": phases,
+        "peak_bytes": max(phases.values()),
+        "phase": max(phases, key=phases.get),
+        "parameters": counts["total"],
+        "activation_bytes_per_token_per_layer": per_token,
+    }
 
 
 def full_logits_bytes(micro_batch_size: int, max_new_tokens: int, vocab: int) -> int:
@@ -231,7 +249,8 @@ def advice(plan: Plan, result: dict) -> list[str]:
     """Flags that would lower the peak, most effective first, for the phase that sets it."""
     tips, parts, phase = [], result["parts"], result["phase"]
     more_ranks = "more GPUs with torchrun (FSDP2 splits the 16 bytes per parameter)" + (
-        ", or --cpu-offload" if plan.gpus > 1 and not plan.cpu_offload else "")
+        ", or --cpu-offload" if plan.gpus > 1 and not plan.cpu_offload else ""
+    )
     vllm_awake = plan.rollout_engine == "vllm" and not plan.vllm_sleep_mode and plan.device == "cuda"
     if phase == "update" and not plan.gradient_checkpointing and parts["activations"] > 0.1 * result["peak_bytes"]:
         tips.append("--gradient-checkpointing (activations: each layer's input only)")
@@ -253,9 +272,11 @@ def report(plan: Plan, result: dict) -> str:
     budget = plan.gpu_gib * GiB if plan.device == "cuda" else None
     count = result["parameters"]
     count = f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.1f} M"
-    lines = [f"{plan.model}: {count} parameters, {plan.gpus} rank(s); activations "
-             f"{result['activation_bytes_per_token_per_layer'] / 1024:.0f} KiB per token per layer"]
-    row = lambda name, value: f"  {name:<46} {value / scale:8.2f} {unit}"  # noqa: E731
+    lines = [
+        f"{plan.model}: {count} parameters, {plan.gpus} rank(s); activations "
+        f"{result['activation_bytes_per_token_per_layer'] / 1024:.0f} KiB per token per layer"
+    ]
+    row = lambda name, value: f"  {name:<46} {value / scale:8.2f} {unit}"
     lines += [row(name, value) for name, value in result["parts"].items()]
     lines.append(row("= the update (forward and backward)", result["phases"]["update"]))
     lines.append(row("= the optimizer step (state + AdamW's temporaries)", result["phases"]["optimizer step"]))

@@ -63,34 +63,52 @@ _DAPO_FOOTER = '\n\nRemember to put your answer on its own line after "Answer:".
 
 HUB_TASKS: dict[str, HubTask] = {
     "gsm8k": HubTask(
-        "openai/gsm8k", "main", {"train": "train", "test": "test"},
+        "openai/gsm8k",
+        "main",
+        {"train": "train", "test": "test"},
         question=lambda r: r["question"],
         answer=lambda r: r["answer"].split("####")[-1].strip().replace(",", ""),
         columns=("question", "answer"),
     ),
     "math": HubTask(  # Hendrycks MATH (the original hendrycks/competition_math was taken down)
-        "DigitalLearningGmbH/MATH-lighteval", "default", {"train": "train", "test": "test"},
+        "DigitalLearningGmbH/MATH-lighteval",
+        "default",
+        {"train": "train", "test": "test"},
         question=lambda r: r["problem"],
         answer=lambda r: _last_boxed_or_raise(r["solution"]),
         columns=("problem", "solution"),
     ),
     "math500": HubTask(
-        "HuggingFaceH4/MATH-500", None, {"test": "test"},
-        question=lambda r: r["problem"], answer=lambda r: r["answer"], columns=("problem", "answer"),
+        "HuggingFaceH4/MATH-500",
+        None,
+        {"test": "test"},
+        question=lambda r: r["problem"],
+        answer=lambda r: r["answer"],
+        columns=("problem", "answer"),
     ),
     "dapo_math": HubTask(  # the prompt is a chat list whose text carries DAPO's own instruction
-        "BytedTsinghua-SIA/DAPO-Math-17k", None, {"train": "train"},
+        "BytedTsinghua-SIA/DAPO-Math-17k",
+        None,
+        {"train": "train"},
         question=lambda r: r["prompt"][0]["content"].removeprefix(_DAPO_HEADER).removesuffix(_DAPO_FOOTER),
         answer=lambda r: r["reward_model"]["ground_truth"],
         columns=("prompt", "reward_model"),
     ),
     "aime24": HubTask(
-        "HuggingFaceH4/aime_2024", None, {"test": "train"},
-        question=lambda r: r["problem"], answer=lambda r: str(r["answer"]), columns=("problem", "answer"),
+        "HuggingFaceH4/aime_2024",
+        None,
+        {"test": "train"},
+        question=lambda r: r["problem"],
+        answer=lambda r: str(r["answer"]),
+        columns=("problem", "answer"),
     ),
     "aime25": HubTask(
-        "math-ai/aime25", None, {"test": "test"},
-        question=lambda r: r["problem"], answer=lambda r: str(r["answer"]), columns=("problem", "answer"),
+        "math-ai/aime25",
+        None,
+        {"test": "test"},
+        question=lambda r: r["problem"],
+        answer=lambda r: str(r["answer"]),
+        columns=("problem", "answer"),
     ),
 }
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -194,9 +212,7 @@ def _load_local_file(path: str, question_column: str, answer_column: str) -> lis
     except Exception as error:
         raise ValueError(f"could not read task file {path} as {builder}: {error}") from error
     _require_columns(data.column_names, (question_column, answer_column), f"task file {path}")
-    return _rows_from_records(
-        data, lambda r: r[question_column], lambda r: r[answer_column], f"task file {path}"
-    )
+    return _rows_from_records(data, lambda r: r[question_column], lambda r: r[answer_column], f"task file {path}")
 
 
 def _require_columns(present, needed, where):

@@ -71,8 +71,15 @@ def round_weight(weight: torch.Tensor, kind: str, per_channel: bool = True) -> t
 class HFEngine:
     """Sampling with transformers' `generate` (the fallback when vLLM is absent; the CPU default)."""
 
-    def __init__(self, model, tokenizer, dtype: torch.dtype | None = None, max_batch_size: int = 1024,
-                 share_weights: bool = True, quantize: str | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        dtype: torch.dtype | None = None,
+        max_batch_size: int = 1024,
+        share_weights: bool = True,
+        quantize: str | None = None,
+    ):
         same_dtype = dtype is None or dtype == next(model.parameters()).dtype
         if share_weights and same_dtype and quantize is None:
             self.model, self.shares_trainer_weights = model, True
@@ -82,8 +89,10 @@ class HFEngine:
         # quantize: every Linear weight but the output layer's (which is also the embedding when tied), as
         # weight-quantized inference engines do; rounded again after each weight push
         output = self.model.get_output_embeddings()
-        self.quantize, self.quantized = quantize, [
-            m.weight for m in self.model.modules() if quantize and isinstance(m, torch.nn.Linear) and m is not output]
+        self.quantize, self.quantized = (
+            quantize,
+            [m.weight for m in self.model.modules() if quantize and isinstance(m, torch.nn.Linear) and m is not output],
+        )
         self._round_weights()
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = sorted(set(_eos_ids(model, tokenizer)) | set(end_of_turn_ids(tokenizer)))
@@ -91,7 +100,12 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0,
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
         ignore_eos: bool = False,
     ) -> list[Completion]:
         """`ignore_eos`: always generate max_new_tokens tokens (for benchmarks)."""
@@ -108,7 +122,8 @@ class HFEngine:
         was_training, model_config = self.model.training, self.model.generation_config
         self.model.eval()
         self.model.generation_config = GenerationConfig(
-            bos_token_id=model_config.bos_token_id, eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
+            bos_token_id=model_config.bos_token_id, eos_token_id=self.eos_ids, pad_token_id=self.pad_id
+        )
         try:
             for start in range(0, len(prompt_ids), prompts_per_chunk):
                 chunk = prompt_ids[start : start + prompts_per_chunk]
@@ -197,11 +212,12 @@ def end_of_turn_ids(tokenizer) -> list[int]:
         return []
     marker = "END-OF-ANSWER-MARKER"
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "question"},
-                                              {"role": "assistant", "content": marker}], tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "question"}, {"role": "assistant", "content": marker}], tokenize=False
+        )
     except Exception:  # a template that cannot render an assistant turn: nothing to add
         return []
-    after = tokenizer(text[text.rindex(marker) + len(marker):], add_special_tokens=False)["input_ids"]
+    after = tokenizer(text[text.rindex(marker) + len(marker) :], add_special_tokens=False)["input_ids"]
     return after[:1] if after and after[0] in tokenizer.all_special_ids else []
 
 
@@ -220,8 +236,16 @@ class VLLMEngine:
     Face names; on CPU it is the only in-place update that works, because the CPU backend repacks
     Linear weights), followed by a prefix-cache reset so no KV computed with old weights is reused."""
 
-    def __init__(self, model_path: str, dtype: str, max_model_len: int | None, seed: int,
-                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False, stop_token_ids: list[int] = ()):
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str,
+        max_model_len: int | None,
+        seed: int,
+        gpu_memory_utilization: float = 0.3,
+        sleep_mode: bool = False,
+        stop_token_ids: list[int] = (),
+    ):
         import os
 
         # in-process engine, always: with multiprocessing the weight push's generator cannot reach the worker
@@ -240,8 +264,9 @@ class VLLMEngine:
         self.sampling_params = SamplingParams
         # max_model_len: always bounded (None = the model's own limit), so the KV cache is not sized for
         # a context the run never uses
-        options = dict(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                       logprobs_mode="processed_logprobs")
+        options = dict(
+            model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs"
+        )
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size > 1:
             # under torchrun: an independent engine per rank (TRL's colocate mode, verl), each on its own
@@ -261,15 +286,30 @@ class VLLMEngine:
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 
     def generate(
-        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0,
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
         ignore_eos: bool = False,
     ) -> list[Completion]:
         too_long = [len(p) for p in prompt_ids if len(p) + max_new_tokens > self.max_model_len]
         if too_long:
-            raise ValueError(f"a prompt of {max(too_long)} tokens + {max_new_tokens} new tokens exceeds the "
-                             f"engine's max_model_len {self.max_model_len}")
-        params = self.sampling_params(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
-                                      logprobs=0, ignore_eos=ignore_eos, stop_token_ids=self.stop_token_ids)
+            raise ValueError(
+                f"a prompt of {max(too_long)} tokens + {max_new_tokens} new tokens exceeds the "
+                f"engine's max_model_len {self.max_model_len}"
+            )
+        params = self.sampling_params(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=0,
+            max_tokens=max_new_tokens,
+            logprobs=0,
+            ignore_eos=ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+        )
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
         completions = []
         for output in outputs:  # in the order of the prompts
@@ -312,7 +352,7 @@ def vllm_available() -> bool:
 
 
 def engine_kind(kind: str) -> str:
-    """"hf" or "vllm" for --rollout-engine `kind`: "auto" is vLLM when it is installed and a GPU is present."""
+    """ "hf" or "vllm" for --rollout-engine `kind`: "auto" is vLLM when it is installed and a GPU is present."""
     if kind not in ("auto", "hf", "vllm"):
         raise ValueError(f"unknown rollout engine {kind!r}: use 'auto', 'hf' or 'vllm'")
     if kind == "auto":
@@ -331,10 +371,20 @@ def vllm_dtype(dtype: str, compute_dtype: torch.dtype | None, on_gpu: bool) -> s
     return str(compute_dtype or torch.bfloat16).removeprefix("torch.")
 
 
-def make_engine(kind: str, model, tokenizer, dtype: str = "auto", share_weights: bool = True,
-                model_path: str | None = None, max_model_len: int | None = None, seed: int = 0,
-                gpu_memory_utilization: float = 0.3, sleep_mode: bool = False, device=None,
-                compute_dtype: torch.dtype | None = None):
+def make_engine(
+    kind: str,
+    model,
+    tokenizer,
+    dtype: str = "auto",
+    share_weights: bool = True,
+    model_path: str | None = None,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    gpu_memory_utilization: float = 0.3,
+    sleep_mode: bool = False,
+    device=None,
+    compute_dtype: torch.dtype | None = None,
+):
     """`kind`: "hf", "vllm", or "auto" (vLLM when it is installed and a GPU is present, else hf).
     `dtype`: "auto" (hf: the trainer's weights; vllm: see vllm_dtype), or "float32" /
     "bfloat16" / "float16" (hf then keeps its own copy in that dtype), or (hf only) "fp8" / "int8": a copy
@@ -348,10 +398,22 @@ def make_engine(kind: str, model, tokenizer, dtype: str = "auto", share_weights:
         raise ValueError(f"engine dtype {dtype}: rounded weights are the transformers engine's (--rollout-engine hf)")
     if engine_kind(kind) == "vllm":
         dtype = vllm_dtype(dtype, compute_dtype, on_gpu=torch.cuda.is_available())
-        return VLLMEngine(model_path or model.name_or_path, dtype, max_model_len, seed, gpu_memory_utilization, sleep_mode,
-                          stop_token_ids=end_of_turn_ids(tokenizer))
-    engine = HFEngine(model, tokenizer, dtype=None if dtype in ("auto", *QUANTIZED_DTYPES) else getattr(torch, dtype),
-                      share_weights=share_weights, quantize=dtype if dtype in QUANTIZED_DTYPES else None)
+        return VLLMEngine(
+            model_path or model.name_or_path,
+            dtype,
+            max_model_len,
+            seed,
+            gpu_memory_utilization,
+            sleep_mode,
+            stop_token_ids=end_of_turn_ids(tokenizer),
+        )
+    engine = HFEngine(
+        model,
+        tokenizer,
+        dtype=None if dtype in ("auto", *QUANTIZED_DTYPES) else getattr(torch, dtype),
+        share_weights=share_weights,
+        quantize=dtype if dtype in QUANTIZED_DTYPES else None,
+    )
     if device is not None:
         engine.model.to(device)
     return engine

@@ -37,6 +37,7 @@ from common.reward import overlong_penalty, sample_batch
 @dataclass
 class Groups:
     """This rank's groups: prompt i owns completions[i*G : (i+1)*G] and row i of `rewards`."""
+
     prompt_ids: list[list[int]]
     rows: list  # the task rows (question, gold answer)
     completions: list  # rollout.Completion
@@ -57,9 +58,25 @@ class GroupSampler:
     checked (`common.reward.score`); `overlong_buffer`: DAPO's L_cache (0: no length penalty);
     `mask_truncated`: completions cut off by the length limit do not train (DAPO's overlong filtering)."""
 
-    def __init__(self, engine, tokenizer, prompts, rows, dist, prompts_per_step: int, group_size: int,
-                 max_new_tokens: int, temperature: float, seed: int, *, task: str, overlong_buffer: int = 0,
-                 mask_truncated: bool = False, dynamic: bool = False, max_rounds: int = 8):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        prompts,
+        rows,
+        dist,
+        prompts_per_step: int,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        *,
+        task: str,
+        overlong_buffer: int = 0,
+        mask_truncated: bool = False,
+        dynamic: bool = False,
+        max_rounds: int = 8,
+    ):
         self.engine, self.tokenizer, self.prompts, self.rows, self.dist = engine, tokenizer, prompts, rows, dist
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
@@ -74,8 +91,10 @@ class GroupSampler:
         if indices:  # a rank that is already full asks for nothing in a round
             completions = self.engine.generate(prompt_ids, self.group_size, self.max_new_tokens, self.temperature)
         scores = score_completions(completions, rows, self.group_size, self.tokenizer, self.task)
-        rewards = [s.reward + overlong_penalty(len(c.token_ids), self.max_new_tokens, self.overlong_buffer)
-                   for s, c in zip(scores, completions)]
+        rewards = [
+            s.reward + overlong_penalty(len(c.token_ids), self.max_new_tokens, self.overlong_buffer)
+            for s, c in zip(scores, completions)
+        ]
         rewards = torch.tensor(rewards, dtype=torch.float32).view(-1, self.group_size)
         trains = [not (self.mask_truncated and c.finish_reason == "length") for c in completions]
         return Groups(prompt_ids, rows, completions, scores, rewards, trains)
@@ -114,13 +133,26 @@ class GroupSampler:
 def _split(groups: Groups) -> list[Groups]:
     """One Groups per prompt."""
     G = groups.rewards.shape[1]
-    return [Groups([groups.prompt_ids[i]], [groups.rows[i]], groups.completions[i * G : (i + 1) * G],
-                   groups.scores[i * G : (i + 1) * G], groups.rewards[i : i + 1], groups.trains[i * G : (i + 1) * G])
-            for i in range(len(groups.rows))]
+    return [
+        Groups(
+            [groups.prompt_ids[i]],
+            [groups.rows[i]],
+            groups.completions[i * G : (i + 1) * G],
+            groups.scores[i * G : (i + 1) * G],
+            groups.rewards[i : i + 1],
+            groups.trains[i * G : (i + 1) * G],
+        )
+        for i in range(len(groups.rows))
+    ]
 
 
 def _join(parts: list[Groups], device) -> Groups:
     """The groups of `parts` in order, as one Groups whose rewards are on `device`."""
-    return Groups([p for g in parts for p in g.prompt_ids], [r for g in parts for r in g.rows],
-                  [c for g in parts for c in g.completions], [s for g in parts for s in g.scores],
-                  torch.cat([g.rewards for g in parts]).to(device), [t for g in parts for t in g.trains])
+    return Groups(
+        [p for g in parts for p in g.prompt_ids],
+        [r for g in parts for r in g.rows],
+        [c for g in parts for c in g.completions],
+        [s for g in parts for s in g.scores],
+        torch.cat([g.rewards for g in parts]).to(device),
+        [t for g in parts for t in g.trains],
+    )

@@ -77,7 +77,10 @@ def tiny_model_dir(task: str = "arith") -> str:
     return path
 
 
-MODEL_CHOICES = "`tiny` (the built-in model), a Hugging Face model id such as Qwen/Qwen2.5-Math-1.5B, or a local folder holding a model (config.json, weights, tokenizer)"
+MODEL_CHOICES = (
+    "`tiny` (the built-in model), a Hugging Face model id such as Qwen/Qwen2.5-Math-1.5B, "
+    "or a local folder holding a model (config.json, weights, tokenizer)"
+)
 
 
 def resolve_model(name: str, task: str = "arith") -> str:
@@ -90,8 +93,9 @@ def resolve_model(name: str, task: str = "arith") -> str:
         return tiny_model_dir(task if task in WARM_STARTS else "arith")
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
-            raise FileNotFoundError(f"--model {name}: this folder holds no model (no config.json); "
-                                    f"--model takes {MODEL_CHOICES}")
+            raise FileNotFoundError(
+                f"--model {name}: this folder holds no model (no config.json); --model takes {MODEL_CHOICES}"
+            )
     elif name.startswith((".", "/", "~")) or os.path.exists(name):
         raise FileNotFoundError(f"--model {name}: no such model folder; --model takes {MODEL_CHOICES}")
     return name
@@ -125,8 +129,12 @@ def make_tokenizer():
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-        unk_token="<unk>", padding_side="left",
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
     )
 
 
@@ -134,9 +142,16 @@ def make_model(tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config)
@@ -151,9 +166,17 @@ def sampled_accuracy(model, tokenizer, rows, task: str = "arith", max_new_tokens
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     was_training = model.training
     model.eval()
-    sequences = model.generate(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(),
-                               do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                               pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id])
+    sequences = model.generate(
+        input_ids=input_ids,
+        attention_mask=(input_ids != tokenizer.pad_token_id).long(),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=[tokenizer.eos_token_id],
+    )
     model.train(was_training)
     texts = tokenizer.batch_decode(sequences[:, width:], skip_special_tokens=True)
     return sum(score(text, row.answer, task).correct for text, row in zip(texts, rows)) / len(rows)
@@ -185,12 +208,18 @@ def build(path: str, task: str = "arith", seed: int = 0, batch_size: int = 64) -
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     generator = torch.Generator().manual_seed(seed)
     accuracy = 0.0
-    progress = tqdm(range(1, spec.max_steps + 1), desc=f"building the tiny {task} model (warm start)",
-                    file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 15)  # a log gets a line every 15 s
+    progress = tqdm(
+        range(1, spec.max_steps + 1),
+        desc=f"building the tiny {task} model (warm start)",
+        file=sys.stderr,
+        mininterval=0.5 if sys.stderr.isatty() else 15,
+    )  # a log gets a line every 15 s
     for step in progress:
         batch = [train[i] for i in torch.randint(len(train), (batch_size,), generator=generator).tolist()]
         input_ids, labels = _supervised_batch(batch, tokenizer, task)
-        loss = model(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(), labels=labels).loss
+        loss = model(
+            input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(), labels=labels
+        ).loss
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -204,10 +233,15 @@ def build(path: str, task: str = "arith", seed: int = 0, batch_size: int = 64) -
     progress.close()
     test_accuracy = sampled_accuracy(model, tokenizer, load_task(task, "test")[:256], task, spec.max_new_tokens)
     info = {
-        "version": spec.version, "task": task, "seed": seed, "warm_start_steps": step,
-        "train_sampled_accuracy": accuracy, "test_sampled_accuracy": test_accuracy,
+        "version": spec.version,
+        "task": task,
+        "seed": seed,
+        "warm_start_steps": step,
+        "train_sampled_accuracy": accuracy,
+        "test_sampled_accuracy": test_accuracy,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "build_seconds": round(time.time() - started, 1), "torch": torch.__version__,
+        "build_seconds": round(time.time() - started, 1),
+        "torch": torch.__version__,
     }
     temporary = f"{path}.tmp{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)

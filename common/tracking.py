@@ -106,8 +106,16 @@ def _keep_nan(pick, a: float, b: float) -> float:
 class Tracker:
     """Writes a run's metrics (rank 0: enabled=True); the run is named after its folder."""
 
-    def __init__(self, run_dir, config, track=False, project="clean-llm-rl", entity=None, enabled=True,
-                 resume_step: int | None = None):
+    def __init__(
+        self,
+        run_dir,
+        config,
+        track=False,
+        project="clean-llm-rl",
+        entity=None,
+        enabled=True,
+        resume_step: int | None = None,
+    ):
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.run_dir = run_dir
@@ -125,8 +133,16 @@ class Tracker:
             import wandb
 
             run_name = os.path.basename(os.path.normpath(run_dir))
-            self.wandb = wandb.init(project=project, entity=entity, name=run_name, config=config,
-                                    dir=run_dir, save_code=True, resume="allow", id=run_name.replace("/", "_"))
+            self.wandb = wandb.init(
+                project=project,
+                entity=entity,
+                name=run_name,
+                config=config,
+                dir=run_dir,
+                save_code=True,
+                resume="allow",
+                id=run_name.replace("/", "_"),
+            )
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
@@ -178,7 +194,7 @@ def plot_curves(metrics_path: str, png_path: str, keys: list[str]) -> str | None
         axis.set_title(key, fontsize=10)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
-    for axis in list(axes.flat)[len(series):]:
+    for axis in list(axes.flat)[len(series) :]:
         axis.axis("off")
     figure.tight_layout()
     figure.savefig(png_path, dpi=100)

@@ -4,7 +4,6 @@ What tests import (the script runners, shared rollouts, assertions) is in helper
 import os
 
 import pytest
-
 from helpers import OFFLINE
 
 os.environ.update(OFFLINE)  # tests never download weights or data

@@ -14,13 +14,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
+from helpers import compute_dtype, precision
 
-from algorithms import grpo  # noqa: E402
-from common import fsdp  # noqa: E402
-from common.rollout import Completion  # noqa: E402
-from common.tiny import load, tiny_model_dir  # noqa: E402
-from helpers import compute_dtype, precision  # noqa: E402
+from algorithms import grpo
+from common import fsdp
+from common.rollout import Completion
+from common.tiny import load, tiny_model_dir
 
 
 def main(out_path, dtype):
@@ -29,8 +29,13 @@ def main(out_path, dtype):
     layer_weight_bytes = sum(p.numel() * compute_dtype(dtype).itemsize for p in model.model.layers.parameters())
     policy = fsdp.shard(fsdp.prepare_for_training(model), dist, compute_dtype=compute_dtype(dtype))
     prompt = tokenizer("Q: 1+2=")["input_ids"]
-    batch = grpo.make_batch([prompt], [Completion(tokenizer("3", add_special_tokens=False)["input_ids"], [-1.0], "stop")],
-                            1, tokenizer.pad_token_id, dist.device)
+    batch = grpo.make_batch(
+        [prompt],
+        [Completion(tokenizer("3", add_special_tokens=False)["input_ids"], [-1.0], "stop")],
+        1,
+        tokenizer.pad_token_id,
+        dist.device,
+    )
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), precision(dtype)[0]:
         logprobs, _ = grpo.token_logprobs(policy, batch, temperature=1.0)

@@ -15,11 +15,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import fsdp  # noqa: E402
-from common.reward import Row  # noqa: E402
-from common.rollout import Completion  # noqa: E402
-from common.sampling import GroupSampler  # noqa: E402
-from common.tracking import StepMetrics  # noqa: E402
+from common import fsdp
+from common.reward import Row
+from common.rollout import Completion
+from common.sampling import GroupSampler
+from common.tracking import StepMetrics
 
 
 class DigitTokenizer:
@@ -45,16 +45,29 @@ class ScriptedEngine:
             for j in range(n):
                 token = 1 if j == 0 and self.informative(call, prompt) else 2
                 length = min(self.length(call, prompt, j), max_new_tokens)
-                completions.append(Completion([token] * length, [-1.0] * length,
-                                              "length" if length == max_new_tokens else "stop"))
+                completions.append(
+                    Completion([token] * length, [-1.0] * length, "length" if length == max_new_tokens else "stop")
+                )
         return completions
 
 
 def scripted_sampler(engine, dist, num_rows=100, prompts_per_step=8, group_size=4, **options):
     """A GroupSampler over `num_rows` prompts [i] whose gold answer is "7"."""
     rows = [Row(f"question {i}", "7") for i in range(num_rows)]
-    return GroupSampler(engine, DigitTokenizer(), [[i] for i in range(num_rows)], rows, dist, prompts_per_step,
-                        group_size, max_new_tokens=8, temperature=1.0, seed=3, task="arith", **options)
+    return GroupSampler(
+        engine,
+        DigitTokenizer(),
+        [[i] for i in range(num_rows)],
+        rows,
+        dist,
+        prompts_per_step,
+        group_size,
+        max_new_tokens=8,
+        temperature=1.0,
+        seed=3,
+        task="arith",
+        **options,
+    )
 
 
 def main(out_prefix):
@@ -65,8 +78,16 @@ def main(out_prefix):
     groups = sampler.draw(5, metrics)
     logged = metrics.reduce(dist)
     with open(f"{out_prefix}.rank{dist.rank}.json", "w") as f:
-        json.dump({"calls": engine.calls, "groups": len(groups.rows), "informative": int((groups.rewards.std(1) > 0).sum()),
-                   "rounds": metrics.values["sampling/rounds"], "logged": logged}, f)
+        json.dump(
+            {
+                "calls": engine.calls,
+                "groups": len(groups.rows),
+                "informative": int((groups.rewards.std(1) > 0).sum()),
+                "rounds": metrics.values["sampling/rounds"],
+                "logged": logged,
+            },
+            f,
+        )
     fsdp.cleanup(dist)
 
 

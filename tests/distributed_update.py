@@ -18,17 +18,25 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
+from helpers import compute_dtype, precision
 
-from common import fsdp, logprobs  # noqa: E402
-from common.rollout import Completion  # noqa: E402
-from common.tiny import load, tiny_model_dir  # noqa: E402
-from common.tracking import StepMetrics  # noqa: E402
-from helpers import compute_dtype, precision  # noqa: E402
+from common import fsdp, logprobs
+from common.rollout import Completion
+from common.tiny import load, tiny_model_dir
+from common.tracking import StepMetrics
 
 QUESTIONS = ["Q: 1+2=", "Q: 45+51=", "Q: 9+9=", "Q: 70+30="]
 RESPONSES = ["3", "12", "4", "396", "96", "9", "91", "906", "18", "1", "81", "188", "100", "10", "1000", "0"]
-DEFAULT_ARGS = {"group_size": 4, "num_minibatches": 1, "update_epochs": 2, "micro_batch_size": 3, "clip_low": 0.01, "clip_high": 0.01, "lr": 0.5}
+DEFAULT_ARGS = {
+    "group_size": 4,
+    "num_minibatches": 1,
+    "update_epochs": 2,
+    "micro_batch_size": 3,
+    "clip_low": 0.01,
+    "clip_high": 0.01,
+    "lr": 0.5,
+}
 # the extra inputs some methods' update_policy take, by parameter name
 EXTRAS = {
     "initial_entropy": lambda algorithm, args, policy, dist: 1.0,  # gtpo: ⟨H⟩_ini (above ln 2: the filter stays off)
@@ -38,18 +46,32 @@ EXTRAS = {
 
 def update_policy(algorithm, policy, batch, args, dist, optimizer=None):
     """algorithm.update_policy on `batch` with SGD at args.lr, no reference model, bf16 / fp16 autocast (and
-    fp16's loss scale) as args.dtype says, and whatever extra inputs the method's update_policy takes. Returns the metrics it
-    recorded, reduced over ranks (collectives), with "skipped" (the optimizer steps it skipped) and
+    fp16's loss scale) as args.dtype says, and whatever extra inputs the method's update_policy takes. Returns the
+    metrics it recorded, reduced over ranks (collectives), with "skipped" (the optimizer steps it skipped) and
     "tokens_seen" (the response tokens its updates saw, over ranks and epochs)."""
     optimizer = optimizer or torch.optim.SGD(policy.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     metrics = StepMetrics()
     autocast, scaler = precision(args.dtype)
-    available = {"policy": policy, "reference": None, "optimizer": optimizer, "scheduler": scheduler, "batch": batch,
-                 "args": args, "dist": dist, "autocast": autocast, "scaler": scaler, "metrics": metrics}
+    available = {
+        "policy": policy,
+        "reference": None,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "batch": batch,
+        "args": args,
+        "dist": dist,
+        "autocast": autocast,
+        "scaler": scaler,
+        "metrics": metrics,
+    }
     parameters = inspect.signature(algorithm.update_policy).parameters
-    skipped = algorithm.update_policy(**{name: available[name] if name in available else EXTRAS[name](algorithm, args, policy, dist)
-                                         for name in parameters})
+    skipped = algorithm.update_policy(
+        **{
+            name: available[name] if name in available else EXTRAS[name](algorithm, args, policy, dist)
+            for name in parameters
+        }
+    )
     # the entropy's count: every response token, once per epoch (none when every minibatch was skipped)
     tokens_seen = fsdp.all_reduce(metrics.means.get("charts/entropy", (0.0, 0.0))[1], dist)
     return {"skipped": skipped, "tokens_seen": tokens_seen, **metrics.reduce(dist)}
@@ -67,7 +89,11 @@ def in_bfloat16(model, undo=False):
     from torch.nn.utils import parametrize
 
     for module in list(model.modules()):
-        names = getattr(module, "parametrizations", {}) if undo else [n for n, p in module._parameters.items() if p is not None]
+        names = (
+            getattr(module, "parametrizations", {})
+            if undo
+            else [n for n, p in module._parameters.items() if p is not None]
+        )
         for name in list(names):
             if undo:
                 parametrize.remove_parametrizations(module, name, leave_parametrized=False)
@@ -84,14 +110,25 @@ def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):
     torch.manual_seed(0)
     model, tokenizer = load(tiny_model_dir())
     prompts = [tokenizer(q)["input_ids"] for q in QUESTIONS]
-    completions = [Completion(tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
-                              [-1.0] * (len(r) + 1), "stop") for r in RESPONSES]
+    completions = [
+        Completion(
+            tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+            [-1.0] * (len(r) + 1),
+            "stop",
+        )
+        for r in RESPONSES
+    ]
     rewards = torch.tensor([1.0 if i % 3 == 0 else 0.0 for i in range(16)]).view(4, 4)
     advantages = algorithm.compute_advantages(rewards).flatten()
     per_rank = 4 // dist.world_size
     mine = range(dist.rank * per_rank, (dist.rank + 1) * per_rank)
-    batch = algorithm.make_batch([prompts[i] for i in mine], [completions[i * 4 + j] for i in mine for j in range(4)],
-                                 4, tokenizer.pad_token_id, dist.device)
+    batch = algorithm.make_batch(
+        [prompts[i] for i in mine],
+        [completions[i * 4 + j] for i in mine for j in range(4)],
+        4,
+        tokenizer.pad_token_id,
+        dist.device,
+    )
     batch["advantages"] = advantages[mine.start * 4 : mine.stop * 4]
     fields = {f.name for f in dataclasses.fields(algorithm.Args)}  # e.g. P3O has no clip range
     args = algorithm.Args(**{k: v for k, v in {**DEFAULT_ARGS, **json.loads(args_json)}.items() if k in fields})

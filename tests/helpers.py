@@ -11,11 +11,29 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 ALGORITHMS = ["grpo", "ema_kpo", "p3o", "gtpo", "isopo", "tis_icepop"]
 
 # what every script logs each step; a method's tests add its own metrics
-BASE_LOGGED = ["charts/reward", "charts/accuracy", "charts/no_answer_rate", "charts/response_length_mean",
-               "charts/response_length_max", "charts/truncation_rate", "charts/zero_std_group_fraction",
-               "charts/entropy", "charts/lr", "charts/tokens_per_second", "charts/skipped_steps",
-               "losses/policy_loss", "losses/approx_kl", "losses/grad_norm", "mismatch/kl_k3",
-               "mismatch/max_abs_logprob_diff", "sampling/rollouts", "time/rollout", "time/train", "time/weight_sync", "time/step"]
+BASE_LOGGED = [
+    "charts/reward",
+    "charts/accuracy",
+    "charts/no_answer_rate",
+    "charts/response_length_mean",
+    "charts/response_length_max",
+    "charts/truncation_rate",
+    "charts/zero_std_group_fraction",
+    "charts/entropy",
+    "charts/lr",
+    "charts/tokens_per_second",
+    "charts/skipped_steps",
+    "losses/policy_loss",
+    "losses/approx_kl",
+    "losses/grad_norm",
+    "mismatch/kl_k3",
+    "mismatch/max_abs_logprob_diff",
+    "sampling/rollouts",
+    "time/rollout",
+    "time/train",
+    "time/weight_sync",
+    "time/step",
+]
 CLIP_LOGGED = ["losses/clip_fraction", "losses/ratio_min", "losses/ratio_max"]  # scripts with a ratio
 
 
@@ -23,7 +41,9 @@ def compute_dtype(dtype="float32"):
     """The scripts' compute dtype for --dtype on the CPU (auto: float32)."""
     import torch
 
-    return {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    return {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        dtype
+    ]
 
 
 def precision(dtype="float32"):
@@ -33,8 +53,10 @@ def precision(dtype="float32"):
     import torch
 
     compute = compute_dtype(dtype)
-    return (torch.autocast("cpu", compute, enabled=compute != torch.float32),
-            torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=compute == torch.float16))
+    return (
+        torch.autocast("cpu", compute, enabled=compute != torch.float32),
+        torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=compute == torch.float16),
+    )
 
 
 def run_script(script, *flags, timeout=600, check=True, env=None):
@@ -42,18 +64,29 @@ def run_script(script, *flags, timeout=600, check=True, env=None):
     `env` on top of the offline environment; returns the CompletedProcess."""
     env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **(env or {})}
     target = [script, *map(str, flags)] if script == "-m" else [os.path.join(REPO, script), *map(str, flags)]
-    result = subprocess.run([sys.executable, *target], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, *target], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     if check and result.returncode != 0:
-        raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        raise AssertionError(
+            f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
     return result
 
 
 def torchrun(nproc, script, *flags, timeout=600):
     """`torchrun --standalone --nproc_per_node nproc <script> <flags>` (gloo on CPU, one thread per rank)."""
     env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               os.path.join(REPO, script), *map(str, flags)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        os.path.join(REPO, script),
+        *map(str, flags),
+    ]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"torchrun {script} failed:\n{result.stderr[-5000:]}"
     return result

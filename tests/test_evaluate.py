@@ -4,9 +4,9 @@ import itertools
 import json
 
 import pytest
+from helpers import run_script
 
 from common.evaluate import pass_at_k
-from helpers import run_script
 
 
 @pytest.mark.parametrize("n, c", [(4, 0), (4, 1), (5, 2), (6, 3), (8, 8)])
@@ -19,7 +19,7 @@ def test_pass_at_k_is_the_chance_a_random_k_subset_holds_a_correct_sample(n, c):
 
 def test_evaluate_command_on_the_tiny_model():
     result = run_script("-m", "common.evaluate", "--k", 4, "--prompts", 32, "--engine", "hf")
-    metrics = json.loads(result.stdout[result.stdout.index("{"):])
+    metrics = json.loads(result.stdout[result.stdout.index("{") :])
     assert metrics["prompts"] == 32
     assert metrics["eval/pass@1"] == pytest.approx(metrics["eval/avg@4"])  # pass@1 is the mean accuracy
     assert metrics["eval/pass@1"] <= metrics["eval/pass@2"] <= metrics["eval/pass@4"]

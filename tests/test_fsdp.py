@@ -8,10 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import pytest
 import torch
-
 from helpers import OFFLINE, REPO, only_run_dir, read_jsonl, run_script, torchrun
 
 pytestmark = pytest.mark.slow
@@ -42,8 +42,9 @@ def _one_and_two_ranks(tmp_path, *flags):
     return one, two, weights
 
 
-@pytest.mark.parametrize("variant", ['{"loss_aggregation": "token-sum"}', '{"ratio_level": "sequence"}'],
-                         ids=["dr-grpo", "gspo"])
+@pytest.mark.parametrize(
+    "variant", ['{"loss_aggregation": "token-sum"}', '{"ratio_level": "sequence"}'], ids=["dr-grpo", "gspo"]
+)
 def test_two_ranks_equal_one_with_grpo_loss_variants(tmp_path, variant):
     """Dr. GRPO's constant (the minibatch's completions on all ranks × --max-new-tokens) and GSPO's sequence
     ratio (two epochs: the ratios move off 1) through update_policy: every statistic and weight agree."""
@@ -74,7 +75,9 @@ def test_two_ranks_equal_one_in_bfloat16(tmp_path):
     epoch would amplify those differences through the first step). Plain autocast over float32 weights is
     another computation: on the built-in model its gradient norm differs by a factor of about 3, a gradient
     whose completions' terms nearly cancel in float32."""
-    one, two, (weights_one, weights_two) = _one_and_two_ranks(tmp_path, "grpo", '{"dtype": "bfloat16", "update_epochs": 1}')
+    one, two, (weights_one, weights_two) = _one_and_two_ranks(
+        tmp_path, "grpo", '{"dtype": "bfloat16", "update_epochs": 1}'
+    )
     assert two["losses/grad_norm"] == pytest.approx(one["losses/grad_norm"], rel=1e-2)
     for name in weights_one:
         torch.testing.assert_close(weights_two[name], weights_one[name], rtol=1e-3, atol=1e-3, msg=name)
@@ -84,7 +87,9 @@ def test_two_ranks_equal_one_in_float16(tmp_path):
     """--dtype float16: fp16 autocast under torch's dynamic loss scale. One process and two FSDP2 ranks take
     the same step (the scaler's overflow check is reduced over ranks), and the unscaled gradient is float32's
     up to fp16 rounding: a scale left in it would multiply the norm by the scale."""
-    one, two, (weights_one, weights_two) = _one_and_two_ranks(tmp_path, "grpo", '{"dtype": "float16", "update_epochs": 1}')
+    one, two, (weights_one, weights_two) = _one_and_two_ranks(
+        tmp_path, "grpo", '{"dtype": "float16", "update_epochs": 1}'
+    )
     run_script("tests/distributed_update.py", tmp_path / "fp32.json", "grpo", '{"update_epochs": 1}')
     fp32 = json.loads((tmp_path / "fp32.json").read_text())
     assert one["skipped"] == two["skipped"] == 0
@@ -98,8 +103,22 @@ def test_two_ranks_equal_one_in_float16(tmp_path):
 def test_grpo_on_two_ranks_end_to_end_and_resume(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    flags = ["--prompts-per-step", 4, "--group-size", 4, "--eval-prompts", 16, "--eval-k", 2, "--eval-every", 2,
-             "--save-every", 2, "--output-dir", tmp_path]
+    flags = [
+        "--prompts-per-step",
+        4,
+        "--group-size",
+        4,
+        "--eval-prompts",
+        16,
+        "--eval-k",
+        2,
+        "--eval-every",
+        2,
+        "--save-every",
+        2,
+        "--output-dir",
+        tmp_path,
+    ]
     torchrun(2, "algorithms/grpo.py", "--steps", 2, *flags)
     torchrun(2, "algorithms/grpo.py", "--steps", 3, "--resume", "auto", *flags)
     run_dir = only_run_dir(tmp_path)
@@ -117,10 +136,28 @@ FLAGS = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0, "--num-m
 
 
 def _start(output_dir, steps, *extra):
-    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}  # as run_script: same numbers
-    return subprocess.Popen([sys.executable, "algorithms/grpo.py", "--steps", str(steps), "--output-dir",
-                             str(output_dir), *map(str, FLAGS), *map(str, extra)],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        **OFFLINE,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+    }  # as run_script: same numbers
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "algorithms/grpo.py",
+            "--steps",
+            str(steps),
+            "--output-dir",
+            str(output_dir),
+            *map(str, FLAGS),
+            *map(str, extra),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_until(predicate, process, timeout=300):
@@ -147,7 +184,9 @@ def test_sigkill_in_training_and_during_a_checkpoint_write_then_resume(tmp_path)
     _wait_until(lambda: _steps_logged(killed) >= 3, process)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    run_script("algorithms/grpo.py", "--steps", 6, "--save-every", 2, "--output-dir", killed, "--resume", "auto", *FLAGS)
+    run_script(
+        "algorithms/grpo.py", "--steps", 6, "--save-every", 2, "--output-dir", killed, "--resume", "auto", *FLAGS
+    )
     _assert_same_run(straight, read_jsonl(os.path.join(only_run_dir(killed), "metrics.jsonl")))
 
     # 2. killed while a checkpoint is being written: the half-written folder is never "latest". The run is
@@ -160,9 +199,11 @@ def test_sigkill_in_training_and_during_a_checkpoint_write_then_resume(tmp_path)
         runs = os.listdir(interrupted) if os.path.isdir(interrupted) else []
         return os.path.join(interrupted, runs[0] if runs else "-", "checkpoints", f"step_{step:08d}{suffix}")
 
+    def checkpoint_started(step):
+        return os.path.isdir(checkpoint_folder(step, ".tmp")) or os.path.isdir(checkpoint_folder(step))
+
     for step in range(2, 6):
-        _wait_until(lambda: os.path.isdir(checkpoint_folder(step, ".tmp")) or os.path.isdir(checkpoint_folder(step)),
-                    process)
+        _wait_until(partial(checkpoint_started, step), process)
         process.send_signal(signal.SIGSTOP)
         if os.path.isdir(checkpoint_folder(step, ".tmp")):
             break  # frozen inside the write of this step's checkpoint
@@ -172,7 +213,9 @@ def test_sigkill_in_training_and_during_a_checkpoint_write_then_resume(tmp_path)
     run_dir = only_run_dir(interrupted)
     complete = sorted(d for d in os.listdir(os.path.join(run_dir, "checkpoints")) if not d.endswith(".tmp"))
     assert complete[-1] == f"step_{step - 1:08d}" and os.path.isdir(checkpoint_folder(step, ".tmp"))
-    run_script("algorithms/grpo.py", "--steps", 6, "--save-every", 1, "--output-dir", interrupted, "--resume", "auto", *FLAGS)
+    run_script(
+        "algorithms/grpo.py", "--steps", 6, "--save-every", 1, "--output-dir", interrupted, "--resume", "auto", *FLAGS
+    )
     _assert_same_run(straight, read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
     assert not any(d.endswith(".tmp") for d in os.listdir(os.path.join(run_dir, "checkpoints")))
 

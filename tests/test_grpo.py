@@ -4,10 +4,10 @@ import os
 
 import pytest
 import torch
+from helpers import only_run_dir, read_jsonl, run_script, two_group_rollouts
 
 from algorithms import grpo
 from common.tracking import StepMetrics
-from helpers import only_run_dir, read_jsonl, run_script, two_group_rollouts
 
 # --- advantages -------------------------------------------------------------------------------
 
@@ -16,11 +16,16 @@ def test_group_normalized_advantages_by_hand():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
     # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: mean 0.75, std 0.5
     std1, std2 = (1 / 3) ** 0.5, 0.5
-    expected = torch.tensor([[0.5 / (std1 + 1e-4), -0.5 / (std1 + 1e-4), -0.5 / (std1 + 1e-4), 0.5 / (std1 + 1e-4)],
-                             [0.25 / (std2 + 1e-4)] * 3 + [-0.75 / (std2 + 1e-4)]])
+    expected = torch.tensor(
+        [
+            [0.5 / (std1 + 1e-4), -0.5 / (std1 + 1e-4), -0.5 / (std1 + 1e-4), 0.5 / (std1 + 1e-4)],
+            [0.25 / (std2 + 1e-4)] * 3 + [-0.75 / (std2 + 1e-4)],
+        ]
+    )
     torch.testing.assert_close(grpo.compute_advantages(rewards), expected)
-    torch.testing.assert_close(grpo.compute_advantages(rewards, scale=False),
-                               torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.25, 0.25, 0.25, -0.75]]))
+    torch.testing.assert_close(
+        grpo.compute_advantages(rewards, scale=False), torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.25, 0.25, 0.25, -0.75]])
+    )
 
 
 def test_equal_rewards_give_zero_advantage():
@@ -32,22 +37,27 @@ def test_equal_rewards_give_zero_advantage():
 
 # --- clipped surrogate ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ratio, advantage, loss, active, gradient", [
-    # gradient = d loss / d log π = −ρA where the unclipped term is chosen, 0 where the clip is active
-    (1.0, 1.0, -1.0, False, -1.0),
-    (1.5, 1.0, -1.28, True, 0.0),        # above 1+ε_high with A > 0: clipped
-    (1.28, 1.0, -1.28, False, -1.28),    # exactly at the boundary: not clipped
-    (0.5, 1.0, -0.5, False, -0.5),       # below 1−ε_low with A > 0: the min keeps the unclipped term
-    (0.5, -1.0, 0.8, True, 0.0),         # below 1−ε_low with A < 0: clipped
-    (0.8, -1.0, 0.8, False, 0.8),        # exactly at the lower boundary
-    (1.5, -1.0, 1.5, False, 1.5),        # above 1+ε_high with A < 0: pessimistic, unclipped
-    (2.0, 0.0, 0.0, False, 0.0),         # zero advantage: no loss, no gradient
-])
+
+@pytest.mark.parametrize(
+    "ratio, advantage, loss, active, gradient",
+    [
+        # gradient = d loss / d log π = −ρA where the unclipped term is chosen, 0 where the clip is active
+        (1.0, 1.0, -1.0, False, -1.0),
+        (1.5, 1.0, -1.28, True, 0.0),  # above 1+ε_high with A > 0: clipped
+        (1.28, 1.0, -1.28, False, -1.28),  # exactly at the boundary: not clipped
+        (0.5, 1.0, -0.5, False, -0.5),  # below 1−ε_low with A > 0: the min keeps the unclipped term
+        (0.5, -1.0, 0.8, True, 0.0),  # below 1−ε_low with A < 0: clipped
+        (0.8, -1.0, 0.8, False, 0.8),  # exactly at the lower boundary
+        (1.5, -1.0, 1.5, False, 1.5),  # above 1+ε_high with A < 0: pessimistic, unclipped
+        (2.0, 0.0, 0.0, False, 0.0),  # zero advantage: no loss, no gradient
+    ],
+)
 def test_clipped_surrogate_by_hand(ratio, advantage, loss, active, gradient):
     old = torch.tensor([[-1.0]], dtype=torch.float64)
     logprobs = (old + torch.log(torch.tensor(ratio, dtype=torch.float64))).requires_grad_()
     token_loss, ratio_out, clip_active = grpo.clipped_surrogate_loss(
-        logprobs, old, torch.tensor([advantage], dtype=torch.float64), clip_low=0.2, clip_high=0.28)
+        logprobs, old, torch.tensor([advantage], dtype=torch.float64), clip_low=0.2, clip_high=0.28
+    )
     token_loss.sum().backward()
     assert token_loss.item() == pytest.approx(loss)
     assert ratio_out.item() == pytest.approx(ratio)
@@ -74,10 +84,12 @@ def test_gspo_sequence_ratio_by_hand():
     old = torch.log(torch.tensor([[0.5, 0.25, 0.1], [0.4, 0.3, 0.2]], dtype=torch.float64))
     new = torch.log(torch.tensor([[0.5, 0.5, 0.8], [0.2, 0.9, 0.7]], dtype=torch.float64)).requires_grad_()
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)  # the third token of o_1 is padding
-    s = (torch.tensor([(0.5 * 0.5) / (0.5 * 0.25), (0.2 * 0.9 * 0.7) / (0.4 * 0.3 * 0.2)], dtype=torch.float64)
-         ** torch.tensor([1 / 2, 1 / 3], dtype=torch.float64))
-    _, ratio, _ = grpo.clipped_surrogate_loss(grpo.sequence_mean(new, mask), grpo.sequence_mean(old, mask),
-                                              torch.zeros(2, dtype=torch.float64), 0.2, 0.28)
+    s = torch.tensor(
+        [(0.5 * 0.5) / (0.5 * 0.25), (0.2 * 0.9 * 0.7) / (0.4 * 0.3 * 0.2)], dtype=torch.float64
+    ) ** torch.tensor([1 / 2, 1 / 3], dtype=torch.float64)
+    _, ratio, _ = grpo.clipped_surrogate_loss(
+        grpo.sequence_mean(new, mask), grpo.sequence_mean(old, mask), torch.zeros(2, dtype=torch.float64), 0.2, 0.28
+    )
     torch.testing.assert_close(ratio, s[:, None].expand(2, 3))
     ratio[:, 0].sum().backward()
     torch.testing.assert_close(new.grad, torch.tensor([[s[0] / 2, s[0] / 2, 0.0], [s[1] / 3] * 3], dtype=torch.float64))
@@ -88,8 +100,9 @@ def test_update_policy_normalizes_as_each_aggregation_says(tiny, aggregation):
     """One on-policy update (ratio 1): each token's loss is −A_i, so the logged loss is −Σ_i A_i |o_i| over
     the tokens (token-mean), −Σ_i A_i over the completions (sequence-mean; 0 for centred advantages), or
     −Σ_i A_i |o_i| over completions × --max-new-tokens (token-sum: Dr. GRPO's constant)."""
-    from common import fsdp
     from distributed_update import update_policy
+
+    from common import fsdp
 
     model, tokenizer = tiny
     prompts, completions = two_group_rollouts(tokenizer)
@@ -99,17 +112,27 @@ def test_update_policy_normalizes_as_each_aggregation_says(tiny, aggregation):
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
     args = grpo.Args(group_size=4, loss_aggregation=aggregation, max_new_tokens=16, lr=1e-3)
     logged = update_policy(grpo, type(model)(model.config), batch, args, fsdp.Dist(0, 1, 0, torch.device("cpu")))
-    expected = {"token-mean": -(advantages * lengths).sum() / lengths.sum(), "sequence-mean": -advantages.sum() / 8,
-                "token-sum": -(advantages * lengths).sum() / (8 * 16)}[aggregation]
+    expected = {
+        "token-mean": -(advantages * lengths).sum() / lengths.sum(),
+        "sequence-mean": -advantages.sum() / 8,
+        "token-sum": -(advantages * lengths).sum() / (8 * 16),
+    }[aggregation]
     assert logged["losses/policy_loss"] == pytest.approx(expected.item(), rel=1e-6)
 
 
 # --- the whole loss through padding and micro-batches vs. brute force ------------------------
 
-@pytest.mark.parametrize("aggregation, ratio_level", [
-    ("token-mean", "token"), ("sequence-mean", "token"), ("token-sum", "token"),  # DAPO, GRPO, Dr. GRPO
-    ("sequence-mean", "sequence"), ("token-mean", "sequence"),  # GSPO as in its paper, and with DAPO's token mean
-])
+
+@pytest.mark.parametrize(
+    "aggregation, ratio_level",
+    [
+        ("token-mean", "token"),
+        ("sequence-mean", "token"),
+        ("token-sum", "token"),  # DAPO, GRPO, Dr. GRPO
+        ("sequence-mean", "sequence"),
+        ("token-mean", "sequence"),  # GSPO as in its paper, and with DAPO's token mean
+    ],
+)
 def test_loss_gradient_matches_brute_force(tiny, aggregation, ratio_level):
     """The script's path (left/right padding, position ids, trimmed micro-batches, accumulation)
     against the objective written out per sequence without any padding (GSPO's ratio from the sequence
@@ -124,7 +147,12 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation, ratio_level):
     generator = torch.Generator().manual_seed(0)
     # old log-probs = current ones shifted by random amounts, so that some tokens are clipped
     with torch.no_grad():
-        current = torch.cat([grpo.token_logprobs(model, m, 1.0)[0] for m in grpo.micro_batches(batch, torch.arange(8), 8, by_length=False)])
+        current = torch.cat(
+            [
+                grpo.token_logprobs(model, m, 1.0)[0]
+                for m in grpo.micro_batches(batch, torch.arange(8), 8, by_length=False)
+            ]
+        )
     noise = 0.4 if ratio_level == "token" else 0.8  # a sequence's mean log-ratio varies less than a token's
     batch["old_logprobs"] = current + noise * torch.randn(current.shape, generator=generator)
     batch["advantages"] = advantages
@@ -186,8 +214,12 @@ def test_micro_batches_sorted_by_length_cover_every_row_and_pad_little():
     lengths = (torch.randn(256, generator=generator) * 0.6 + 5.6).exp().clamp(20, 4096).long()
     lengths[:3] = 4096  # truncated responses
     mask = (torch.arange(4096)[None, :] < lengths[:, None]).float()
-    batch = {"input_ids": torch.ones(256, 4106, dtype=torch.long), "attention_mask": torch.ones(256, 4106),
-             "response_ids": torch.ones(256, 4096, dtype=torch.long), "response_mask": mask}
+    batch = {
+        "input_ids": torch.ones(256, 4106, dtype=torch.long),
+        "attention_mask": torch.ones(256, 4106),
+        "response_ids": torch.ones(256, 4096, dtype=torch.long),
+        "response_mask": mask,
+    }
     order = torch.randperm(256, generator=generator)
 
     def padded_over_useful(by_length):
@@ -215,11 +247,32 @@ def test_record_mismatch_k3():
 # --- the script ---------------------------------------------------------------------------------
 
 SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-prompts", 16, "--eval-k", 2]
+
+
 @pytest.mark.slow
 def test_several_updates_per_batch_and_kl_penalty(tmp_path):
-    run_script("algorithms/grpo.py", "--steps", 2, "--eval-every", 0, "--output-dir", tmp_path, *SMALL,
-               "--num-minibatches", 2, "--update-epochs", 2, "--micro-batch-size", 5, "--kl-coef", 0.05,
-               "--lr", 1e-3, "--loss-aggregation", "sequence-mean")
+    run_script(
+        "algorithms/grpo.py",
+        "--steps",
+        2,
+        "--eval-every",
+        0,
+        "--output-dir",
+        tmp_path,
+        *SMALL,
+        "--num-minibatches",
+        2,
+        "--update-epochs",
+        2,
+        "--micro-batch-size",
+        5,
+        "--kl-coef",
+        0.05,
+        "--lr",
+        1e-3,
+        "--loss-aggregation",
+        "sequence-mean",
+    )
     records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     last = records[-1]
     assert last["losses/ratio_max"] > 1.0 or last["losses/ratio_min"] < 1.0  # π_θ moved away from π_old
@@ -232,7 +285,9 @@ def test_resume_continues_exactly(tmp_path):
     common_flags = ["--eval-every", 0, "--save-every", 2, *SMALL]
     run_script("algorithms/grpo.py", "--steps", 4, "--output-dir", tmp_path / "straight", *common_flags)
     run_script("algorithms/grpo.py", "--steps", 2, "--output-dir", tmp_path / "split", *common_flags)
-    run_script("algorithms/grpo.py", "--steps", 4, "--output-dir", tmp_path / "split", "--resume", "auto", *common_flags)
+    run_script(
+        "algorithms/grpo.py", "--steps", 4, "--output-dir", tmp_path / "split", "--resume", "auto", *common_flags
+    )
     straight = read_jsonl(os.path.join(only_run_dir(tmp_path / "straight"), "metrics.jsonl"))
     split = read_jsonl(os.path.join(only_run_dir(tmp_path / "split"), "metrics.jsonl"))
     assert [r["step"] for r in split] == [1, 2, 3, 4]
@@ -244,14 +299,17 @@ def test_resume_continues_exactly(tmp_path):
             assert a[key] == b[key], (a["step"], key)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--task", "gsm9k"], "unknown task 'gsm9k'"),
-    (["--group-size", 1], "--group-size must be >= 2"),
-    (["--temperature", 0], "--temperature must be > 0"),
-    (["--task", "missing.jsonl"], "task file not found: missing.jsonl"),
-    (["--resume", "no/such/run"], "--resume no/such/run: no such checkpoint"),
-    (["--steps", "many"], "--steps"),  # tyro's own message for a value of the wrong type
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--task", "gsm9k"], "unknown task 'gsm9k'"),
+        (["--group-size", 1], "--group-size must be >= 2"),
+        (["--temperature", 0], "--temperature must be > 0"),
+        (["--task", "missing.jsonl"], "task file not found: missing.jsonl"),
+        (["--resume", "no/such/run"], "--resume no/such/run: no such checkpoint"),
+        (["--steps", "many"], "--steps"),  # tyro's own message for a value of the wrong type
+    ],
+)
 def test_bad_input_gets_a_clear_error(tmp_path, flags, message):
     result = run_script("algorithms/grpo.py", "--output-dir", tmp_path, *flags, check=False)
     assert result.returncode != 0

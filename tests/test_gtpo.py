@@ -7,15 +7,25 @@ import json
 import math
 import os
 import random
+from functools import partial
 
 import pytest
 import torch
+from helpers import (
+    BASE_LOGGED,
+    CLIP_LOGGED,
+    only_run_dir,
+    precision,
+    read_jsonl,
+    run_script,
+    torchrun,
+    two_group_rollouts,
+)
 
-from algorithms import gtpo, grpo
+from algorithms import grpo, gtpo
 from common import fsdp
 from common.rollout import Completion, HFEngine
 from common.tracking import StepMetrics
-from helpers import BASE_LOGGED, CLIP_LOGGED, only_run_dir, precision, read_jsonl, run_script, torchrun, two_group_rollouts
 
 CPU = fsdp.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 EOS = "$"  # in the hand-built groups below, each character is one token and "$" plays the EOS
@@ -23,14 +33,18 @@ EOS = "$"  # in the hand-built groups below, each character is one token and "$"
 
 # --- conflict masks: the definitions of §5.1 written out with sets, then hand-built groups ----------
 
+
 def masks_from_definition(sequences, advantages):
     """Forward / backward conflict keys as sets of (position, token) over G+ and G-, then the first span
     of conflict tokens scanning each completion from its start and from its end (§5.1)."""
     positive = [s for s, a in zip(sequences, advantages) if a > 0]
     negative = [s for s, a in zip(sequences, advantages) if a < 0]
-    forward_keys = {(p, v) for s in positive for p, v in enumerate(s)} & {(p, v) for s in negative for p, v in enumerate(s)}
-    backward_keys = ({(r, v) for s in positive for r, v in enumerate(reversed(s))}
-                     & {(r, v) for s in negative for r, v in enumerate(reversed(s))})
+    forward_keys = {(p, v) for s in positive for p, v in enumerate(s)} & {
+        (p, v) for s in negative for p, v in enumerate(s)
+    }
+    backward_keys = {(r, v) for s in positive for r, v in enumerate(reversed(s))} & {
+        (r, v) for s in negative for r, v in enumerate(reversed(s))
+    }
     result = []
     for s, a in zip(sequences, advantages):
         forward, backward = [0] * len(s), [0] * len(s)
@@ -61,31 +75,48 @@ def bits(text):
 
 # each case: completions of one group, their advantages, and the expected (forward, backward) spans
 GROUPS = {
-    "shared prefix": (["ab1x", "ab2y", "ab3z", "ab4w"], [0.5, 0.5, -0.5, -0.5],
-                      [("1100", "0000")] * 4),
+    "shared prefix": (["ab1x", "ab2y", "ab3z", "ab4w"], [0.5, 0.5, -0.5, -0.5], [("1100", "0000")] * 4),
     # position 2 ("9") is a forward conflict too, but not in the span anchored at the first token
-    "shared suffix": (["pq9" + EOS, "rs9" + EOS, "tu9" + EOS, "vw9" + EOS], [1.0, -1.0, 1.0, -1.0],
-                      [("0000", "0011")] * 4),
-    "both": (["<a1/" + EOS, "<b2/" + EOS, "<c3/" + EOS, "<d4/" + EOS], [0.75, -0.25, -0.25, -0.25],
-             [("10000", "00011")] * 4),
+    "shared suffix": (
+        ["pq9" + EOS, "rs9" + EOS, "tu9" + EOS, "vw9" + EOS],
+        [1.0, -1.0, 1.0, -1.0],
+        [("0000", "0011")] * 4,
+    ),
+    "both": (
+        ["<a1/" + EOS, "<b2/" + EOS, "<c3/" + EOS, "<d4/" + EOS],
+        [0.75, -0.25, -0.25, -0.25],
+        [("10000", "00011")] * 4,
+    ),
     # P1 and N1 share "ab", P2 shares only "a" with them, N2 shares nothing at the start; "c" at
     # position 2 of P2 and N2 is a conflict token in the middle, not in any span
-    "partial overlaps": (["abqx", "accy", "absz", "ztcw"], [1.0, 1.0, -1.0, -1.0],
-                         [("1100", "0000"), ("1000", "0000"), ("1100", "0000"), ("0000", "0000")]),
+    "partial overlaps": (
+        ["abqx", "accy", "absz", "ztcw"],
+        [1.0, 1.0, -1.0, -1.0],
+        [("1100", "0000"), ("1000", "0000"), ("1100", "0000"), ("0000", "0000")],
+    ),
     # "x" and "y" are shared by the two positives only, "u" by the two negatives only: no conflict
     "same sign only": (["xa", "xb", "uc", "ud"], [1.0, 1.0, -1.0, -1.0], [("00", "00")] * 4),
     "no conflict": (["abc", "def", "ghi", "jkl"], [1.0, -1.0, 1.0, -1.0], [("000", "000")] * 4),
     "all advantages zero": (["ab" + EOS] * 4, [0.0] * 4, [("000", "000")] * 4),
     # zero-advantage completions neither witness a conflict nor get a mask
-    "zero advantages in a mixed group": (["ab" + EOS, "ab" + EOS, "ac" + EOS, "ad" + EOS], [1.0, 0.0, -1.0, 0.0],
-                                         [("100", "001"), ("000", "000"), ("100", "001"), ("000", "000")]),
+    "zero advantages in a mixed group": (
+        ["ab" + EOS, "ab" + EOS, "ac" + EOS, "ad" + EOS],
+        [1.0, 0.0, -1.0, 0.0],
+        [("100", "001"), ("000", "000"), ("100", "001"), ("000", "000")],
+    ),
     # forward positions align at the start, backward offsets at each completion's own last token; the
     # truncated "12" (no EOS) ends on "2", so it shares no backward conflict
-    "different lengths": (["12345" + EOS, "7" + EOS, "129" + EOS, "12"], [1.0, 1.0, -1.0, -1.0],
-                          [("110000", "000001"), ("00", "01"), ("1100", "0001"), ("11", "00")]),
+    "different lengths": (
+        ["12345" + EOS, "7" + EOS, "129" + EOS, "12"],
+        [1.0, 1.0, -1.0, -1.0],
+        [("110000", "000001"), ("00", "01"), ("1100", "0001"), ("11", "00")],
+    ),
     # the backward span runs through the EOS and the tokens before it; the truncated "jok" has no EOS
-    "EOS in the backward span": (["aok" + EOS, "jok", "bok" + EOS, "cxk" + EOS], [1.0, 1.0, -1.0, -1.0],
-                                 [("0000", "0111"), ("000", "000"), ("0000", "0111"), ("0000", "0011")]),
+    "EOS in the backward span": (
+        ["aok" + EOS, "jok", "bok" + EOS, "cxk" + EOS],
+        [1.0, 1.0, -1.0, -1.0],
+        [("0000", "0111"), ("000", "000"), ("0000", "0111"), ("0000", "0011")],
+    ),
 }
 
 
@@ -122,16 +153,25 @@ def test_groups_do_not_see_each_other():
 
 # --- λ (Eq. 5) ---------------------------------------------------------------------------------
 
+
 def test_lambda_values():
     forward = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]).bool()
     backward = torch.tensor([[0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0]]).bool()
     advantages = torch.tensor([0.5, -0.5, 0.0, 2.0])
     # the paper: M = M^fw ∨ M^bw; 2 inside for A > 0, 0 inside for A < 0, 1 outside
     assert gtpo.conflict_weights(forward, backward, advantages, "or").tolist() == [
-        [2, 2, 2, 2], [0, 1, 1, 0], [1, 1, 1, 1], [2, 1, 1, 1]]
+        [2, 2, 2, 2],
+        [0, 1, 1, 0],
+        [1, 1, 1, 1],
+        [2, 1, 1, 1],
+    ]
     # the authors' code: λ^fw · λ^bw, 4 where a positive completion's two spans overlap
     assert gtpo.conflict_weights(forward, backward, advantages, "product").tolist() == [
-        [2, 4, 2, 2], [0, 1, 1, 0], [1, 1, 1, 1], [2, 1, 1, 1]]
+        [2, 4, 2, 2],
+        [0, 1, 1, 0],
+        [1, 1, 1, 1],
+        [2, 1, 1, 1],
+    ]
 
 
 def test_lambda_is_built_in_the_advantages_dtype():
@@ -152,11 +192,14 @@ def test_lambda_from_masks_of_a_group():
     width = max(map(len, tokens))
     ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens])
     mask = torch.tensor([[1.0] * len(t) + [0.0] * (width - len(t)) for t in tokens])
-    weights = gtpo.conflict_weights(*gtpo.conflict_masks(ids, mask, torch.tensor(advantages), 4), torch.tensor(advantages))
+    weights = gtpo.conflict_weights(
+        *gtpo.conflict_masks(ids, mask, torch.tensor(advantages), 4), torch.tensor(advantages)
+    )
     assert weights[:, :6].tolist() == [[2, 2, 1, 1, 1, 2], [1, 2, 1, 1, 1, 1], [0, 0, 1, 0, 1, 1], [0, 0, 1, 1, 1, 1]]
 
 
 # --- ⟨H⟩_i, δ_i (Eq. 6) and the entropy shift ---------------------------------------------------
+
 
 def test_completion_entropy_is_a_masked_mean():
     token_entropy = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
@@ -205,6 +248,7 @@ def test_advantage_shift_by_hand_and_detached():
 
 # --- balance (§5.1): what the positives gain inside the mask is what the negatives lose ------------
 
+
 @pytest.mark.parametrize("rewards, scale", [([1.0, 1.0, 1.0, 0.0], False), ([1.0, 0.0, 0.0, 0.0, 0.0, 1.0], True)])
 def test_balance_on_a_shared_prefix_and_suffix(rewards, scale):
     """Completions of equal length that share their first and last tokens (so ∇log π is the same there).
@@ -239,6 +283,7 @@ def test_balance_on_a_shared_prefix_and_suffix(rewards, scale):
 
 
 # --- the whole update through padding and micro-batches vs. brute force --------------------------
+
 
 def _copy(tiny):
     model = type(tiny[0])(tiny[0].config)
@@ -304,9 +349,11 @@ def test_update_matches_eq7_by_brute_force(tiny, combine):
     logged = metrics.reduce()
     assert torch.equal(batch["conflict_weights"], weights)
     tokens = batch["response_mask"].sum().item()
-    assert (logged["conflict/forward_fraction"], logged["conflict/backward_fraction"],
-            logged["conflict/masked_fraction"]) == (
-        forward.sum().item() / tokens, backward.sum().item() / tokens, (forward | backward).sum().item() / tokens)
+    assert (
+        logged["conflict/forward_fraction"],
+        logged["conflict/backward_fraction"],
+        logged["conflict/masked_fraction"],
+    ) == (forward.sum().item() / tokens, backward.sum().item() / tokens, (forward | backward).sum().item() / tokens)
     assert logged["charts/entropy_ini"] == initial_entropy
 
     model = _copy(tiny)
@@ -343,10 +390,13 @@ def test_without_its_components_gtpo_is_grpo(tiny):
     """λ ≡ 1, γ = 0, δ ≡ 1 and sequence-mean: the update is grpo.py's, bit for bit (several updates)."""
     _, tokenizer = tiny
     _, _, batch = _batch(tokenizer)
-    common = dict(group_size=4, micro_batch_size=3, num_minibatches=2, update_epochs=2, lr=1e-3, loss_aggregation="sequence-mean")
+    common = dict(
+        group_size=4, micro_batch_size=3, num_minibatches=2, update_epochs=2, lr=1e-3, loss_aggregation="sequence-mean"
+    )
     torch.manual_seed(0)
-    gtpo_metrics, gtpo_step = _update(_copy(tiny), dict(batch), gtpo.Args(
-        **common, conflict_masks=False, entropy_coef=0.0, entropy_filter="off"), 0.5)
+    gtpo_metrics, gtpo_step = _update(
+        _copy(tiny), dict(batch), gtpo.Args(**common, conflict_masks=False, entropy_coef=0.0, entropy_filter="off"), 0.5
+    )
     torch.manual_seed(0)
     grpo_metrics, grpo_step = _update(_copy(tiny), dict(batch), grpo.Args(**common), None, module=grpo)
     gtpo_logged, grpo_logged = gtpo_metrics.reduce(), grpo_metrics.reduce()
@@ -358,14 +408,16 @@ def test_without_its_components_gtpo_is_grpo(tiny):
 
 # --- ⟨H⟩_ini -----------------------------------------------------------------------------------
 
+
 def test_initial_entropy_is_the_mean_of_completion_entropies(tiny):
     model, tokenizer = _copy(tiny), tiny[1]
     prompts = [tokenizer(f"Q: {a}+{a + 3}=")["input_ids"] for a in range(7)]
     engine = HFEngine(model, tokenizer)
     args = gtpo.Args(micro_batch_size=3, max_new_tokens=6)
     torch.manual_seed(0)
-    measured = gtpo.measure_initial_entropy(model, engine, prompts, args, CPU, torch.autocast("cpu", enabled=False),
-                                            tokenizer.pad_token_id)
+    measured = gtpo.measure_initial_entropy(
+        model, engine, prompts, args, CPU, torch.autocast("cpu", enabled=False), tokenizer.pad_token_id
+    )
     torch.manual_seed(0)  # the same samples again
     completions = engine.generate(prompts, 1, 6, 1.0)
     with torch.no_grad():
@@ -376,11 +428,17 @@ def test_initial_entropy_is_the_mean_of_completion_entropies(tiny):
 
 def test_a_resumed_run_keeps_its_initial_entropy():
     """measure_initial_entropy given a checkpoint's value returns it and samples nothing."""
+
     class NoEngine:
         def generate(self, *args):
             raise AssertionError("a resumed run must not measure ⟨H⟩_ini again")
 
     assert gtpo.measure_initial_entropy(None, NoEngine(), [[1]], gtpo.Args(), CPU, None, 0, entropy_ini=0.25) == 0.25
+
+
+def entropy_one_for_prompt(model, micro, temperature, with_entropy=False, probe=0):
+    """A stand-in for token_logprobs: entropy 1 on the response tokens of prompt `probe` (token 10 + probe), else 0."""
+    return None, (micro["response_ids"] == 10 + probe).float()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
@@ -398,11 +456,14 @@ def test_ranks_share_the_initial_entropy_prompts(monkeypatch, world_size, count)
     monkeypatch.setattr(gtpo.fsdp, "all_reduce", lambda total, dist: total)  # each rank's own sum
     args, no_autocast = gtpo.Args(micro_batch_size=7), torch.autocast("cpu", enabled=False)
     for probe in range(count):  # ⟨H⟩_i is 1 for the completion of prompt `probe`, 0 for the others
-        monkeypatch.setattr(gtpo, "token_logprobs", lambda model, micro, temperature, with_entropy=False:
-                            (None, (micro["response_ids"] == 10 + probe).float()))
+        monkeypatch.setattr(gtpo, "token_logprobs", partial(entropy_one_for_prompt, probe=probe))
         sizes = []
-        shares = [gtpo.measure_initial_entropy(None, Engine(), prompts, args, fsdp.Dist(rank, world_size, rank,
-                                               torch.device("cpu")), no_autocast, 0) for rank in range(world_size)]
+        shares = [
+            gtpo.measure_initial_entropy(
+                None, Engine(), prompts, args, fsdp.Dist(rank, world_size, rank, torch.device("cpu")), no_autocast, 0
+            )
+            for rank in range(world_size)
+        ]
         assert len(sizes) == world_size and len(set(sizes)) == 1  # as many completions on every rank
         assert sum(shares) == pytest.approx(1 / count, rel=1e-12), probe  # counted once over the ranks
 
@@ -411,8 +472,14 @@ def test_ranks_share_the_initial_entropy_prompts(monkeypatch, world_size, count)
 
 SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0, "--entropy-ini-prompts", 20]
 LOGGED = BASE_LOGGED + CLIP_LOGGED
-GTPO_LOGGED = ["charts/completion_entropy", "charts/entropy_ini", "charts/filtered_fraction",
-               "conflict/forward_fraction", "conflict/backward_fraction", "conflict/masked_fraction"]
+GTPO_LOGGED = [
+    "charts/completion_entropy",
+    "charts/entropy_ini",
+    "charts/filtered_fraction",
+    "conflict/forward_fraction",
+    "conflict/backward_fraction",
+    "conflict/masked_fraction",
+]
 
 
 @pytest.mark.slow
@@ -423,7 +490,9 @@ def test_end_to_end_and_resume_keep_the_initial_entropy(tmp_path):
     flags = ["--save-every", 1, *SMALL, "--lr", 1e-3]
     result = run_script("algorithms/gtpo.py", "--steps", 3, "--output-dir", tmp_path / "straight", *flags)
     run_script("algorithms/gtpo.py", "--steps", 1, "--output-dir", tmp_path / "split", *flags)
-    resumed = run_script("algorithms/gtpo.py", "--steps", 3, "--output-dir", tmp_path / "split", "--resume", "auto", *flags)
+    resumed = run_script(
+        "algorithms/gtpo.py", "--steps", 3, "--output-dir", tmp_path / "split", "--resume", "auto", *flags
+    )
     run_dir = only_run_dir(tmp_path / "straight")
     straight = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in straight] == [1, 2, 3]
@@ -431,9 +500,11 @@ def test_end_to_end_and_resume_keep_the_initial_entropy(tmp_path):
         for key in LOGGED + GTPO_LOGGED:
             assert isinstance(record[key], float), key
         assert 0 <= record["charts/filtered_fraction"] <= 1
-        assert max(record["conflict/forward_fraction"], record["conflict/backward_fraction"]) \
-            <= record["conflict/masked_fraction"] \
+        assert (
+            max(record["conflict/forward_fraction"], record["conflict/backward_fraction"])
+            <= record["conflict/masked_fraction"]
             <= record["conflict/forward_fraction"] + record["conflict/backward_fraction"] + 1e-9
+        )
         assert record["losses/ratio_max"] == 1.0  # one update per batch: π_θ = π_old exactly
     assert any(r["conflict/forward_fraction"] > 0 for r in straight)  # arithmetic answers share digits and EOS
     assert any(r["conflict/backward_fraction"] > 0 for r in straight)
@@ -446,8 +517,14 @@ def test_end_to_end_and_resume_keep_the_initial_entropy(tmp_path):
     split = read_jsonl(os.path.join(only_run_dir(tmp_path / "split"), "metrics.jsonl"))
     assert [r["step"] for r in split] == [1, 2, 3]
     for a, b in zip(straight, split):
-        for key in ("charts/reward", "losses/policy_loss", "losses/grad_norm", "charts/entropy_ini",
-                    "charts/completion_entropy", "conflict/masked_fraction"):
+        for key in (
+            "charts/reward",
+            "losses/policy_loss",
+            "losses/grad_norm",
+            "charts/entropy_ini",
+            "charts/completion_entropy",
+            "conflict/masked_fraction",
+        ):
             assert a[key] == b[key], (a["step"], key)
     # the resumed run reports the checkpoint's value (measuring the trained policy would give another
     # value and consume the sampler's random numbers, so the run would not continue exactly)
@@ -456,9 +533,28 @@ def test_end_to_end_and_resume_keep_the_initial_entropy(tmp_path):
 
 @pytest.mark.slow
 def test_authors_code_configuration_with_several_updates(tmp_path):
-    run_script("algorithms/gtpo.py", "--steps", 2, "--output-dir", tmp_path, *SMALL, "--no-scale-advantages",
-               "--mask-combine", "product", "--divide-by-conflict-count", "--entropy-filter", "on",
-               "--num-minibatches", 2, "--update-epochs", 2, "--micro-batch-size", 5, "--lr", 1e-3)
+    run_script(
+        "algorithms/gtpo.py",
+        "--steps",
+        2,
+        "--output-dir",
+        tmp_path,
+        *SMALL,
+        "--no-scale-advantages",
+        "--mask-combine",
+        "product",
+        "--divide-by-conflict-count",
+        "--entropy-filter",
+        "on",
+        "--num-minibatches",
+        2,
+        "--update-epochs",
+        2,
+        "--micro-batch-size",
+        5,
+        "--lr",
+        1e-3,
+    )
     last = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))[-1]
     assert last["losses/ratio_max"] > 1.0 or last["losses/ratio_min"] < 1.0  # π_θ moved away from π_old
     assert last["mismatch/max_abs_logprob_diff"] < 1e-3
@@ -470,8 +566,12 @@ def test_two_ranks_update_exactly_like_one_with_the_authors_options(tmp_path):
     """Groups stay whole on a rank, so λ and δ are local, and the sequence-mean is over the completions of
     all ranks: 1 process and 2 FSDP2 ranks (gloo) compute the same update from the same global batch, with
     δ_i on, the product of the spans' λ and 1/n_i (test_scripts.py runs the defaults)."""
-    flags = ["gtpo", json.dumps({"group_size": 4, "entropy_filter": "on", "mask_combine": "product",
-                                 "divide_by_conflict_count": True})]
+    flags = [
+        "gtpo",
+        json.dumps(
+            {"group_size": 4, "entropy_filter": "on", "mask_combine": "product", "divide_by_conflict_count": True}
+        ),
+    ]
     run_script("tests/distributed_update.py", tmp_path / "one.json", *flags)
     torchrun(2, "tests/distributed_update.py", tmp_path / "two.json", *flags)
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
@@ -479,7 +579,10 @@ def test_two_ranks_update_exactly_like_one_with_the_authors_options(tmp_path):
     assert set(GTPO_LOGGED) <= one.keys() and 0 < one["conflict/masked_fraction"] < 1
     for key in one:
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-9), key
-    weights_one, weights_two = torch.load(tmp_path / "one.json.weights.pt"), torch.load(tmp_path / "two.json.weights.pt")
+    weights_one, weights_two = (
+        torch.load(tmp_path / "one.json.weights.pt"),
+        torch.load(tmp_path / "two.json.weights.pt"),
+    )
     for name in weights_one:
         torch.testing.assert_close(weights_two[name], weights_one[name], rtol=1e-4, atol=1e-6, msg=name)
 
@@ -493,13 +596,16 @@ def test_two_ranks_end_to_end(tmp_path):
     assert all(isinstance(records[-1][key], float) for key in LOGGED + GTPO_LOGGED)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--entropy-coef", -0.1], "--entropy-coef must be >= 0"),
-    (["--entropy-coef", "nan"], "--entropy-coef must be >= 0"),
-    (["--entropy-ini-prompts", 0], "--entropy-ini-prompts must be >= 1"),
-    (["--mask-combine", "xor"], "--mask-combine"),  # tyro's own message for a value outside the choices
-    (["--entropy-filter", "maybe"], "--entropy-filter"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--entropy-coef", -0.1], "--entropy-coef must be >= 0"),
+        (["--entropy-coef", "nan"], "--entropy-coef must be >= 0"),
+        (["--entropy-ini-prompts", 0], "--entropy-ini-prompts must be >= 1"),
+        (["--mask-combine", "xor"], "--mask-combine"),  # tyro's own message for a value outside the choices
+        (["--entropy-filter", "maybe"], "--entropy-filter"),
+    ],
+)
 def test_bad_gtpo_flags_get_a_clear_error(tmp_path, flags, message):
     result = run_script("algorithms/gtpo.py", "--output-dir", tmp_path, *flags, check=False)
     assert result.returncode != 0

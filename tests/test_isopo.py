@@ -12,18 +12,25 @@ from functools import partial
 
 import pytest
 import torch
+from helpers import (
+    BASE_LOGGED,
+    assert_weights_unchanged,
+    only_run_dir,
+    read_jsonl,
+    run_script,
+    torchrun,
+    two_group_rollouts,
+)
 from torch import nn
 
 from algorithms import isopo
 from common.rollout import Completion
-from helpers import (
-    BASE_LOGGED, assert_weights_unchanged, only_run_dir, read_jsonl, run_script, torchrun, two_group_rollouts,
-)
 
 NO_AUTOCAST = torch.autocast("cpu", enabled=False)
 
 
 # --- a tiny float64 causal LM and its rollouts -------------------------------------------------
+
 
 class ScaleNorm(nn.Module):
     """An RMSNorm-like module: a parameter that is not a Linear weight."""
@@ -90,8 +97,12 @@ def rollouts():
 def token_logprobs64(model, micro, temperature, with_entropy=False):
     """isopo.token_logprobs without its float32 cast of the logits (the models here are float64)."""
     width = micro["response_ids"].shape[1]
-    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                   position_ids=micro["position_ids"], logits_to_keep=width + 1).logits[:, :-1]
+    logits = model(
+        input_ids=micro["input_ids"],
+        attention_mask=micro["attention_mask"],
+        position_ids=micro["position_ids"],
+        logits_to_keep=width + 1,
+    ).logits[:, :-1]
     logp = torch.log_softmax(logits / temperature, -1)
     return logp.gather(-1, micro["response_ids"][..., None]).squeeze(-1), torch.zeros_like(logp[..., 0])
 
@@ -119,6 +130,7 @@ def script_gradients(model, args, batch, order, micro_size, isopo_gradients=None
 
 
 # --- brute force --------------------------------------------------------------------------------
+
 
 def sequence_logprob(model, index):
     """log π(o_i | q_i) of one rollout, run alone without any padding."""
@@ -259,8 +271,9 @@ def test_blocks_not_micro_batches_set_the_update(float64_logprobs, variant):
 
 
 def test_overlap_rows_are_distinct_non_pad_positions():
-    valid = torch.tensor([[[0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 0, 1, 1]],
-                          [[1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]]).bool()  # 2 blocks of 3 rows
+    valid = torch.tensor(
+        [[[0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 0, 1, 1]], [[1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]]
+    ).bool()  # 2 blocks of 3 rows
     for block in range(2):
         positions = set(valid[block].flatten().nonzero().squeeze(1).tolist())
         seen = set()
@@ -273,6 +286,7 @@ def test_overlap_rows_are_distinct_non_pad_positions():
 
 
 # --- the paper's special cases, against the explicit Fisher matrix ---------------------------------
+
 
 @pytest.mark.parametrize("p, q, r", [(-1.0, 0.0, 0.0), (0.0, 0.0, -2.0), (0.0, -1.0, 0.0), (0.0, 0.0, 0.0)])
 def test_rescalings_of_the_paper(float64_logprobs, p, q, r):
@@ -304,8 +318,11 @@ def test_rescalings_of_the_paper(float64_logprobs, p, q, r):
 
 
 @pytest.mark.parametrize("micro_size", [1, 4, 9])
-@pytest.mark.parametrize("overrides", [dict(p=0.0), dict(variant="interacting", ntk_scale="authors", ntk_reg_coef=1e12)],
-                         ids=["all s_i = 1", "interacting, c -> inf"])
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(p=0.0), dict(variant="interacting", ntk_scale="authors", ntk_reg_coef=1e12)],
+    ids=["all s_i = 1", "interacting, c -> inf"],
+)
 def test_unit_scales_give_vanilla_reinforce(float64_logprobs, overrides, micro_size):
     """s_i = 1 for every sequence (p = q = r = 0), or c(K + cI)⁻¹ -> I: the whole model's gradient is the
     REINFORCE gradient −(1/M) Σ_i A_i ∇ log π(o_i|q_i), tied embeddings included, for any micro-batching."""
@@ -384,6 +401,7 @@ def test_reg2_forms_by_hand():
 
 # --- the Gram forms, the GEMM and the solve ------------------------------------------------------
 
+
 def _random_layer(B, T, out, inp, seed=0):
     generator = torch.Generator().manual_seed(seed)
     g = torch.randn(B, T, out, generator=generator, dtype=torch.float64)
@@ -395,7 +413,7 @@ def _random_layer(B, T, out, inp, seed=0):
 def test_gram_and_materialized_forms_agree_with_explicit_matrices(shape):
     g, a = _random_layer(*shape)
     V = torch.einsum("bto,bti->boi", g, a)  # the per-sequence matrices the Gram forms avoid
-    blocks = lambda x: torch.cat([x, x.flip(0)]).unflatten(0, (2, -1))  # noqa: E731  2 blocks: the rows, reversed
+    blocks = lambda x: torch.cat([x, x.flip(0)]).unflatten(0, (2, -1))  # 2 blocks: the rows, reversed
     for form in ("auto", "gram", "materialize"):
         torch.testing.assert_close(isopo.sequence_norms(g, a, form), V.flatten(1).norm(dim=1), rtol=1e-12, atol=0)
         K = V.flatten(1) @ V.flatten(1).T
@@ -422,15 +440,19 @@ def test_preconditioner_is_the_regularized_solve():
     torch.testing.assert_close(isopo.preconditioned_weights(K, A, 0.3)[0], solved, rtol=1e-10, atol=0)
     torch.testing.assert_close(isopo.preconditioned_weights(K, A, 0.3, "authors")[0], 0.3 * solved, rtol=1e-10, atol=0)
     # two blocks with a c each: each its own solve
-    both = isopo.preconditioned_weights(torch.cat([K, 2 * K]), torch.cat([A, A]), torch.tensor([0.3, 0.6], dtype=torch.float64))
+    both = isopo.preconditioned_weights(
+        torch.cat([K, 2 * K]), torch.cat([A, A]), torch.tensor([0.3, 0.6], dtype=torch.float64)
+    )
     torch.testing.assert_close(both[0], solved, rtol=1e-10, atol=0)
-    torch.testing.assert_close(both[1], torch.linalg.solve(2 * K[0] + 0.6 * torch.eye(4, dtype=torch.float64), A[0]),
-                               rtol=1e-10, atol=0)
+    torch.testing.assert_close(
+        both[1], torch.linalg.solve(2 * K[0] + 0.6 * torch.eye(4, dtype=torch.float64), A[0]), rtol=1e-10, atol=0
+    )
     K[0, 1, 2] = float("nan")
     assert torch.isnan(isopo.preconditioned_weights(K, A, 0.3)).all()  # no eigh error: the step gets skipped
 
 
 # --- ISOPO on a transformers Llama (float64 weights, float32 inside: 1e-5) ------------------
+
 
 @pytest.mark.parametrize("variant", ["non-interacting", "interacting", "reinforce"])
 def test_llama_linear_layers_match_brute_force(tiny, float64_logprobs, variant):
@@ -440,11 +462,18 @@ def test_llama_linear_layers_match_brute_force(tiny, float64_logprobs, variant):
     llama = llama.double()
     prompts, completions = two_group_rollouts(tokenizer)
     responses = [c.token_ids for c in completions]
-    batch = isopo.make_batch(prompts, [Completion(r, [0.0] * len(r), "stop") for r in responses], 4,
-                             tokenizer.pad_token_id, torch.device("cpu"))
+    batch = isopo.make_batch(
+        prompts,
+        [Completion(r, [0.0] * len(r), "stop") for r in responses],
+        4,
+        tokenizer.pad_token_id,
+        torch.device("cpu"),
+    )
     advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.0, -0.9, 0.4], dtype=torch.float64)
     batch["advantages"] = advantages
-    args = make_args(**{"non-interacting": {}, "interacting": {"variant": "interacting"}, "reinforce": {"p": 0.0}}[variant])
+    args = make_args(
+        **{"non-interacting": {}, "interacting": {"variant": "interacting"}, "reinforce": {"p": 0.0}}[variant]
+    )
     grads, isopo_gradients, micros = script_gradients(llama, args, batch, torch.arange(8), micro_size=4)
 
     names, params = zip(*llama.named_parameters())
@@ -506,6 +535,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny, float64_logprobs)
 
 # --- IsopoGradients: scope and clear errors ---------------------------------------------------------------
 
+
 def test_isopo_forwards_are_idle_outside_capture():
     """Outside capture() the model computes and differentiates as plain PyTorch; remove() restores its forwards."""
     model, plain = tiny_lm(False), tiny_lm(False)
@@ -533,6 +563,7 @@ def test_a_linear_called_twice_is_refused():
 
 def test_a_module_that_never_runs_is_refused(float64_logprobs):
     """Its parameter is used outside its module's forward (which ISOPO cannot see): an error naming the module."""
+
     class Bypass(TinyLM):
         def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0):
             x = self.embed(input_ids) * self.norm.weight[0]  # norm.weight outside the norm's forward
@@ -544,15 +575,18 @@ def test_a_module_that_never_runs_is_refused(float64_logprobs):
         script_gradients(model, make_args(), batch, torch.arange(9), 9)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (dict(n_overlap=0), "--n-overlap must be >= 1"),
-    (dict(reg_coef=-1.0), "--reg-coef must be >= 0"),
-    (dict(ntk_reg_coef=0.0), "--ntk-reg-coef must be > 0"),
-    (dict(ema_decay=1.0), "--ema-decay must be in [0, 1)"),
-    (dict(p=float("nan")), "--p must be a finite number"),
-    (dict(group_size=1), "--group-size must be >= 2"),
-    (dict(dtype="float16"), "--dtype must be auto, float32 or bfloat16: Eq. 6 normalizes"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(n_overlap=0), "--n-overlap must be >= 1"),
+        (dict(reg_coef=-1.0), "--reg-coef must be >= 0"),
+        (dict(ntk_reg_coef=0.0), "--ntk-reg-coef must be > 0"),
+        (dict(ema_decay=1.0), "--ema-decay must be in [0, 1)"),
+        (dict(p=float("nan")), "--p must be a finite number"),
+        (dict(group_size=1), "--group-size must be >= 2"),
+        (dict(dtype="float16"), "--dtype must be auto, float32 or bfloat16: Eq. 6 normalizes"),
+    ],
+)
 def test_bad_flag_values_name_the_flag(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         isopo.check_args(isopo.Args(**flags))
@@ -588,12 +622,32 @@ def test_both_variants_two_steps_end_to_end(tmp_path, tiny_dir):
     for (name, p), q in zip(model.named_parameters(), initial.parameters()):
         assert not torch.equal(p, q), name  # every parameter trained (norms and the tied embedding included)
 
-    run_script("algorithms/isopo.py", "--steps", 2, "--output-dir", tmp_path / "interacting", *SMALL, "--variant",
-               "interacting", "--num-minibatches", 2, "--block-size", 5, "--micro-batch-size", 10, "--log-kl-ref", "--lr", 1e-3)
+    run_script(
+        "algorithms/isopo.py",
+        "--steps",
+        2,
+        "--output-dir",
+        tmp_path / "interacting",
+        *SMALL,
+        "--variant",
+        "interacting",
+        "--num-minibatches",
+        2,
+        "--block-size",
+        5,
+        "--micro-batch-size",
+        10,
+        "--log-kl-ref",
+        "--lr",
+        1e-3,
+    )
     first, last = read_jsonl(os.path.join(only_run_dir(tmp_path / "interacting"), "metrics.jsonl"))
     assert first["charts/zero_std_group_fraction"] < 1  # this seed's first batch carries signal
-    for key in LOGGED + ["losses/kl_ref"] + [f"isopo/{g}/{k}" for g in GROUPS
-                                            for k in ["ntk_eig_mean", "ntk_eig_max", "ntk_reg", "shrink"]]:
+    for key in (
+        LOGGED
+        + ["losses/kl_ref"]
+        + [f"isopo/{g}/{k}" for g in GROUPS for k in ["ntk_eig_mean", "ntk_eig_max", "ntk_reg", "shrink"]]
+    ):
         assert isinstance(first[key], float), key
     # the second minibatch is trained off-policy, uncorrected (unless the first one's groups all had equal rewards)
     assert max(first["losses/approx_kl"], last["losses/approx_kl"]) > 0
@@ -620,7 +674,9 @@ def test_resume_continues_exactly_with_the_regularization_state(tmp_path):
 
 def test_non_finite_update_skips_the_step(tmp_path, monkeypatch, tiny_dir):
     """A NaN in the ISOPO scales must never reach the weights: the step is skipped and counted."""
-    monkeypatch.setattr(isopo, "sequence_scales", lambda quantities, *args, **kwargs: quantities["fisher"] * float("nan"))
+    monkeypatch.setattr(
+        isopo, "sequence_scales", lambda quantities, *args, **kwargs: quantities["fisher"] * float("nan")
+    )
     isopo.main(isopo.Args(steps=2, eval_every=0, output_dir=str(tmp_path), prompts_per_step=4, group_size=4))
     run_dir = only_run_dir(tmp_path)
     assert [r["charts/skipped_steps"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2]
@@ -639,7 +695,9 @@ def test_two_ranks_end_to_end_and_exact_resume(tmp_path):
         torchrun(2, "algorithms/isopo.py", "--steps", 3, "--output-dir", out / "straight", *flags)
         torchrun(2, "algorithms/isopo.py", "--steps", 2, "--output-dir", out / "split", *flags)
         torchrun(2, "algorithms/isopo.py", "--steps", 3, "--output-dir", out / "split", "--resume", "auto", *flags)
-        straight, split = (read_jsonl(os.path.join(only_run_dir(out / n), "metrics.jsonl")) for n in ("straight", "split"))
+        straight, split = (
+            read_jsonl(os.path.join(only_run_dir(out / n), "metrics.jsonl")) for n in ("straight", "split")
+        )
         assert [r["step"] for r in split] == [1, 2, 3]
         statistic = "isopo/q_proj/reg_fisher" if variant == "non-interacting" else "isopo/q_proj/ntk_reg"
         assert straight[-1][statistic] > 0
@@ -656,6 +714,9 @@ def test_full_logits_that_cannot_fit_are_refused_before_set_up(tmp_path, monkeyp
 
     assert memory.full_logits_bytes(8, 2048, 151936) == 16 * 8 * 2049 * 151936
     monkeypatch.setattr(memory, "device_bytes", lambda device: 2**20)  # a 1 MiB device: nothing fits
-    with pytest.raises(ValueError, match=r"ISOPO keeps full logits: --micro-batch-size 64 × 17 positions × 100 vocabulary needs about 0.0016 GiB"):
+    with pytest.raises(
+        ValueError,
+        match=r"ISOPO keeps full logits: --micro-batch-size 64 × 17 positions × 100 vocabulary needs about 0.0016 GiB",
+    ):
         isopo.main(isopo.Args(steps=1, eval_every=0, output_dir=str(tmp_path)))
     assert not any(tmp_path.iterdir())

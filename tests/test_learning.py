@@ -6,7 +6,6 @@ machine stretches it: the README and `time/step` report it), the subprocess time
 import os
 
 import pytest
-
 from helpers import only_run_dir, read_jsonl, run_script
 
 

@@ -53,8 +53,16 @@ def _llama(tied):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
+    config = LlamaConfig(
+        vocab_size=37,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
     return LlamaForCausalLM(config).to(F64)
 
 
@@ -67,8 +75,12 @@ def test_token_logprobs_through_the_model_equal_full_logits(tied, monkeypatch):
     ids = torch.randint(3, 37, (3, 12))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding of a shorter prompt
-    micro = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-             "response_ids": ids[:, 7:]}
+    micro = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "response_ids": ids[:, 7:],
+    }
     monkeypatch.setattr("common.logprobs.CHUNK_BYTES", 4 * 37 * 2)
     logprobs, entropy = grpo.token_logprobs(model, micro, 0.8, with_entropy=True)
     logits = reference(input_ids=ids, attention_mask=mask, position_ids=micro["position_ids"]).logits[:, 6:-1] / 0.8
@@ -92,7 +104,6 @@ def test_targets_must_match_the_positions():
 def test_memory_does_not_grow_with_the_response_length():
     """Peak memory of the log-prob stage (forward + backward) with a 151,936-token vocabulary: chunking
     keeps it at a few chunks whatever the length (full logits: 4 tensors of 2.5 GB at 4,096 tokens)."""
-    import resource
     import subprocess
     import sys
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
+from helpers import OFFLINE, REPO
 
 from common import memory
-from helpers import OFFLINE, REPO
 
 
 def _llama_config(hidden, intermediate, layers, vocab, heads=8, kv_heads=2, context=1024):
@@ -18,10 +18,19 @@ def _llama_config(hidden, intermediate, layers, vocab, heads=8, kv_heads=2, cont
     from common.tiny import make_tokenizer
 
     tokenizer = make_tokenizer()
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=context,
-                       tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id), tokenizer
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    ), tokenizer
 
 
 def test_parameter_counts_are_the_models(tiny):
@@ -52,7 +61,9 @@ def test_the_estimate_names_the_flags_that_would_make_a_plan_fit():
     config, _ = _llama_config(1536, 8960, 28, 151936, heads=12)
     plan = memory.Plan(model="1.5B", max_new_tokens=4096, micro_batch_size=8, prompts_per_step=64)
     result = memory.estimate(plan, config, per_token=116 * 1024)
-    assert result["peak_bytes"] > 80 * memory.GiB and memory.advice(plan, result)[0].startswith("--gradient-checkpointing")
+    assert result["peak_bytes"] > 80 * memory.GiB and memory.advice(plan, result)[0].startswith(
+        "--gradient-checkpointing"
+    )
     assert "does NOT fit" in memory.report(plan, result)
     plan.gradient_checkpointing = plan.vllm_sleep_mode = True
     assert "fits in 80 GiB" in memory.report(plan, memory.estimate(plan, config, per_token=116 * 1024))
@@ -70,19 +81,51 @@ def test_the_estimate_is_within_20_percent_of_a_measured_step(tmp_path, checkpoi
 
     LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    flags = ["--model", tmp_path / "model", "--steps", 2, "--prompts-per-step", 1, "--group-size", 4,
-             "--max-new-tokens", 512, "--max-prompt-tokens", 16, "--eval-every", 0, "--output-dir", tmp_path / "runs",
-             *(["--gradient-checkpointing"] if checkpointing else [])]
+    flags = [
+        "--model",
+        tmp_path / "model",
+        "--steps",
+        2,
+        "--prompts-per-step",
+        1,
+        "--group-size",
+        4,
+        "--max-new-tokens",
+        512,
+        "--max-prompt-tokens",
+        16,
+        "--eval-every",
+        0,
+        "--output-dir",
+        tmp_path / "runs",
+        *(["--gradient-checkpointing"] if checkpointing else []),
+    ]
     # the peak RSS of the script alone: a launcher whose only child it is
-    launcher = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); " \
-               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)"
+    launcher = (
+        "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)"
+    )
     env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "2"}
-    result = subprocess.run([sys.executable, "-c", launcher, sys.executable, os.path.join(REPO, "algorithms/grpo.py"),
-                             *map(str, flags)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-c", launcher, sys.executable, os.path.join(REPO, "algorithms/grpo.py"), *map(str, flags)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     measured = int(result.stdout.split()[-1])
-    plan = memory.Plan(model="test", device="cpu", gradient_checkpointing=checkpointing, max_prompt_tokens=16,
-                       max_new_tokens=512, prompts_per_step=1, group_size=4, rollout_engine="hf")
+    plan = memory.Plan(
+        model="test",
+        device="cpu",
+        gradient_checkpointing=checkpointing,
+        max_prompt_tokens=16,
+        max_new_tokens=512,
+        prompts_per_step=1,
+        group_size=4,
+        rollout_engine="hf",
+    )
     estimated = memory.estimate(plan, config)["peak_bytes"]
     print(f"estimated {estimated / 1e9:.2f} GB, measured {measured / 1e9:.2f} GB")
     assert 0.8 < estimated / measured < 1.2, (estimated / 1e9, measured / 1e9)

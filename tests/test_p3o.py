@@ -15,14 +15,14 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for the script mode
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
+from helpers import CLIP_LOGGED, help_text, only_run_dir, precision, read_jsonl, run_script, torchrun
 
-from algorithms import p3o  # noqa: E402
-from common import fsdp  # noqa: E402
-from common.rollout import Completion  # noqa: E402
-from common.tracking import StepMetrics  # noqa: E402
-from helpers import CLIP_LOGGED, help_text, only_run_dir, precision, read_jsonl, run_script, torchrun  # noqa: E402
+from algorithms import p3o
+from common import fsdp
+from common.rollout import Completion
+from common.tracking import StepMetrics
 
 # --- the effective sample size --------------------------------------------------------------------
 
@@ -153,6 +153,8 @@ def test_clamped_log_ratio_never_flips_the_kl_gradient():
 
 # --- the update on a real model: micro-batches, padding and ranks vs brute force ---------------------
 
+CPU = torch.device("cpu")
+ONE_CPU_RANK = fsdp.Dist(0, 1, 0, CPU)
 QUESTIONS = ["Q: 1+2=", "Q: 45+51=", "Q: 9+9=", "Q: 70+30="]
 RESPONSES = ["3", "12", "4", "396", "96", "9", "91", "906", "18", "1", "81", "188", "100", "10", "1000", "0"]
 
@@ -170,11 +172,15 @@ class GradRecorder:
         self.model.zero_grad(set_to_none=set_to_none)
 
 
-def _off_policy_batch(model, tokenizer, prompts_range=range(4), device=torch.device("cpu")):
+def _off_policy_batch(model, tokenizer, prompts_range=range(4), device=CPU):
     """4 prompts x 4 completions; μ = π_θ's log-probs shifted by fixed noise (ratios around 1, some capped)."""
     prompts = [tokenizer(q)["input_ids"] for q in QUESTIONS]
-    completions = [Completion(tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
-                              [0.0] * (len(r) + 1), "stop") for r in RESPONSES]
+    completions = [
+        Completion(
+            tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], [0.0] * (len(r) + 1), "stop"
+        )
+        for r in RESPONSES
+    ]
     full = p3o.make_batch(prompts, completions, 4, tokenizer.pad_token_id, device)
     with torch.no_grad():
         current = p3o.token_logprobs(model, full, 1.0)[0]
@@ -184,18 +190,24 @@ def _off_policy_batch(model, tokenizer, prompts_range=range(4), device=torch.dev
         completion.logprobs = sampler[index, : len(completion.token_ids)].tolist()
     advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.3, -0.9, 0.4, 1.1, -1.0, 0.2, -0.3, 0.0, 0.8, -0.6, -0.2])
     mine = list(prompts_range)
-    batch = p3o.make_batch([prompts[i] for i in mine], [completions[i * 4 + j] for i in mine for j in range(4)],
-                           4, tokenizer.pad_token_id, device)
+    batch = p3o.make_batch(
+        [prompts[i] for i in mine],
+        [completions[i * 4 + j] for i in mine for j in range(4)],
+        4,
+        tokenizer.pad_token_id,
+        device,
+    )
     batch["advantages"] = advantages[mine[0] * 4 : (mine[-1] + 1) * 4]
     return prompts, completions, advantages, batch
 
 
-def _update(model, batch, dist=fsdp.Dist(0, 1, 0, torch.device("cpu")), **overrides):
+def _update(model, batch, dist=ONE_CPU_RANK, **overrides):
     """(the statistics update_policy logs, reduced, with "skipped"; the gradient of each optimizer step)."""
     args = p3o.Args(max_grad_norm=1e9, **overrides)
     recorder, metrics = GradRecorder(model), StepMetrics()
-    skipped = p3o.update_policy(model, None, recorder, types.SimpleNamespace(step=lambda: None), batch, args,
-                                dist, *precision(), metrics)
+    skipped = p3o.update_policy(
+        model, None, recorder, types.SimpleNamespace(step=lambda: None), batch, args, dist, *precision(), metrics
+    )
     return {"skipped": skipped, **metrics.reduce(dist)}, recorder.grads
 
 
@@ -225,8 +237,9 @@ def test_update_gradient_matches_brute_force_of_the_written_objective(tiny):
     rho = torch.exp(logprobs - sampler)
     n = len(rho)
     ess = (rho.detach().double().sum() ** 2 / (n * rho.detach().double().square().sum())).item()
-    objective = (-torch.clamp(rho.detach(), max=ess) * advantages[owner] * logprobs
-                 + (1 - ess) * (torch.log(rho) + 1 / rho - 1)).sum() / n
+    objective = (
+        -torch.clamp(rho.detach(), max=ess) * advantages[owner] * logprobs + (1 - ess) * (torch.log(rho) + 1 / rho - 1)
+    ).sum() / n
     objective.backward()
 
     assert logged["losses/ess_min"] == pytest.approx(ess, abs=1e-6) and ess < 0.97
@@ -266,8 +279,9 @@ def test_several_updates_tighten_as_pi_drifts_from_mu(tiny):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     torch.manual_seed(0)
     metrics = StepMetrics()
-    skipped = p3o.update_policy(model, None, optimizer, scheduler, batch, args, fsdp.Dist(0, 1, 0, torch.device("cpu")),
-                                *precision(), metrics)
+    skipped = p3o.update_policy(
+        model, None, optimizer, scheduler, batch, args, fsdp.Dist(0, 1, 0, torch.device("cpu")), *precision(), metrics
+    )
     logged = metrics.reduce()
     assert scheduler.last_epoch == 4 and skipped == 0  # four optimizer steps, none skipped
     assert logged["losses/ess_min"] < 0.999  # the later updates see π_θ ≠ μ
@@ -282,7 +296,9 @@ def _distributed_update(out_path):
     model, tokenizer = load(tiny_model_dir())
     model.eval()
     per_rank = 4 // dist.world_size
-    *_, batch = _off_policy_batch(model, tokenizer, range(dist.rank * per_rank, (dist.rank + 1) * per_rank), dist.device)
+    *_, batch = _off_policy_batch(
+        model, tokenizer, range(dist.rank * per_rank, (dist.rank + 1) * per_rank), dist.device
+    )
     policy = fsdp.shard(model, dist)
     torch.manual_seed(0)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)  # linear in the gradient: weights compare gradients
@@ -290,8 +306,11 @@ def _distributed_update(out_path):
     args = p3o.Args(micro_batch_size=3, max_grad_norm=1e9)
     metrics = StepMetrics()
     skipped = p3o.update_policy(policy, None, optimizer, scheduler, batch, args, dist, *precision(), metrics)
-    logged = {"skipped": skipped, "tokens": fsdp.all_reduce(batch["response_mask"].sum().item(), dist),
-              **metrics.reduce(dist)}  # means over the tokens of all ranks
+    logged = {
+        "skipped": skipped,
+        "tokens": fsdp.all_reduce(batch["response_mask"].sum().item(), dist),
+        **metrics.reduce(dist),
+    }  # means over the tokens of all ranks
     weights = dict(fsdp.named_full_tensors(policy, dist.device))
     if dist.is_main:
         with open(out_path, "w") as f:
@@ -320,14 +339,22 @@ def test_two_ranks_compute_one_ess(tmp_path):
 # --- the script ----------------------------------------------------------------------------------
 
 SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-prompts", 16, "--eval-k", 2]
-LOGGED = CLIP_LOGGED + ["losses/ratio_mean", "losses/kl_behavior", "losses/ess", "losses/ess_min", "losses/ess_fallbacks"]
+LOGGED = CLIP_LOGGED + [
+    "losses/ratio_mean",
+    "losses/kl_behavior",
+    "losses/ess",
+    "losses/ess_min",
+    "losses/ess_fallbacks",
+]
 
 
 @pytest.mark.slow
 def test_fresh_rollouts_keep_the_ess_at_one_and_stale_ones_lower_it(tmp_path):
     """--sync-every 2: step 1 samples with the current weights, step 2 with the weights of one step ago, step 3
     with the weights pushed after step 2 (the current ones again)."""
-    run_script("algorithms/p3o.py", "--steps", 3, "--eval-every", 0, "--sync-every", 2, "--output-dir", tmp_path, *SMALL)
+    run_script(
+        "algorithms/p3o.py", "--steps", 3, "--eval-every", 0, "--sync-every", 2, "--output-dir", tmp_path, *SMALL
+    )
     fresh, stale, fresh_again = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     for record in (fresh, fresh_again):  # the float32 engine has the trainer's weights: μ = π_θ up to rounding
         for key in LOGGED:
@@ -335,7 +362,9 @@ def test_fresh_rollouts_keep_the_ess_at_one_and_stale_ones_lower_it(tmp_path):
         assert 1 - 1e-9 < record["losses/ess"] <= 1 and record["losses/ess_fallbacks"] == 0
         assert abs(record["losses/ratio_max"] - 1) < 1e-4 and abs(record["losses/ratio_min"] - 1) < 1e-4
         assert record["losses/kl_behavior"] < 1e-9 and record["mismatch/max_abs_logprob_diff"] < 1e-4
-    assert stale["losses/ess"] < 0.99 and stale["losses/ess"] == pytest.approx(stale["losses/ess_min"], rel=1e-12)  # one e_B per step
+    assert stale["losses/ess"] < 0.99 and stale["losses/ess"] == pytest.approx(
+        stale["losses/ess_min"], rel=1e-12
+    )  # one e_B per step
     assert stale["mismatch/max_abs_logprob_diff"] > 1e-2 and stale["losses/kl_behavior"] > 1e-3
     assert stale["losses/ratio_max"] > 1 > stale["losses/ratio_min"]
     assert stale["charts/skipped_steps"] == 0
@@ -343,8 +372,22 @@ def test_fresh_rollouts_keep_the_ess_at_one_and_stale_ones_lower_it(tmp_path):
 
 @pytest.mark.slow
 def test_sampling_temperature_makes_the_batch_off_policy(tmp_path):
-    run_script("algorithms/p3o.py", "--steps", 1, "--eval-every", 0, "--sampling-temperature", 1.2,
-               "--ess-scope", "micro-batch", "--micro-batch-size", 5, "--output-dir", tmp_path, *SMALL)
+    run_script(
+        "algorithms/p3o.py",
+        "--steps",
+        1,
+        "--eval-every",
+        0,
+        "--sampling-temperature",
+        1.2,
+        "--ess-scope",
+        "micro-batch",
+        "--micro-batch-size",
+        5,
+        "--output-dir",
+        tmp_path,
+        *SMALL,
+    )
     (record,) = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     assert record["losses/ess_min"] < record["losses/ess"] < 0.999  # four micro-batches, four e_B
     assert record["losses/kl_behavior"] > 1e-3 and 0 < record["losses/clip_fraction"] < 1
@@ -352,8 +395,9 @@ def test_sampling_temperature_makes_the_batch_off_policy(tmp_path):
 
 def test_non_finite_sums_fall_back_and_are_counted(tmp_path, monkeypatch):
     monkeypatch.setattr(p3o, "ratio_sums", lambda *a: {"ratio_sum": float("nan"), "ratio_sq_sum": 1.0, "tokens": 1.0})
-    p3o.main(p3o.Args(steps=2, eval_every=0, output_dir=str(tmp_path), prompts_per_step=4, group_size=4,
-                      micro_batch_size=5))
+    p3o.main(
+        p3o.Args(steps=2, eval_every=0, output_dir=str(tmp_path), prompts_per_step=4, group_size=4, micro_batch_size=5)
+    )
     records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     for record in records:
         assert record["losses/ess_fallbacks"] == 1  # one optimizer step per rollout batch
@@ -365,12 +409,15 @@ def test_help_has_no_clip_range():
     assert "--clip-low" not in text and "--clip-high" not in text  # P3O has no clip hyper-parameter
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"sampling_temperature": 0.0}, "--sampling-temperature must be > 0"),
-    ({"sampling_temperature": float("nan")}, "--sampling-temperature must be > 0"),
-    ({"sync_every": 0}, "--sync-every must be >= 1"),
-    ({"clip_eps": 1.0}, r"--clip-eps must be in \[0, 1\)"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"sampling_temperature": 0.0}, "--sampling-temperature must be > 0"),
+        ({"sampling_temperature": float("nan")}, "--sampling-temperature must be > 0"),
+        ({"sync_every": 0}, "--sync-every must be >= 1"),
+        ({"clip_eps": 1.0}, r"--clip-eps must be in \[0, 1\)"),
+    ],
+)
 def test_bad_flags_get_a_clear_error(overrides, message):
     with pytest.raises(ValueError, match=message):
         p3o.check_args(p3o.Args(**overrides))
@@ -404,8 +451,22 @@ def test_clip_baseline_is_grpos_surrogate_on_the_behavior_ratio():
 
 @pytest.mark.slow
 def test_clip_baseline_end_to_end_off_policy(tmp_path):
-    run_script("algorithms/p3o.py", "--steps", 1, "--eval-every", 0, "--sampling-temperature", 1.2, "--loss", "clip",
-               "--clip-eps", 0.05, "--output-dir", tmp_path, *SMALL)
+    run_script(
+        "algorithms/p3o.py",
+        "--steps",
+        1,
+        "--eval-every",
+        0,
+        "--sampling-temperature",
+        1.2,
+        "--loss",
+        "clip",
+        "--clip-eps",
+        0.05,
+        "--output-dir",
+        tmp_path,
+        *SMALL,
+    )
     (record,) = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     assert record["losses/ess"] < 0.999 and 0 < record["losses/clip_fraction"] < 1
 

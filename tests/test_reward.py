@@ -7,24 +7,37 @@ import pytest
 
 from common import reward
 from common.reward import (
-    HUB_TASKS, MIN_NEW_TOKENS, Row, arith_rows, check_answer, extract_answer, extract_boxed, format_prompt, load_task,
-    sample_batch, sums_rows, sums_scratchpad,
+    HUB_TASKS,
+    MIN_NEW_TOKENS,
+    Row,
+    arith_rows,
+    check_answer,
+    extract_answer,
+    extract_boxed,
+    format_prompt,
+    load_task,
+    sample_batch,
+    sums_rows,
+    sums_scratchpad,
 )
-
 
 # --- answer extraction ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, expected", [
-    ("so the answer is \\boxed{81}.", "81"),
-    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
-    ("first \\boxed{3} then \\boxed{4}", "4"),                      # the last box wins
-    ("\\boxed{\\{1, 2\\} \\cup \\{3\\}}", "\\{1, 2\\} \\cup \\{3\\}"),  # nested braces
-    ("\\boxed{\\frac{1}{2", None),                                  # unbalanced: malformed
-    ("We get 70.\n#### 72", "72"),
-    ("Answer: 5\nsome more text\nanswer: 7", "7"),
-    ("no marker at all 42", None),
-    ("", None),
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so the answer is \\boxed{81}.", "81"),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("first \\boxed{3} then \\boxed{4}", "4"),  # the last box wins
+        ("\\boxed{\\{1, 2\\} \\cup \\{3\\}}", "\\{1, 2\\} \\cup \\{3\\}"),  # nested braces
+        ("\\boxed{\\frac{1}{2", None),  # unbalanced: malformed
+        ("We get 70.\n#### 72", "72"),
+        ("Answer: 5\nsome more text\nanswer: 7", "7"),
+        ("no marker at all 42", None),
+        ("", None),
+    ],
+)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
@@ -37,19 +50,22 @@ def test_extract_answer_bare_only_when_asked():
     assert extract_answer("\\boxed{}") is None  # an empty box is no answer
 
 
-@pytest.mark.parametrize("completion, gold, correct", [
-    ("\\boxed{81}", "81", True),
-    ("#### 81", "81", True),
-    ("\\boxed{80}", "81", False),
-    ("\\boxed{1/2}", "0.5", True),                       # fraction vs decimal
-    ("\\boxed{\\frac{1}{2}}", "0.5", True),
-    ("\\boxed{\\dfrac13}", "\\frac{1}{3}", True),
-    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True),
-    ("\\boxed{1,000}", "1000", True),
-    ("Answer: 72.0", "72", True),
-    ("\\boxed{x^2+}", "4", False),                       # malformed LaTeX: wrong, no exception
-    ("\\boxed{-3}", "3", False),
-])
+@pytest.mark.parametrize(
+    "completion, gold, correct",
+    [
+        ("\\boxed{81}", "81", True),
+        ("#### 81", "81", True),
+        ("\\boxed{80}", "81", False),
+        ("\\boxed{1/2}", "0.5", True),  # fraction vs decimal
+        ("\\boxed{\\frac{1}{2}}", "0.5", True),
+        ("\\boxed{\\dfrac13}", "\\frac{1}{3}", True),
+        ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True),
+        ("\\boxed{1,000}", "1000", True),
+        ("Answer: 72.0", "72", True),
+        ("\\boxed{x^2+}", "4", False),  # malformed LaTeX: wrong, no exception
+        ("\\boxed{-3}", "3", False),
+    ],
+)
 def test_check_answer(completion, gold, correct):
     score = check_answer(completion, gold)
     assert score.found and score.correct is correct
@@ -68,15 +84,18 @@ def test_bare_answers_of_the_built_in_task():
     assert reward.reward("81", "81", "gsm8k") == 0.0  # other tasks need a marked answer
 
 
-@pytest.mark.parametrize("completion, correct, found", [
-    ("37+48=85,85+91=176 #### 176", True, True),
-    ("37+48=85,85+91=175 #### 175", False, True),   # a slip in the reasoning: the final answer decides
-    ("37+48=84,84+91=176 #### 176", True, True),    # a wrong step with the right total still counts (as in GSM8K)
-    ("37+48=85,85+91=176", False, False),           # the total written, but no answer after ####
-    ("176", False, False),                          # a bare number is no answer on this task
-    ("37+48=85 #### 1+76", False, True),            # not a plain number: wrong, and math-verify is not asked
-    ("#### 176 #### 17", False, True),              # the last marked answer is the one
-])
+@pytest.mark.parametrize(
+    "completion, correct, found",
+    [
+        ("37+48=85,85+91=176 #### 176", True, True),
+        ("37+48=85,85+91=175 #### 175", False, True),  # a slip in the reasoning: the final answer decides
+        ("37+48=84,84+91=176 #### 176", True, True),  # a wrong step with the right total still counts (as in GSM8K)
+        ("37+48=85,85+91=176", False, False),  # the total written, but no answer after ####
+        ("176", False, False),  # a bare number is no answer on this task
+        ("37+48=85 #### 1+76", False, True),  # not a plain number: wrong, and math-verify is not asked
+        ("#### 176 #### 17", False, True),  # the last marked answer is the one
+    ],
+)
 def test_sums_answers_are_read_after_the_marker(completion, correct, found, monkeypatch):
     monkeypatch.setattr(reward, "_math_verify_with_deadline", lambda *a: pytest.fail("math-verify was called"))
     assert reward.score(completion, "176", "sums") == reward.Score(correct=correct, found=found)
@@ -92,6 +111,7 @@ def test_math_verify_off_the_main_thread():
 
 
 # --- tasks ------------------------------------------------------------------------------------
+
 
 def test_arith_is_deterministic_disjoint_and_correct():
     train, test = arith_rows("train"), arith_rows("test")
@@ -171,7 +191,9 @@ def test_bad_task_inputs_name_the_problem(tmp_path):
     wrong_columns = _write(tmp_path / "cols.jsonl", [{"problem": "1+1", "solution": "2"}])
     with pytest.raises(ValueError, match=r"no column\(s\) \['question', 'answer'\].*'problem', 'solution'"):
         load_task(wrong_columns, "train")
-    blank_answer = _write(tmp_path / "blank.jsonl", [{"question": "1+1", "answer": "2"}, {"question": "x", "answer": " "}])
+    blank_answer = _write(
+        tmp_path / "blank.jsonl", [{"question": "1+1", "answer": "2"}, {"question": "x", "answer": " "}]
+    )
     with pytest.raises(ValueError, match="row 1 has an empty question or answer"):
         load_task(blank_answer, "train")
 
@@ -180,8 +202,14 @@ HUB_RECORDS = {  # one row shaped like each public dataset
     "gsm8k": ({"question": "How many?", "answer": "2 + 2 = 4\n#### 1,204"}, "How many?", "1204"),
     "math": ({"problem": "Half?", "solution": "It is $\\boxed{\\frac{1}{2}}$."}, "Half?", "\\frac{1}{2}"),
     "math500": ({"problem": "P", "answer": "\\sqrt{2}"}, "P", "\\sqrt{2}"),
-    "dapo_math": ({"prompt": [{"role": "user", "content": reward._DAPO_HEADER + "Find x." + reward._DAPO_FOOTER}],
-                   "reward_model": {"ground_truth": "34", "style": "rule"}}, "Find x.", "34"),
+    "dapo_math": (
+        {
+            "prompt": [{"role": "user", "content": reward._DAPO_HEADER + "Find x." + reward._DAPO_FOOTER}],
+            "reward_model": {"ground_truth": "34", "style": "rule"},
+        },
+        "Find x.",
+        "34",
+    ),
     "aime24": ({"problem": "A", "answer": 204}, "A", "204"),
     "aime25": ({"problem": "B", "answer": "70"}, "B", "70"),
 }
@@ -223,6 +251,7 @@ def test_hub_task_errors(monkeypatch):
 
 
 # --- prompts ----------------------------------------------------------------------------------
+
 
 def test_prompt_formatting(tiny):
     _, tokenizer = tiny

@@ -115,8 +115,10 @@ def _chat_tokenizer(tokenizer):
 
     chat = copy.deepcopy(tokenizer)
     chat.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    chat.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    chat.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     return chat
 
 
@@ -137,6 +139,7 @@ def test_chat_models_stop_at_the_end_of_turn_token(tiny):
 
 
 # --- quantized rollouts: Linear weights rounded through fp8 (e4m3) or int8 -----------------------
+
 
 def _nearest(values, grid):
     """Round each value to the nearest point of `grid` by brute force (an independent reference)."""
@@ -195,9 +198,13 @@ def test_quantized_engine_rounds_its_linear_weights_and_shows_a_mismatch(tiny, k
     torch.manual_seed(0)
     prompts = _prompt_ids(tokenizer)
     completions = engine.generate(prompts, n=4, max_new_tokens=6, temperature=1.0)
-    differences = torch.cat([torch.tensor(c.logprobs, dtype=torch.float64)
-                             - _reference_logprobs(model, prompts[i // 4], c.token_ids, 1.0)
-                             for i, c in enumerate(completions)]).abs()
+    differences = torch.cat(
+        [
+            torch.tensor(c.logprobs, dtype=torch.float64)
+            - _reference_logprobs(model, prompts[i // 4], c.token_ids, 1.0)
+            for i, c in enumerate(completions)
+        ]
+    ).abs()
     assert differences.max() > 1e-4  # a real train-inference mismatch
     with pytest.raises(ValueError, match="engine dtype int8: rounded weights are the transformers engine's"):
         make_engine("vllm", model, tokenizer, dtype="int8")
@@ -210,9 +217,24 @@ def test_a_script_logs_the_quantized_engines_mismatch(tmp_path):
     from helpers import only_run_dir, read_jsonl, run_script
 
     for dtype in ("auto", "int8"):
-        run_script("algorithms/tis_icepop.py", "--steps", 2, "--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0,
-                   "--engine-dtype", dtype, "--output-dir", tmp_path / dtype)
-    plain, rounded = (read_jsonl(os.path.join(only_run_dir(tmp_path / d), "metrics.jsonl"))[-1] for d in ("auto", "int8"))
+        run_script(
+            "algorithms/tis_icepop.py",
+            "--steps",
+            2,
+            "--prompts-per-step",
+            4,
+            "--group-size",
+            4,
+            "--eval-every",
+            0,
+            "--engine-dtype",
+            dtype,
+            "--output-dir",
+            tmp_path / dtype,
+        )
+    plain, rounded = (
+        read_jsonl(os.path.join(only_run_dir(tmp_path / d), "metrics.jsonl"))[-1] for d in ("auto", "int8")
+    )
     assert plain["mismatch/kl_k3"] < 1e-7 and rounded["mismatch/kl_k3"] > 100 * plain["mismatch/kl_k3"] + 1e-6
     assert rounded["mismatch/max_abs_logprob_diff"] > 1e-3
 
@@ -226,8 +248,14 @@ def test_the_models_generation_config_does_not_reshape_the_sampled_distribution(
     model, tokenizer = tiny
     shaped = type(model)(model.config)
     shaped.load_state_dict(model.state_dict())
-    shaped.generation_config = GenerationConfig(repetition_penalty=1.5, top_k=3, top_p=0.5, min_p=0.3,
-                                                no_repeat_ngram_size=1, eos_token_id=tokenizer.eos_token_id)
+    shaped.generation_config = GenerationConfig(
+        repetition_penalty=1.5,
+        top_k=3,
+        top_p=0.5,
+        min_p=0.3,
+        no_repeat_ngram_size=1,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     prompts = _prompt_ids(tokenizer)
     completions = HFEngine(shaped.eval(), tokenizer).generate(prompts, n=4, max_new_tokens=8, temperature=1.0)

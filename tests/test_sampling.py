@@ -7,13 +7,13 @@ import os
 
 import pytest
 import torch
+from distributed_sampling import ScriptedEngine, scripted_sampler
+from helpers import only_run_dir, read_jsonl, run_script, torchrun
 
 from common import fsdp
 from common.reward import overlong_penalty, sample_batch
 from common.sampling import extra_round_indices
 from common.tracking import StepMetrics
-from distributed_sampling import ScriptedEngine, scripted_sampler
-from helpers import only_run_dir, read_jsonl, run_script, torchrun
 
 ONE_PROCESS = fsdp.Dist(0, 1, 0, torch.device("cpu"))
 LOCAL, G, STEP = 8, 4, 5  # prompts per step, completions per prompt, the step drawn
@@ -99,12 +99,19 @@ def test_rewards_carry_the_overlong_penalty_and_truncated_completions_can_be_lef
     assert masked.trains == [True, True, False, True] * LOCAL
 
 
-@pytest.mark.parametrize("length, penalty", [
-    (0, 0.0), (12, 0.0),                    # up to L_max − L_cache = 12: nothing
-    (13, -0.25), (14, -0.5), (15, -0.75),   # ((L_max − L_cache) − |y|) / L_cache
-    (16, -1.0),                             # |y| = L_max: the whole punishment
-    (17, -1.0), (40, -1.0),                 # beyond L_max: −1 (Eq. 13's third case)
-])
+@pytest.mark.parametrize(
+    "length, penalty",
+    [
+        (0, 0.0),
+        (12, 0.0),  # up to L_max − L_cache = 12: nothing
+        (13, -0.25),
+        (14, -0.5),
+        (15, -0.75),  # ((L_max − L_cache) − |y|) / L_cache
+        (16, -1.0),  # |y| = L_max: the whole punishment
+        (17, -1.0),
+        (40, -1.0),  # beyond L_max: −1 (Eq. 13's third case)
+    ],
+)
 def test_overlong_penalty_is_dapo_eq_13_at_the_buffer_edges(length, penalty):
     assert overlong_penalty(length, max_new_tokens=16, buffer=4) == pytest.approx(penalty)
     assert overlong_penalty(length, max_new_tokens=16, buffer=0) == 0.0  # off
@@ -125,12 +132,27 @@ def test_two_ranks_draw_the_same_number_of_rounds(tmp_path):
 
 @pytest.mark.slow
 def test_a_resumed_run_draws_what_an_uninterrupted_one_draws(tmp_path):
-    flags = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0, "--save-every", 2,
-             "--dynamic-sampling", "--max-sampling-rounds", 4, "--overlong-buffer", 2]
+    flags = [
+        "--prompts-per-step",
+        4,
+        "--group-size",
+        4,
+        "--eval-every",
+        0,
+        "--save-every",
+        2,
+        "--dynamic-sampling",
+        "--max-sampling-rounds",
+        4,
+        "--overlong-buffer",
+        2,
+    ]
     run_script("algorithms/grpo.py", "--steps", 4, "--output-dir", tmp_path / "straight", *flags)
     run_script("algorithms/grpo.py", "--steps", 2, "--output-dir", tmp_path / "split", *flags)
     run_script("algorithms/grpo.py", "--steps", 4, "--output-dir", tmp_path / "split", "--resume", "auto", *flags)
-    straight, split = (read_jsonl(os.path.join(only_run_dir(tmp_path / d), "metrics.jsonl")) for d in ("straight", "split"))
+    straight, split = (
+        read_jsonl(os.path.join(only_run_dir(tmp_path / d), "metrics.jsonl")) for d in ("straight", "split")
+    )
     assert [r["step"] for r in split] == [1, 2, 3, 4]
     assert any(r["sampling/rounds"] > 1 for r in straight)  # dynamic sampling did draw more
     for a, b in zip(straight, split, strict=True):

@@ -11,14 +11,24 @@ import re
 
 import pytest
 import torch
+from distributed_update import update_policy
+from helpers import (
+    ALGORITHMS,
+    BASE_LOGGED,
+    CLIP_LOGGED,
+    REPO,
+    assert_weights_changed,
+    assert_weights_unchanged,
+    help_text,
+    only_run_dir,
+    read_jsonl,
+    run_script,
+    torchrun,
+    two_group_rollouts,
+)
 
 from common import fsdp
 from common.rollout import Completion
-from distributed_update import update_policy
-from helpers import (
-    ALGORITHMS, BASE_LOGGED, CLIP_LOGGED, REPO, assert_weights_changed, assert_weights_unchanged, help_text, only_run_dir,
-    read_jsonl, run_script, torchrun, two_group_rollouts,
-)
 
 ONE_PROCESS = fsdp.Dist(0, 1, 0, torch.device("cpu"))
 SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-prompts", 16, "--eval-k", 2]
@@ -40,8 +50,11 @@ def test_help_documents_every_flag(name):
 
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_a_bad_flag_value_gets_a_clear_error(name, tmp_path):
-    for flags, message in ((["--group-size", 1], "--group-size must be >= 2"), (["--steps", "many"], "--steps"),
-                           (["--task", "sums"], "--max-new-tokens must be >= 41 for task sums")):
+    for flags, message in (
+        (["--group-size", 1], "--group-size must be >= 2"),
+        (["--steps", "many"], "--steps"),
+        (["--task", "sums"], "--max-new-tokens must be >= 41 for task sums"),
+    ):
         result = run_script(f"algorithms/{name}.py", "--output-dir", tmp_path, *flags, check=False)
         assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
         assert not os.listdir(tmp_path)  # refused before any run folder is made
@@ -72,8 +85,22 @@ def test_two_steps_end_to_end(name, tmp_path, tiny_dir):
 def test_dapo_rollout_flags_end_to_end(name, tmp_path):
     """Every script draws its rollouts through common/sampling.py with DAPO's flags (the same lines as
     grpo.py's): with dynamic sampling, a batch not short at the round cap holds no all-equal group."""
-    run_script(f"algorithms/{name}.py", "--steps", 2, "--eval-every", 0, "--output-dir", tmp_path, *SMALL,
-               "--dynamic-sampling", "--max-sampling-rounds", 4, "--overlong-buffer", 4, "--mask-truncated")
+    run_script(
+        f"algorithms/{name}.py",
+        "--steps",
+        2,
+        "--eval-every",
+        0,
+        "--output-dir",
+        tmp_path,
+        *SMALL,
+        "--dynamic-sampling",
+        "--max-sampling-rounds",
+        4,
+        "--overlong-buffer",
+        4,
+        "--mask-truncated",
+    )
     records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     for record in records:
         assert 1 <= record["sampling/rounds"] <= 4 and record["sampling/rollouts"] >= 4 * 4
@@ -89,8 +116,22 @@ def test_the_reasoning_task_in_float16_end_to_end(name, tmp_path, tiny_sums_dir)
     (autocast under a loss scale; ISOPO, which refuses float16, in float32): responses are the written
     reasoning, scored after their ####, and some are right."""
     dtype = "float32" if name == "isopo" else "float16"
-    run_script(f"algorithms/{name}.py", "--task", "sums", "--max-new-tokens", 48, "--dtype", dtype, "--steps", 2,
-               "--eval-every", 2, "--output-dir", tmp_path, *SMALL)
+    run_script(
+        f"algorithms/{name}.py",
+        "--task",
+        "sums",
+        "--max-new-tokens",
+        48,
+        "--dtype",
+        dtype,
+        "--steps",
+        2,
+        "--eval-every",
+        2,
+        "--output-dir",
+        tmp_path,
+        *SMALL,
+    )
     run_dir = only_run_dir(tmp_path)
     assert os.path.basename(run_dir).startswith("sums__")
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -114,8 +155,14 @@ def test_a_non_finite_step_leaves_the_weights_untouched(name, tmp_path, monkeypa
 
     monkeypatch.setattr(algorithm, "token_logprobs", nan_logprobs)
     fields = {f.name for f in dataclasses.fields(algorithm.Args)}
-    overrides = {"steps": 2, "eval_every": 0, "output_dir": str(tmp_path), "prompts_per_step": 4, "group_size": 4,
-                 "num_minibatches": 1}
+    overrides = {
+        "steps": 2,
+        "eval_every": 0,
+        "output_dir": str(tmp_path),
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "num_minibatches": 1,
+    }
     algorithm.main(algorithm.Args(**{k: v for k, v in overrides.items() if k in fields}))
     run_dir = only_run_dir(tmp_path)
     assert [r["charts/skipped_steps"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2]
@@ -123,8 +170,10 @@ def test_a_non_finite_step_leaves_the_weights_untouched(name, tmp_path, monkeypa
 
 
 # ISOPO's statistics are those of a block: blocks of one group each are the same on 1 and 2 ranks
-ISOPO_BLOCKS = {"isopo": '{"block_size": 4, "micro_batch_size": 8, "reg_coef": 1.0}',
-                "isopo interacting": '{"block_size": 4, "micro_batch_size": 8, "variant": "interacting"}'}
+ISOPO_BLOCKS = {
+    "isopo": '{"block_size": 4, "micro_batch_size": 8, "reg_coef": 1.0}',
+    "isopo interacting": '{"block_size": 4, "micro_batch_size": 8, "variant": "interacting"}',
+}
 
 
 @pytest.mark.slow
@@ -150,8 +199,16 @@ def _args(algorithm, micro_batch_size=16, **overrides):
     """The script's Args with sequence-mean aggregation where the script has the choice (ISOPO's loss is
     always a mean over sequences), one update and no gradient clipping."""
     fields = {f.name for f in dataclasses.fields(algorithm.Args)}
-    values = {"group_size": 4, "lr": 0.5, "micro_batch_size": micro_batch_size, "loss_aggregation": "sequence-mean",
-              "num_minibatches": 1, "update_epochs": 1, "max_grad_norm": 1e9, **overrides}  # no clipping: it hides scale
+    values = {
+        "group_size": 4,
+        "lr": 0.5,
+        "micro_batch_size": micro_batch_size,
+        "loss_aggregation": "sequence-mean",
+        "num_minibatches": 1,
+        "update_epochs": 1,
+        "max_grad_norm": 1e9,
+        **overrides,
+    }  # no clipping: it hides scale
     return algorithm.Args(**{k: v for k, v in values.items() if k in fields})
 
 
@@ -167,7 +224,9 @@ def _updated(algorithm, model, tokenizer, prompts, completions, rewards, args, m
 
 # micro-batches of 3: the last one holds only empty rows. Not for ISOPO, whose statistics are those of a
 # block (another partition of the real rows is another update)
-@pytest.mark.parametrize("name, micro_batch_size", [(n, 16) for n in ALGORITHMS] + [(n, 3) for n in ALGORITHMS if n != "isopo"])
+@pytest.mark.parametrize(
+    "name, micro_batch_size", [(n, 16) for n in ALGORITHMS] + [(n, 3) for n in ALGORITHMS if n != "isopo"]
+)
 def test_empty_completions_add_nothing(name, micro_batch_size, tiny):
     """A group of empty completions (no response token) neither contributes nor dilutes the mean: the
     sequence-mean counts only the completions that have a token, so the update equals the one without it."""
@@ -178,8 +237,9 @@ def test_empty_completions_add_nothing(name, micro_batch_size, tiny):
     args = _args(algorithm, micro_batch_size)
     initial = dict(model.named_parameters())
     alone, _ = _updated(algorithm, model, tokenizer, prompts[:1], completions[:4], [1.0, 0.0, 0.0, 1.0], args)
-    padded, _ = _updated(algorithm, model, tokenizer, prompts, completions[:4] + empty,
-                         [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0], args)
+    padded, _ = _updated(
+        algorithm, model, tokenizer, prompts, completions[:4] + empty, [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0], args
+    )
     for key, weight in alone.items():
         step, step_with_empty = weight - initial[key], padded[key] - initial[key]
         # float32 noise of another padding layout is ~1e-6 of a step; counting the empty rows halves it
@@ -195,8 +255,10 @@ def test_masked_truncated_completions_get_no_gradient(name, tiny):
     algorithm = importlib.import_module(f"algorithms.{name}")
     model, tokenizer = tiny
     prompts, completions = two_group_rollouts(tokenizer)  # "12", "396", "9" do not end with EOS: cut off
-    cut = [Completion(c.token_ids, c.logprobs, "stop" if c.token_ids[-1] == tokenizer.eos_token_id else "length")
-           for c in completions]
+    cut = [
+        Completion(c.token_ids, c.logprobs, "stop" if c.token_ids[-1] == tokenizer.eos_token_id else "length")
+        for c in completions
+    ]
     emptied = [c if c.finish_reason == "stop" else Completion([], [], "length") for c in cut]
     rewards, args = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0], _args(algorithm, loss_aggregation="token-mean")
     initial = dict(model.named_parameters())
@@ -208,7 +270,9 @@ def test_masked_truncated_completions_get_no_gradient(name, tiny):
         step = weight - initial[key]
         assert (masked[key] - weight).norm() <= 1e-4 * step.norm() + 1e-9, key
     embedding = "model.embed_tokens.weight"
-    assert (unmasked[embedding] - reference[embedding]).norm() > 1e-2 * (reference[embedding] - initial[embedding]).norm()
+    assert (unmasked[embedding] - reference[embedding]).norm() > 1e-2 * (
+        reference[embedding] - initial[embedding]
+    ).norm()
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -238,19 +302,31 @@ def test_gradient_checkpointing_recomputes_every_layer(name, tmp_path, monkeypat
     fields = {f.name for f in dataclasses.fields(algorithm.Args)}
     counts = {}
     for cls, key in ((LlamaDecoderLayer, "layer"), (LlamaForCausalLM, "model")):
+
         def counting(self, *args, _forward=cls.forward, _key=key, **kwargs):
             counts[_key] += torch.is_grad_enabled()
             return _forward(self, *args, **kwargs)
+
         monkeypatch.setattr(cls, "forward", counting)
     for checkpointing in (False, True):
         counts.update(layer=0, model=0)
-        overrides = {"steps": 1, "eval_every": 0, "output_dir": str(tmp_path / str(checkpointing)), "prompts_per_step": 4,
-                     "group_size": 4, "num_minibatches": 2, "micro_batch_size": 8, "gradient_checkpointing": checkpointing}
+        overrides = {
+            "steps": 1,
+            "eval_every": 0,
+            "output_dir": str(tmp_path / str(checkpointing)),
+            "prompts_per_step": 4,
+            "group_size": 4,
+            "num_minibatches": 2,
+            "micro_batch_size": 8,
+            "gradient_checkpointing": checkpointing,
+        }
         algorithm.main(algorithm.Args(**{k: v for k, v in overrides.items() if k in fields}))
         layers = 4  # the built-in model's
         assert counts["model"] >= 2, counts  # a training forward per micro-batch
         assert counts["layer"] == layers * counts["model"] * (2 if checkpointing else 1), (checkpointing, counts)
-    plain, checkpointed = (read_jsonl(os.path.join(only_run_dir(tmp_path / str(c)), "metrics.jsonl"))[-1] for c in (False, True))
+    plain, checkpointed = (
+        read_jsonl(os.path.join(only_run_dir(tmp_path / str(c)), "metrics.jsonl"))[-1] for c in (False, True)
+    )
     for key in ("losses/policy_loss", "losses/grad_norm"):
         assert checkpointed[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-8), key
 

@@ -63,7 +63,7 @@ def test_sums_warm_start_leaves_room_for_rl(tiny_sums_dir, tiny_dir):
     assert 0.10 <= tiny_module.sampled_accuracy(model, tokenizer, rows, "sums", 48) <= 0.45  # up to sampling noise
     prompt = tokenizer(rows[0].question, return_tensors="pt")
     completion = model.generate(**prompt, do_sample=False, max_new_tokens=48, pad_token_id=tokenizer.pad_token_id)
-    text = tokenizer.decode(completion[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tokenizer.decode(completion[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
     assert text.count("=") == rows[0].question.count("+") and extract_answer(text) is not None, text
     assert tiny_module.resolve_model("tiny", "sums") == tiny_sums_dir
     assert tiny_module.resolve_model("tiny", "gsm8k") == tiny_module.resolve_model("tiny") == tiny_dir

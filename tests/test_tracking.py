@@ -8,9 +8,9 @@ import struct
 
 import pytest
 import torch
+from helpers import only_run_dir, read_jsonl, run_script
 
 from common.tracking import StepMetrics, Tracker
-from helpers import only_run_dir, read_jsonl, run_script
 
 
 def test_step_metrics_by_hand():
@@ -31,8 +31,13 @@ def test_step_metrics_by_hand():
         pass
     logged = metrics.reduce()
     assert {k: v for k, v in logged.items() if k not in ("nothing", "time/train")} == {
-        "entropy": 1.0, "tokens_per_second": 15.0, "ratio_max": 2.0, "ratio_min": pytest.approx(0.2),
-        "lr": 1e-4, "eval/greedy_accuracy": 0.5}
+        "entropy": 1.0,
+        "tokens_per_second": 15.0,
+        "ratio_max": 2.0,
+        "ratio_min": pytest.approx(0.2),
+        "lr": 1e-4,
+        "eval/greedy_accuracy": 0.5,
+    }
     assert math.isnan(logged["nothing"]) and 0 <= logged["time/train"] < 1
     metrics = StepMetrics()
     metrics.max("diff", torch.tensor([1.0, float("nan")]))  # a NaN stays visible, whatever comes after it
@@ -78,8 +83,21 @@ def wandb_records(path):
 
 
 def test_track_writes_the_config_and_every_metric_to_an_offline_wandb_run(tmp_path):
-    run_script("algorithms/grpo.py", "--steps", 2, "--prompts-per-step", 4, "--eval-every", 2, "--eval-prompts", 8,
-               "--track", "--output-dir", tmp_path, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    run_script(
+        "algorithms/grpo.py",
+        "--steps",
+        2,
+        "--prompts-per-step",
+        4,
+        "--eval-every",
+        2,
+        "--eval-prompts",
+        8,
+        "--track",
+        "--output-dir",
+        tmp_path,
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )
     run_dir = only_run_dir(tmp_path)
     [run_file] = glob.glob(f"{run_dir}/wandb/offline-run-*/run-*.wandb")
     config, history = {}, {}
@@ -91,7 +109,9 @@ def test_track_writes_the_config_and_every_metric_to_an_offline_wandb_run(tmp_pa
             config.update({item.key: json.loads(item.value_json) for item in record.config.update})
         elif kind == "history":
             # a key is stored in `key` or, when it holds a "/", in `nested_key`
-            values = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            values = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
+            }
             history[record.history.step.num] = values
     # the config is the script's Args, as in the run folder's config.json
     with open(f"{run_dir}/config.json") as f:

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from helpers import only_run_dir, read_jsonl, run_script, torchrun
 
 from common.rollout import VLLMEngine, make_engine, vllm_available
-from helpers import only_run_dir, read_jsonl, run_script, torchrun
 
 PROMPTS = ["Q: 12+30=", "Q: 7+5=", "Q: 99+99=", "Q: 3+4="]
 
@@ -70,7 +70,7 @@ def _hf_greedy(model, prompts, eos_id):
                 ids.append(token)
                 if token == eos_id:
                     break
-        out.append(ids[len(prompt):])
+        out.append(ids[len(prompt) :])
     return out
 
 
@@ -143,9 +143,29 @@ def test_grpo_with_vllm_end_to_end(tmp_path):
     rows[3:3] = [{"question": "Q: " + "1+" * 100 + "1=", "answer": "101"}] * 2  # 295 tokens formatted, the others 99
     held_out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     # float32 on both sides, also on a GPU (where the engine's default is bfloat16): the bound below is theirs
-    run_script("algorithms/grpo.py", "--rollout-engine", "vllm", "--steps", 3, "--eval-every", 3, "--eval-prompts", 32,
-               "--eval-task", held_out, "--max-prompt-tokens", 128,
-               "--num-minibatches", 2, "--engine-dtype", "float32", "--dtype", "float32", "--output-dir", tmp_path / "runs")
+    run_script(
+        "algorithms/grpo.py",
+        "--rollout-engine",
+        "vllm",
+        "--steps",
+        3,
+        "--eval-every",
+        3,
+        "--eval-prompts",
+        32,
+        "--eval-task",
+        held_out,
+        "--max-prompt-tokens",
+        128,
+        "--num-minibatches",
+        2,
+        "--engine-dtype",
+        "float32",
+        "--dtype",
+        "float32",
+        "--output-dir",
+        tmp_path / "runs",
+    )
     records = read_jsonl(os.path.join(only_run_dir(tmp_path / "runs"), "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert "eval/greedy_accuracy" in records[0] and "eval/greedy_accuracy" in records[-1]
@@ -159,9 +179,28 @@ def test_grpo_with_vllm_end_to_end(tmp_path):
 def test_grpo_with_vllm_on_two_ranks(tmp_path):
     """torchrun: every rank runs its own independent engine (vLLM's external launcher, tensor parallel 1)
     on its share of the prompts, and receives the FSDP2-sharded weights gathered one tensor at a time."""
-    torchrun(2, "algorithms/grpo.py", "--rollout-engine", "vllm", "--steps", 2, "--eval-every", 2, "--eval-prompts", 16,
-             "--prompts-per-step", 8, "--num-minibatches", 2, "--engine-dtype", "float32", "--dtype", "float32",
-             "--output-dir", tmp_path)
+    torchrun(
+        2,
+        "algorithms/grpo.py",
+        "--rollout-engine",
+        "vllm",
+        "--steps",
+        2,
+        "--eval-every",
+        2,
+        "--eval-prompts",
+        16,
+        "--prompts-per-step",
+        8,
+        "--num-minibatches",
+        2,
+        "--engine-dtype",
+        "float32",
+        "--dtype",
+        "float32",
+        "--output-dir",
+        tmp_path,
+    )
     records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(r["mismatch/max_abs_logprob_diff"] < 1e-3 for r in records[1:])
@@ -171,5 +210,5 @@ def test_evaluate_command_with_vllm():
     import json
 
     result = run_script("-m", "common.evaluate", "--engine", "vllm", "--k", 2, "--prompts", 16)
-    metrics = json.loads(result.stdout[result.stdout.index("{"):])
+    metrics = json.loads(result.stdout[result.stdout.index("{") :])
     assert metrics["prompts"] == 16 and metrics["eval/pass@1"] == pytest.approx(metrics["eval/avg@2"])

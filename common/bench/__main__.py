@@ -4,4 +4,6 @@ import tyro
 
 from common.bench import runner
 
-raise SystemExit(runner.main(tyro.cli(runner.BenchArgs, prog="python -m common.bench", description=runner.__doc__.split("\n")[0])))
+raise SystemExit(
+    runner.main(tyro.cli(runner.BenchArgs, prog="python -m common.bench", description=runner.__doc__.split("\n")[0]))
+)

@@ -13,8 +13,10 @@ def benchmark(model_dir: str | None = None) -> None:
     model_dir = model_dir or tiny_model_dir()
     model, tokenizer = load(model_dir)
     prompts = [tokenizer(row.question)["input_ids"] for row in arith_rows("train")[:256]]
-    workloads = {"default 32x8, <=16 tokens": (prompts[:32], 8, 16, False),
-                 "long 256x1, 64 tokens": (prompts, 1, 64, True)}
+    workloads = {
+        "default 32x8, <=16 tokens": (prompts[:32], 8, 16, False),
+        "long 256x1, 64 tokens": (prompts, 1, 64, True),
+    }
     kinds = ["hf"] + (["vllm"] if vllm_available() else [])
     for kind in kinds:
         start = time.time()

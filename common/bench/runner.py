@@ -97,61 +97,140 @@ def _p3o_suite() -> Suite:
     settings = {"on-policy": (), "T=1.2": ("--sampling-temperature", "1.2"), "stale": ("--sync-every", "4")}
     configs, panels = [], []
     for setting, flags in settings.items():
-        group = [Config(f"{setting} · GRPO ε={eps}", "p3o", flags + ("--loss", "clip", "--clip-eps", eps))
-                 for eps in ("0.2", "0.4", "0.6")] + [Config(f"{setting} · P3O", "p3o", flags)]
+        group = [
+            Config(f"{setting} · GRPO ε={eps}", "p3o", flags + ("--loss", "clip", "--clip-eps", eps))
+            for eps in ("0.2", "0.4", "0.6")
+        ] + [Config(f"{setting} · P3O", "p3o", flags)]
         configs += group
-        panels.append(Panel("eval/greedy_accuracy", f"{setting}: held-out greedy accuracy",
-                            labels=tuple(c.label for c in group)))
+        panels.append(
+            Panel("eval/greedy_accuracy", f"{setting}: held-out greedy accuracy", labels=tuple(c.label for c in group))
+        )
     for setting in settings:
-        panels.append(Panel("losses/ess", f"{setting}: e_B (P3O) / batch ESS (GRPO)", labels=tuple(
-            c.label for c in configs if c.label.startswith(setting))))
-    return Suite("p3o", "P3O vs GRPO at ε = 0.2 / 0.4 / 0.6: on-policy, rollouts at T = 1.2, rollouts up to 3 steps stale",
-                 configs, panels, steps=30, flags=("--num-minibatches", "2", "--eval-prompts", "128"))
+        panels.append(
+            Panel(
+                "losses/ess",
+                f"{setting}: e_B (P3O) / batch ESS (GRPO)",
+                labels=tuple(c.label for c in configs if c.label.startswith(setting)),
+            )
+        )
+    return Suite(
+        "p3o",
+        "P3O vs GRPO at ε = 0.2 / 0.4 / 0.6: on-policy, rollouts at T = 1.2, rollouts up to 3 steps stale",
+        configs,
+        panels,
+        steps=30,
+        flags=("--num-minibatches", "2", "--eval-prompts", "128"),
+    )
 
 
-SUITES = {suite.name: suite for suite in [
-    Suite("bench", "Every method with its defaults on the built-in task, and grpo.py with DAPO's flags", [
-        Config("GRPO", "grpo"), Config("DAPO", "grpo", ("--dynamic-sampling", "--overlong-buffer", "4")),
-        Config("EMA-KPO", "ema_kpo"), Config("P3O", "p3o"), Config("GTPO", "gtpo"),
-        Config("ISOPO", "isopo"),
-        Config("TIS (bf16 engine)", "tis_icepop", ("--engine-dtype", "bfloat16", "--correction", "tis")),
-    ], [ACCURACY, Panel("eval/greedy_accuracy", "held-out greedy accuracy", x="time"), AVG_AT_4, ENTROPY,
-        Panel("charts/response_length_mean", "response length (tokens)"), Panel("charts/reward", "training reward")],
-        extra_figures={"bench_signals": [
-            Panel("losses/rho_hat_abs_mean", "EMA-KPO: mean |filtered log-ratio ρ̂|", labels=("EMA-KPO",)),
-            Panel("losses/ess", "P3O: batch ESS e_B", labels=("P3O",)),
-            Panel("conflict/masked_fraction", "GTPO: conflict-token fraction", labels=("GTPO",)),
-            Panel("isopo/lm_head/fisher_norm", "ISOPO: lm_head Fisher-norm estimate", labels=("ISOPO",)),
-            Panel("mismatch/kl_k3", "TIS: mismatch KL(μ ‖ π_old), k3", labels=("TIS (bf16 engine)",)),
-            Panel("losses/grad_norm", "gradient norm (before clipping)"),
-        ]}),
-    Suite("ema_kpo", "EMA-KPO vs KPO vs GRPO with 4 updates per batch, and the smoothing-strength ablation", [
-        Config("GRPO, 4 updates/batch", "grpo", ("--num-minibatches", "4")),
-        Config("EMA-KPO (scheduled EMA)", "ema_kpo"),
-        Config("KPO (Kalman, P0=0)", "ema_kpo", ("--smoother", "kalman", "--p0", "0")),
-        Config("fixed α=1e-4", "ema_kpo", ("--smoother", "fixed", "--alpha", "1e-4")),
-        Config("fixed α=1e-2", "ema_kpo", ("--smoother", "fixed", "--alpha", "1e-2")),
-    ], [ENTROPY, ACCURACY, AVG_AT_4, Panel("losses/rho_hat_abs_mean", "mean |ρ̂| (EMA-KPO variants)"),
-        Panel("losses/clip_fraction", "clip fraction"), Panel("charts/response_length_mean", "response length")]),
-    _p3o_suite(),
-    Suite("tis_icepop", "A bfloat16 engine beside a float32 trainer: no correction vs TIS, IcePop, KPop, sequence masking", [
-        Config(name, "tis_icepop", ("--engine-dtype", "bfloat16", "--correction", correction))
-        for name, correction in [("none", "none"), ("TIS (bf16 engine)", "tis"), ("IcePop", "icepop"),
-                                 ("KPop", "kpop"), ("seq-mask", "seq-mask")]
-    ], [ACCURACY, Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"), Panel("losses/grad_norm", "gradient norm"),
-        Panel("mismatch/max_abs_logprob_diff", "max |log μ − log π_old|"),
-        Panel("correction/masked_token_fraction", "masked token fraction"), ENTROPY]),
-    Suite("gtpo", "GTPO vs GRPO (the benchmark's runs)", [Config("GRPO", "grpo"), Config("GTPO", "gtpo")],
-          [ACCURACY, AVG_AT_4, ENTROPY, Panel("conflict/masked_fraction", "conflict-token fraction (GTPO)"),
-           Panel("charts/filtered_fraction", "entropy-filtered completions (GTPO)"),
-           Panel("charts/response_length_mean", "response length")]),
-    Suite("isopo", "ISOPO (p = −1, and interacting) vs REINFORCE vs GRPO: accuracy against KL drift from π_0", [
-        Config("GRPO", "grpo"), Config("ISOPO", "isopo"),
-        Config("ISOPO interacting", "isopo", ("--variant", "interacting")),
-        Config("REINFORCE (ISOPO p=0)", "isopo", ("--p", "0")),
-    ], [Panel("eval/greedy_accuracy", "held-out greedy accuracy vs KL(π_θ ‖ π_0)", x="kl_drift"),
-        Panel("kl_drift", "KL(π_θ ‖ π_0) per token"), ACCURACY, AVG_AT_4], kl_drift=True),
-]}
+SUITES = {
+    suite.name: suite
+    for suite in [
+        Suite(
+            "bench",
+            "Every method with its defaults on the built-in task, and grpo.py with DAPO's flags",
+            [
+                Config("GRPO", "grpo"),
+                Config("DAPO", "grpo", ("--dynamic-sampling", "--overlong-buffer", "4")),
+                Config("EMA-KPO", "ema_kpo"),
+                Config("P3O", "p3o"),
+                Config("GTPO", "gtpo"),
+                Config("ISOPO", "isopo"),
+                Config("TIS (bf16 engine)", "tis_icepop", ("--engine-dtype", "bfloat16", "--correction", "tis")),
+            ],
+            [
+                ACCURACY,
+                Panel("eval/greedy_accuracy", "held-out greedy accuracy", x="time"),
+                AVG_AT_4,
+                ENTROPY,
+                Panel("charts/response_length_mean", "response length (tokens)"),
+                Panel("charts/reward", "training reward"),
+            ],
+            extra_figures={
+                "bench_signals": [
+                    Panel("losses/rho_hat_abs_mean", "EMA-KPO: mean |filtered log-ratio ρ̂|", labels=("EMA-KPO",)),
+                    Panel("losses/ess", "P3O: batch ESS e_B", labels=("P3O",)),
+                    Panel("conflict/masked_fraction", "GTPO: conflict-token fraction", labels=("GTPO",)),
+                    Panel("isopo/lm_head/fisher_norm", "ISOPO: lm_head Fisher-norm estimate", labels=("ISOPO",)),
+                    Panel("mismatch/kl_k3", "TIS: mismatch KL(μ ‖ π_old), k3", labels=("TIS (bf16 engine)",)),
+                    Panel("losses/grad_norm", "gradient norm (before clipping)"),
+                ]
+            },
+        ),
+        Suite(
+            "ema_kpo",
+            "EMA-KPO vs KPO vs GRPO with 4 updates per batch, and the smoothing-strength ablation",
+            [
+                Config("GRPO, 4 updates/batch", "grpo", ("--num-minibatches", "4")),
+                Config("EMA-KPO (scheduled EMA)", "ema_kpo"),
+                Config("KPO (Kalman, P0=0)", "ema_kpo", ("--smoother", "kalman", "--p0", "0")),
+                Config("fixed α=1e-4", "ema_kpo", ("--smoother", "fixed", "--alpha", "1e-4")),
+                Config("fixed α=1e-2", "ema_kpo", ("--smoother", "fixed", "--alpha", "1e-2")),
+            ],
+            [
+                ENTROPY,
+                ACCURACY,
+                AVG_AT_4,
+                Panel("losses/rho_hat_abs_mean", "mean |ρ̂| (EMA-KPO variants)"),
+                Panel("losses/clip_fraction", "clip fraction"),
+                Panel("charts/response_length_mean", "response length"),
+            ],
+        ),
+        _p3o_suite(),
+        Suite(
+            "tis_icepop",
+            "A bfloat16 engine beside a float32 trainer: no correction vs TIS, IcePop, KPop, sequence masking",
+            [
+                Config(name, "tis_icepop", ("--engine-dtype", "bfloat16", "--correction", correction))
+                for name, correction in [
+                    ("none", "none"),
+                    ("TIS (bf16 engine)", "tis"),
+                    ("IcePop", "icepop"),
+                    ("KPop", "kpop"),
+                    ("seq-mask", "seq-mask"),
+                ]
+            ],
+            [
+                ACCURACY,
+                Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"),
+                Panel("losses/grad_norm", "gradient norm"),
+                Panel("mismatch/max_abs_logprob_diff", "max |log μ − log π_old|"),
+                Panel("correction/masked_token_fraction", "masked token fraction"),
+                ENTROPY,
+            ],
+        ),
+        Suite(
+            "gtpo",
+            "GTPO vs GRPO (the benchmark's runs)",
+            [Config("GRPO", "grpo"), Config("GTPO", "gtpo")],
+            [
+                ACCURACY,
+                AVG_AT_4,
+                ENTROPY,
+                Panel("conflict/masked_fraction", "conflict-token fraction (GTPO)"),
+                Panel("charts/filtered_fraction", "entropy-filtered completions (GTPO)"),
+                Panel("charts/response_length_mean", "response length"),
+            ],
+        ),
+        Suite(
+            "isopo",
+            "ISOPO (p = −1, and interacting) vs REINFORCE vs GRPO: accuracy against KL drift from π_0",
+            [
+                Config("GRPO", "grpo"),
+                Config("ISOPO", "isopo"),
+                Config("ISOPO interacting", "isopo", ("--variant", "interacting")),
+                Config("REINFORCE (ISOPO p=0)", "isopo", ("--p", "0")),
+            ],
+            [
+                Panel("eval/greedy_accuracy", "held-out greedy accuracy vs KL(π_θ ‖ π_0)", x="kl_drift"),
+                Panel("kl_drift", "KL(π_θ ‖ π_0) per token"),
+                ACCURACY,
+                AVG_AT_4,
+            ],
+            kl_drift=True,
+        ),
+    ]
+}
 TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # The reasoning task (`sums`, a written scratchpad) with 128 held-out prompts per evaluation.
 SUMS_TASK = ("--task", "sums", "--max-new-tokens", "48")
@@ -169,10 +248,20 @@ STRESS_COLUMNS = MISMATCH_COLUMNS[:1] + (NO_ANSWER,)
 # "fails" when its held-out greedy accuracy or its entropy ends more than two seed standard deviations
 # (the larger of the two settings') below the normal setting's. Every setting tried stays in this list.
 SUITES["stress_search"] = Suite(
-    "stress_search", "GRPO alone on the reasoning task: the normal setting and each stress setting", [
+    "stress_search",
+    "GRPO alone on the reasoning task: the normal setting and each stress setting",
+    [
         Config("normal", "grpo"),
-        Config("entropy: 8 updates/batch, lr 1e-3", "grpo", ("--num-minibatches", "4", "--update-epochs", "2", "--lr", "1e-3")),
-        Config("off-policy: 4 steps stale, T=1.2", "p3o", ("--loss", "clip", "--sync-every", "4", "--sampling-temperature", "1.2")),
+        Config(
+            "entropy: 8 updates/batch, lr 1e-3",
+            "grpo",
+            ("--num-minibatches", "4", "--update-epochs", "2", "--lr", "1e-3"),
+        ),
+        Config(
+            "off-policy: 4 steps stale, T=1.2",
+            "p3o",
+            ("--loss", "clip", "--sync-every", "4", "--sampling-temperature", "1.2"),
+        ),
         Config("mismatch: fp8 engine", "grpo", MISMATCH_STRESS),
         # added after the first four had run (seed 1): 8 updates at lr 1e-3 diverged (accuracy 0, entropy up),
         # and 4 steps stale at T = 1.2 looked harmless; a milder push on the entropy and a harder off-policy one
@@ -180,9 +269,22 @@ SUITES["stress_search"] = Suite(
         Config("off-policy: 8 steps stale, T=1.5", "p3o", GRPO_OFF_POLICY),
         # long training (ISOPO's KL drift, GTPO's formatting tokens), compressed: 3x the step size for 40 steps
         Config("drift: lr 3e-4 (long training, compressed)", "grpo", DRIFT_STRESS),
-    ], [ACCURACY, ENTROPY, AVG_AT_4, Panel("charts/response_length_mean", "response length (tokens)"),
-        Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"), Panel("losses/grad_norm", "gradient norm")],
-    steps=40, flags=SUMS, baseline="normal", columns=STRESS_COLUMNS)
+    ],
+    [
+        ACCURACY,
+        ENTROPY,
+        AVG_AT_4,
+        Panel("charts/response_length_mean", "response length (tokens)"),
+        Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"),
+        Panel("losses/grad_norm", "gradient norm"),
+    ],
+    steps=40,
+    flags=SUMS,
+    baseline="normal",
+    columns=STRESS_COLUMNS,
+)
+
+
 # Then each method with its own defaults in the setting of its claim, beside GRPO there (the same runs as
 # the search's: same flags). Fixed after the search and before any of these methods ran: of the two
 # settings where GRPO's entropy went wrong, the milder (4 updates at lr 3e-4, which is EMA-KPO's own 4
@@ -192,36 +294,69 @@ SUITES["stress_search"] = Suite(
 def _stress_suite() -> Suite:
     configs = [
         Config("normal · GRPO", "grpo"),
-        Config("entropy · GRPO", "grpo", ENTROPY_STRESS), Config("entropy · EMA-KPO", "ema_kpo", ENTROPY_STRESS),
-        Config("drift · GRPO", "grpo", DRIFT_STRESS), Config("drift · ISOPO", "isopo", DRIFT_STRESS),
+        Config("entropy · GRPO", "grpo", ENTROPY_STRESS),
+        Config("entropy · EMA-KPO", "ema_kpo", ENTROPY_STRESS),
+        Config("drift · GRPO", "grpo", DRIFT_STRESS),
+        Config("drift · ISOPO", "isopo", DRIFT_STRESS),
         Config("drift · GTPO", "gtpo", DRIFT_STRESS),
-        Config("off-policy · GRPO", "p3o", GRPO_OFF_POLICY), Config("off-policy · P3O", "p3o", OFF_POLICY_STRESS),
+        Config("off-policy · GRPO", "p3o", GRPO_OFF_POLICY),
+        Config("off-policy · P3O", "p3o", OFF_POLICY_STRESS),
         Config("mismatch · GRPO", "grpo", MISMATCH_STRESS),
         Config("mismatch · TIS", "tis_icepop", MISMATCH_STRESS + ("--correction", "tis")),
     ]
     normal, settings = configs[0].label, dict.fromkeys(c.label.split(" · ")[0] for c in configs[1:])
-    panels = [Panel(key, f"{setting}: {title}", labels=(normal, *(c.label for c in configs
-                                                                  if c.label.split(" · ")[0] == setting)))
-              for key, title in [("eval/greedy_accuracy", "held-out greedy accuracy"), ("charts/entropy", "entropy")]
-              for setting in settings]  # one panel per setting, normal GRPO in each
-    return Suite("stress", "Each method with its defaults in the stress setting of its claim, beside GRPO there",
-                 configs, panels + [Panel(*NO_ANSWER)], steps=40, flags=SUMS, baseline=normal, reference="GRPO",
-                 columns=STRESS_COLUMNS)
+    panels = [
+        Panel(
+            key,
+            f"{setting}: {title}",
+            labels=(normal, *(c.label for c in configs if c.label.split(" · ")[0] == setting)),
+        )
+        for key, title in [("eval/greedy_accuracy", "held-out greedy accuracy"), ("charts/entropy", "entropy")]
+        for setting in settings
+    ]  # one panel per setting, normal GRPO in each
+    return Suite(
+        "stress",
+        "Each method with its defaults in the stress setting of its claim, beside GRPO there",
+        configs,
+        panels + [Panel(*NO_ANSWER)],
+        steps=40,
+        flags=SUMS,
+        baseline=normal,
+        reference="GRPO",
+        columns=STRESS_COLUMNS,
+    )
 
 
 SUITES["stress"] = _stress_suite()
 # The precision of the trainer (autocast over float32 weights) and of the engine's weights: the mismatch it
 # makes, on the reasoning task, over 5 steps of GRPO (float16 autocast is ~10x slower than float32 on CPUs)
 SUITES["fp16"] = Suite(
-    "fp16", "Trainer and engine precision: the train-inference mismatch of GRPO on the reasoning task", [
-        Config(f"{trainer} trainer, {engine} engine", "grpo", ("--dtype", TORCH_NAMES[trainer], "--engine-dtype",
-                                                               TORCH_NAMES.get(engine, engine)))
-        for trainer, engine in [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "fp16"), ("fp32", "fp8"),
-                                ("bf16", "bf16"), ("fp16", "fp16")]
-    ], [Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"), Panel("mismatch/max_abs_logprob_diff", "max |log μ − log π_old|"),
-        Panel("losses/grad_norm", "gradient norm")],
-    steps=5, flags=SUMS_TASK + ("--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32"),
-    columns=MISMATCH_COLUMNS)
+    "fp16",
+    "Trainer and engine precision: the train-inference mismatch of GRPO on the reasoning task",
+    [
+        Config(
+            f"{trainer} trainer, {engine} engine",
+            "grpo",
+            ("--dtype", TORCH_NAMES[trainer], "--engine-dtype", TORCH_NAMES.get(engine, engine)),
+        )
+        for trainer, engine in [
+            ("fp32", "fp32"),
+            ("fp32", "bf16"),
+            ("fp32", "fp16"),
+            ("fp32", "fp8"),
+            ("bf16", "bf16"),
+            ("fp16", "fp16"),
+        ]
+    ],
+    [
+        Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"),
+        Panel("mismatch/max_abs_logprob_diff", "max |log μ − log π_old|"),
+        Panel("losses/grad_norm", "gradient norm"),
+    ],
+    steps=5,
+    flags=SUMS_TASK + ("--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32"),
+    columns=MISMATCH_COLUMNS,
+)
 QUICK = dict(steps=8, seeds=(1,), flags=("--eval-every", "4", "--eval-prompts", "64"))
 
 
@@ -253,7 +388,9 @@ class Run:
     def folders(self) -> list[str]:
         if not os.path.isdir(self.output_dir):
             return []
-        return sorted(os.path.join(self.output_dir, d) for d in os.listdir(self.output_dir) if d.startswith(self.prefix))
+        return sorted(
+            os.path.join(self.output_dir, d) for d in os.listdir(self.output_dir) if d.startswith(self.prefix)
+        )
 
     def finished_folder(self) -> str | None:
         for folder in reversed(self.folders()):
@@ -263,18 +400,35 @@ class Run:
 
     def command(self) -> list[str]:
         """The script's command line; continues the newest complete checkpoint of this run if there is one."""
-        checkpoints = [os.path.join(folder, "checkpoints", name) for folder in self.folders()
-                       if os.path.isdir(os.path.join(folder, "checkpoints"))
-                       for name in os.listdir(os.path.join(folder, "checkpoints"))]
+        checkpoints = [
+            os.path.join(folder, "checkpoints", name)
+            for folder in self.folders()
+            if os.path.isdir(os.path.join(folder, "checkpoints"))
+            for name in os.listdir(os.path.join(folder, "checkpoints"))
+        ]
         resume = any(os.path.isfile(os.path.join(c, "trainer_state.pt")) for c in checkpoints)
         if not resume:  # nothing to continue from: start clean
             for folder in self.folders():
                 shutil.rmtree(folder)
         save_every = math.ceil(self.steps / 3)  # at most 3 checkpoints, the last at the end: the KL-drift points
-        return [sys.executable, os.path.join(REPO, "algorithms", self.config.script + ".py"), *self.flags,
-                "--steps", str(self.steps), "--seed", str(self.seed), "--exp-name", self.exp_name,
-                "--output-dir", self.output_dir, "--save-every", str(save_every), "--keep-checkpoints", "3",
-                *(["--resume", "auto"] if resume else [])]
+        return [
+            sys.executable,
+            os.path.join(REPO, "algorithms", self.config.script + ".py"),
+            *self.flags,
+            "--steps",
+            str(self.steps),
+            "--seed",
+            str(self.seed),
+            "--exp-name",
+            self.exp_name,
+            "--output-dir",
+            self.output_dir,
+            "--save-every",
+            str(save_every),
+            "--keep-checkpoints",
+            "3",
+            *(["--resume", "auto"] if resume else []),
+        ]
 
 
 def run_all(runs: list[Run], jobs: int, output_dir: str) -> list[str]:
@@ -285,18 +439,27 @@ def run_all(runs: list[Run], jobs: int, output_dir: str) -> list[str]:
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise SystemExit(f"another bench is running in {output_dir}; wait for it or pick another --output-dir")
+        raise SystemExit(
+            f"another bench is running in {output_dir}; wait for it or pick another --output-dir"
+        ) from None
     with lock:
         return _run_all(runs, jobs)
 
 
 def _run_all(runs: list[Run], jobs: int) -> list[str]:
     pending = [r for r in runs if r.finished_folder() is None]
-    print(f"{len(runs) - len(pending)} of {len(runs)} runs already finished; {len(pending)} to run, {jobs} at a time",
-          flush=True)
+    print(
+        f"{len(runs) - len(pending)} of {len(runs)} runs already finished; {len(pending)} to run, {jobs} at a time",
+        flush=True,
+    )
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+    }
     log_dir = os.path.join(pending[0].output_dir, "logs") if pending else None
     running, failures, done = [], [], 0
     try:
@@ -318,8 +481,11 @@ def _run_all(runs: list[Run], jobs: int) -> list[str]:
                 status = "done" if process.returncode == 0 and run.finished_folder() else f"FAILED (log: {log_path})"
                 if status != "done":
                     failures.append(f"{run.config.label} seed {run.seed}: {log_path}")
-                print(f"[{done}/{done + len(pending) + len(running)}] {status}: {run.config.label}, seed {run.seed} "
-                      f"({time.time() - start:.0f} s)", flush=True)
+                print(
+                    f"[{done}/{done + len(pending) + len(running)}] {status}: {run.config.label}, seed {run.seed} "
+                    f"({time.time() - start:.0f} s)",
+                    flush=True,
+                )
     finally:  # interrupted (Ctrl-C): stop the runs too; they resume from their checkpoints next time
         for _, process, _, _ in running:
             process.terminate()
@@ -328,7 +494,9 @@ def _run_all(runs: list[Run], jobs: int) -> list[str]:
 
 
 # measuring KL(π_θ ‖ π_0) ---------------------------------------------------------------------------------
-def kl_from_initial(model, initial, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, seed: int = 0) -> float:
+def kl_from_initial(
+    model, initial, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, seed: int = 0
+) -> float:
     """Mean per-token KL(π_θ ‖ π_0) on completions sampled from π_θ (T = 1): at each response position the
     exact full-vocabulary KL Σ_v π_θ(v) (log π_θ(v) − log π_0(v)), averaged over all response tokens."""
     import torch
@@ -355,8 +523,11 @@ def measure_kl_drift(folder: str, prompts: int = 128) -> dict[int, float]:
     cache = os.path.join(folder, "kl_drift.json")
     drift = {int(k): v for k, v in json.load(open(cache)).items()} if os.path.exists(cache) else {0: 0.0}
     checkpoint_dir = os.path.join(folder, "checkpoints")
-    steps = {int(name.split("_")[1]): os.path.join(checkpoint_dir, name) for name in os.listdir(checkpoint_dir)
-             if name.startswith("step_") and name.split("_")[1].isdigit()}
+    steps = {
+        int(name.split("_")[1]): os.path.join(checkpoint_dir, name)
+        for name in os.listdir(checkpoint_dir)
+        if name.startswith("step_") and name.split("_")[1].isdigit()
+    }
     missing = {step: path for step, path in steps.items() if step not in drift}
     if missing:
         from transformers import AutoModelForCausalLM
@@ -405,7 +576,9 @@ def final_record(records: list[dict], steps: int) -> dict | None:
     return next((r for r in records if r["step"] == steps and "eval/greedy_accuracy" in r), None)
 
 
-def series(records: list[dict], key: str, x: str, drift: dict[int, float] | None = None) -> dict[int, tuple[float, float]]:
+def series(
+    records: list[dict], key: str, x: str, drift: dict[int, float] | None = None
+) -> dict[int, tuple[float, float]]:
     """step -> (x, y) for one run, at every step where the metric `key` (or the KL drift) is a finite
     number; x is the step, the training seconds so far (evaluations excluded), or the KL drift."""
     clock, elapsed = {0: 0.0}, 0.0
@@ -437,26 +610,43 @@ def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
             continue
         records = [read_metrics(os.path.join(folder, "metrics.jsonl")) for folder in folders]
         final = [final_record(r, suite.steps) for r in records]
-        row = {"label": config.label, "script": f"algorithms/{config.script}.py", "flags": " ".join(config.flags),
-               "seeds": len(folders),
-               "finished": max(os.path.getmtime(os.path.join(folder, "metrics.jsonl")) for folder in folders)}
+        row = {
+            "label": config.label,
+            "script": f"algorithms/{config.script}.py",
+            "flags": " ".join(config.flags),
+            "seeds": len(folders),
+            "finished": max(os.path.getmtime(os.path.join(folder, "metrics.jsonl")) for folder in folders),
+        }
         for key, name in [("eval/greedy_accuracy", "greedy"), ("eval/avg@4", "avg@4"), ("eval/pass@4", "pass@4")]:
             row[name], row[name + "_std"] = mean_std([f.get(key) for f in final])
         # entropy at response tokens, over each run's last 5 steps (one step's is noisy)
-        row["entropy"], row["entropy_std"] = mean_std([statistics.fmean(
-            [r["charts/entropy"] for r in rs if r["step"] > suite.steps - 5 and "charts/entropy" in r] or [math.nan])
-            for rs in records])
-        row["greedy_at_0"] = mean_std([next((r["eval/greedy_accuracy"] for r in rs if r["step"] == 0), None)
-                                       for rs in records])[0]
-        for key, name in [("time/step", "s_per_step"), ("time/rollout", "rollout_s"), ("time/train", "train_s"),
-                          ("sampling/rollouts", "rollouts_per_step")]:  # completions generated (dynamic sampling: more)
+        row["entropy"], row["entropy_std"] = mean_std(
+            [
+                statistics.fmean(
+                    [r["charts/entropy"] for r in rs if r["step"] > suite.steps - 5 and "charts/entropy" in r]
+                    or [math.nan]
+                )
+                for rs in records
+            ]
+        )
+        row["greedy_at_0"] = mean_std(
+            [next((r["eval/greedy_accuracy"] for r in rs if r["step"] == 0), None) for rs in records]
+        )[0]
+        for key, name in [
+            ("time/step", "s_per_step"),
+            ("time/rollout", "rollout_s"),
+            ("time/train", "train_s"),
+            ("sampling/rollouts", "rollouts_per_step"),
+        ]:  # completions generated (dynamic sampling: more)
             row[name] = mean_std([r.get(key) for rs in records for r in rs if r["step"] > 0])[0]
         for key, _ in suite.columns:  # each run's mean over its training steps, then mean ± std over seeds
-            row[key], row[key + "_std"] = mean_std([statistics.fmean(
-                [r[key] for r in rs if r["step"] > 0 and key in r] or [math.nan]) for rs in records])
+            row[key], row[key + "_std"] = mean_std(
+                [statistics.fmean([r[key] for r in rs if r["step"] > 0 and key in r] or [math.nan]) for rs in records]
+            )
         if suite.kl_drift:
             row["kl_drift"], row["kl_drift_std"] = mean_std(
-                [measure_kl_drift(folder).get(suite.steps) for folder in folders])
+                [measure_kl_drift(folder).get(suite.steps) for folder in folders]
+            )
         rows.append(row)
     judge_against_baseline(suite, rows)
     return rows
@@ -470,10 +660,14 @@ def judge_against_baseline(suite: Suite, rows: list[dict]) -> None:
     (and says so when only this method fails)."""
     base = next((row for row in rows if row["label"] == suite.baseline), None)
     for row in rows if base else []:
-        row["fails"] = [name for name in ("greedy", "entropy")
-                        if base[name] - row[name] > 2 * max(base[name + "_std"], row[name + "_std"])]
+        row["fails"] = [
+            name
+            for name in ("greedy", "entropy")
+            if base[name] - row[name] > 2 * max(base[name + "_std"], row[name + "_std"])
+        ]
     if not (base and suite.reference):
         return
+
     def setting_and_method(row):
         setting, _, method = row["label"].partition(" · ")
         return setting, method
@@ -504,16 +698,26 @@ def machine() -> str:
 def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, path: str, date: str) -> None:
     """The markdown table; a config with fewer finished seeds than asked for shows its count."""
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    lines = [f"**{suite.title}** — built-in task {task_of(suite.flags)}, {suite.steps} steps, seeds {', '.join(map(str, seeds))}; "
-             f"mean ± std over seeds at the last step (held-out greedy accuracy at step 0: "
-             f"{rows[0]['greedy_at_0']:.3f}). Seconds per step exclude evaluations; {jobs} runs at a time, "
-             f"{threads} thread(s) each.", "",
-             "| method | flags | greedy acc. | avg@4 | pass@4 |" + (" KL(π‖π₀) |" if suite.kl_drift else "")
-             + (" entropy | fails vs. baseline |" if suite.baseline else "") + (" verdict |" if suite.reference else "")
-             + "".join(f" {h} |" for _, h in suite.columns) + " s/step | rollout s | train s | rollouts/step |",
-             "|---|---|---|---|---|" + ("---|" if suite.kl_drift else "") + ("---|---|" if suite.baseline else "")
-             + ("---|" if suite.reference else "")
-             + "---|" * len(suite.columns) + "---|---|---|---|"]
+    lines = [
+        f"**{suite.title}** — built-in task {task_of(suite.flags)}, {suite.steps} steps, "
+        f"seeds {', '.join(map(str, seeds))}; "
+        f"mean ± std over seeds at the last step (held-out greedy accuracy at step 0: "
+        f"{rows[0]['greedy_at_0']:.3f}). Seconds per step exclude evaluations; {jobs} runs at a time, "
+        f"{threads} thread(s) each.",
+        "",
+        "| method | flags | greedy acc. | avg@4 | pass@4 |"
+        + (" KL(π‖π₀) |" if suite.kl_drift else "")
+        + (" entropy | fails vs. baseline |" if suite.baseline else "")
+        + (" verdict |" if suite.reference else "")
+        + "".join(f" {h} |" for _, h in suite.columns)
+        + " s/step | rollout s | train s | rollouts/step |",
+        "|---|---|---|---|---|"
+        + ("---|" if suite.kl_drift else "")
+        + ("---|---|" if suite.baseline else "")
+        + ("---|" if suite.reference else "")
+        + "---|" * len(suite.columns)
+        + "---|---|---|---|",
+    ]
     for row in rows:
         extra = f" {row['kl_drift']:.4f} ± {row['kl_drift_std']:.4f} |" if suite.kl_drift else ""
         if suite.baseline:
@@ -523,10 +727,12 @@ def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, 
             extra += f" {row.get('verdict', '')} |"
         extra += "".join(f" {row[key]:.2g} ± {row[key + '_std']:.1g} |" for key, _ in suite.columns)
         label = row["label"] + (f" (n = {row['seeds']})" if row["seeds"] < len(seeds) else "")
-        lines.append(f"| {label} | `{row['flags'] or 'defaults'}` | {row['greedy']:.3f} ± {row['greedy_std']:.3f} "
-                     f"| {row['avg@4']:.3f} ± {row['avg@4_std']:.3f} | {row['pass@4']:.3f} ± {row['pass@4_std']:.3f} |"
-                     f"{extra} {row['s_per_step']:.2f} | {row['rollout_s']:.2f} | {row['train_s']:.2f} "
-                     f"| {row['rollouts_per_step']:.0f} |")
+        lines.append(
+            f"| {label} | `{row['flags'] or 'defaults'}` | {row['greedy']:.3f} ± {row['greedy_std']:.3f} "
+            f"| {row['avg@4']:.3f} ± {row['avg@4_std']:.3f} | {row['pass@4']:.3f} ± {row['pass@4_std']:.3f} |"
+            f"{extra} {row['s_per_step']:.2f} | {row['rollout_s']:.2f} | {row['train_s']:.2f} "
+            f"| {row['rollouts_per_step']:.0f} |"
+        )
     lines += ["", f"Run {date} on {machine()}; command: `{command}`."]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -592,9 +798,15 @@ def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: 
             low = _moving_average([min(y) for y in ys], window)
             high = _moving_average([max(y) for y in ys], window)
             marker = "o" if length <= 12 else None
-            axis.plot(xs, mean, color=colors[config.label], marker=marker, markersize=3,
-                      linestyle="--" if config.label == suite.baseline else "-",
-                      label=config.label.split(" · ")[-1] if short else config.label)
+            axis.plot(
+                xs,
+                mean,
+                color=colors[config.label],
+                marker=marker,
+                markersize=3,
+                linestyle="--" if config.label == suite.baseline else "-",
+                label=config.label.split(" · ")[-1] if short else config.label,
+            )
             if len(per_seed) > 1:
                 axis.fill_between(xs, low, high, color=colors[config.label], alpha=0.15, linewidth=0)
         axis.set_title(panel.title, fontsize=10)
@@ -602,7 +814,7 @@ def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: 
         axis.grid(alpha=0.3)
         if axis.lines:
             axis.legend(fontsize=7)
-    for axis in list(axes.flat)[len(panels):]:
+    for axis in list(axes.flat)[len(panels) :]:
         axis.axis("off")
     figure.suptitle(suite.title, fontsize=11)
     figure.tight_layout()
@@ -667,8 +879,10 @@ def main(args: BenchArgs) -> int:
             flags = suite.flags + (QUICK["flags"] if args.quick else ())
             planned[name] = [Run(c, s, steps, c.flags + flags, output_dir) for s in seeds for c in configs]
     if not planned:
-        raise SystemExit(f"--only {' '.join(args.only)}: no such config in {', '.join(names)} (labels: "
-                         f"{', '.join(c.label for n in names for c in SUITES[n].configs)})")
+        raise SystemExit(
+            f"--only {' '.join(args.only)}: no such config in {', '.join(names)} (labels: "
+            f"{', '.join(c.label for n in names for c in SUITES[n].configs)})"
+        )
     failures = []
     if not args.plot_only:
         unique = {}  # a run two suites share runs once (under the first suite's label)
@@ -677,17 +891,26 @@ def main(args: BenchArgs) -> int:
         failures = run_all(list(unique.values()), args.jobs, output_dir)
     os.makedirs(results_dir, exist_ok=True)
     for name, runs in planned.items():
-        suite = dataclasses.replace(SUITES[name], configs=[c for c in SUITES[name].configs
-                                                           if any(r.config == c for r in runs)], steps=runs[0].steps)
+        suite = dataclasses.replace(
+            SUITES[name],
+            configs=[c for c in SUITES[name].configs if any(r.config == c for r in runs)],
+            steps=runs[0].steps,
+        )
         rows = summarise(suite, runs)
         if not rows:
             print(f"{name}: no finished run to summarise", file=sys.stderr)
             continue
         # the command that makes these runs, whatever this invocation was (--plot-only, several suites)
-        command = " ".join(["./run.sh bench", *([name] if name != "bench" else []), *(["--quick"] if args.quick else []),
-                            *([f"--seeds {args.seeds}"] if args.seeds else []),
-                            *([f"--steps {args.steps}"] if args.steps else []),
-                            *(["--only", *args.only] if args.only else [])])
+        command = " ".join(
+            [
+                "./run.sh bench",
+                *([name] if name != "bench" else []),
+                *(["--quick"] if args.quick else []),
+                *([f"--seeds {args.seeds}"] if args.seeds else []),
+                *([f"--steps {args.steps}"] if args.steps else []),
+                *(["--only", *args.only] if args.only else []),
+            ]
+        )
         date = datetime.date.fromtimestamp(max(row["finished"] for row in rows)).isoformat()  # of the runs
         table_path = os.path.join(results_dir, f"{name}.md")
         write_table(suite, rows, seeds, args.jobs, command, table_path, date)
