@@ -39,6 +39,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Literal
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,17 +50,19 @@ from tqdm import tqdm
 
 from common import fsdp
 from common.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
+from common.engines import load_tokenizer, make_engine
 from common.evaluate import evaluate
 from common.logprobs import output_layer_scores
-from common.reward import MIN_NEW_TOKENS, encode_prompts, load_task
-from common.rollout import load_tokenizer, make_engine
-from common.sampling import GroupSampler
+from common.rollouts import Groups, PromptSampler
+from common.scoring import overlong_penalty, score_completions
+from common.tasks import MIN_NEW_TOKENS, encode_prompts, load_task
 from common.tiny import resolve_model
 from common.tracking import StepMetrics, Tracker
 
 
 @dataclass
 class Args:
+    # the experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (part of the run folder's name)"""
     seed: int = 1
@@ -75,8 +78,6 @@ class Args:
     task: str = "arith"
     """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math, math500, dapo_math,
     aime24, aime25, or a .jsonl/.json/.parquet file"""
-    eval_task: str | None = None
-    """held-out task (its test split); defaults to --task"""
     question_column: str = "question"
     """question column of a local task file"""
     answer_column: str = "answer"
@@ -87,23 +88,10 @@ class Args:
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
     """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this exp/task/seed)"""
-    rollout_engine: Literal["auto", "hf", "vllm"] = "auto"
-    """vllm (in-process vLLM), hf (transformers generate), or auto: vllm on a GPU when installed, else hf"""
-    engine_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "int8"] = "auto"
-    """engine weights' dtype; auto: hf the trainer's weights, vllm the trainer's compute dtype on GPU (another is a
-    train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""
-    gpu_memory_utilization: float = 0.3
-    """vllm: fraction of GPU memory for the engine (weights and KV cache); the trainer gets the rest"""
-    vllm_sleep_mode: bool = False
-    """vllm on GPU: free the engine's GPU memory while training (sleep level 1)"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """trainer compute dtype (weights stay float32); auto: bfloat16 on GPU, float32 on CPU; float16 scales the loss"""
-    cpu_offload: bool = False
-    """with several ranks (torchrun), keep sharded parameters and optimizer state in CPU memory"""
-    gradient_checkpointing: bool = False
-    """recompute each decoder layer's activations in the backward: less memory for long responses, more compute"""
     steps: int = 60
     """training steps (one rollout batch each)"""
+
+    # rollouts and rewards
     prompts_per_step: int = 32
     """prompts per rollout batch"""
     group_size: int = 8
@@ -122,32 +110,8 @@ class Args:
     """DAPO's soft overlong punishment: the reward falls linearly to -1 over this many last tokens (0: off)"""
     mask_truncated: bool = False
     """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
-    lr: float = 1e-4
-    """AdamW learning rate"""
-    warmup_steps: int = 0
-    """optimizer steps of linear learning-rate warm-up"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping threshold"""
-    num_minibatches: int = 4
-    """optimizer steps per rollout batch and epoch (EMA-KPO needs > 1: with one update r̃ ≡ 1; 4: the KPO script's)"""
-    update_epochs: int = 1
-    """passes over each rollout batch"""
-    micro_batch_size: int = 64
-    """sequences per forward/backward (gradient accumulation; memory only, not the math)"""
-    eval_every: int = 10
-    """evaluate every this many steps (0: never)"""
-    eval_prompts: int = 256
-    """held-out prompts per evaluation"""
-    eval_k: int = 4
-    """samples per held-out prompt for avg@k and pass@k"""
-    save_every: int = 50
-    """checkpoint every this many steps (and at the end; 0: only at the end)"""
-    keep_checkpoints: int = 2
-    """how many of the newest checkpoints to keep"""
 
-    # Algorithm specific arguments
+    # the loss: this method's own arguments
     smoother: Literal["ema", "kalman", "fixed"] = "ema"
     """ema: EMA with precomputed α_t = K_t (EMA-KPO, Eq. 9); kalman: Kalman filter, token by token (KPO, Eqs. 4-7);
     fixed: α_t = --alpha"""
@@ -169,6 +133,53 @@ class Args:
     """token-mean over the minibatch (DAPO), or mean per completion then over completions (GRPO)"""
     kl_coef: float = 0.0
     """β of the k3 KL penalty to the initial policy (0: no reference model is loaded)"""
+
+    # optimization
+    lr: float = 1e-4
+    """AdamW learning rate"""
+    warmup_steps: int = 0
+    """optimizer steps of linear learning-rate warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold"""
+    num_minibatches: int = 4
+    """optimizer steps per rollout batch and epoch (EMA-KPO needs > 1: with one update r̃ ≡ 1; 4: the KPO script's)"""
+    update_epochs: int = 1
+    """passes over each rollout batch"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward (gradient accumulation; memory only, not the math)"""
+
+    # evaluation and checkpoints
+    eval_task: str | None = None
+    """held-out task (its test split); defaults to --task"""
+    eval_every: int = 10
+    """evaluate every this many steps (0: never)"""
+    eval_prompts: int = 256
+    """held-out prompts per evaluation"""
+    eval_k: int = 4
+    """samples per held-out prompt for avg@k and pass@k"""
+    save_every: int = 50
+    """checkpoint every this many steps (and at the end; 0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+
+    # the engine and the systems
+    rollout_engine: Literal["auto", "hf", "vllm"] = "auto"
+    """vllm (in-process vLLM), hf (transformers generate), or auto: vllm on a GPU when installed, else hf"""
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "int8"] = "auto"
+    """engine weights' dtype; auto: hf the trainer's weights, vllm the trainer's compute dtype on GPU (another is a
+    train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""
+    gpu_memory_utilization: float = 0.3
+    """vllm: fraction of GPU memory for the engine (weights and KV cache); the trainer gets the rest"""
+    vllm_sleep_mode: bool = False
+    """vllm on GPU: free the engine's GPU memory while training (sleep level 1)"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """trainer compute dtype (weights stay float32); auto: bfloat16 on GPU, float32 on CPU; float16 scales the loss"""
+    cpu_offload: bool = False
+    """with several ranks (torchrun), keep sharded parameters and optimizer state in CPU memory"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer's activations in the backward: less memory for long responses, more compute"""
 
 
 # ALGO LOGIC: the filter of the token log-ratios and its ratio, the clipped surrogate, advantages, loss averaging
@@ -276,20 +287,39 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
 
 # TRY NOT TO MODIFY: log-probs, rollout batches, micro-batches and the train-inference mismatch
 def token_logprobs(model, micro, temperature, with_entropy=False):
-    """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their entropy, no
-    gradient). The logits are divided by the sampling temperature, so the trainer scores the very
-    distribution the engine sampled from. Memory grows with the work: the output layer scores a chunk
-    of positions at a time (no [B, T, vocabulary] logits)."""
-    targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))  # the last position predicts past the end
-    with output_layer_scores(model, targets, temperature, with_entropy):
+    """log π(o_t | q, o_<t) [B, T] of each response token under `model` at `temperature`, and the entropy of π at
+    each of those positions (no gradient; None unless `with_entropy`). The logits are divided by the sampling
+    temperature, so the trainer scores the very distribution the engine sampled from."""
+    response_ids = micro["response_ids"]  # [B, T]
+    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the logits at the
+    # position before o_t. Inside the context the output layer returns these two numbers per position instead of
+    # the logits, a chunk of positions at a time: no [B, T, vocabulary] tensor (common/logprobs.py)
+    with output_layer_scores(model, response_ids, temperature, with_entropy):
         scores = model(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],
             position_ids=micro["position_ids"],
-            logits_to_keep=targets.shape[1],
-            use_cache=False,  # the output layer only runs where a response token is predicted
-        ).logits[:, :-1]
-    return scores[..., 0], (scores[..., 1].detach() if with_entropy else None)
+            logits_to_keep=response_ids.shape[1] + 1,  # the output layer runs only where a response token is predicted
+            use_cache=False,
+        ).logits[:, :-1]  # [B, T, 2]; the last position predicts past the end
+    logprobs, entropy = scores.unbind(-1)
+    return logprobs, (entropy.detach() if with_entropy else None)
+
+
+def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
+    """G completions of each prompt from the engine, with the engine's log-prob μ of each sampled token, each
+    scored against its row's gold answer: reward 1 for a correct answer, else 0, plus DAPO's overlong penalty."""
+    completions = engine.generate(prompt_ids, args.group_size, args.max_new_tokens, args.temperature)
+    scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)  # prompt i: [iG, (i+1)G)
+    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens, then down to −1 at the limit
+    rewards = [
+        score.reward + overlong_penalty(len(completion.token_ids), args.max_new_tokens, args.overlong_buffer)
+        for score, completion in zip(scores, completions)
+    ]
+    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the length limit gets no gradient
+    trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
+    metrics.sum("sampling/rollouts", len(completions))  # completions generated, all ranks (and rounds)
+    return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
 
 
 def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None):
@@ -341,6 +371,20 @@ def micro_batches(batch, indices, size, by_length=True):
         yield micro
 
 
+def batch_logprobs(model, batch, args, autocast, with_entropy=False):
+    """token_logprobs of every response token of the batch [B, T] under `model`, without gradient, a micro-batch
+    at a time (0 past each response's end): (log-probs, entropy or None)."""
+    logprobs, entropy = torch.zeros_like(batch["sampler_logprobs"]), torch.zeros_like(batch["sampler_logprobs"])
+    every_row = torch.arange(len(logprobs), device=logprobs.device)
+    with torch.no_grad(), autocast:
+        for micro in micro_batches(batch, every_row, args.micro_batch_size):
+            micro_logprobs, micro_entropy = token_logprobs(model, micro, args.temperature, with_entropy)
+            logprobs[micro["rows"], : micro_logprobs.shape[1]] = micro_logprobs
+            if with_entropy:
+                entropy[micro["rows"], : micro_entropy.shape[1]] = micro_entropy
+    return logprobs, (entropy if with_entropy else None)
+
+
 def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
     """The train-inference mismatch over response tokens, μ being the engine's log-probs:
     mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ; mismatch/max_abs_logprob_diff."""
@@ -383,15 +427,11 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
     # π_old = π_θ: the ratio is exactly 1, its gradient is the policy gradient, and no pass is needed
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
-    with torch.no_grad(), autocast:
-        for key, model in (("old_logprobs", policy if multiple_updates else None), ("ref_logprobs", reference)):
-            if model is not None:
-                batch[key] = torch.zeros_like(batch["sampler_logprobs"])
-                for micro in micro_batches(batch, every_row, args.micro_batch_size):
-                    logprobs = token_logprobs(model, micro, args.temperature)[0]
-                    batch[key][micro["rows"], : logprobs.shape[1]] = logprobs
     if multiple_updates:
+        batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old [B, T]
         record_mismatch(metrics, batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
+    if reference is not None:  # β > 0
+        batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref [B, T]
 
     gains = gain_schedule(args, args.max_new_tokens).to(every_row.device)  # ALGO LOGIC: the EMA's α_t (Eq. 9)
     skipped = 0
@@ -448,18 +488,12 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     metrics.max("losses/rho_hat_abs_max", rho_hat[valid].abs())  # (compare with ε_low, ε_high)
                     if not multiple_updates:  # this single pass sees every rollout once, under π_old
                         record_mismatch(metrics, old_logprobs, micro["sampler_logprobs"], mask)
-            # TRY NOT TO MODIFY: the optimizer step; a step whose loss or gradient norm is not finite is
-            # skipped (counted in charts/skipped_steps), so weights never become NaN
-            scaler.unscale_(optimizer)  # float16: the gradients divided by the loss scale, before clipping
-            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
-            minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)
-            if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(minibatch_loss)):
-                scaler.step(optimizer)  # optimizer.step() (float16: after the scaler's own overflow check)
-                scheduler.step()
-            else:
-                skipped += 1
-            scaler.update()  # float16: halve the scale after an overflow (any rank), double it after 2000 clean steps
-            optimizer.zero_grad(set_to_none=True)
+            # TRY NOT TO MODIFY: clip to --max-grad-norm, then step; a step whose loss or gradient norm is not
+            # finite is skipped (counted in charts/skipped_steps), so weights never become NaN
+            stepped, minibatch_loss, grad_norm = fsdp.optimizer_step(
+                policy, optimizer, scheduler, scaler, minibatch_loss, args.max_grad_norm, dist
+            )
+            skipped += not stepped
             # the loss of all ranks and the global norm (before clipping): the same numbers on every rank
             metrics.mean("losses/policy_loss", minibatch_loss, 1)
             metrics.mean("losses/grad_norm", grad_norm, 1)
@@ -602,37 +636,25 @@ def main(args: Args) -> None:
     )
     if args.eval_every and start_step == 0:
         tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
-    # rollouts: each rank takes whole groups of G completions (group statistics are one process's), with the
-    # sampler's log-probs μ, rewarded 1 for a correct answer, else 0, plus DAPO's overlong penalty (Eq. 13)
-    sampler = GroupSampler(
-        engine,
-        tokenizer,
-        prompts,
-        train_rows,
-        dist,
-        args.prompts_per_step,
-        args.group_size,
-        args.max_new_tokens,
-        args.temperature,
-        args.seed,
-        task=args.task,
-        overlong_buffer=args.overlong_buffer,
-        mask_truncated=args.mask_truncated,
-        dynamic=args.dynamic_sampling,
-        max_rounds=args.max_sampling_rounds,
-    )
+    # each rank takes whole groups of G completions (group statistics are one process's): its share of the
+    # step's prompts, and with --dynamic-sampling of DAPO's extra rounds
+    sampler = PromptSampler(prompts, train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
-        # 1. rollout (--dynamic-sampling: groups whose rewards are all equal are replaced, DAPO §3.2)
+        # 1. rollout: G completions of each of this rank's prompts, each scored against its row's gold answer
         with metrics.timer("time/rollout"):
-            groups = sampler.draw(step, metrics)
+            prompt_ids, rows = sampler.step_prompts(step)
+            groups = rollout(engine, tokenizer, prompt_ids, rows, args, metrics)
+            if args.dynamic_sampling:  # DAPO §3.2: groups whose rewards are all equal are replaced by new prompts'
+                more = partial(rollout, engine, tokenizer, args=args, metrics=metrics)
+                groups = sampler.dynamic_sampling(groups, step, more, metrics)
 
         # 2. advantages (a completion cut off with --mask-truncated counts in its group's, but does not train)
         batch = make_batch(
             groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
         )
-        batch["advantages"] = compute_advantages(groups.rewards, args.scale_advantages).flatten()
+        batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
         # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)

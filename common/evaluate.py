@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from math import comb
 from typing import Literal
 
-from common.reward import encode_prompt, score
+from common.scoring import score_completions
+from common.tasks import encode_prompt
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -63,12 +64,6 @@ def evaluate(
     return metrics
 
 
-def score_completions(completions, rows, n: int, tokenizer, task: str):
-    """Score each completion against its prompt's gold answer (prompt i owns completions[i*n:(i+1)*n])."""
-    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-    return [score(text, rows[i // n].answer, task) for i, text in enumerate(texts)]
-
-
 @dataclass
 class EvalArgs:
     model: str = "tiny"
@@ -102,8 +97,8 @@ def main() -> None:
     import tyro
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.reward import MIN_NEW_TOKENS, load_task
-    from common.rollout import engine_kind, load_tokenizer, make_engine
+    from common.engines import engine_kind, load_tokenizer, make_engine
+    from common.tasks import MIN_NEW_TOKENS, load_task
     from common.tiny import resolve_model
 
     args = tyro.cli(EvalArgs, description="Score a model on a task's test split: greedy, avg@k, pass@j.")

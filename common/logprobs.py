@@ -1,9 +1,9 @@
 """Log-probs of given tokens (and the entropy) through a model's output layer, a chunk of positions at a
 time, so that memory does not grow with vocabulary x response length.
 
-    with output_layer_scores(model, targets, temperature, with_entropy=True):
-        scores = model(input_ids=..., logits_to_keep=targets.shape[1]).logits   # [B, T, 2], not [B, T, V]
-    logprobs, entropy = scores[..., 0], scores[..., 1]
+    with output_layer_scores(model, response_ids, temperature, with_entropy=True):   # response_ids [B, T]
+        scores = model(input_ids=..., logits_to_keep=T + 1).logits[:, :-1]   # [B, T, 2], not [B, T, V]
+    logprobs, entropy = scores.unbind(-1)
 
 A plain forward keeps float32 logits [B, T, V], their log-softmax and, for the entropy, two more tensors of
 that size (with Qwen's 151,936-token vocabulary: 1.2 GB per 1,000 response tokens each). Here the output
@@ -33,10 +33,12 @@ CHUNK_BYTES = 128 * 2**20  # float32 logits of one chunk (a few such tensors liv
 def output_layer_scores(
     model, targets: torch.Tensor, temperature: float, with_entropy: bool = False, chunk_bytes: int | None = None
 ):
-    """Within the context, the model's output layer returns [B, T, 2] (log-prob of targets[b, t] at
-    `temperature`, and the full-vocabulary entropy without gradient, 0 unless `with_entropy`) for the
-    hidden states [B, T, H] that reach it: call the model with logits_to_keep = targets.shape[1]."""
+    """Within the context, the model's output layer returns [B, T + 1, 2] for the hidden states [B, T + 1, H] that
+    reach it (call the model with logits_to_keep = T + 1): at position t < T the log-prob of targets[b, t] at
+    `temperature` and the full-vocabulary entropy (no gradient; 0 unless `with_entropy`); the last position,
+    which predicts past the end, is scored against token 0 (drop it)."""
     head = model.get_output_embeddings()
+    targets = F.pad(targets, (0, 1))
 
     def scores(hidden):
         return chunked_scores(

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.reward import load_task, score, sums_scratchpad
+from common.scoring import score
+from common.tasks import load_task, sums_scratchpad
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # 94 visible + space + newline

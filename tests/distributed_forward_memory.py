@@ -19,7 +19,7 @@ from helpers import compute_dtype, precision
 
 from algorithms import grpo
 from common import fsdp
-from common.rollout import Completion
+from common.engines import Completion
 from common.tiny import load, tiny_model_dir
 
 

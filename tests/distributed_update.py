@@ -22,7 +22,7 @@ import torch
 from helpers import compute_dtype, precision
 
 from common import fsdp, logprobs
-from common.rollout import Completion
+from common.engines import Completion
 from common.tiny import load, tiny_model_dir
 from common.tracking import StepMetrics
 

@@ -141,7 +141,7 @@ def two_group_rollouts(tokenizer, responses=("3$", "12", "4$", "396", "96$", "9"
     """Two prompts ("Q: 1+2=", "Q: 45+51=") with four completions each, of different lengths, for the
     brute-force tests; a `$` ending a response is EOS. Returns the prompts' token ids and the Completions
     (placeholder log-probs -1.0)."""
-    from common.rollout import Completion
+    from common.engines import Completion
 
     prompts = [tokenizer(q)["input_ids"] for q in ["Q: 1+2=", "Q: 45+51="]]
     completions = []

@@ -274,7 +274,7 @@ def test_kl_from_initial_is_zero_for_the_same_model_and_matches_a_direct_computa
 
     # the same samples (same seed); for each response token, the KL of the next-token distributions
     # given exactly the text before it (a prefix forward, not a slice of one forward)
-    from common.rollout import HFEngine
+    from common.engines import HFEngine
 
     torch.manual_seed(3)
     completions = HFEngine(moved, tokenizer).generate(prompts, 1, 8, 1.0)

@@ -41,7 +41,7 @@ def _records(output_dir):
 def test_weight_push_then_logprobs_match_the_trainer(tiny, tmp_path, tied):
     """A float32 engine on the GPU: after pushing perturbed weights (tied and untied output layer), the
     engine's sampled-token log-probs equal the trainer's recompute of the new weights."""
-    from common.rollout import VLLMEngine
+    from common.engines import VLLMEngine
 
     base, tokenizer = tiny
     model = type(base)(base.config)

@@ -24,7 +24,7 @@ from helpers import (
 
 from algorithms import grpo, gtpo
 from common import fsdp
-from common.rollout import Completion, HFEngine
+from common.engines import Completion, HFEngine
 from common.tracking import StepMetrics
 
 CPU = fsdp.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

@@ -24,7 +24,7 @@ from helpers import (
 from torch import nn
 
 from algorithms import isopo
-from common.rollout import Completion
+from common.engines import Completion
 
 NO_AUTOCAST = torch.autocast("cpu", enabled=False)
 

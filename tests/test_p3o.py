@@ -21,7 +21,7 @@ from helpers import CLIP_LOGGED, help_text, only_run_dir, precision, read_jsonl,
 
 from algorithms import p3o
 from common import fsdp
-from common.rollout import Completion
+from common.engines import Completion
 from common.tracking import StepMetrics
 
 # --- the effective sample size --------------------------------------------------------------------

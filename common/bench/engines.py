@@ -2,8 +2,8 @@
 
 import time
 
-from common.reward import arith_rows
-from common.rollout import make_engine, vllm_available
+from common.engines import make_engine, vllm_available
+from common.tasks import arith_rows
 from common.tiny import load, tiny_model_dir
 
 

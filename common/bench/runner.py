@@ -501,7 +501,7 @@ def kl_from_initial(
     exact full-vocabulary KL Σ_v π_θ(v) (log π_θ(v) − log π_0(v)), averaged over all response tokens."""
     import torch
 
-    from common.rollout import HFEngine
+    from common.engines import HFEngine
 
     torch.manual_seed(seed)
     completions = HFEngine(model, tokenizer).generate(prompt_ids, 1, max_new_tokens, 1.0)
@@ -533,8 +533,8 @@ def measure_kl_drift(folder: str, prompts: int = 128) -> dict[int, float]:
         from transformers import AutoModelForCausalLM
         from transformers.utils.logging import disable_progress_bar
 
-        from common.reward import encode_prompt, load_task
-        from common.rollout import load_tokenizer
+        from common.engines import load_tokenizer
+        from common.tasks import encode_prompt, load_task
         from common.tiny import resolve_model
 
         disable_progress_bar()

@@ -1,4 +1,5 @@
-"""common/sampling.py: a step's groups, with and without DAPO's dynamic sampling, on a scripted engine
+"""A step's rollouts (grpo.py's `rollout`, common/rollouts.py's sampler), with and without DAPO's dynamic sampling,
+on a scripted engine
 (which groups are informative is chosen per call), then on two ranks and through a resumed run."""
 
 import json
@@ -7,12 +8,13 @@ import os
 
 import pytest
 import torch
-from distributed_sampling import ScriptedEngine, scripted_sampler
+from distributed_rollouts import ScriptedEngine, scripted_step
 from helpers import only_run_dir, read_jsonl, run_script, torchrun
 
 from common import fsdp
-from common.reward import overlong_penalty, sample_batch
-from common.sampling import extra_round_indices
+from common.rollouts import extra_round_indices
+from common.scoring import overlong_penalty
+from common.tasks import sample_batch
 from common.tracking import StepMetrics
 
 ONE_PROCESS = fsdp.Dist(0, 1, 0, torch.device("cpu"))
@@ -21,7 +23,7 @@ LOCAL, G, STEP = 8, 4, 5  # prompts per step, completions per prompt, the step d
 
 def draw(engine, **options):
     metrics = StepMetrics()
-    groups = scripted_sampler(engine, ONE_PROCESS, prompts_per_step=LOCAL, group_size=G, **options).draw(STEP, metrics)
+    groups = scripted_step(engine, ONE_PROCESS, STEP, metrics, prompts_per_step=LOCAL, group_size=G, **options)
     return groups, metrics.reduce()
 
 
@@ -37,7 +39,7 @@ def test_without_dynamic_sampling_a_step_is_its_sample_batch_prompts():
 def test_dynamic_sampling_replaces_all_equal_groups_until_the_batch_is_full():
     # round 0: every group all wrong; later rounds: the even prompts are informative
     engine = ScriptedEngine(lambda call, prompt: call > 0 and prompt % 2 == 0)
-    groups, logged = draw(engine, dynamic=True)
+    groups, logged = draw(engine, dynamic_sampling=True)
     assert engine.calls[0] == sample_batch(100, STEP, LOCAL, seed=3)
     assert engine.calls[1] == extra_round_indices(100, 3, STEP, 1, 0, LOCAL)  # nothing informative yet: a full round
     assert len(groups.rows) == LOCAL and bool((groups.rewards.std(dim=1) > 0).all())
@@ -54,7 +56,7 @@ def test_dynamic_sampling_replaces_all_equal_groups_until_the_batch_is_full():
 def test_an_extra_round_asks_for_the_missing_groups_over_the_informative_share():
     informative_in_round_0 = set(sample_batch(100, STEP, LOCAL, seed=3)[:6])  # 6 of 8: share 3/4, 2 missing
     engine = ScriptedEngine(lambda call, prompt: call > 0 or prompt in informative_in_round_0)
-    groups, logged = draw(engine, dynamic=True)
+    groups, logged = draw(engine, dynamic_sampling=True)
     assert [len(call) for call in engine.calls] == [LOCAL, math.ceil(2 / 0.75)]
     assert logged["sampling/groups_discarded"] == 2 + 1  # round 0's all-equal groups, round 1's spare one
     assert [p[0] for p in groups.prompt_ids] == sample_batch(100, STEP, LOCAL, seed=3)[:6] + engine.calls[1][:2]
@@ -62,7 +64,7 @@ def test_an_extra_round_asks_for_the_missing_groups_over_the_informative_share()
 
 def test_at_the_round_cap_the_batch_is_completed_with_the_earliest_all_equal_groups():
     engine = ScriptedEngine(lambda call, prompt: call == 1 and prompt == engine.calls[1][0])  # one informative group
-    groups, logged = draw(engine, dynamic=True, max_rounds=3)
+    groups, logged = draw(engine, dynamic_sampling=True, max_sampling_rounds=3)
     assert len(engine.calls) == 3
     assert [p[0] for p in groups.prompt_ids] == [engine.calls[1][0]] + engine.calls[0][: LOCAL - 1]
     assert logged["sampling/rounds"] == 3 and logged["sampling/groups_short"] == LOCAL - 1
@@ -82,7 +84,7 @@ def test_extra_rounds_depend_only_on_seed_step_and_round():
     calls = []
     for _ in range(2):
         engine = ScriptedEngine(lambda call, prompt: call > 0 and prompt % 3 == 0)
-        draw(engine, dynamic=True)
+        draw(engine, dynamic_sampling=True)
         calls.append(engine.calls)
     assert calls[0] == calls[1]
 
@@ -120,7 +122,7 @@ def test_overlong_penalty_is_dapo_eq_13_at_the_buffer_edges(length, penalty):
 def test_two_ranks_draw_the_same_number_of_rounds(tmp_path):
     """Rank 0 is full after round 0, rank 1 after round 2: both count 3 rounds (rank 0 generating nothing
     more), each holds its 4 groups, and the metrics reduced over ranks are the same on both."""
-    torchrun(2, "tests/distributed_sampling.py", tmp_path / "out")
+    torchrun(2, "tests/distributed_rollouts.py", tmp_path / "out")
     ranks = [json.load(open(tmp_path / f"out.rank{r}.json")) for r in range(2)]
     assert [r["rounds"] for r in ranks] == [3, 3]
     assert [len(r["calls"]) for r in ranks] == [1, 3]

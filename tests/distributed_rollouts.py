@@ -1,12 +1,13 @@
-"""common.sampling.GroupSampler on a scripted engine, on however many ranks this is launched with:
+"""A step's rollouts as grpo.py draws them (its `rollout`, common.rollouts' PromptSampler and dynamic sampling)
+on a scripted engine, on however many ranks this is launched with:
 
-    torchrun --nproc_per_node 2 tests/distributed_sampling.py OUT_PREFIX
+    torchrun --nproc_per_node 2 tests/distributed_rollouts.py OUT_PREFIX
 
 Rank 0's engine gives informative groups from its first call, rank 1's only from its third call, so rank
 0 is full after round 0 and rank 1 after round 2. Each rank writes OUT_PREFIX.rank<r>.json: the rounds it
 counted, its engine calls, its groups, and the step's metrics reduced over ranks.
 
-Also the scripted engine and tokenizer test_sampling.py uses: prompt i is the token list [i]; a completion
+Also the scripted engine and tokenizer test_rollouts.py uses: prompt i is the token list [i]; a completion
 is [1] * length (decoded "7", the right answer) or [2] * length ("8", a wrong one)."""
 
 import json
@@ -15,10 +16,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from functools import partial
+
+from algorithms import grpo
 from common import fsdp
-from common.reward import Row
-from common.rollout import Completion
-from common.sampling import GroupSampler
+from common.engines import Completion
+from common.rollouts import PromptSampler
+from common.tasks import Row
 from common.tracking import StepMetrics
 
 
@@ -51,31 +55,25 @@ class ScriptedEngine:
         return completions
 
 
-def scripted_sampler(engine, dist, num_rows=100, prompts_per_step=8, group_size=4, **options):
-    """A GroupSampler over `num_rows` prompts [i] whose gold answer is "7"."""
+def scripted_step(engine, dist, step, metrics, num_rows=100, prompts_per_step=8, group_size=4, **options):
+    """Step `step`'s groups over `num_rows` prompts [i] whose gold answer is "7", drawn as grpo.py's main() draws
+    them; `options`: grpo.Args' dynamic_sampling, max_sampling_rounds, overlong_buffer, mask_truncated."""
     rows = [Row(f"question {i}", "7") for i in range(num_rows)]
-    return GroupSampler(
-        engine,
-        DigitTokenizer(),
-        [[i] for i in range(num_rows)],
-        rows,
-        dist,
-        prompts_per_step,
-        group_size,
-        max_new_tokens=8,
-        temperature=1.0,
-        seed=3,
-        task="arith",
-        **options,
-    )
+    args = grpo.Args(group_size=group_size, max_new_tokens=8, temperature=1.0, task="arith", **options)
+    sampler = PromptSampler([[i] for i in range(num_rows)], rows, dist, prompts_per_step, 3, args.max_sampling_rounds)
+    prompt_ids, rows = sampler.step_prompts(step)
+    groups = grpo.rollout(engine, DigitTokenizer(), prompt_ids, rows, args, metrics)
+    if args.dynamic_sampling:
+        more = partial(grpo.rollout, engine, DigitTokenizer(), args=args, metrics=metrics)
+        groups = sampler.dynamic_sampling(groups, step, more, metrics)
+    return groups
 
 
 def main(out_prefix):
     dist = fsdp.setup()
     engine = ScriptedEngine(lambda call, prompt: dist.rank == 0 or call >= 2)
-    sampler = scripted_sampler(engine, dist, dynamic=True, max_rounds=8)
     metrics = StepMetrics()
-    groups = sampler.draw(5, metrics)
+    groups = scripted_step(engine, dist, 5, metrics, dynamic_sampling=True, max_sampling_rounds=8)
     logged = metrics.reduce(dist)
     with open(f"{out_prefix}.rank{dist.rank}.json", "w") as f:
         json.dump(
