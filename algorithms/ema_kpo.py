@@ -716,9 +716,13 @@ if __name__ == "__main__":
 # (its 0.5 × 80 beside the weights and AdamW state): fits. One GPU does not: 60 GiB of training state alone.
 #
 # Differences from the authors' code (KPO's: github.com/shuohe1995/verl-kpo, core_algos.py; EMA-KPO's is not public):
-# - P0 = 1 here, as the EMA-KPO paper states; 0 in the KPO code (--p0 0). Its gains come in closed form, clamped
-#   to [1e-6, 1 − 1e-6]; here from the float64 recursion, unclamped: they agree to 1e-10, except K_1 = 9.99999e-7
-#   here, 1e-6 there, when P0 = 0 (no other gain is affected for 0 ≤ P0 ≤ 1).
+# - P0 = 1 here, as the EMA-KPO paper states; 0 in the KPO code (--p0 0).
+# - Its gains come in closed form (kalman_gains_nonsteady_1d: a Möbius map through sinh), clamped to
+#   [1e-6, 1 − 1e-6] and computed in float32, where 1 + Q/2 rounds to 1 + 4.77e-7 for Q = 1e-6: its K_t run above
+#   Eq. 8's (P0 = 0: K_1000 = 7.69e-4 against 7.61e-4, K_8000 = 1.0234e-3 against 9.995e-4, up to 2.4% off), so
+#   with z ≡ 0.01 its filtered log-ratio is 0.2-0.6% high over 1,000-3,000 tokens (t = 1,000: 3.538e-3 against
+#   3.522e-3), enough to flip clip decisions near ε = 3e-4 / 4e-4 on long responses. Here the gains come from the
+#   float64 recursion (Eqs. 4, 5, 7), unclamped; the same closed form in float64 agrees with it to 1e-6 relative.
 # - Its filter is exp(L_t)·Σ_i α_i exp(−L_i) z_i (see ema_filter) in float32: it overflows once L_t < −88 (α = 0.1
 #   after 840 tokens) and, with its clamp exp(L) ≥ 1e-30, stops decaying once L_t < −69 (α = 0.01 after about
 #   6,870 tokens). For Q = 1e-6 the two agree (its exponents stay above −15 at 8k tokens).

@@ -641,3 +641,7 @@ if __name__ == "__main__":
 # whose rewards differ are kept, and a batch still short at the cap is completed with all-equal groups that
 # do not train. Eq. 13's penalty reaches −1, the whole gap between a right (1) and a wrong (0) answer here;
 # with DAPO's ±1 rewards it is half the gap.
+# No clamp on the log-ratio, as in the papers' objectives and TRL: verl's PPO loss clamps log ρ to ±20 and its
+# GSPO loss the sequence log-ratio at 10, which zeroes the gradient of extremely stale tokens there; here such a
+# token keeps the clipped surrogate's gradient: none when A > 0 and ρ > 1 + ε_high, ρ·A·∇log π (unbounded) when
+# A < 0.

@@ -367,18 +367,31 @@ def test_quick_bench_end_to_end_then_nothing_to_redo(tmp_path):
     assert "2 of 2 runs already finished; 0 to run" in again.stdout
 
 
+def test_a_suites_page_keeps_its_write_up_around_the_new_table(tmp_path):
+    """write_table into a page with the suite's markers replaces the table only; into a new file, writes it."""
+    suite, rows = bench.SUITES["bench"], json.load(open(os.path.join(bench.PUBLISHED, "bench.json")))["rows"]
+    page = tmp_path / "bench.md"
+    page.write_text("# Bench\nclaim\n<!-- bench:bench -->\nold\n<!-- /bench:bench -->\nfindings\n")
+    table = bench.write_table(suite, rows, (1, 2, 3), 2, "./run.sh bench", str(page), "2026-01-02")
+    assert (
+        page.read_text() == f"# Bench\nclaim\n<!-- bench:bench -->\n{table.strip()}\n<!-- /bench:bench -->\nfindings\n"
+    )
+    new = tmp_path / "new.md"
+    assert bench.write_table(suite, rows, (1, 2, 3), 2, "c", str(new), "2026-01-02") == new.read_text()
+
+
 def test_readme_table_is_replaced_between_its_markers_only(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(
         "intro\n<!-- bench:demo -->\nold table\n<!-- /bench:demo -->\nafter\n"
         "<!-- bench:other -->\nx\n<!-- /bench:other -->\n"
     )
-    assert bench.update_readme(str(readme), "demo", "| new | table |\n")
+    assert bench.replace_between_markers(str(readme), "demo", "| new | table |\n")
     assert readme.read_text() == (
         "intro\n<!-- bench:demo -->\n| new | table |\n<!-- /bench:demo -->\nafter\n"
         "<!-- bench:other -->\nx\n<!-- /bench:other -->\n"
     )
-    assert not bench.update_readme(str(readme), "missing", "t")
+    assert not bench.replace_between_markers(str(readme), "missing", "t")
     readme.write_text("<!-- /bench:demo -->\nx\n<!-- bench:demo -->\n")  # reversed: refused, file untouched
-    assert not bench.update_readme(str(readme), "demo", "t")
+    assert not bench.replace_between_markers(str(readme), "demo", "t")
     assert readme.read_text() == "<!-- /bench:demo -->\nx\n<!-- bench:demo -->\n"

@@ -118,3 +118,19 @@ def test_ruff_passes(command):
     columns). To fix: `.venv/bin/ruff format . && .venv/bin/ruff check --fix .`"""
     result = subprocess.run([sys.executable, "-m", "ruff", *command, "."], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_readme_is_a_map_whose_links_resolve():
+    """The README stays a map (at most 300 lines); every experiment's page is reachable from it, and every
+    relative link of the README and of the pages points at a file that exists."""
+    readme = _read(os.path.join(REPO, "README.md"))
+    assert readme.count("\n") <= 300, "the README is a map: move details to the pages it links"
+    results = os.path.join(REPO, "common", "bench", "results")
+    index = _read(os.path.join(results, "README.md"))
+    for page in glob.glob(os.path.join(results, "*.md")):
+        name = os.path.basename(page)
+        if name != "README.md":
+            assert f"results/{name}" in readme or f"({name})" in index, f"{name} is linked from nowhere"
+    for path in [os.path.join(REPO, "README.md"), *glob.glob(os.path.join(results, "*.md"))]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", _read(path)):
+            assert os.path.exists(os.path.join(os.path.dirname(path), target)), f"{path}: broken link {target}"

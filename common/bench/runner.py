@@ -20,11 +20,13 @@ in parallel, one thread each: on two cores, two one-thread runs take about as lo
 For each suite, --results-dir gets <suite>.png (mean over seeds, shaded from the lowest to the highest
 seed), <suite>.md (a table of final accuracy ± std over seeds and seconds per step, with the date,
 machine and command) and <suite>.json (the same numbers). The full runs write to common/bench/results,
-the copy the README shows, and replace the README's table between its `<!-- bench:<suite> -->` markers;
---quick, --only, --seeds or --steps write under --output-dir instead.
+where <suite>.md is the suite's page (the claim, the setting, the plot and what came out, written around
+the table's `<!-- bench:<suite> -->` markers, between which the table is replaced), and replace the
+README's table between the same markers when it has them; --quick, --only, --seeds or --steps write under
+--output-dir instead.
 
 Every setting of an experiment is fixed in SUITES below, before it runs (paper defaults scaled to the
-built-in task); the README reports what came out.
+built-in task); each suite's page reports what came out.
 """
 
 from __future__ import annotations
@@ -695,8 +697,10 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, path: str, date: str) -> None:
-    """The markdown table; a config with fewer finished seeds than asked for shows its count."""
+def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, path: str, date: str) -> str:
+    """The markdown table, returned and written to `path`: between the page's `<!-- bench:<suite> -->` markers
+    when it has them (a suite's page: its write-up around the table), else as the whole file. A config with
+    fewer finished seeds than asked for shows its count."""
     threads = max(1, (os.cpu_count() or 1) // jobs)
     lines = [
         f"**{suite.title}** — built-in task {task_of(suite.flags)}, {suite.steps} steps, "
@@ -734,25 +738,29 @@ def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, 
             f"| {row['rollouts_per_step']:.0f} |"
         )
     lines += ["", f"Run {date} on {machine()}; command: `{command}`."]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    table = "\n".join(lines) + "\n"
+    if not (os.path.exists(path) and replace_between_markers(path, suite.name, table)):
+        with open(path, "w") as f:
+            f.write(table)
+    return table
 
 
-def update_readme(readme: str, name: str, table: str) -> bool:
-    """Replace the text between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` in the README with the
-    suite's table, so the README's numbers are those of the committed run. False if there are no markers."""
+def replace_between_markers(page: str, name: str, table: str) -> bool:
+    """Replace the text between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` in a markdown page (the README,
+    a suite's page) with the suite's table, so the page's numbers are those of the committed run. False if
+    there are no markers."""
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    with open(readme) as f:
+    with open(page) as f:
         text = f.read()
     if start not in text or end not in text:
         return False
     head, rest = text.split(start, 1)
     if end not in rest:
-        print(f"warning: {readme}: {end} comes before {start}; the table is not updated", file=sys.stderr)
+        print(f"warning: {page}: {end} comes before {start}; the table is not updated", file=sys.stderr)
         return False
-    with open(readme + ".tmp", "w") as f:
+    with open(page + ".tmp", "w") as f:
         f.write(head + start + "\n" + table.strip() + "\n" + end + rest.split(end, 1)[1])
-    os.replace(readme + ".tmp", readme)
+    os.replace(page + ".tmp", page)
     return True
 
 
@@ -913,15 +921,17 @@ def main(args: BenchArgs) -> int:
         )
         date = datetime.date.fromtimestamp(max(row["finished"] for row in rows)).isoformat()  # of the runs
         table_path = os.path.join(results_dir, f"{name}.md")
-        write_table(suite, rows, seeds, args.jobs, command, table_path, date)
+        table = write_table(suite, rows, seeds, args.jobs, command, table_path, date)
         with open(os.path.join(results_dir, f"{name}.json"), "w") as f:
             json.dump({"suite": name, "steps": suite.steps, "seeds": seeds, "rows": rows}, f, indent=1)
         for figure_name, panels in {name: suite.panels, **suite.extra_figures}.items():
             plot(suite, runs, panels, os.path.join(results_dir, f"{figure_name}.png"))
-        with open(table_path) as f:
-            table = f.read()
         print(f"{name}: {table_path} and {name}.png\n{table}")
-        if results_dir == PUBLISHED and complete and update_readme(os.path.join(REPO, "README.md"), name, table):
+        if (
+            results_dir == PUBLISHED
+            and complete
+            and replace_between_markers(os.path.join(REPO, "README.md"), name, table)
+        ):
             print(f"README.md: the {name} table is updated")
     if failures:
         print("failed runs:\n  " + "\n  ".join(failures), file=sys.stderr)
