@@ -477,13 +477,7 @@ def main(args: Args) -> None:
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device = dist.device
-    compute_dtype = (
-        getattr(torch, args.dtype)
-        if args.dtype != "auto"
-        else torch.bfloat16
-        if device.type == "cuda"
-        else torch.float32
-    )
+    compute_dtype = fsdp.compute_dtype(args.dtype, device)  # auto: bfloat16 on a GPU, float32 on the CPU
     autocast = torch.autocast(device.type, compute_dtype, enabled=compute_dtype != torch.float32)
     scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)  # float16's dynamic loss scale
     run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"

@@ -32,6 +32,13 @@ class Dist:
         return self.rank == 0
 
 
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The trainer's compute dtype for --dtype `name`: auto is bfloat16 on a GPU, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
 def setup() -> Dist:
     """Process group from torchrun's environment variables (nccl on GPUs, gloo on CPUs)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -34,6 +34,7 @@ from typing import Literal
 
 import torch
 
+from common import fsdp
 from common.logprobs import CHUNK_BYTES
 
 GiB = 2**30
@@ -153,12 +154,7 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
     config = config or load_config(plan.model)
     counts = parameter_counts(config)
     gpu = plan.device == "cuda"
-    compute = {
-        "auto": torch.bfloat16 if gpu else torch.float32,
-        "float32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-    }[plan.dtype]
+    compute = fsdp.compute_dtype(plan.dtype, torch.device(plan.device))
     sharded = plan.gpus > 1
     mixed = sharded and compute == torch.bfloat16  # fsdp.shard's MixedPrecisionPolicy: bf16 weights in the forward
     residual = compute if mixed else torch.float32

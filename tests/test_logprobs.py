@@ -101,6 +101,7 @@ def test_targets_must_match_the_positions():
         chunked_scores(torch.randn(2, 3, 4), torch.randn(5, 4), None, torch.zeros(2, 4, dtype=torch.long), 1.0, False)
 
 
+@pytest.mark.slow
 def test_memory_does_not_grow_with_the_response_length():
     """Peak memory of the log-prob stage (forward + backward) with a 151,936-token vocabulary: chunking
     keeps it at a few chunks whatever the length (full logits: 4 tensors of 2.5 GB at 4,096 tokens)."""

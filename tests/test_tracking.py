@@ -82,6 +82,7 @@ def wandb_records(path):
             yield record
 
 
+@pytest.mark.slow
 def test_track_writes_the_config_and_every_metric_to_an_offline_wandb_run(tmp_path):
     run_script(
         "algorithms/grpo.py",

@@ -74,6 +74,7 @@ def _hf_greedy(model, prompts, eos_id):
     return out
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_match_the_trainer(tiny, tiny_dir, engines):
     model, tokenizer = tiny
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
@@ -87,6 +88,7 @@ def test_sampled_logprobs_match_the_trainer(tiny, tiny_dir, engines):
     assert _greedy(engine, prompts) == _hf_greedy(model, prompts, tokenizer.eos_token_id)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_weight_push_reaches_the_engine(tiny, tmp_path, tied, engines):
     """After a push, greedy outputs and log-probs follow the updated model, not the one loaded at start;
@@ -206,6 +208,7 @@ def test_grpo_with_vllm_on_two_ranks(tmp_path):
     assert all(r["mismatch/max_abs_logprob_diff"] < 1e-3 for r in records[1:])
 
 
+@pytest.mark.slow
 def test_evaluate_command_with_vllm():
     import json
 
