@@ -51,14 +51,15 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import fsdp
+from common import checks, fsdp
 from common.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
+from common.checks import require
 from common.engines import load_tokenizer, make_engine
 from common.evaluate import evaluate
 from common.logprobs import output_layer_scores
 from common.rollouts import Groups, PromptSampler
 from common.scoring import overlong_penalty, score_completions
-from common.tasks import MIN_NEW_TOKENS, encode_prompts, load_task
+from common.tasks import encode_prompts, load_train_and_eval
 from common.tiny import resolve_model
 from common.tracking import StepMetrics, Tracker
 
@@ -100,7 +101,7 @@ class Args:
     group_size: int = 8
     """completions per prompt (G)"""
     max_prompt_tokens: int = 512
-    """prompts longer than this are dropped from the task"""
+    """prompts longer than this (instruction and chat template included) are left out, and counted"""
     max_new_tokens: int = 16
     """maximum completion length"""
     temperature: float = 1.0
@@ -137,11 +138,11 @@ class Args:
     lr: float = 1e-4
     """AdamW learning rate"""
     warmup_steps: int = 0
-    """optimizer steps of linear learning-rate warm-up"""
+    """optimizer steps of linear learning-rate warm-up (0: none)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
-    """gradient clipping threshold"""
+    """gradient clipping threshold on the global norm (1e9: no clipping)"""
     num_minibatches: int = 1
     """optimizer steps per rollout batch and epoch"""
     update_epochs: int = 1
@@ -151,17 +152,17 @@ class Args:
 
     # evaluation and checkpoints
     eval_task: str | None = None
-    """held-out task (its test split); defaults to --task"""
+    """held-out task (its test split); defaults to --task (a local file: a seeded 10% of it, held out)"""
     eval_every: int = 10
     """evaluate every this many steps (0: never)"""
     eval_prompts: int = 256
     """held-out prompts per evaluation"""
     eval_k: int = 4
-    """samples per held-out prompt for avg@k and pass@k"""
+    """samples per held-out prompt for avg@k and pass@k (0: greedy accuracy only)"""
     save_every: int = 50
     """checkpoint every this many steps (and at the end; 0: only at the end)"""
     keep_checkpoints: int = 2
-    """how many of the newest checkpoints to keep"""
+    """how many of the newest checkpoints to keep (0: all)"""
 
     # the engine and the systems
     rollout_engine: Literal["auto", "hf", "vllm"] = "auto"
@@ -518,45 +519,20 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 
 
 def check_args(args: Args) -> None:
-    problems = [
-        f"--{name} must be {rule}"
-        for name, bad, rule in [
-            ("group-size", args.group_size < 2, ">= 2 (advantages compare completions of one prompt)"),
-            ("prompts-per-step", args.prompts_per_step < 1, ">= 1"),
-            (
-                "max-new-tokens",
-                args.max_new_tokens < MIN_NEW_TOKENS.get(args.task, 1),
-                f">= {MIN_NEW_TOKENS.get(args.task, 1)} for task {args.task} (its longest completion)",
-            ),
-            ("max-sampling-rounds", args.max_sampling_rounds < 1, ">= 1"),
-            ("overlong-buffer", not 0 <= args.overlong_buffer < args.max_new_tokens, "in [0, --max-new-tokens)"),
-            ("temperature", not args.temperature > 0, "> 0"),
-            (
-                "num-minibatches",
-                not 1 <= args.num_minibatches <= args.prompts_per_step * args.group_size,
-                "between 1 and the number of rollouts per step",
-            ),
-            ("update-epochs", args.update_epochs < 1, ">= 1"),
-            ("micro-batch-size", args.micro_batch_size < 1, ">= 1"),
-            ("lr", not args.lr > 0, "> 0"),
-            (
-                "sampling-temperature",
-                args.sampling_temperature is not None and not args.sampling_temperature > 0,
-                "> 0",
-            ),
-            ("sync-every", args.sync_every < 1, ">= 1"),
-            ("clip-eps", not 0 <= args.clip_eps < 1, "in [0, 1)"),
-            ("kl-coef", args.kl_coef < 0, ">= 0"),
-        ]
-        if bad
-    ]
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if not 0 < args.gpu_memory_utilization < 1:
-        problems.append("--gpu-memory-utilization must be in (0, 1)")
-    if args.prompts_per_step % world_size:
-        problems.append(f"--prompts-per-step must be divisible by the number of ranks ({world_size})")
-    if problems:
-        raise ValueError("invalid arguments: " + "; ".join(problems))
+    """Every flag's range, before anything is loaded: one error lists every problem (NaN fails every check)."""
+    problems = checks.shared_flags(args)  # the experiment, rollouts, optimization, evaluation, systems
+    # ALGO LOGIC: this method's flags
+    temperature = args.sampling_temperature
+    problems += require(temperature is None or 0 < temperature < math.inf, "--sampling-temperature", "> 0, finite")
+    problems += require(args.sync_every >= 1, "--sync-every", ">= 1")
+    problems += require(0 <= args.kl_coef < math.inf, "--kl-coef", ">= 0 and finite")
+    if args.loss == "clip":
+        problems += require(0 <= args.clip_eps < 1, "--clip-eps", "in [0, 1)")
+        problems += checks.unused(args, ["ess_scope"], "applies to --loss p3o only")
+    else:
+        problems += checks.unused(args, ["clip_eps"], "applies to --loss clip only")
+    # END ALGO LOGIC
+    checks.refuse(problems)
 
 
 def main(args: Args) -> None:
@@ -575,26 +551,28 @@ def main(args: Args) -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)  # float16's dynamic loss scale
     run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
     checkpoint = find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
-    if checkpoint:  # <run_dir>/checkpoints/step_N
+    if checkpoint:  # <run_dir>/checkpoints/step_N, whose settings a resume keeps (checks.RESUME_MAY_CHANGE)
+        checks.check_resume(args, checkpoint, verbose=dist.is_main)
         run_dir = os.path.dirname(os.path.dirname(checkpoint))
     else:  # a new run folder, one name for all ranks
         run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
-    train_rows = load_task(args.task, "train", args.question_column, args.answer_column)
+    # training rows, and held-out rows that never train (a local task file holds out a seeded 10% of itself)
     eval_task = args.eval_task or args.task
-    eval_rows = load_task(
-        eval_task, "test", args.question_column, args.answer_column
-    )  # bounded below, as training's prompts
+    columns = (args.question_column, args.answer_column)
+    train_rows, eval_rows = load_train_and_eval(args.task, eval_task, *columns, verbose=dist.is_main)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
-    train_rows, prompts = encode_prompts(train_rows, tokenizer, args.task, args.chat_template, args.max_prompt_tokens)
-    eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, args.max_prompt_tokens)[0][
-        : args.eval_prompts
-    ]
+    prompt_limit = checks.prompt_token_limit(args)  # --max-prompt-tokens, less where the model's context is short
+    train_rows, prompts = encode_prompts(
+        train_rows, tokenizer, args.task, args.chat_template, prompt_limit, dist.is_main
+    )
+    eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, prompt_limit, dist.is_main)[0]
+    eval_rows = eval_rows[: args.eval_prompts]
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
     # One rank: the hf engine can share the trainer's module; several: it keeps a full copy per rank.
     policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32)
-    max_model_len = min(args.max_prompt_tokens + args.max_new_tokens, policy.config.max_position_embeddings)
+    max_model_len = prompt_limit + args.max_new_tokens
     engine = make_engine(
         args.rollout_engine,
         policy,
@@ -644,6 +622,7 @@ def main(args: Args) -> None:
     # each rank takes whole groups of G completions (group statistics are one process's): its share of the
     # step's prompts, and with --dynamic-sampling of DAPO's extra rounds
     sampler = PromptSampler(prompts, train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds)
+    watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
@@ -685,6 +664,7 @@ def main(args: Args) -> None:
                 metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
+        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, no answers at all
         progress.set_postfix(
             {k.split("/")[1]: f"{logged[k]:.3f}" for k in ("charts/reward", "eval/greedy_accuracy") if k in logged}
         )
@@ -706,7 +686,8 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with checks.clear_errors():  # a bad flag, file or model: one line that names it, not a traceback
+        main(tyro.cli(Args))
 
 
 # Paper scale: Qwen3-4B-Thinking-2507 or Qwen2.5-1.5B, 4,096-token rollouts, one optimizer step per batch, the authors'

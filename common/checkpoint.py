@@ -9,7 +9,7 @@ A checkpoint is a folder `checkpoints/step_00000050/` holding the policy in Hugg
 (`save_pretrained`: loadable by transformers and vLLM, float32 master weights), the optimizer state
 through `torch.distributed.checkpoint` (sharded: each rank writes its part; reloadable on another
 number of ranks), each rank's RNG states, and `trainer_state.pt` (step, scheduler; the data position is
-the step, see reward.sample_batch). It is written to `step_XXXXXXXX.tmp` and renamed once complete, so
+the step, see tasks.sample_batch). It is written to `step_XXXXXXXX.tmp` and renamed once complete, so
 a kill at any moment leaves the previous checkpoint as the newest complete one.
 """
 
@@ -25,6 +25,8 @@ import warnings
 import numpy as np
 import torch
 
+from common.checks import damaged, read_checkpoint_file
+from common.errors import BadInput
 from common.fsdp import Dist, barrier
 
 
@@ -97,16 +99,19 @@ def load_checkpoint(path: str, model, optimizer, dist: Dist) -> dict:
     """Restore the optimizer and this rank's RNG (the weights were loaded with from_pretrained);
     returns the trainer state (step, scheduler, ...)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    with _single_process_is_intended():
-        dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+    try:
+        with _single_process_is_intended():
+            dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+    except (Exception, CheckpointException) as error:  # a shard cut short: name it and the other checkpoints
+        raise damaged(path, "the optimizer state (optimizer/)", error) from None
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    rng_file = os.path.join(path, f"rng_rank{dist.rank}.pt")
-    if os.path.exists(rng_file):  # absent when resuming on more ranks than were saved
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    if os.path.exists(os.path.join(path, f"rng_rank{dist.rank}.pt")):  # absent when resuming on more ranks
+        set_rng_state(read_checkpoint_file(path, f"rng_rank{dist.rank}.pt"))
+    return read_checkpoint_file(path, "trainer_state.pt")
 
 
 def find_checkpoint(resume: str, output_dir: str, run_prefix: str) -> str:
@@ -119,8 +124,12 @@ def find_checkpoint(resume: str, output_dir: str, run_prefix: str) -> str:
     elif os.path.isdir(resume):
         candidates = glob.glob(os.path.join(resume, "checkpoints", "step_*[0-9]"))
     else:
-        raise FileNotFoundError(f"--resume {resume}: no such checkpoint or run folder")
+        raise BadInput(f"--resume {resume}: no such checkpoint or run folder")
     candidates = [c for c in candidates if os.path.isfile(os.path.join(c, "trainer_state.pt"))]
     if not candidates:
-        raise FileNotFoundError(f"--resume {resume}: no complete checkpoint found")
+        raise BadInput(
+            f"--resume {resume}: no complete checkpoint found (looked for {run_prefix}* in {output_dir})"
+            if resume == "auto"
+            else f"--resume {resume}: no complete checkpoint found"
+        )
     return max(candidates, key=lambda c: (os.path.basename(c), os.path.getmtime(c)))

@@ -25,6 +25,8 @@ from typing import Iterable, Literal
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from common.errors import BadInput
+
 
 @dataclass
 class Completion:
@@ -197,7 +199,15 @@ def load_tokenizer(model_name_or_path: str):
     token (the EOS token when the model has none)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    except OSError as error:  # not a local folder, and the hub is unreachable or has no such model
+        reason = str(error).strip().splitlines()[0]
+        raise BadInput(
+            f"--model {model_name_or_path}: not a local model folder, and it could not be loaded from the Hugging "
+            f"Face hub ({reason}). Check the id, or without a network pass a local folder (a downloaded model, or "
+            "runs/<run>/checkpoints/step_N)"
+        ) from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -72,8 +72,8 @@ class EvalArgs:
     """task whose test split is scored (as in the training scripts' --task)"""
     k: int = 16
     """samples per prompt for avg@k and pass@j (j = 1, 2, 4, ... up to k)"""
-    prompts: int | None = None
-    """score only the first this many prompts (default: all)"""
+    prompts: int = 0
+    """score only the first this many prompts (0: all)"""
     max_new_tokens: int = 16
     """maximum completion length"""
     temperature: float = 1.0
@@ -92,33 +92,41 @@ class EvalArgs:
 
 def main() -> None:
     import json
+    import math
+    import os
 
     import torch
     import tyro
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from common.checks import check_checkpoint_files, refuse, require
     from common.engines import engine_kind, load_tokenizer, make_engine
+    from common.errors import BadInput
     from common.tasks import MIN_NEW_TOKENS, load_task
     from common.tiny import resolve_model
 
-    args = tyro.cli(EvalArgs, description="Score a model on a task's test split: greedy, avg@k, pass@j.")
-    if args.k < 1:
-        raise ValueError("--k must be >= 1")
-    if args.max_new_tokens < MIN_NEW_TOKENS.get(args.task, 1):
-        raise ValueError(
-            f"--max-new-tokens must be >= {MIN_NEW_TOKENS.get(args.task, 1)} for task {args.task} "
-            "(its longest completion)"
-        )
+    description = "Score a model on a task's test split: greedy, avg@k, pass@j."
+    args = tyro.cli(EvalArgs, prog="python -m common.evaluate", description=description)
+    min_new_tokens = MIN_NEW_TOKENS.get(args.task, 1)
+    problems = require(args.k >= 1, "--k", ">= 1")
+    problems += require(args.prompts >= 0, "--prompts", ">= 0 (0: all)")
+    problems += require(
+        args.max_new_tokens >= min_new_tokens, "--max-new-tokens", f">= {min_new_tokens} for {args.task}"
+    )
+    problems += require(0 < args.temperature < math.inf, "--temperature", "> 0 and finite")
+    refuse(problems)
     torch.manual_seed(args.seed)
-    rows = load_task(args.task, "test", args.question_column, args.answer_column)[: args.prompts]
+    rows = load_task(args.task, "test", args.question_column, args.answer_column)[: args.prompts or None]
     path = resolve_model(args.model, args.task)
+    if os.path.isdir(path):  # a checkpoint or a local model: a truncated weights file is named, not a traceback
+        check_checkpoint_files(path, weights_only=True)
     tokenizer = load_tokenizer(path)
     # the engine's context holds the longest prompt plus --max-new-tokens (the trainer bounds it the same
     # way): checked before any weights are loaded
     longest = max(len(encode_prompt(row.question, tokenizer, args.task, args.chat_template)) for row in rows)
     model_limit = AutoConfig.from_pretrained(path).max_position_embeddings
     if longest + args.max_new_tokens > model_limit:
-        raise ValueError(
+        raise BadInput(
             f"the longest prompt ({longest} tokens) + --max-new-tokens {args.max_new_tokens} exceeds "
             f"{args.model}'s context of {model_limit} tokens: lower --max-new-tokens"
         )
@@ -138,4 +146,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from common.errors import clear_errors
+
+    with clear_errors():  # a bad flag, file or model: one line that names it, not a traceback
+        main()

@@ -5,17 +5,21 @@
     rows = load_task("gsm8k", "test")             # Hugging Face datasets (needs the hub once)
     rows = load_task("data/my.jsonl", "train", question_column="q", answer_column="a")
     rows, prompt_ids = encode_prompts(rows, tokenizer, task="gsm8k", max_tokens=512)
+    train_rows, eval_rows = load_train_and_eval("data/my.jsonl", None)   # a local file: a seeded 10% held out
 
 How a completion is scored against a row's gold answer: common/scoring.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from common.errors import BadInput
 from common.scoring import extract_boxed
 
 # ---------------------------------------------------------------------------------------------
@@ -158,7 +162,7 @@ def load_task(
 ) -> list[Row]:
     """Rows (question, gold answer) of a named task or a local .jsonl / .json / .parquet file."""
     if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        raise BadInput(f"split must be 'train' or 'test', got {split!r}")
     if name_or_path in BUILT_IN_TASKS:
         return BUILT_IN_TASKS[name_or_path](split)
     if name_or_path in HUB_TASKS:
@@ -166,7 +170,7 @@ def load_task(
     extension = os.path.splitext(name_or_path)[1].lower()
     if extension in LOCAL_FORMATS:
         return _load_local_file(name_or_path, question_column, answer_column)
-    raise ValueError(
+    raise BadInput(
         f"unknown task {name_or_path!r}: use one of {[*BUILT_IN_TASKS, *HUB_TASKS]} or a path to a "
         f"{'/'.join(LOCAL_FORMATS)} file"
     )
@@ -177,7 +181,7 @@ def _load_hub_task(name: str, split: str) -> list[Row]:
 
     spec = HUB_TASKS[name]
     if split not in spec.splits:
-        raise ValueError(
+        raise BadInput(
             f"task {name!r} has no {split!r} split (it has {sorted(spec.splits)}); "
             f"choose another task for {'evaluation' if split == 'test' else 'training'}"
         )
@@ -196,22 +200,41 @@ def _load_local_file(path: str, question_column: str, answer_column: str) -> lis
     import datasets
 
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"task file not found: {path}")
+        raise BadInput(f"task file not found: {path}")
     if os.path.getsize(path) == 0:
-        raise ValueError(f"task file is empty: {path}")
+        raise BadInput(f"task file is empty: {path}")
     builder = LOCAL_FORMATS[os.path.splitext(path)[1].lower()]
+    if path.lower().endswith(".jsonl"):
+        _check_json_lines(path)  # datasets would bury the line of a torn record under its own tracebacks
     try:
         data = datasets.load_dataset(builder, data_files=path, split="train")
     except Exception as error:
-        raise ValueError(f"could not read task file {path} as {builder}: {error}") from error
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise BadInput(f"could not read task file {path} as {builder}: {reason}") from error
     _require_columns(data.column_names, (question_column, answer_column), f"task file {path}")
     return _rows_from_records(data, lambda r: r[question_column], lambda r: r[answer_column], f"task file {path}")
+
+
+def _check_json_lines(path: str) -> None:
+    """Every non-blank line of a .jsonl file is one JSON object; else the error names the file, line and column."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise BadInput(
+                    f"{path}:{number}:{error.colno}: not a JSON record ({error.msg}); fix or remove the line"
+                ) from None
+            if not isinstance(record, dict):
+                raise BadInput(f"{path}:{number}: a JSON {type(record).__name__}, not an object with named columns")
 
 
 def _require_columns(present, needed, where):
     missing = [c for c in needed if c not in present]
     if missing:
-        raise ValueError(
+        raise BadInput(
             f"{where} has no column(s) {missing}; its columns are {list(present)} "
             "(choose them with --question-column / --answer-column)"
         )
@@ -222,11 +245,42 @@ def _rows_from_records(records, question, answer, where) -> list[Row]:
     for index, record in enumerate(records):
         q, a = question(record), answer(record)
         if q is None or a is None or str(q).strip() == "" or str(a).strip() == "":
-            raise ValueError(f"{where}: row {index} has an empty question or answer")
+            raise BadInput(f"{where}: row {index} has an empty question or answer")
         rows.append(Row(str(q), str(a).strip()))
     if not rows:
-        raise ValueError(f"{where} has no rows")
+        raise BadInput(f"{where} has no rows")
     return rows
+
+
+HELD_OUT_SHARE, HELD_OUT_MAX = 0.1, 500  # of a local task file evaluated on itself
+
+
+def load_train_and_eval(
+    task: str, eval_task: str | None, question_column="question", answer_column="answer", verbose=True
+):
+    """(training rows, held-out rows). Named tasks: `task`'s train split and `eval_task`'s test split (`eval_task`
+    defaults to `task`). A local file has no test split: as the held-out task too (no `eval_task`, or the same
+    file), a seeded 10% of its rows (at most 500, at least 1) is held out and never trains; a separate `eval_task`
+    file is held out whole. `verbose`: say which."""
+    columns = (question_column, answer_column)
+    eval_task = eval_task or task
+    train = load_task(task, "train", *columns)
+    if eval_task != task or os.path.splitext(task)[1].lower() not in LOCAL_FORMATS:
+        held_out = load_task(eval_task, "test", *columns)
+        if verbose and os.path.splitext(eval_task)[1].lower() in LOCAL_FORMATS:
+            print(f"held-out prompts: all {len(held_out)} rows of {eval_task}", file=sys.stderr)
+        return train, held_out
+    if len(train) < 2:
+        raise BadInput(f"task file {task} has {len(train)} row: too few to hold some out; give --eval-task a file")
+    count = min(HELD_OUT_MAX, max(1, round(HELD_OUT_SHARE * len(train))))
+    chosen = set(random.Random(f"held-out/{len(train)}").sample(range(len(train)), count))
+    if verbose:
+        print(
+            f"held-out prompts: {count} of the {len(train)} rows of {task} (seeded; they never train); "
+            "--eval-task FILE evaluates on another file",
+            file=sys.stderr,
+        )
+    return [r for i, r in enumerate(train) if i not in chosen], [r for i, r in enumerate(train) if i in chosen]
 
 
 def sample_batch(num_rows: int, step: int, batch_size: int, seed: int) -> list[int]:
@@ -268,10 +322,21 @@ def encode_prompt(question: str, tokenizer, task: str, use_chat_template: bool =
     return tokenizer(text, add_special_tokens=not templated)["input_ids"]
 
 
-def encode_prompts(rows, tokenizer, task, use_chat_template=True, max_tokens=None):
-    """(rows, token ids) of every row whose prompt fits in `max_tokens`; the others are dropped."""
+def encode_prompts(rows, tokenizer, task, use_chat_template=True, max_tokens=None, verbose=False):
+    """(rows, token ids) of every row whose prompt (instruction and chat template included) fits in `max_tokens`;
+    the others are dropped, and `verbose` says how many."""
     prompts = [encode_prompt(row.question, tokenizer, task, use_chat_template) for row in rows]
     keep = [i for i, p in enumerate(prompts) if max_tokens is None or len(p) <= max_tokens]
     if not keep:
-        raise ValueError(f"every prompt of task {task!r} is longer than --max-prompt-tokens {max_tokens}")
+        raise BadInput(
+            f"every prompt of task {task!r} is longer than {max_tokens} tokens (the limit, --max-prompt-tokens or the "
+            f"model's context less --max-new-tokens; instruction and chat template count): the shortest has "
+            f"{min(map(len, prompts))}"
+        )
+    if verbose and len(keep) < len(rows):
+        print(
+            f"{task}: {len(rows) - len(keep)} of {len(rows)} prompts are longer than {max_tokens} tokens (instruction "
+            "and chat template included) and are left out",
+            file=sys.stderr,
+        )
     return [rows[i] for i in keep], [prompts[i] for i in keep]

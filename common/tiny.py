@@ -22,6 +22,7 @@ repository (or $TINY_MODEL_DIR, $TINY_SUMS_MODEL_DIR) and rebuilt when missing o
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.errors import BadInput
 from common.scoring import score
 from common.tasks import load_task, sums_scratchpad
 
@@ -93,12 +95,20 @@ def resolve_model(name: str, task: str = "arith") -> str:
     if name == "tiny":
         return tiny_model_dir(task if task in WARM_STARTS else "arith")
     if os.path.isdir(name):
+        if os.path.isdir(os.path.join(name, "checkpoints")) or os.path.isfile(os.path.join(name, "metrics.jsonl")):
+            newest = sorted(glob.glob(os.path.join(name, "checkpoints", "step_*[0-9]")))
+            raise BadInput(
+                f"--model {name} is a run folder, not a model: its weights are in its checkpoints "
+                f"(--model {newest[-1] if newest else os.path.join(name, 'checkpoints', 'step_N')}), or continue "
+                f"the run with --resume {name}"
+            )
         if not os.path.isfile(os.path.join(name, "config.json")):
-            raise FileNotFoundError(
+            raise BadInput(
                 f"--model {name}: this folder holds no model (no config.json); --model takes {MODEL_CHOICES}"
             )
-    elif name.startswith((".", "/", "~")) or os.path.exists(name):
-        raise FileNotFoundError(f"--model {name}: no such model folder; --model takes {MODEL_CHOICES}")
+    elif name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.exists(name):
+        # a hub id is `owner/name`: a deeper path, or one that starts like a path, is a local folder that is not there
+        raise BadInput(f"--model {name}: no such model folder; --model takes {MODEL_CHOICES}")
     return name
 
 

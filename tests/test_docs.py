@@ -17,7 +17,7 @@ SCRIPTS = sorted(glob.glob(os.path.join(REPO, "algorithms", "[!_]*.py")))  # a n
 # lines of `diff algorithms/grpo.py algorithms/<fork>.py` at most: what is left is the method, and the ~35
 # lines of grpo.py's own loss variants that no fork carries (Dr. GRPO's token-sum, GSPO's sequence ratio).
 # ISOPO's method includes the backward it builds (IsopoLinear and the forwards of every module with parameters)
-MAX_DIFF = {"ema_kpo": 220, "p3o": 250, "gtpo": 240, "tis_icepop": 255, "isopo": 640}  # code lines, closing notes apart
+MAX_DIFF = {"ema_kpo": 220, "p3o": 250, "gtpo": 240, "tis_icepop": 260, "isopo": 640}  # code lines, closing notes apart
 
 
 def _read(path):
@@ -109,7 +109,7 @@ def test_common_has_no_import_cycle():
 
     for module in graph:
         visit(module, [])
-    assert graph["common.tiny"] <= {"common.tasks", "common.scoring"}  # the built-in model needs only its task
+    assert graph["common.tiny"] <= {"common.tasks", "common.scoring", "common.errors"}  # the built-in model: its task
 
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])

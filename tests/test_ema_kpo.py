@@ -398,28 +398,9 @@ def test_update_policy_matches_two_epochs_of_sgd_by_hand(tiny, smoother, aggrega
 # --- flags ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "changes, message",
-    [
-        ({"smoother": "fixed"}, "--alpha is required with --smoother fixed"),
-        ({"smoother": "fixed", "alpha": 1.5}, "--alpha must be in (0, 1)"),
-        ({"smoother": "fixed", "alpha": 0.0}, "--alpha must be in (0, 1)"),
-        ({"alpha": 0.01}, "--alpha applies to --smoother fixed only"),
-        ({"p0": -1.0}, "--p0 must be >= 0 and finite"),
-        ({"p0": float("inf")}, "--p0 must be >= 0 and finite"),
-        ({"kalman_q": 0.0}, "--kalman-q must be > 0"),
-        ({"kalman_v": -1.0}, "--kalman-v must be > 0"),
-        ({"clip_low": 1.0}, "--clip-low must be in [0, 1)"),
-    ],
-)
-def test_bad_flags_name_the_flag(changes, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        ema_kpo.check_args(dataclasses.replace(ema_kpo.Args(), **changes))
-
-
 def test_good_flags_pass():
     for changes in ({}, {"smoother": "kalman", "p0": 0.0}, {"smoother": "fixed", "alpha": 1e-4}):
-        ema_kpo.check_args(dataclasses.replace(ema_kpo.Args(), **changes))
+        ema_kpo.check_args(dataclasses.replace(ema_kpo.Args(), **changes))  # bad ones: tests/test_bad_input.py
 
 
 def test_defaults_are_the_papers():

@@ -246,7 +246,7 @@ def test_resume_finds_only_complete_checkpoints(tmp_path):
     assert find_checkpoint("auto", str(tmp_path), "arith__grpo__1__") == str(run / "step_00000002")
     assert find_checkpoint(str(tmp_path / "arith__grpo__1__100"), str(tmp_path), "x") == str(run / "step_00000002")
     shutil.rmtree(run / "step_00000002")
-    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+    with pytest.raises(ValueError, match="no complete checkpoint"):
         find_checkpoint("auto", str(tmp_path), "arith__grpo__1__")
 
 

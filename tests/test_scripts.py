@@ -48,18 +48,6 @@ def test_help_documents_every_flag(name):
     help_text(f"algorithms/{name}.py", importlib.import_module(f"algorithms.{name}").Args)
 
 
-@pytest.mark.parametrize("name", ALGORITHMS)
-def test_a_bad_flag_value_gets_a_clear_error(name, tmp_path):
-    for flags, message in (
-        (["--group-size", 1], "--group-size must be >= 2"),
-        (["--steps", "many"], "--steps"),
-        (["--task", "sums"], "--max-new-tokens must be >= 41 for task sums"),
-    ):
-        result = run_script(f"algorithms/{name}.py", "--output-dir", tmp_path, *flags, check=False)
-        assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
-        assert not os.listdir(tmp_path)  # refused before any run folder is made
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_two_steps_end_to_end(name, tmp_path, tiny_dir):
@@ -161,11 +149,13 @@ def test_a_non_finite_step_leaves_the_weights_untouched(name, tmp_path, monkeypa
         "output_dir": str(tmp_path),
         "prompts_per_step": 4,
         "group_size": 4,
-        "num_minibatches": 1,
+        "num_minibatches": 2 if name == "ema_kpo" else 1,  # EMA-KPO needs more than one update per batch
     }
     algorithm.main(algorithm.Args(**{k: v for k, v in overrides.items() if k in fields}))
     run_dir = only_run_dir(tmp_path)
-    assert [r["charts/skipped_steps"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2]
+    updates = overrides["num_minibatches"]
+    skipped = [r["charts/skipped_steps"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+    assert skipped == [updates, 2 * updates]
     assert_weights_unchanged(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_dir)
 
 

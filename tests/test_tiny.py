@@ -102,9 +102,9 @@ def test_model_folder_without_a_model_gets_a_clear_error(tmp_path):
     import pytest
 
     (tmp_path / "notes.txt").write_text("not a model")
-    with pytest.raises(FileNotFoundError, match=r"holds no model \(no config.json\).*Hugging Face model id"):
+    with pytest.raises(ValueError, match=r"holds no model \(no config.json\).*Hugging Face model id"):
         tiny_module.resolve_model(str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="no such model folder"):
+    with pytest.raises(ValueError, match="no such model folder"):
         tiny_module.resolve_model(str(tmp_path / "missing"))
     assert tiny_module.resolve_model("Qwen/Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"  # a hub id: unchanged
     (tmp_path / "config.json").write_text("{}")

@@ -1,0 +1,260 @@
+"""Checks of a script's flags, run before anything is loaded, and the warnings a running job gives.
+
+    problems = shared_flags(args)                                  # the flags every script has
+    problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")
+    problems += unused(args, ["tis_cap"], "applies to --correction tis / tis-seq only")
+    refuse(problems)                                               # one error listing every problem
+
+Each check states what must hold (`0 < args.lr <= 1`), so NaN, which fails every comparison, is refused too.
+What 0 means where it has a meaning (--eval-every 0: never; --save-every 0: only at the end; --keep-checkpoints
+0: keep all; --warmup-steps 0: none; --overlong-buffer 0: off; --eval-k 0: greedy only) is said in each
+flag's --help.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import sys
+
+from common.errors import BadInput, clear_errors  # noqa: F401 (the scripts use checks.clear_errors)
+from common.tasks import MIN_NEW_TOKENS
+
+INFINITY = math.inf
+
+
+def require(ok: bool, flag: str, rule: str) -> list[str]:
+    """[] when `ok`, else the problem "FLAG must be RULE"."""
+    return [] if ok else [f"{flag} must be {rule}"]
+
+
+def world_size() -> int:
+    """The number of ranks torchrun launched (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def shared_flags(args) -> list[str]:
+    """The problems with the flags every script shares: the experiment, rollouts and rewards, optimization,
+    evaluation and checkpoints, the engine and the systems."""
+    rollouts = args.prompts_per_step * args.group_size
+    min_new_tokens = MIN_NEW_TOKENS.get(args.task, 1)
+    return [
+        *require(args.exp_name != "" and os.sep not in args.exp_name, "--exp-name", "a name without '/'"),
+        *output_dir_problems(args.output_dir),
+        *require(args.steps >= 1, "--steps", ">= 1"),
+        *require(args.prompts_per_step >= 1, "--prompts-per-step", ">= 1"),
+        *require(args.prompts_per_step % world_size() == 0, "--prompts-per-step", f"divisible by {world_size()} ranks"),
+        *require(args.group_size >= 2, "--group-size", ">= 2 (advantages compare completions of one prompt)"),
+        *require(args.max_prompt_tokens >= 1, "--max-prompt-tokens", ">= 1"),
+        *require(args.max_new_tokens >= min_new_tokens, "--max-new-tokens", f">= {min_new_tokens} for {args.task}"),
+        *require(0 < args.temperature < INFINITY, "--temperature", "> 0 and finite"),
+        *require(args.max_sampling_rounds >= 1, "--max-sampling-rounds", ">= 1"),
+        *require(0 <= args.overlong_buffer < args.max_new_tokens, "--overlong-buffer", "in [0, --max-new-tokens)"),
+        *require(0 < args.lr <= 1, "--lr", "in (0, 1] (an AdamW learning rate; 1e-6 to 1e-4 is usual)"),
+        *require(args.warmup_steps >= 0, "--warmup-steps", ">= 0 (0: no warm-up)"),
+        *require(0 <= args.weight_decay < INFINITY, "--weight-decay", ">= 0 and finite"),
+        *require(0 < args.max_grad_norm < INFINITY, "--max-grad-norm", "> 0 and finite (1e9: no clipping)"),
+        *require(1 <= args.num_minibatches <= rollouts, "--num-minibatches", f"in [1, {rollouts}] (the rollouts)"),
+        *require(args.update_epochs >= 1, "--update-epochs", ">= 1"),
+        *require(args.micro_batch_size >= 1, "--micro-batch-size", ">= 1"),
+        *require(args.eval_every >= 0, "--eval-every", ">= 0 (0: never)"),
+        *require(args.eval_prompts >= 1, "--eval-prompts", ">= 1"),
+        *require(args.eval_k >= 0, "--eval-k", ">= 0 (0: greedy accuracy only)"),
+        *require(args.save_every >= 0, "--save-every", ">= 0 (0: only at the end)"),
+        *require(args.keep_checkpoints >= 0, "--keep-checkpoints", ">= 0 (0: keep them all)"),
+        *require(0 < args.gpu_memory_utilization < 1, "--gpu-memory-utilization", "in (0, 1)"),
+    ]
+
+
+def unused(args, names: list[str], why: str) -> list[str]:
+    """Problems for the method flags in `names` set away from their defaults where the chosen variant ignores
+    them (`why` says when they apply), so that no flag is silently ignored."""
+    defaults = type(args)()
+    return [
+        f"--{name.replace('_', '-')} {why}" for name in names if not _same(getattr(args, name), getattr(defaults, name))
+    ]
+
+
+def _same(value, default) -> bool:
+    return value == default or (isinstance(value, float) and isinstance(default, float) and value != value == default)
+
+
+def output_dir_problems(path: str) -> list[str]:
+    """--output-dir must be a folder this process can write to, or one it can create."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return [f"--output-dir {path} is a file, not a folder"]
+        return [] if os.access(path, os.W_OK) else [f"--output-dir {path} is not writable"]
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        return [f"--output-dir {path} cannot be created ({parent} is not a writable folder)"]
+    return []
+
+
+def refuse(problems: list[str]) -> None:
+    """Raise one error that lists every problem, or nothing."""
+    if problems:
+        raise BadInput("invalid arguments:\n  " + "\n  ".join(problems))
+
+
+def prompt_token_limit(args) -> int:
+    """The longest prompt that leaves room for --max-new-tokens in the model's context (max_position_embeddings
+    of --model's config): --max-prompt-tokens, or less when the two do not fit together (said once)."""
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None) or INFINITY
+    if args.max_new_tokens >= context:
+        raise BadInput(
+            f"--max-new-tokens {args.max_new_tokens} does not fit in the context of {args.model} ({context} tokens, "
+            f"prompt included): lower it below {context}"
+        )
+    limit = min(args.max_prompt_tokens, context - args.max_new_tokens)
+    if limit < args.max_prompt_tokens and int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"note: prompts are limited to {limit} tokens, not --max-prompt-tokens {args.max_prompt_tokens}: the "
+            f"model's context is {context} tokens, {args.max_new_tokens} of them kept for the completion",
+            file=sys.stderr,
+        )
+    return limit
+
+
+class Watch:
+    """Warnings from a running job's metrics: steps that changed nothing, a policy that became uniform, a task
+    whose answers are never found. Each warns once, after `patience` training steps in a row."""
+
+    def __init__(self, vocab_size: int, updates_per_step: int, patience: int = 3, enabled: bool = True):
+        self.max_entropy, self.updates_per_step = math.log(vocab_size), updates_per_step
+        self.patience, self.enabled = patience, enabled
+        self.skipped_before, self.streaks, self.warned = None, {}, set()
+
+    def step(self, logged: dict, step: int) -> None:
+        """Look at one training step's reduced metrics (`step`: its number, for the message)."""
+        skipped = logged.get("charts/skipped_steps", 0)  # optimizer steps skipped so far
+        skipped_now = skipped - (skipped if self.skipped_before is None else self.skipped_before)
+        self.skipped_before = skipped
+        entropy = logged.get("charts/entropy", 0.0)
+        checks = {
+            "skipped": (
+                skipped_now >= self.updates_per_step,
+                "every optimizer step was skipped (a non-finite loss or gradient norm, or no response token): "
+                "the policy does not change; see losses/grad_norm, and lower --lr",
+            ),
+            "uniform": (
+                entropy > 0.9 * self.max_entropy,
+                f"the policy's entropy ({entropy:.2f} nats) is near its maximum, log(vocabulary) = "
+                f"{self.max_entropy:.2f}: it samples almost uniformly; a learning rate too large does this",
+            ),
+            "no_answer": (
+                logged.get("charts/no_answer_rate") == 1.0,
+                "no completion had an answer to score (charts/no_answer_rate = 1), so every reward is 0: the "
+                "model does not answer in the task's format (a math task's answer is read from \\boxed{}, "
+                "`#### x` or `Answer: x`; the built-in `tiny` model answers the built-in tasks only)",
+            ),
+        }
+        for name, (bad, message) in checks.items():
+            self._check(name, bad, step, message)
+
+    def _check(self, name: str, bad: bool, step: int, message: str) -> None:
+        self.streaks[name] = self.streaks.get(name, 0) + 1 if bad else 0
+        if self.enabled and self.streaks[name] >= self.patience and name not in self.warned:
+            self.warned.add(name)
+            print(f"warning (step {step}): {message}", file=sys.stderr)
+
+
+# --resume may change what does not change the run's math: its length, its bookkeeping and where it runs
+RESUME_MAY_CHANGE = {
+    *("steps", "resume", "output_dir", "model", "track", "wandb_project_name", "wandb_entity"),
+    *("eval_every", "eval_prompts", "eval_k", "save_every", "keep_checkpoints"),
+    *("rollout_engine", "gpu_memory_utilization", "vllm_sleep_mode", "cpu_offload", "gradient_checkpointing"),
+    "micro_batch_size",  # gradient accumulation: memory, not the math
+}
+
+
+def check_resume(args, checkpoint: str, verbose: bool = True) -> None:
+    """A resumed run continues with its own settings: refuse flags that differ from the run's where they would
+    change its math (the list names each difference), check that the checkpoint's files are whole, and say what
+    is resumed."""
+    saved = read_checkpoint_file(checkpoint, "trainer_state.pt")["args"]
+    differences = [
+        f"--{name.replace('_', '-')} {saved[name]} in the run, {value} now"
+        for name, value in vars(args).items()
+        if name not in RESUME_MAY_CHANGE and name in saved and not _same(value, saved[name])
+    ]
+    if differences:
+        raise BadInput(
+            f"--resume {args.resume}: the run was made with other settings, and a resumed run keeps its own "
+            f"({os.path.dirname(os.path.dirname(checkpoint))}/config.json): " + "; ".join(differences) + ". Resume "
+            "with the run's values, or start a new run. A resume may change: "
+            + ", ".join(f"--{n.replace('_', '-')}" for n in sorted(RESUME_MAY_CHANGE - {"resume"}))
+        )
+    check_checkpoint_files(checkpoint)
+    if verbose:
+        step = int(os.path.basename(checkpoint).split("_")[-1])
+        print(f"resuming {os.path.dirname(os.path.dirname(checkpoint))} at step {step} ({checkpoint})", file=sys.stderr)
+
+
+def earlier_checkpoints(checkpoint: str) -> str:
+    """The other complete checkpoints of the run, for an error message."""
+    folder = os.path.dirname(os.path.abspath(checkpoint))
+    others = sorted(
+        name
+        for name in (os.listdir(folder) if os.path.isdir(folder) else [])
+        if name.startswith("step_") and not name.endswith(".tmp") and name != os.path.basename(checkpoint)
+    )
+    return f"other checkpoints of this run: {', '.join(others)}" if others else "the run has no other checkpoint"
+
+
+def damaged(checkpoint: str, name: str, error: Exception) -> BadInput:
+    reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    return BadInput(
+        f"checkpoint {checkpoint}: {name} is damaged or incomplete ({reason}); {earlier_checkpoints(checkpoint)} "
+        "(pass one with --resume PATH)"
+    )
+
+
+def read_checkpoint_file(checkpoint: str, name: str):
+    """torch.load of one of the checkpoint's small files, or a BadInput that names it."""
+    import torch
+
+    path = os.path.join(checkpoint, name)
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as error:
+        raise damaged(checkpoint, name, error) from None
+
+
+def check_checkpoint_files(checkpoint: str, weights_only: bool = False) -> None:
+    """Open every file of a checkpoint (or of a model folder, `weights_only`) far enough to find one truncated or
+    corrupted: the weights' safetensors headers and sizes, the trainer state, each rank's RNG state and the
+    optimizer's metadata and shards."""
+    from safetensors import safe_open
+
+    weights = [n for n in sorted(os.listdir(checkpoint)) if n.endswith(".safetensors")]
+    if not weights and not any(n.endswith(".bin") for n in os.listdir(checkpoint)):
+        raise damaged(checkpoint, "the model weights", FileNotFoundError("no *.safetensors file"))
+    for name in weights:
+        try:
+            with safe_open(os.path.join(checkpoint, name), "pt") as f:
+                f.keys()
+        except Exception as error:
+            raise damaged(checkpoint, name, error) from None
+    if weights_only:
+        return
+    for name in sorted(os.listdir(checkpoint)):
+        if name.startswith("rng_rank") or name == "trainer_state.pt":
+            read_checkpoint_file(checkpoint, name)
+    optimizer = os.path.join(checkpoint, "optimizer")
+    shards = sorted(os.listdir(optimizer)) if os.path.isdir(optimizer) else []
+    if ".metadata" not in shards:
+        raise damaged(checkpoint, "optimizer/.metadata", FileNotFoundError("missing"))
+    try:
+        with open(os.path.join(optimizer, ".metadata"), "rb") as f:
+            pickle.load(f)
+    except Exception as error:
+        raise damaged(checkpoint, "optimizer/.metadata", error) from None
+    for name in shards:
+        if name.endswith(".distcp") and os.path.getsize(os.path.join(optimizer, name)) == 0:
+            raise damaged(checkpoint, f"optimizer/{name}", ValueError("empty"))

@@ -1,0 +1,26 @@
+"""Errors in what a user gives (a flag, a task file, a model, a checkpoint), and how the commands show them.
+
+raise BadInput("task file data/x.jsonl:3:14: not a JSON record (...)")
+with clear_errors():        # around a command's main(): the message as one line, exit code 2
+    main(args)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+
+class BadInput(ValueError):
+    """An error in what the user gave (a flag, a task file, a model, a checkpoint): its message names the thing and
+    what to do. The scripts print it as one line, without a traceback (`clear_errors`)."""
+
+
+@contextlib.contextmanager
+def clear_errors():
+    """Within the context, a BadInput ends the program with its message and exit code 2."""
+    try:
+        yield
+    except BadInput as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
