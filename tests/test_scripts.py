@@ -38,7 +38,7 @@ def recorded_metrics(name):
     """Patterns of the metric names a script records in its code: `metrics.mean("losses/...", ...)` and the
     like, or an f-string for a family (ISOPO's per-layer `isopo/{group}/{key}`: one piece per placeholder)."""
     source = open(os.path.join(REPO, "algorithms", f"{name}.py")).read()
-    source += open(os.path.join(REPO, "common", "sampling.py")).read()  # what the rollout sampler records
+    source += open(os.path.join(REPO, "common", "rollouts.py")).read()  # what dynamic sampling records
     calls = re.findall(r'(?:metrics\.(?:mean|sum|max|min|set|timer)|getattr\(metrics, \w+\))\(\s*(f?)"([^"]+)"', source)
     return [r"[^/]+".join(map(re.escape, re.split(r"\{[^}]*\}", text))) if f else re.escape(text) for f, text in calls]
 
