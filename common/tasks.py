@@ -188,7 +188,7 @@ def _load_hub_task(name: str, split: str) -> list[Row]:
     try:
         data = datasets.load_dataset(spec.dataset_id, spec.config, split=spec.splits[split])
     except Exception as error:  # the hub is unreachable, the id moved, ...
-        raise RuntimeError(
+        raise BadInput(
             f"could not load task {name!r} ({spec.dataset_id}, split {spec.splits[split]!r}): {error}. "
             "Without hub access, download it elsewhere and pass the file path as the task."
         ) from error

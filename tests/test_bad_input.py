@@ -155,6 +155,29 @@ def test_the_command_prints_one_line_per_problem_and_no_traceback(name, tmp_path
     assert "--max-grad-norm must be > 0" in result.stderr and not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"task": "gsm9k"}, "unknown task 'gsm9k': use one of"),
+        ({"task": "missing.jsonl"}, "task file not found: missing.jsonl"),
+        ({"task": "{tmp}/columns.jsonl"}, "has no column(s) ['question', 'answer']; its columns are ['problem', 'x']"),
+        (
+            {"eval_task": "aime25", "task": "{tmp}/columns.jsonl", "question_column": "problem", "answer_column": "x"},
+            "could not load task 'aime25'",
+        ),
+        ({"resume": "no/such/run"}, "--resume no/such/run: no such checkpoint or run folder"),
+        ({"resume": "auto"}, "--resume auto: no complete checkpoint found (looked for arith__grpo__1__*"),
+    ],
+)
+def test_a_bad_task_or_resume_is_named_before_any_model_loads(flags, message, tmp_path):
+    (tmp_path / "columns.jsonl").write_text('{"problem": "1+1", "x": "2"}\n')
+    flags = {key: value.replace("{tmp}", str(tmp_path)) for key, value in flags.items()}
+    module, args = _args("grpo", output_dir=str(tmp_path / "runs"), **flags)
+    with pytest.raises(BadInput) as error:
+        module.main(args)
+    assert message in str(error.value), str(error.value)
+
+
 def test_output_dir_that_is_a_file_or_cannot_be_made(tmp_path):
     afile = tmp_path / "a_file"
     afile.write_text("x")

@@ -250,7 +250,7 @@ def test_hub_task_errors(monkeypatch):
         raise ConnectionError("hub unreachable")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(RuntimeError, match="could not load task 'gsm8k' .*hub unreachable"):
+    with pytest.raises(ValueError, match="could not load task 'gsm8k' .*hub unreachable"):
         load_task("gsm8k", "train")
 
 
