@@ -71,13 +71,7 @@ def unused(args, names: list[str], why: str) -> list[str]:
     """Problems for the method flags in `names` set away from their defaults where the chosen variant ignores
     them (`why` says when they apply), so that no flag is silently ignored."""
     defaults = type(args)()
-    return [
-        f"--{name.replace('_', '-')} {why}" for name in names if not _same(getattr(args, name), getattr(defaults, name))
-    ]
-
-
-def _same(value, default) -> bool:
-    return value == default or (isinstance(value, float) and isinstance(default, float) and value != value == default)
+    return [f"--{name.replace('_', '-')} {why}" for name in names if getattr(args, name) != getattr(defaults, name)]
 
 
 def output_dir_problems(path: str) -> list[str]:
@@ -102,7 +96,7 @@ def refuse(problems: list[str]) -> None:
 
 def prompt_token_limit(args) -> int:
     """The longest prompt that leaves room for --max-new-tokens in the model's context (max_position_embeddings
-    of --model's config): --max-prompt-tokens, or less when the two do not fit together (said once)."""
+    of --model's config): --max-prompt-tokens, or less when the two do not fit together."""
     from transformers import AutoConfig
 
     context = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None) or INFINITY
@@ -111,14 +105,7 @@ def prompt_token_limit(args) -> int:
             f"--max-new-tokens {args.max_new_tokens} does not fit in the context of {args.model} ({context} tokens, "
             f"prompt included): lower it below {context}"
         )
-    limit = min(args.max_prompt_tokens, context - args.max_new_tokens)
-    if limit < args.max_prompt_tokens and int(os.environ.get("RANK", "0")) == 0:
-        print(
-            f"note: prompts are limited to {limit} tokens, not --max-prompt-tokens {args.max_prompt_tokens}: the "
-            f"model's context is {context} tokens, {args.max_new_tokens} of them kept for the completion",
-            file=sys.stderr,
-        )
-    return limit
+    return min(args.max_prompt_tokens, context - args.max_new_tokens)  # prompts left out are counted where encoded
 
 
 class Watch:
@@ -181,7 +168,7 @@ def check_resume(args, checkpoint: str, verbose: bool = True) -> None:
     differences = [
         f"--{name.replace('_', '-')} {saved[name]} in the run, {value} now"
         for name, value in vars(args).items()
-        if name not in RESUME_MAY_CHANGE and name in saved and not _same(value, saved[name])
+        if name not in RESUME_MAY_CHANGE and name in saved and value != saved[name]
     ]
     if differences:
         raise BadInput(
