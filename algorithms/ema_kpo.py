@@ -366,7 +366,7 @@ def micro_batches(batch, indices, size, by_length=True):
         columns = micro["response_mask"].any(0).nonzero()
         width = int(columns[-1]) + 1 if len(columns) else 0  # rightmost response column
         for key, value in micro.items():
-            if value.dim() == 2 and value.shape[1] == full_width:
+            if value.dim() >= 2 and value.shape[1] == full_width:  # [B, prompt + response, ...]
                 micro[key] = value[:, first : full_width - response_width + width]
             elif value.dim() == 2 and value.shape[1] == response_width:
                 micro[key] = value[:, :width]

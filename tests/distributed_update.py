@@ -3,6 +3,8 @@ launched with (`python` or `torchrun --nproc_per_node N`):
 
     python tests/distributed_update.py OUT.json [ALGORITHM [ARGS_JSON [CHUNK_BYTES]]]   # ALGORITHM defaults to grpo
 
+ARGS_JSON may name "model": "tiny-moe" (the mixture-of-experts model); with "router_replay": "r3" the batch then
+carries an engine routing that depends on each token's position in its sequence only (the same on any rank).
 Writes every statistic the update records (reduced over ranks, as the scripts log them) and the number
 of skipped optimizer steps as JSON to OUT.json, and the updated weights to OUT.json.weights.pt.
 The global batch is 4 prompts x 4 completions (group_size 4) of very different lengths; rank r takes prompts
@@ -21,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from helpers import compute_dtype, precision
 
-from common import fsdp, logprobs
+from common import fsdp, logprobs, moe
 from common.engines import Completion
 from common.tiny import load, tiny_model_dir
 from common.tracking import StepMetrics
@@ -101,6 +103,16 @@ def in_bfloat16(model, undo=False):
                 parametrize.register_parametrization(module, name, _ToBfloat16(), unsafe=True)
 
 
+def synthetic_routing(batch, routing):
+    """[B, S, L, k]: token at position p of its sequence (prompt and response, padding skipped), layer l, goes to
+    experts (3p + l + j) mod E, j < k."""
+    experts = routing.routers[0][1].num_experts
+    position = batch["position_ids"][:, :, None, None]
+    layer = torch.arange(routing.layers)[None, None, :, None]
+    slot = torch.arange(routing.top_k)[None, None, None, :]
+    return ((3 * position + layer + slot) % experts).to(routing.dtype)
+
+
 def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):
     """chunk_bytes: score the output layer in chunks of this many bytes of logits (5 tokens: 2000)."""
     algorithm = importlib.import_module(f"algorithms.{algorithm_name}")
@@ -108,7 +120,8 @@ def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):
         logprobs.CHUNK_BYTES = int(chunk_bytes)
     dist = fsdp.setup()
     torch.manual_seed(0)
-    model, tokenizer = load(tiny_model_dir())
+    settings = {**DEFAULT_ARGS, **json.loads(args_json)}
+    model, tokenizer = load(tiny_model_dir(moe=settings.get("model") == "tiny-moe"))
     prompts = [tokenizer(q)["input_ids"] for q in QUESTIONS]
     completions = [
         Completion(
@@ -131,7 +144,9 @@ def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):
     )
     batch["advantages"] = advantages[mine.start * 4 : mine.stop * 4]
     fields = {f.name for f in dataclasses.fields(algorithm.Args)}  # e.g. P3O has no clip range
-    args = algorithm.Args(**{k: v for k, v in {**DEFAULT_ARGS, **json.loads(args_json)}.items() if k in fields})
+    args = algorithm.Args(**{k: v for k, v in settings.items() if k in fields})
+    if getattr(args, "router_replay", "none") == "r3":
+        batch["engine_routing"] = synthetic_routing(batch, moe.Routing(model))
     policy = fsdp.shard(model, dist, compute_dtype=compute_dtype(args.dtype))  # as the scripts do
     if dist.world_size == 1 and args.dtype == "bfloat16":
         in_bfloat16(policy)  # what FSDP2 ranks compute in bf16

@@ -92,6 +92,25 @@ def torchrun(nproc, script, *flags, timeout=600):
     return result
 
 
+def assert_two_ranks_update_like_one(tmp_path, *script_args, tokens_seen=2 * 49):
+    """tests/distributed_update.py on 1 process and on 2 FSDP2 ranks (gloo): every statistic the update logs and every
+    updated weight agree; `tokens_seen`: the response tokens its updates saw (49 in each of the 2 epochs)."""
+    import torch
+
+    run_script("tests/distributed_update.py", tmp_path / "one.json", *script_args)
+    torchrun(2, "tests/distributed_update.py", tmp_path / "two.json", *script_args)
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert one.keys() == two.keys() and {"losses/policy_loss", "losses/grad_norm", "charts/entropy"} <= one.keys()
+    assert one["tokens_seen"] == two["tokens_seen"] == tokens_seen
+    for key in one:
+        assert abs(two[key] - one[key]) <= 1e-4 * abs(one[key]) + 1e-7, (key, one[key], two[key])
+    weights_one, weights_two = (torch.load(tmp_path / f"{n}.json.weights.pt") for n in ("one", "two"))
+    assert weights_one.keys() == weights_two.keys()
+    for key in weights_one:
+        torch.testing.assert_close(weights_two[key], weights_one[key], rtol=1e-4, atol=1e-6, msg=key)
+    return one
+
+
 def help_text(script, args_class, count_defaults=True):
     """`<script> --help`, checked to document every field of `args_class` as a flag; returns the text."""
     import dataclasses

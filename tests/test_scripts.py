@@ -5,7 +5,6 @@ test_<method>.py."""
 import copy
 import dataclasses
 import importlib
-import json
 import os
 import re
 
@@ -17,13 +16,13 @@ from helpers import (
     BASE_LOGGED,
     CLIP_LOGGED,
     REPO,
+    assert_two_ranks_update_like_one,
     assert_weights_changed,
     assert_weights_unchanged,
     help_text,
     only_run_dir,
     read_jsonl,
     run_script,
-    torchrun,
     two_group_rollouts,
 )
 
@@ -171,18 +170,7 @@ ISOPO_BLOCKS = {
 def test_two_ranks_update_exactly_like_one(name, tmp_path):
     """Same global batch, 1 process vs 2 FSDP2 ranks (gloo) holding different numbers of response tokens:
     every statistic the update logs and every updated weight agree (the cross-rank means and counts)."""
-    script_args = [name.split()[0], ISOPO_BLOCKS.get(name, "{}")]
-    run_script("tests/distributed_update.py", tmp_path / "one.json", *script_args)
-    torchrun(2, "tests/distributed_update.py", tmp_path / "two.json", *script_args)
-    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
-    assert one.keys() == two.keys() and {"losses/policy_loss", "losses/grad_norm", "charts/entropy"} <= one.keys()
-    assert one["tokens_seen"] == two["tokens_seen"] == 2 * 49  # 49 response tokens, in each of the 2 epochs
-    for key in one:
-        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
-    weights_one, weights_two = (torch.load(tmp_path / f"{n}.json.weights.pt") for n in ("one", "two"))
-    assert weights_one.keys() == weights_two.keys()
-    for key in weights_one:
-        torch.testing.assert_close(weights_two[key], weights_one[key], rtol=1e-4, atol=1e-6, msg=key)
+    assert_two_ranks_update_like_one(tmp_path, name.split()[0], ISOPO_BLOCKS.get(name, "{}"))
 
 
 def _args(algorithm, micro_batch_size=16, **overrides):

@@ -1,0 +1,215 @@
+"""Mixture-of-experts routing: record which experts each token is routed to, and replay a recorded routing.
+
+    routing = Routing(model)              # hooks on every router of a transformers MoE model (none on a dense one)
+    with routing.recording():             # the forwards' routing, kept until `take`
+        model(input_ids)
+    used, own = routing.take(len(input_ids))   # [B, S, L, k] each: the experts used, and those the router chose
+    routing.replay(used)                  # every later forward (and the backward's recomputation) routes as given
+    loss = model(input_ids).loss; loss.backward()
+    routing.replay(None)                  # back to the router's own choice
+
+A routing tensor holds, per sequence, position and decoder layer, the ids of the k experts the token went to
+(uint8; layers without experts stay 0), aligned with the input ids of the forward. vLLM returns the same
+layout (`routed_experts`), which is how a trainer replays what an inference engine chose (R3, arXiv:2510.11370).
+
+Replay keeps the router differentiable, as Megatron, verl and slime do: the router still computes its logits
+z, the given experts E replace its top-k, and their weights are softmax(z)[E], renormalised over E when the
+model renormalises its top-k (Mixtral always; Qwen3-MoE and OLMoE with `norm_topk_prob`). Replaying a
+forward's own routing therefore reproduces that forward exactly, and the router's weight still gets the
+gradient of the replayed experts' weights. The replay is a setting of the model, not of one call, so that
+gradient checkpointing's recomputation (in the backward, after the forward returned) routes as the forward did.
+
+Routers are found by class: transformers 5.x's `...TopKRouter` modules, which return (logits, top-k weights,
+top-k ids) from a softmax then top-k. A router that scores differently (GPT-OSS: top-k of the logits, then a
+softmax over the k) is refused by name rather than replayed wrongly.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from functools import partial
+
+import torch
+
+from common.errors import BadInput
+
+# router class -> whether it renormalises its top-k weights (None: read the module's `norm_topk_prob`)
+ROUTERS = {
+    "MixtralTopKRouter": True,
+    "MiniMaxTopKRouter": True,
+    "Qwen2MoeTopKRouter": None,
+    "Qwen3MoeTopKRouter": None,
+    "OlmoeTopKRouter": None,
+}
+
+
+def routers(model) -> list[tuple[int, torch.nn.Module]]:
+    """(decoder layer index, router) of every mixture-of-experts layer, in layer order; [] for a dense model."""
+    found = []
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if not kind.endswith("Router"):
+            continue
+        if kind not in ROUTERS:
+            raise BadInput(f"routing replay does not know the router {kind} ({name}); it knows {', '.join(ROUTERS)}")
+        layer = re.search(r"layers\.(\d+)\.", name)
+        found.append((int(layer.group(1)) if layer else len(found), module))
+    return sorted(found, key=lambda entry: entry[0])
+
+
+def is_moe(model) -> bool:
+    return any(type(module).__name__.endswith("Router") for module in model.modules())
+
+
+class Routing:
+    """Forward hooks on a model's routers that record the experts chosen and, when set, replay given ones."""
+
+    def __init__(self, model):
+        self.routers = routers(model)
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.layers = config.num_hidden_layers
+        self.top_k = self.routers[0][1].top_k if self.routers else 0
+        experts = self.routers[0][1].num_experts if self.routers else 0
+        self.dtype = torch.uint8 if experts <= 256 else torch.int16
+        self.replayed: torch.Tensor | None = None  # [B, S, L, k] of the next forwards, or None
+        self.is_recording = False
+        self.used: dict[int, list[torch.Tensor]] = {}  # layer -> one [B·s, k] per forward
+        self.own: dict[int, list[torch.Tensor]] = {}
+        self.handles = [router.register_forward_hook(partial(self._hook, layer)) for layer, router in self.routers]
+
+    def replay(self, routing: torch.Tensor | None) -> None:
+        """Route every following forward of the model by `routing` [B, S, L, k] (its batch and sequence must be the
+        forward's), until replay(None)."""
+        self.replayed = routing
+
+    def recording(self):
+        return _Recording(self)
+
+    def take(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing of the forwards recorded since the last take, [B, S, L, k] with S the positions of all of
+        them (a generation's prefill, then one per decoding step): (the experts used, the router's own choice)."""
+        used, own = (self._stack(records, batch_size) for records in (self.used, self.own))
+        self.used, self.own = {}, {}
+        return used, own
+
+    def _stack(self, records, batch_size):
+        positions = sum(part.shape[0] for part in next(iter(records.values()))) // batch_size if records else 0
+        device = next(iter(records.values()))[0].device if records else None
+        stacked = torch.zeros(batch_size, positions, self.layers, self.top_k, dtype=self.dtype, device=device)
+        for layer, parts in records.items():
+            calls = [part.view(batch_size, -1, self.top_k) for part in parts]
+            stacked[:, :, layer] = torch.cat(calls, dim=1).to(self.dtype)
+        return stacked
+
+    def _hook(self, layer, router, inputs, output):
+        logits, weights, own = output
+        used = own
+        if self.replayed is not None:
+            used = self.replayed[:, :, layer].reshape(-1, self.top_k).to(device=own.device, dtype=torch.long)
+            if used.shape != own.shape:
+                raise ValueError(f"replayed routing of {used.shape[0]} tokens for a forward of {own.shape[0]}")
+            # the router's softmax at the given experts, renormalised as the model does: z stays differentiable
+            # (in float32 as the routers compute it, or in float64 for a float64 model)
+            chosen = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1).gather(-1, used)
+            renormalise = ROUTERS[type(router).__name__]
+            if renormalise if renormalise is not None else router.norm_topk_prob:
+                chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+            output = (
+                logits,
+                chosen.to(torch.promote_types(weights.dtype, logits.dtype)),
+                used,
+            )  # as the router returns
+        if self.is_recording:
+            self.used.setdefault(layer, []).append(used.detach())
+            self.own.setdefault(layer, []).append(own.detach())
+        return output
+
+
+class _Recording:
+    def __init__(self, routing: Routing):
+        self.routing = routing
+
+    def __enter__(self):
+        self.routing.is_recording, self.routing.used, self.routing.own = True, {}, {}
+        return self.routing
+
+    def __exit__(self, *exc):
+        self.routing.is_recording = False
+
+
+def agreement(first: torch.Tensor, second: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far two routings [B, S, L, k] of the same tokens agree, over `positions` [B, S] (bool), per MoE layer:
+    `same_set` [L] the share of tokens routed to the same set of experts, `overlap` [L] the mean |A ∩ B| / k, and
+    per token `differs` [N] whether any layer's set differs. Layers without experts (all 0 in both) count as equal."""
+    a, b = first[positions].long(), second[positions].long()  # [N, L, k]
+    same_set = (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)  # [N, L]
+    overlap = (a[..., :, None] == b[..., None, :]).any(dim=-1).float().mean(dim=-1)  # [N, L]
+    return {"same_set": same_set.float().mean(0), "overlap": overlap.mean(0), "differs": ~same_set.all(dim=-1)}
+
+
+_ROUTINGS = weakref.WeakKeyDictionary()
+
+
+def routing_of(model) -> Routing:
+    """The model's one Routing (made on first use), so that an engine that samples with the trainer's own module and
+    the trainer share the same hooks."""
+    if model not in _ROUTINGS:
+        _ROUTINGS[model] = Routing(model)
+    return _ROUTINGS[model]
+
+
+def batch_routing(prompt_ids, completions, group_size, batch) -> torch.Tensor | None:
+    """The experts the engine routed each token of a batch to, [B, prompt + response, L, k] aligned with
+    batch["input_ids"] ([left-padded prompt | right-padded response]; completion i answers prompt i // group_size).
+    Padding and each completion's last token, which the engine never fed, get experts 0..k−1. None when the engine
+    recorded no routing (a dense model, or vLLM on a CPU)."""
+    if completions[0].routing is None:
+        return None
+    prompt_width = batch["input_ids"].shape[1] - batch["response_ids"].shape[1]
+    layers, top_k = completions[0].routing.shape[1:]
+    filler = torch.arange(top_k, dtype=completions[0].routing.dtype)
+    routing = filler.expand(*batch["input_ids"].shape, layers, top_k).clone()
+    for index, completion in enumerate(completions):
+        start = prompt_width - len(prompt_ids[index // group_size])
+        routing[index, start : start + len(completion.routing)] = completion.routing
+    return routing.to(batch["input_ids"].device)
+
+
+def scored_positions(batch) -> torch.Tensor:
+    """[B, S] of a batch or micro-batch: the positions whose output is a response token's log-prob (the last prompt
+    token and every response token but the last), where a routing changes the loss."""
+    mask = batch["response_mask"].bool()
+    positions = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+    start = positions.shape[1] - mask.shape[1] - 1
+    positions[:, start : start + mask.shape[1]] = mask
+    return positions
+
+
+def record_agreement(metrics, engine, used, own, positions, layers) -> None:
+    """Engine vs trainer over the scored `positions`, averaged over the MoE `layers`: routing/agreement, the share of
+    tokens the trainer sent to the experts the engine chose (`used`: 1 under r3), also per layer
+    (routing/agreement_layer{l}); routing/overlap, the mean |A ∩ B| / k; routing/tokens_differing, the share of
+    tokens with another set of experts in any layer; routing/own_agreement, the same share for the experts the
+    trainer's routers chose themselves (`own`, whatever was replayed)."""
+    if not positions.any():
+        return
+    tokens = positions.sum()
+    compared, own_compared = agreement(engine, used, positions), agreement(engine, own, positions)
+    same_set = compared["same_set"][layers]
+    metrics.mean("routing/agreement", same_set.mean() * tokens, tokens)
+    for layer, share in zip(layers, same_set):
+        metrics.mean(f"routing/agreement_layer{layer}", share * tokens, tokens)
+    metrics.mean("routing/overlap", compared["overlap"][layers].mean() * tokens, tokens)
+    metrics.mean("routing/tokens_differing", compared["differs"].sum(), tokens)
+    metrics.mean("routing/own_agreement", own_compared["same_set"][layers].mean() * tokens, tokens)
+
+
+def record_drift(metrics, old_own, own, positions, layers) -> None:
+    """routing/drift: the share of scored tokens (per MoE layer, averaged) whose router chooses other experts under
+    π_θ than under π_old, in the updates of a batch."""
+    if positions.any():
+        tokens = positions.sum()
+        metrics.mean(
+            "routing/drift", (1 - agreement(old_own, own, positions)["same_set"][layers].mean()) * tokens, tokens
+        )

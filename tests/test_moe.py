@@ -1,0 +1,268 @@
+"""Mixture-of-experts models and routing replay (common/moe.py, tis_icepop.py --router-replay): replay is exact, its
+gradient is the router's, it survives gradient checkpointing, the engine's captured routing reproduces the engine's
+log-probs, and the built-in tiny-moe model trains with R3 restoring the engine's routing."""
+
+import os
+
+import pytest
+import torch
+from helpers import assert_two_ranks_update_like_one, only_run_dir, read_jsonl, run_script
+
+import algorithms.tis_icepop as tim
+from common import fsdp, moe
+from common.engines import HFEngine
+from common.errors import BadInput
+
+
+def small_moe(kind: str, dtype=torch.float32, seed: int = 0):
+    """A random 2-layer MoE of each router family transformers 5 has (4 experts, 2 per token), in train mode."""
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    shared = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    shared |= dict(num_experts_per_tok=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    if kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**shared, intermediate_size=48, num_local_experts=4))
+    elif kind == "olmoe":
+        model = OlmoeForCausalLM(OlmoeConfig(**shared, intermediate_size=48, num_experts=4, norm_topk_prob=False))
+    else:  # Qwen3-MoE, with and without renormalising the top-k weights
+        config = Qwen3MoeConfig(**shared, moe_intermediate_size=48, num_experts=4, norm_topk_prob=kind == "qwen3")
+        model = Qwen3MoeForCausalLM(config)
+    for router, _ in ((r, 0) for _, r in moe.routers(model)):
+        torch.nn.init.normal_(router.weight, std=0.5)  # Qwen3's router starts at zero: every choice would be a tie
+    model.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+    return model.to(dtype).train()
+
+
+KINDS = ["mixtral", "qwen3", "qwen3-unnormalised", "olmoe"]
+IDS = torch.randint(3, 50, (3, 11), generator=torch.Generator().manual_seed(0))
+
+
+def other_experts(routing, experts):
+    """A routing where every token goes to other experts than in `routing` (k = 2 of `experts`)."""
+    shifted = (routing.long() + 1) % experts
+    return torch.where(shifted[..., :1] == shifted[..., 1:], (shifted + 1) % experts, shifted).to(routing.dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_replaying_a_forwards_own_routing_is_exact(kind):
+    model = small_moe(kind)
+    routing = moe.Routing(model)
+    with routing.recording():
+        plain = model(IDS).logits
+    used, own = routing.take(len(IDS))
+    assert used.shape == (3, 11, 2, 2) and torch.equal(used, own)
+    routing.replay(used)
+    assert torch.equal(model(IDS).logits, plain)  # bit for bit
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_replayed_routing_is_used_and_recorded(kind):
+    """Replaying other experts changes the forward; the recording tells the experts used from the router's choice."""
+    model = small_moe(kind)
+    routing = moe.Routing(model)
+    with routing.recording():
+        plain = model(IDS).logits
+    own = routing.take(len(IDS))[1]
+    replayed = other_experts(own, 4)
+    routing.replay(replayed)
+    with routing.recording():
+        rerouted = model(IDS).logits
+    used, own_again = routing.take(len(IDS))
+    # the first layer's routers see the same input and choose as before; later layers see the rerouted ones' output
+    assert torch.equal(used, replayed) and torch.equal(own_again[:, :, 0], own[:, :, 0])
+    assert (rerouted - plain).abs().max() > 1e-3
+    routing.replay(None)
+    assert torch.equal(model(IDS).logits, plain)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3", "qwen3-unnormalised"])
+def test_replayed_weights_gradient_matches_a_float64_reference(kind):
+    """The MoE block under replay against the formula written out per token, in float64: y_n = Σ_j w_nj E_{e_nj}(h_n)
+    with w_n = softmax(W h_n)[e_n] (renormalised over e_n when the model renormalises), E(h) = down(silu(gate h) ·
+    up h). Outputs and the gradients of the router, the experts and the input agree."""
+    model = small_moe(kind, torch.float64)
+    block = model.model.layers[0].mlp
+    routing = moe.Routing(model)
+    hidden = torch.randn(1, 7, 32, dtype=torch.float64, requires_grad=True)
+    chosen = other_experts(torch.randint(0, 4, (1, 7, 2, 2)), 4)  # distinct experts per token
+    routing.replay(chosen)
+    output = block(hidden)
+    upstream = torch.randn_like(output)
+    gradients = torch.autograd.grad((output * upstream).sum(), [hidden, block.gate.weight, *block.experts.parameters()])
+
+    reference_hidden = hidden.detach().clone().requires_grad_()
+    router, gate_up, down = (
+        p.detach().clone().requires_grad_() for p in (block.gate.weight, *block.experts.parameters())
+    )
+    renormalise = kind != "qwen3-unnormalised"
+    rows = []
+    for n in range(7):
+        h = reference_hidden[0, n]
+        experts = chosen[0, n, 0].long()
+        weights = torch.softmax(router @ h, dim=-1)[experts]
+        weights = weights / weights.sum() if renormalise else weights
+        out = torch.zeros_like(h)
+        for j, e in enumerate(experts):
+            g, u = (gate_up[e] @ h).chunk(2)
+            out = out + weights[j] * (down[e] @ (torch.nn.functional.silu(g) * u))
+        rows.append(out)
+    reference = torch.stack(rows)[None]
+    torch.testing.assert_close(output, reference, rtol=1e-12, atol=1e-12)
+    expected = torch.autograd.grad((reference * upstream).sum(), [reference_hidden, router, gate_up, down])
+    assert gradients[1].abs().sum() > 0  # the router learns under replay
+    for got, want in zip(gradients, expected):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_replay_holds_through_gradient_checkpointing():
+    """With checkpointing the backward recomputes each layer: a replay that lapsed there would route the recomputation
+    by the router's own choice and give other gradients. Same gradients as without checkpointing; and the
+    recomputation does run (the routers are called twice per layer)."""
+    grads, calls = {}, {}
+    for checkpointing in (False, True):
+        model = fsdp.prepare_for_training(small_moe("qwen3"), checkpointing)
+        routing = moe.Routing(model)
+        with routing.recording():
+            model(IDS)
+        replayed = other_experts(routing.take(len(IDS))[1], 4)
+        counter = [0]
+
+        def count(*_, counter=counter):
+            counter[0] += 1
+
+        for _, router in routing.routers:
+            router.register_forward_hook(count)
+        routing.replay(replayed)
+        model(IDS).logits.square().mean().backward()
+        grads[checkpointing] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        calls[checkpointing] = counter[0]
+    assert calls == {False: 2, True: 4}
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_agreement_counts_sets_not_order():
+    first = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]]]])  # [1, 2 tokens, 2 layers, k 2]
+    second = torch.tensor([[[[1, 0], [2, 3]], [[0, 2], [3, 1]]]])
+    result = moe.agreement(first, second, torch.ones(1, 2, dtype=torch.bool))
+    assert result["same_set"].tolist() == [0.5, 0.5] and result["overlap"].tolist() == [0.75, 0.75]
+    assert result["differs"].tolist() == [False, True]
+
+
+def test_an_unknown_router_is_refused():
+    class GptOssTopKRouter(torch.nn.Module):
+        pass
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].router = GptOssTopKRouter()
+    with pytest.raises(BadInput, match="GptOssTopKRouter"):
+        moe.routers(model)
+
+
+# --- the engine's routing, then replay in the trainer ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tiny_moe_dir):
+    from common.tiny import load
+
+    return load(tiny_moe_dir)
+
+
+def _rollout_batch(model, tokenizer, engine_dtype=None, n=3, prompts=3):
+    engine = HFEngine(model, tokenizer, dtype=engine_dtype, share_weights=False, routing=True)
+    questions = ["Q: 12+30=", "Q: 7+5=", "Q: 199+99="] + [f"Q: {a}+{3 * a + 7}=" for a in range(11, 20)]
+    prompts = [tokenizer(q)["input_ids"] for q in questions[:prompts]]
+    torch.manual_seed(0)
+    completions = engine.generate(prompts, n, 8, 1.0)
+    batch = tim.make_batch(prompts, completions, n, tokenizer.pad_token_id, torch.device("cpu"))
+    return prompts, completions, batch
+
+
+def test_engine_routing_then_r3_reproduces_the_engines_logprobs(tiny_moe):
+    """The transformers engine (KV cache, one token per step, prompts left-padded together) records its routing; the
+    trainer's full forward over the padded batch, replaying it, scores the sampled tokens as the engine did."""
+    model, tokenizer = tiny_moe
+    prompts, completions, batch = _rollout_batch(model, tokenizer)
+    for index, completion in enumerate(completions):  # one row per fed token: the prompt, the completion but its last
+        assert completion.routing.shape == (len(prompts[index // 3]) + len(completion.token_ids) - 1, 4, 2)
+    batch["engine_routing"] = moe.batch_routing(prompts, completions, 3, batch)
+    trainer = model.train()
+    routing = moe.routing_of(trainer)
+    routing.replay(batch["engine_routing"])
+    with torch.no_grad():
+        logprobs = tim.token_logprobs(trainer, batch, 1.0)[0]
+    routing.replay(None)
+    mask = batch["response_mask"].bool()
+    assert (logprobs - batch["sampler_logprobs"])[mask].abs().max() <= 1e-6
+
+
+def test_a_bfloat16_engine_routes_otherwise_and_r3_restores_it(tiny_moe):
+    """bf16 engine, float32 trainer: some tokens go to other experts (agreement < 1); the trainer replaying the
+    engine's routing uses exactly its experts (agreement 1), while its own routers would still choose otherwise."""
+    model, tokenizer = tiny_moe
+    prompts, completions, batch = _rollout_batch(model, tokenizer, torch.bfloat16, n=8, prompts=12)
+    batch["engine_routing"] = moe.batch_routing(prompts, completions, 8, batch)
+    positions, layers = moe.scored_positions(batch), [0, 1, 2, 3]
+    results = {}
+    for replayed in (None, batch["engine_routing"]):
+        routing = moe.routing_of(model)
+        routing.replay(replayed)
+        with torch.no_grad(), routing.recording():
+            tim.token_logprobs(model, batch, 1.0)
+        used, own = routing.take(len(batch["input_ids"]))
+        routing.replay(None)
+        results[replayed is not None] = moe.agreement(batch["engine_routing"], used, positions)["same_set"].mean()
+        results["own"] = moe.agreement(batch["engine_routing"], own, positions)["same_set"].mean()
+    assert results[False] < 1 and results[True] == 1 and results["own"] < 1
+    assert layers  # the tiny-moe model routes in all 4 layers
+
+
+# --- tis_icepop.py --router-replay -----------------------------------------------------------------------------------
+
+TINY_MOE = ["--model", "tiny-moe", "--steps", 2, "--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0]
+
+
+def _run(tmp_path, *flags):
+    run_script("algorithms/tis_icepop.py", "--output-dir", tmp_path, *TINY_MOE, *flags)
+    return read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("replay", ["none", "r2", "r3"])
+def test_router_replay_with_a_bfloat16_engine(tmp_path, replay):
+    """The done-when command of the feature: R3 logs routing agreement 1, no replay below 1; R2 (two minibatches)
+    records π_old's routing and logs the drift of π_θ's routers."""
+    flags = ["--engine-dtype", "bfloat16", "--router-replay", replay, "--num-minibatches", 2, "--lr", 1e-3]
+    records = _run(tmp_path, *flags)
+    for record in records:
+        assert 0 < record["routing/own_agreement"] < 1 and 0 < record["routing/tokens_differing"] or replay == "r3"
+        assert (record["routing/agreement"] == 1) == (replay == "r3")
+        assert 0 <= record["routing/drift"] <= 1
+    assert any(record["routing/drift"] > 0 for record in records)  # π_θ's routers move within a batch
+
+
+def test_router_replay_refusals(tiny):
+    with pytest.raises(BadInput, match="--router-replay r2 must be used with several updates"):
+        tim.check_args(tim.Args(router_replay="r2"))  # one update per batch: nothing to replay
+    tim.check_args(tim.Args(router_replay="r2", num_minibatches=2))
+    with pytest.raises(BadInput, match="not a mixture-of-experts model"):
+        tim.engine_records_routing(tiny[0], tim.Args(router_replay="r3"))
+    assert not tim.engine_records_routing(tiny[0], tim.Args())  # a dense model: no routing to record
+
+
+@pytest.mark.slow
+def test_r3_on_two_ranks_updates_exactly_like_one(tmp_path):
+    """The tiny MoE model replaying an engine routing under FSDP2 on 2 gloo ranks: the same statistics and weights as
+    one process (the routers replay inside FSDP2's unsharded layers; each rank holds its own rows' routing)."""
+    settings = '{"model": "tiny-moe", "router_replay": "r3", "num_minibatches": 2}'
+    logged = assert_two_ranks_update_like_one(tmp_path, "tis_icepop", settings)
+    assert logged["routing/drift"] >= 0
