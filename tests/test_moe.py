@@ -264,6 +264,6 @@ def test_router_replay_refusals(tiny):
 def test_r3_on_two_ranks_updates_exactly_like_one(tmp_path):
     """The tiny MoE model replaying an engine routing under FSDP2 on 2 gloo ranks: the same statistics and weights as
     one process (the routers replay inside FSDP2's unsharded layers; each rank holds its own rows' routing)."""
-    settings = '{"model": "tiny-moe", "router_replay": "r3", "num_minibatches": 2}'
+    settings = '{"model": "tiny-moe", "router_replay": "r3"}'  # the whole batch, twice: the same minibatches
     logged = assert_two_ranks_update_like_one(tmp_path, "tis_icepop", settings)
     assert logged["routing/drift"] >= 0

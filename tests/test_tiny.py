@@ -85,7 +85,7 @@ def test_rebuilds_when_missing(tmp_path, monkeypatch):
     the real build runs once per session through the `tiny_dir` fixture)."""
     built = []
 
-    def fake_build(path, task):
+    def fake_build(path, task, moe=False):
         built.append(path)
         os.makedirs(path)
         with open(os.path.join(path, "build_info.json"), "w") as f:

