@@ -53,10 +53,11 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import checks, fsdp, memory
+from common import checks, fsdp, memory, moe
 from common.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
 from common.checks import require
 from common.engines import load_tokenizer, make_engine
+from common.errors import BadInput
 from common.evaluate import evaluate
 from common.rollouts import Groups, PromptSampler
 from common.scoring import overlong_penalty, score_completions
@@ -382,6 +383,10 @@ class IsopoGradients:
         self.args, self.dist, self.stats = args, dist, TrailingMeans(args.ema_decay)
         self.stats.ema = dict(state["ema"]) if state is not None else {}  # a checkpoint's "isopo": exact --resume
         self.micro, self.log, self.modules, self.trace = None, {}, {}, None  # trace: a list records each layer (tests)
+        if moe.is_moe(model):  # an MoE layer sends a flat list of tokens to its experts: no per-sequence inputs there
+            raise BadInput(
+                "ISOPO uses each layer's per-sequence inputs (Eq. 6): mixture-of-experts models are not supported"
+            )
         for name, module in model.named_modules():
             own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
             if isinstance(module, torch.nn.Linear) and set(own) - {"weight", "bias"}:
