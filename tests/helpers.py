@@ -92,9 +92,10 @@ def torchrun(nproc, script, *flags, timeout=600):
     return result
 
 
-def assert_two_ranks_update_like_one(tmp_path, *script_args, tokens_seen=2 * 49):
+def assert_two_ranks_update_like_one(tmp_path, *script_args, tokens_seen=2 * 49, weight_atol=1e-6):
     """tests/distributed_update.py on 1 process and on 2 FSDP2 ranks (gloo): every statistic the update logs and every
-    updated weight agree; `tokens_seen`: the response tokens its updates saw (49 in each of the 2 epochs)."""
+    updated weight agree (to `weight_atol` plus 1e-4 relative); `tokens_seen`: the response tokens its updates saw
+    (49 in each of the 2 epochs)."""
     import torch
 
     run_script("tests/distributed_update.py", tmp_path / "one.json", *script_args)
@@ -107,7 +108,7 @@ def assert_two_ranks_update_like_one(tmp_path, *script_args, tokens_seen=2 * 49)
     weights_one, weights_two = (torch.load(tmp_path / f"{n}.json.weights.pt") for n in ("one", "two"))
     assert weights_one.keys() == weights_two.keys()
     for key in weights_one:
-        torch.testing.assert_close(weights_two[key], weights_one[key], rtol=1e-4, atol=1e-6, msg=key)
+        torch.testing.assert_close(weights_two[key], weights_one[key], rtol=1e-4, atol=weight_atol, msg=key)
     return one
 
 

