@@ -838,6 +838,10 @@ if __name__ == "__main__":
 # TIS clamps to [0.5, 5]; here each mode is its paper's formula. verl's rejection sampling drops masked tokens from
 # the denominator; here they stay. No normalization of the weights to mean 1 (verl, slime), no Geo-RS, no veto of
 # catastrophic tokens. slime's sequence masking compares with π_old; here, as in DeepSeek-V3.2 and TRL, with μ.
+# Routing replay as verl, slime and Megatron do it: the router's logits stay differentiable, the replayed experts'
+# weights are its softmax there (Megatron's RouterReplay, NeMo's record / replay contexts). R3 also routes the π_old
+# pass as the engine did (slime); verl's R3 does too. Left out: replay in the reference model (never, as slime), the
+# engine's expert order within a token (the set and the weights are replayed; the order changes only bf16 sums).
 # The built-in model does not collapse with the bf16 engine (README); with --lr 1e-3 it collapses within 10 steps with
 # a float32 engine too. Tight thresholds (--icepop-alpha 0.999 --icepop-beta 1.001) make every correction act on it.
 #

@@ -161,3 +161,50 @@ def test_float16_trainer_gets_a_float16_engine(tmp_path):
         assert [r["step"] for r in records] == [0, 1, 2, 3]
         kl[engine_dtype] = sum(r["mismatch/kl_k3"] for r in records[1:]) / 3
     assert kl["auto"] < 0.25 * kl["bfloat16"], kl
+
+
+@needs_vllm
+def test_vllm_routing_capture_then_r3_reproduces_the_engines_logprobs(tiny_moe_dir):
+    """vLLM 0.33 returns the experts each token went to (enable_return_routed_experts): one row per fed token,
+    [prompt + completion − 1, layers, k]. The float32 trainer replaying them scores the sampled tokens as the float32
+    engine did; after a weight push (checkpoint names for the fused experts) the capture still lines up."""
+    import algorithms.tis_icepop as tim
+    from common import moe
+    from common.engines import VLLMEngine
+    from common.tiny import load
+
+    model, tokenizer = load(tiny_moe_dir)
+    model = model.cuda().eval()
+    engine = VLLMEngine(
+        tiny_moe_dir, "float32", max_model_len=64, seed=0, gpu_memory_utilization=0.2, model=model, routing=True
+    )
+    try:
+        prompts = [tokenizer(q)["input_ids"] for q in ["Q: 12+30=", "Q: 7+5=", "Q: 199+99="]]
+        for push in (False, True):
+            if push:
+                engine.load_weights(model.state_dict().items())
+            completions = engine.generate(prompts, 4, 8, 1.0)
+            for index, completion in enumerate(completions):
+                assert completion.routing.shape == (len(prompts[index // 4]) + len(completion.token_ids) - 1, 4, 2)
+            batch = tim.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cuda"))
+            routing = moe.routing_of(model)
+            routing.replay(moe.batch_routing(prompts, completions, 4, batch))
+            with torch.no_grad(), routing.recording():
+                logprobs = tim.token_logprobs(model, batch, 1.0)[0]
+            used, own = routing.take(len(batch["input_ids"]))
+            routing.replay(None)
+            positions = moe.scored_positions(batch)
+            mask = batch["response_mask"].bool()
+            assert (logprobs - batch["sampler_logprobs"])[mask].abs().max() < 1e-3
+            assert moe.agreement(used, own, positions)["same_set"].mean() > 0.95  # float32 on both sides
+    finally:
+        engine.close()
+
+
+@needs_vllm
+def test_tis_icepop_r3_with_a_bfloat16_vllm_engine(tmp_path):
+    """The GPU user's R3: vLLM bf16 records the routing, the trainer replays it: agreement 1, own agreement < 1."""
+    flags = ["--model", "tiny-moe", "--rollout-engine", "vllm", "--engine-dtype", "bfloat16", "--router-replay", "r3"]
+    run_script("algorithms/tis_icepop.py", *SHORT, *flags, "--output-dir", tmp_path)
+    for record in _records(tmp_path)[1:]:
+        assert record["routing/agreement"] == 1 and record["routing/own_agreement"] < 1
