@@ -117,3 +117,28 @@ def test_a_script_given_an_empty_folder_says_so(tmp_path):
     result = run_script("algorithms/grpo.py", "--model", tmp_path, "--steps", 1, check=False)
     assert result.returncode != 0
     assert "holds no model (no config.json)" in result.stderr and "sentencepiece" not in result.stderr
+
+
+def test_upcycling_without_noise_computes_what_the_dense_model_does(tiny):
+    """Every expert a copy of the layer's MLP: whatever the router picks, the two active experts' weights sum to 1,
+    so the MoE's logits are the dense model's (float32 rounding apart); with the build's noise they are not."""
+    dense, tokenizer = tiny
+    ids = torch.tensor([tokenizer("Q: 37+48+91=37+48=85,85+91=176 #### 176")["input_ids"]])
+    with torch.no_grad():
+        exact = tiny_module.upcycle(dense, noise=0.0).eval()(ids).logits
+        noisy = tiny_module.upcycle(dense).eval()(ids).logits
+        reference = dense(ids).logits
+    assert (exact - reference).abs().max() < 1e-4 < (noisy - reference).abs().max()
+
+
+def test_the_moe_model_is_built_offline_and_leaves_room_for_rl(tiny_moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(tiny_moe_dir, "build_info.json")) as f:
+        info = json.load(f)
+    assert info["version"] == tiny_module.MOE_WARM_STARTS["arith"].version and info["experts"] == 8
+    assert 0.10 <= info["test_sampled_accuracy"] <= 0.85, info  # this machine: 0.71 (the dense model: 0.46)
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)
+    assert model.config.model_type == "mixtral" and not model.config.output_router_logits
+    assert model.config.hidden_size == 256 and 19e6 < sum(p.numel() for p in model.parameters()) < 20e6
+    assert tiny_module.resolve_model("tiny-moe") == tiny_moe_dir
