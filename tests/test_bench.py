@@ -81,6 +81,10 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_and_one_without_starts_c
     assert command[-2:] == ["--resume", "auto"] and os.path.isdir(folder)
     assert command[command.index("--exp-name") + 1] == run.exp_name
     assert command[command.index("--save-every") + 1] == "2"  # ceil(4 / 3): checkpoints at 2 and 4 (KL drift)
+    checkpoint = os.path.join(folder, "checkpoints", "step_00000002")
+    os.rename(checkpoint, checkpoint + ".tmp")  # killed while writing it: the script would find no checkpoint
+    assert "--resume" not in run.command() and not os.path.exists(folder)
+    folder = write_run(run, records(4, 0.5)[:3], checkpoint_steps=[2])
     os.remove(os.path.join(folder, "checkpoints", "step_00000002", "trainer_state.pt"))  # incomplete
     command = run.command()
     assert "--resume" not in command and not os.path.exists(folder)
