@@ -180,6 +180,9 @@ class Args:
     """vllm on GPU: free the engine's GPU memory while training (sleep level 1)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """trainer compute dtype (weights stay float32); auto: bfloat16 on GPU, float32 on CPU; float16 scales the loss"""
+    fp32_lm_head: bool = False
+    """the output layer in float32 in the trainer (under bf16 / fp16 autocast) and in a bf16 / fp16 engine (vLLM's
+    head_dtype), as MiniMax-M1 does (arXiv:2506.13585): the rounding of logits over a large vocabulary is mismatch"""
     cpu_offload: bool = False
     """with several ranks (torchrun), keep sharded parameters and optimizer state in CPU memory"""
     gradient_checkpointing: bool = False
@@ -576,9 +579,10 @@ def main(args: Args) -> None:
         gpu_memory_utilization=args.gpu_memory_utilization,
         sleep_mode=args.vllm_sleep_mode,
         compute_dtype=compute_dtype,
+        float32_head=args.fp32_lm_head,
     )
     policy = fsdp.prepare_for_training(policy.to(device), args.gradient_checkpointing)  # train mode, no dropout
-    policy = fsdp.shard(policy, dist, args.cpu_offload, compute_dtype)
+    policy = fsdp.shard(policy, dist, args.cpu_offload, compute_dtype, args.fp32_lm_head)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     start_step, skipped_steps = 0, 0

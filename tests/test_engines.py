@@ -92,6 +92,26 @@ def test_lower_precision_engine_keeps_its_own_copy(tiny):
     assert all(lp <= 0 for lp in completion.logprobs)
 
 
+def test_a_bfloat16_engine_with_a_float32_output_layer(tiny):
+    """--fp32-lm-head: the bf16 copy keeps bf16 weights (vLLM's head_dtype does too) but its output layer returns the
+    float32 product of the upcast hidden states and weight, after a weight push as well; without it, bf16 logits."""
+    model, tokenizer = tiny
+    hidden = torch.randn(3, 5, model.config.hidden_size).to(torch.bfloat16)
+    for float32_head in (False, True):
+        engine = make_engine("hf", model, tokenizer, dtype="bfloat16", float32_head=float32_head)
+        head = engine.model.get_output_embeddings()
+        assert head.weight.dtype == torch.bfloat16
+        expected = torch.nn.functional.linear(hidden.float(), head.weight.float())
+        assert head(hidden).dtype == (torch.float32 if float32_head else torch.bfloat16)
+        assert torch.equal(head(hidden), expected) == float32_head
+        engine.load_weights([(name, p.detach() + 0.01) for name, p in model.named_parameters()])
+        if float32_head:  # the pushed weights, not those captured at start
+            assert torch.equal(head(hidden), torch.nn.functional.linear(hidden.float(), head.weight.float()))
+            assert not torch.equal(head(hidden), expected)
+        torch.manual_seed(0)
+        assert all(lp <= 0 for lp in engine.generate(_prompt_ids(tokenizer)[:1], 2, 4, 1.0)[0].logprobs)
+
+
 def test_shared_engine_costs_nothing_to_sync(tiny):
     model, tokenizer = tiny
     engine = make_engine("auto", model, tokenizer)

@@ -126,3 +126,25 @@ for T in (1024, 4096):
     growth = {int(t): float(gb) for t, gb in (line.split() for line in out.strip().splitlines())}
     # 1,024 tokens already span several chunks and set the peak (about 0.4 GB); 4x longer adds nothing
     assert growth[4096] < 0.1 and growth[1024] < 1.0, growth
+
+
+@pytest.mark.parametrize("chunk_tokens", [3, 1000])
+def test_a_float32_output_layer_under_bfloat16_autocast(tiny, chunk_tokens):
+    """--fp32-lm-head: under bf16 autocast the output layer's product runs in float32, so the log-probs are the
+    float64 head's over the same hidden states to float32 rounding; the bf16 head's are 1e-3 and more away."""
+    from common.logprobs import float32_output_layer, output_layer_scores
+
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    ids = torch.tensor([tokenizer("Q: 37+48+91=37+48=85,85+91=176 #### 176")["input_ids"]])
+    targets = ids[:, 1:]
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
+        errors = {}
+        for float32 in (False, True):
+            float32_output_layer(model, float32)
+            with output_layer_scores(model, targets, 1.0, chunk_bytes=4 * 100 * chunk_tokens):
+                logprobs = model(input_ids=ids, logits_to_keep=targets.shape[1] + 1).logits[:, :-1, 0]
+            reference = torch.log_softmax(hidden.double() @ model.lm_head.weight.double().T, -1)
+            errors[float32] = (logprobs - reference.gather(-1, targets[..., None]).squeeze(-1)).abs().max()
+    assert errors[True] < 1e-5 and errors[False] > 1e-3, errors

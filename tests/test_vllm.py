@@ -57,6 +57,16 @@ def _worst_logprob_gap(engine, model, prompts, n=4, temperature=1.0):
     return worst, completions
 
 
+def _mean_logprob_gap(engine, model, prompts, n=8):
+    """The mean |engine log-prob − the model's float64 recompute| over every sampled token."""
+    completions = engine.generate(prompts, n, 8, 1.0)
+    gaps = [
+        (torch.tensor(c.logprobs, dtype=torch.float64) - _reference_logprobs(model, prompts[i // n], c.token_ids)).abs()
+        for i, c in enumerate(completions)
+    ]
+    return torch.cat(gaps).mean().item()
+
+
 def _greedy(engine, prompts):
     return [c.token_ids for c in engine.generate(prompts, 1, 8, 0.0)]
 
@@ -144,6 +154,23 @@ def test_a_mixture_of_experts_push_keeps_the_log_probs(tiny_moe_dir, engines):
     worst_before = _worst_logprob_gap(engine, model, prompts)[0]
     engine.load_weights(model.state_dict().items())
     assert worst_before > 1e-2 and _worst_logprob_gap(engine, model, prompts)[0] < 1e-5
+
+
+@pytest.mark.slow
+def test_a_float32_output_layer_in_a_bfloat16_vllm_engine(tiny, tiny_dir):
+    """--fp32-lm-head reaches vLLM as head_dtype float32: a bf16 engine whose log-probs are closer to the float32
+    trainer's than the plain bf16 engine's (the same prompts and seed, so the same samples mostly)."""
+    model, tokenizer = tiny
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    gaps = {}
+    for float32_head in (False, True):
+        engine = VLLMEngine(tiny_dir, "bfloat16", max_model_len=64, seed=0, float32_head=float32_head)
+        try:
+            assert engine.llm.llm_engine.model_config.head_dtype == (torch.float32 if float32_head else torch.bfloat16)
+            gaps[float32_head] = _mean_logprob_gap(engine, model, prompts)
+        finally:
+            engine.close()
+    assert gaps[True] < gaps[False], gaps
 
 
 def test_vllm_on_a_cpu_refuses_to_record_routing(tiny_moe_dir):

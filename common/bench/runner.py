@@ -360,6 +360,25 @@ SUITES["fp16"] = Suite(
     flags=SUMS_TASK + ("--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32"),
     columns=MISMATCH_COLUMNS,
 )
+# MiniMax-M1's float32 output layer (--fp32-lm-head) beside a bf16 engine, with a float32 and a bf16 trainer: the
+# mismatch over 5 steps of GRPO on the reasoning task, as the fp16 suite measures it
+SUITES["fp32_head"] = Suite(
+    "fp32_head",
+    "A float32 output layer (--fp32-lm-head) in the trainer and the bf16 engine: the train-inference mismatch",
+    [
+        Config(f"{trainer} trainer, bf16 engine{head}", "grpo", ("--dtype", TORCH_NAMES[trainer]) + flags)
+        for trainer in ("fp32", "bf16")
+        for head, flags in (("", ()), (", fp32 head", ("--fp32-lm-head",)))
+    ],
+    [
+        Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"),
+        Panel("mismatch/max_abs_logprob_diff", "max |log μ − log π_old|"),
+    ],
+    steps=5,
+    flags=SUMS_TASK
+    + ("--engine-dtype", "bfloat16", "--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32"),
+    columns=MISMATCH_COLUMNS,
+)
 # Mixture-of-experts models (tis_icepop.py, whose --correction none is grpo.py, and which logs routing/*). First the
 # survey's claim that routing amplifies the mismatch: the dense built-in model and its MoE version (the same width;
 # the MoE upcycled from the dense one) beside each engine precision, 5 steps of GRPO on the reasoning task.
@@ -917,8 +936,8 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 class BenchArgs:
     suites: tyro.conf.Positional[tuple[str, ...]] = ("bench",)
     """what to run: bench (every method), ema_kpo, p3o, tis_icepop, gtpo, isopo (the claims on the built-in
-    task), stress_search, stress, fp16, moe_mismatch, moe (on the reasoning task; the last two: mixture of experts),
-    or all"""
+    task), stress_search, stress, fp16, fp32_head, moe_mismatch, moe (on the reasoning task; the last two: mixture
+    of experts), or all"""
     quick: bool = False
     """a few minutes: 1 seed, 8 steps, smaller evaluations (results under --output-dir)"""
     seeds: int | None = None
