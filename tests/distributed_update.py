@@ -84,13 +84,30 @@ class _ToBfloat16(torch.nn.Module):
         return weight.to(torch.bfloat16)
 
 
-def in_bfloat16(model, undo=False):
+def _inputs_to_bfloat16(module, args, kwargs):
+    """Every floating tensor in a layer's arguments, nested ones too (RoPE's (cos, sin)), as FSDP2 casts them."""
+    from torch.utils._pytree import tree_map
+
+    cast = lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+    return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+def in_bfloat16(model, undo=False, float32_root=False):
     """One process computing what fsdp.shard's bf16 MixedPrecisionPolicy computes on several ranks: every
     parameter enters the forward in bf16 and its gradient flows back to the float32 weight (a parametrization
-    of each weight, removed again with `undo`)."""
+    of each weight, removed again with `undo`); `float32_root`: the root unit's own (embedding, final norm, output
+    layer) stay float32, as fsdp.shard gathers them with --fp32-lm-head, and each decoder layer's floating inputs
+    are cast to bf16, as FSDP2 casts a unit's inputs to its parameters' dtype (the residual stream is bf16)."""
     from torch.nn.utils import parametrize
 
-    for module in list(model.modules()):
+    layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
+    in_layers = {id(m) for layer in layers for m in layer.modules()}
+    for layer in layers if float32_root else []:
+        if undo:
+            layer._forward_pre_hooks.pop(layer.bf16_inputs_hook.id)
+        else:
+            layer.bf16_inputs_hook = layer.register_forward_pre_hook(_inputs_to_bfloat16, with_kwargs=True)
+    for module in [m for m in model.modules() if id(m) in in_layers or not float32_root]:
         names = (
             getattr(module, "parametrizations", {})
             if undo
@@ -147,12 +164,13 @@ def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):
     args = algorithm.Args(**{k: v for k, v in settings.items() if k in fields})
     if getattr(args, "router_replay", "none") == "r3":
         batch["engine_routing"] = synthetic_routing(batch, moe.Routing(model))
-    policy = fsdp.shard(model, dist, compute_dtype=compute_dtype(args.dtype))  # as the scripts do
+    float32_head = getattr(args, "fp32_lm_head", False)
+    policy = fsdp.shard(model, dist, compute_dtype=compute_dtype(args.dtype), float32_head=float32_head)  # as scripts
     if dist.world_size == 1 and args.dtype == "bfloat16":
-        in_bfloat16(policy)  # what FSDP2 ranks compute in bf16
+        in_bfloat16(policy, float32_root=float32_head)  # what FSDP2 ranks compute in bf16
     logged = update_policy(algorithm, policy, batch, args, dist)
     if dist.world_size == 1 and args.dtype == "bfloat16":
-        in_bfloat16(policy, undo=True)
+        in_bfloat16(policy, undo=True, float32_root=float32_head)
     weights = dict(fsdp.named_full_tensors(policy, dist.device))
     if dist.is_main:
         with open(out_path, "w") as f:

@@ -68,16 +68,17 @@ def test_two_ranks_equal_one_with_the_output_layer_in_chunks(tmp_path):
     assert one["losses/policy_loss"] == pytest.approx(plain["losses/policy_loss"], rel=1e-5)  # chunks change no number
 
 
-def test_two_ranks_equal_one_in_bfloat16(tmp_path):
+@pytest.mark.parametrize("head", ["bf16 head", "fp32 head"])
+def test_two_ranks_equal_one_in_bfloat16(tmp_path, head):
     """--dtype bfloat16: FSDP2 ranks gather every weight in bf16 (fsdp.shard's MixedPrecisionPolicy); the one
     process runs the same bf16 weights (a cast of each float32 weight, tests/distributed_update.py), so both
     compute the same update up to bf16 rounding of rows padded differently on each rank (one update: a second
     epoch would amplify those differences through the first step). Plain autocast over float32 weights is
     another computation: on the built-in model its gradient norm differs by a factor of about 3, a gradient
-    whose completions' terms nearly cancel in float32."""
-    one, two, (weights_one, weights_two) = _one_and_two_ranks(
-        tmp_path, "grpo", '{"dtype": "bfloat16", "update_epochs": 1}'
-    )
+    whose completions' terms nearly cancel in float32. With --fp32-lm-head the root unit (embedding, final norm,
+    output layer) stays float32 on both sides."""
+    settings = {"dtype": "bfloat16", "update_epochs": 1, "fp32_lm_head": head == "fp32 head"}
+    one, two, (weights_one, weights_two) = _one_and_two_ranks(tmp_path, "grpo", json.dumps(settings))
     assert two["losses/grad_norm"] == pytest.approx(one["losses/grad_norm"], rel=1e-2)
     for name in weights_one:
         torch.testing.assert_close(weights_two[name], weights_one[name], rtol=1e-3, atol=1e-3, msg=name)
