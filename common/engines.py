@@ -7,7 +7,9 @@
 
 Every engine returns, per completion, the sampled token ids (EOS included when sampled), the
 log-probability of each sampled token under the distribution it was sampled from (logits divided by
-the temperature, full vocabulary: top_p = 1 and no top-k, as RL needs), and why it stopped.
+the temperature, full vocabulary unless top-p / top-k truncate it), and why it stopped. With top-p < 1 or
+top-k > 0 it also returns the sampling mask: the token ids the truncation kept at each sampled position, so that
+the trainer can renormalise π_θ over the same set (DeepSeek-V3.2's "keep sampling mask", arXiv:2512.02556).
 
 `HFEngine` is transformers' `generate`. It shares the trainer's module when the dtypes agree (then a
 weight push costs nothing), or keeps its own copy in another dtype (`dtype="bfloat16"`), which is how
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterable, Literal
@@ -38,6 +41,32 @@ class Completion:
     logprobs: list[float]  # sampler's log-prob of each token in token_ids (after temperature)
     finish_reason: Literal["stop", "length"]  # stop: an EOS was sampled; length: max_new_tokens reached
     routing: torch.Tensor | None = None  # MoE with routing=True: experts per fed token [prompt + len − 1, L, k]
+    # top-p / top-k: the ids the truncation kept at each sampled position [len, K], padded with −1 (None: no truncation)
+    sampling_mask: torch.Tensor | None = None
+
+
+def truncate(scores: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Which tokens top-k then top-p keep, [N, V] bool, from tempered logits [N, V]: the k largest (0: all), then of
+    those the smallest set of the most likely whose probability reaches top_p (at least one token), as vLLM does."""
+    kept = torch.ones_like(scores, dtype=torch.bool)
+    if top_k > 0 and top_k < scores.shape[-1]:
+        kept = scores >= scores.topk(top_k, dim=-1).values[:, -1:]
+    if top_p < 1.0:
+        probs = torch.softmax(scores.float().masked_fill(~kept, -math.inf), dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # the mass of the more likely tokens
+        kept_sorted = (before < top_p) & (sorted_probs > 0)
+        kept_sorted[:, 0] = True
+        kept = torch.zeros_like(kept).scatter(-1, order, kept_sorted)
+    return kept
+
+
+def kept_ids(kept: torch.Tensor) -> torch.Tensor:
+    """[N, V] bool -> [N, K] the kept ids, ascending, padded with −1 (K: the largest set)."""
+    width = int(kept.sum(-1).max())
+    ids = torch.where(kept, torch.arange(kept.shape[-1], device=kept.device), kept.shape[-1])
+    ids = ids.sort(dim=-1).values[:, :width]
+    return torch.where(ids == kept.shape[-1], -1, ids).to(torch.int32)
 
 
 class _RecordSampledLogprobs(LogitsProcessor):
@@ -45,14 +74,19 @@ class _RecordSampledLogprobs(LogitsProcessor):
     the next step (when the sampled token is visible in input_ids) the sampled token's log-prob is
     read off. Holds one step's [batch, vocab] at a time, not the whole [batch, steps, vocab]."""
 
-    def __init__(self, temperature: float):
-        self.temperature = temperature
+    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.previous: torch.Tensor | None = None
         self.sampled_logprobs: list[torch.Tensor] = []
+        self.kept: list[torch.Tensor] = []  # per step [batch, K] kept ids (top-p / top-k)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self.read_sampled(input_ids[:, -1])
         scores = scores / self.temperature
+        if self.top_k > 0 or self.top_p < 1.0:  # temperature first, then top-k, then top-p (vLLM's order)
+            kept = truncate(scores, self.top_k, self.top_p)
+            scores = scores.masked_fill(~kept, -math.inf)
+            self.kept.append(kept_ids(kept))
         self.previous = torch.log_softmax(scores.float(), dim=-1)
         return scores
 
@@ -121,10 +155,12 @@ class HFEngine:
         temperature: float,
         top_p: float = 1.0,
         ignore_eos: bool = False,
+        top_k: int = 0,
     ) -> list[Completion]:
-        """`ignore_eos`: always generate max_new_tokens tokens (for benchmarks)."""
-        if top_p != 1.0:
-            raise ValueError("HFEngine samples from the full distribution: top_p must be 1.0")
+        """`ignore_eos`: always generate max_new_tokens tokens (for benchmarks). `top_p` < 1, `top_k` > 0: sample
+        from the truncated distribution, and return its sampling mask."""
+        if not (0 < top_p <= 1 and top_k >= 0):
+            raise ValueError(f"top_p must be in (0, 1] and top_k >= 0, got {top_p} and {top_k}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         prompts_per_chunk = max(1, self.max_batch_size // n)
@@ -141,19 +177,19 @@ class HFEngine:
         try:
             for start in range(0, len(prompt_ids), prompts_per_chunk):
                 chunk = prompt_ids[start : start + prompts_per_chunk]
-                completions += self._generate_chunk(chunk, n, max_new_tokens, temperature, ignore_eos)
+                completions += self._generate_chunk(chunk, n, max_new_tokens, temperature, ignore_eos, top_k, top_p)
         finally:
             self.model.train(was_training)
             self.model.generation_config = model_config
         return completions
 
-    def _generate_chunk(self, prompt_ids, n, max_new_tokens, temperature, ignore_eos) -> list[Completion]:
+    def _generate_chunk(self, prompt_ids, n, max_new_tokens, temperature, ignore_eos, top_k=0, top_p=1.0):
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompt_ids], device=device)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
         greedy = temperature == 0
-        recorder = _RecordSampledLogprobs(1.0 if greedy else temperature)
+        recorder = _RecordSampledLogprobs(1.0, 0, 1.0) if greedy else _RecordSampledLogprobs(temperature, top_k, top_p)
         # temperature is applied by the recorder, so it sees exactly the distribution sampled from
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
         rows = len(prompt_ids) * (1 if greedy else n)
@@ -174,14 +210,19 @@ class HFEngine:
         logprobs = torch.stack(recorder.sampled_logprobs, dim=1)
         # the routing of every fed position [rows, width + steps − 1, L, k]: the prefill, then one per decoding step
         routing = self.routing.take(rows)[0].cpu() if self.routing else [None] * len(new_tokens)
+        masks = [None] * len(new_tokens)
+        if recorder.kept:  # [rows, steps, K] kept ids of every step, padded with −1 to the widest step's K
+            width = max(step.shape[1] for step in recorder.kept)
+            steps = [torch.nn.functional.pad(step, (0, width - step.shape[1]), value=-1) for step in recorder.kept]
+            masks = torch.stack(steps, dim=1).cpu()
         if greedy and n > 1:  # greedy decoding is deterministic: n copies of one completion
             new_tokens, logprobs = new_tokens.repeat_interleave(n, dim=0), logprobs.repeat_interleave(n, dim=0)
             routing = routing.repeat_interleave(n, dim=0) if self.routing else [None] * len(new_tokens)
         paddings = [width - len(p) for p in prompt_ids for _ in range(n)]  # completions of prompt i: [iG, (i+1)G)
-        completions = zip(new_tokens.tolist(), logprobs.tolist(), routing, paddings)
+        completions = zip(new_tokens.tolist(), logprobs.tolist(), routing, paddings, masks)
         return [self._trim(*completion) for completion in completions]
 
-    def _trim(self, tokens: list[int], logprobs: list[float], routing=None, padding: int = 0) -> Completion:
+    def _trim(self, tokens, logprobs, routing=None, padding: int = 0, mask=None) -> Completion:
         """The completion up to its first EOS, and its routing without the prompt's left padding: one row per token
         fed to the model, the prompt's and the completion's but the last."""
         stop = next((position for position, token in enumerate(tokens) if token in self.eos_ids), None)
@@ -189,7 +230,10 @@ class HFEngine:
         if routing is not None:
             width = routing.shape[0] - len(tokens) + 1  # the padded prompt's
             routing = routing[padding : width + length - 1]
-        return Completion(tokens[:length], logprobs[:length], "length" if stop is None else "stop", routing)
+        if mask is not None:  # this completion's positions, the padding of its widest set only
+            mask = mask[:length]
+            mask = mask[:, : int((mask >= 0).sum(-1).max())]
+        return Completion(tokens[:length], logprobs[:length], "length" if stop is None else "stop", routing, mask)
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -342,7 +386,17 @@ class VLLMEngine:
         temperature: float,
         top_p: float = 1.0,
         ignore_eos: bool = False,
+        top_k: int = 0,
     ) -> list[Completion]:
+        """As HFEngine.generate. The sampling mask comes from vLLM's processed log-probs of the top-k tokens (-inf
+        where top-p masked one): exact for top-k up to the engine's max_logprobs (VLLM_MAX_MASK); top-p alone keeps a
+        set vLLM cannot return whole, so it needs a top-k as well."""
+        truncated = top_p < 1.0 or top_k > 0
+        if truncated and not 0 < top_k <= VLLM_MAX_MASK:
+            raise BadInput(
+                f"the vLLM engine returns the kept tokens of at most {VLLM_MAX_MASK} per position (its top processed "
+                f"log-probs): with --top-p, set --top-k in [1, {VLLM_MAX_MASK}] too, or use --rollout-engine hf"
+            )
         too_long = [len(p) for p in prompt_ids if len(p) + max_new_tokens > self.max_model_len]
         if too_long:
             raise ValueError(
@@ -353,9 +407,9 @@ class VLLMEngine:
             n=n,
             temperature=temperature,
             top_p=top_p,
-            top_k=0,
+            top_k=top_k,
             max_tokens=max_new_tokens,
-            logprobs=0,
+            logprobs=top_k if truncated else 0,
             ignore_eos=ignore_eos,
             stop_token_ids=self.stop_token_ids,
         )
@@ -369,7 +423,8 @@ class VLLMEngine:
                 routing = None
                 if self.routing:  # [prompt + len − 1, layers, k], logical expert ids
                     routing = torch.from_numpy(sample.routed_experts)[: len(output.prompt_token_ids) + len(tokens) - 1]
-                completions.append(Completion(tokens, logprobs, finish, routing))
+                mask = _vllm_mask(sample.logprobs, tokens, top_k) if truncated else None
+                completions.append(Completion(tokens, logprobs, finish, routing, mask))
         return completions
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -402,6 +457,19 @@ class VLLMEngine:
         """Shut the engine down while the process groups it uses still exist (call it before
         fsdp.cleanup; vLLM 0.33 keeps the launcher's default group)."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+VLLM_MAX_MASK = 20  # vLLM's default max_logprobs: the largest top-k whose kept set it returns
+
+
+def _vllm_mask(steps, tokens: list[int], top_k: int) -> torch.Tensor:
+    """[len, top_k] the ids with a finite processed log-prob at each position (the sampled token is always among
+    them), padded with −1."""
+    mask = torch.full((len(tokens), top_k), -1, dtype=torch.int32)
+    for position, step in enumerate(steps[: len(tokens)]):
+        kept = sorted(token for token, entry in step.items() if math.isfinite(entry.logprob))[:top_k]
+        mask[position, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
+    return mask
 
 
 def _checkpoint_format(model, name: str, tensor: torch.Tensor):

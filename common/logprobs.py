@@ -13,6 +13,11 @@ under autograd each chunk is recomputed in the backward (activation checkpointin
 O(chunk x V) however long the responses are. When everything fits in one chunk (the built-in model's
 vocabulary of 52), it is computed directly, exactly as a plain forward would.
 
+`sampling_mask` [B, T, K]: the token ids a top-p / top-k engine kept at each sampled position (−1: padding). The
+log-prob and the entropy are then those of π renormalised over the kept set (DeepSeek-V3.2's "keep sampling mask"):
+log π_kept(o_t) = z_o / τ − logsumexp_{v kept}(z_v / τ), gathered inside each chunk (no [B, T, V] tensor). A
+position whose mask is all −1 is scored over the full vocabulary.
+
 `float32_output_layer(model)` makes the output layer compute in float32 whatever the autocast (MiniMax-M1,
 arXiv:2506.13585: the bf16 rounding of logits over a large vocabulary is a large share of the train-inference
 mismatch): the hidden states and the weight are upcast and the product is taken with autocast off.
@@ -25,6 +30,7 @@ the output layer returns logits (generation, evaluation).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +41,12 @@ CHUNK_BYTES = 128 * 2**20  # float32 logits of one chunk (a few such tensors liv
 
 @contextlib.contextmanager
 def output_layer_scores(
-    model, targets: torch.Tensor, temperature: float, with_entropy: bool = False, chunk_bytes: int | None = None
+    model,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+    chunk_bytes: int | None = None,
+    sampling_mask: torch.Tensor | None = None,
 ):
     """Within the context, the model's output layer returns [B, T + 1, 2] for the hidden states [B, T + 1, H] that
     reach it (call the model with logits_to_keep = T + 1): at position t < T the log-prob of targets[b, t] at
@@ -44,11 +55,12 @@ def output_layer_scores(
     head = model.get_output_embeddings()
     targets = F.pad(targets, (0, 1))
     float32 = getattr(head, "in_float32", False)
+    kept = None if sampling_mask is None else F.pad(sampling_mask, (0, 0, 0, 1), value=-1)
 
     def scores(hidden):
         bias = getattr(head, "bias", None)
         return chunked_scores(
-            hidden, head.weight, bias, targets, temperature, with_entropy, chunk_bytes or CHUNK_BYTES, float32
+            hidden, head.weight, bias, targets, temperature, with_entropy, chunk_bytes or CHUNK_BYTES, float32, kept
         )
 
     head.forward = scores  # an instance attribute: nn.Module.__call__ finds it before the class's forward
@@ -59,18 +71,20 @@ def output_layer_scores(
 
 
 def chunked_scores(
-    hidden, weight, bias, targets, temperature, with_entropy, chunk_bytes=CHUNK_BYTES, float32: bool = False
+    hidden, weight, bias, targets, temperature, with_entropy, chunk_bytes=CHUNK_BYTES, float32: bool = False, kept=None
 ):
     """[B, T, 2] log-prob of `targets` and entropy from hidden states [B, T, H] and the output layer's
     weight [V, H] (and bias), over chunks of about `chunk_bytes` of float32 logits (`float32`: the layer's
-    product in float32, autocast off)."""
+    product in float32, autocast off; `kept` [B, T, K]: renormalised over those ids, −1 padding)."""
     if targets.shape != hidden.shape[:2]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match the hidden states {tuple(hidden.shape[:2])}")
     rows, width = targets.shape
     flat_hidden, flat_targets = hidden.reshape(rows * width, -1), targets.reshape(-1)
+    flat_kept = None if kept is None else kept.reshape(rows * width, -1)
     per_chunk = max(1, chunk_bytes // (4 * weight.shape[0]))
     if len(flat_targets) <= per_chunk:  # one chunk: nothing to save by recomputing
-        return _scores(flat_hidden, weight, bias, flat_targets, temperature, with_entropy, float32).view(rows, width, 2)
+        scores = _scores(flat_hidden, weight, bias, flat_targets, temperature, with_entropy, float32, flat_kept)
+        return scores.view(rows, width, 2)
     pieces = []
     for start in range(0, len(flat_targets), per_chunk):
         piece = (
@@ -81,6 +95,7 @@ def chunked_scores(
             temperature,
             with_entropy,
             float32,
+            None if flat_kept is None else flat_kept[start : start + per_chunk],
         )
         if torch.is_grad_enabled():  # keep no logits for the backward: recompute this chunk there
             pieces.append(checkpoint(_scores, *piece, use_reentrant=False))
@@ -89,14 +104,27 @@ def chunked_scores(
     return torch.cat(pieces).view(rows, width, 2)
 
 
-def _scores(hidden, weight, bias, targets, temperature, with_entropy, float32=False):
+def _scores(hidden, weight, bias, targets, temperature, with_entropy, float32=False, kept=None):
     """[N, 2]: log-prob of each target and entropy (no gradient) of logits / temperature, in float32 at
-    least (bf16 logits are upcast; float64 stays float64)."""
+    least (bf16 logits are upcast; float64 stays float64); over the ids in `kept` [N, K] where given."""
     logits = float32_linear(hidden, weight, bias) if float32 else F.linear(hidden, weight, bias)
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    logp = torch.log_softmax(logits, dim=-1)
     target_logp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    if kept is not None:  # log π_kept(o) = log π(o) − log Σ_{v kept} π(v); all −1: the full vocabulary
+        in_set = kept >= 0
+        kept_logp = logp.gather(-1, kept.clamp(min=0).long()).masked_fill(~in_set, -math.inf)
+        kept_mass = torch.logsumexp(kept_logp, dim=-1).masked_fill(~in_set.any(-1), 0.0)
+        target_logp = target_logp - kept_mass
     with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(target_logp)
+        if not with_entropy:
+            entropy = torch.zeros_like(target_logp)
+        elif kept is None:
+            entropy = -(logp.exp() * logp).sum(-1)
+        else:  # of π renormalised over the kept set (the full distribution's where there is none)
+            renormalised = (kept_logp - kept_mass[:, None]).masked_fill(~in_set, -math.inf)
+            entropy = -(renormalised.exp() * renormalised.nan_to_num(neginf=0.0)).sum(-1)
+            entropy = torch.where(in_set.any(-1), entropy, -(logp.exp() * logp).sum(-1))
     return torch.stack([target_logp, entropy], dim=-1)
 
 

@@ -125,8 +125,8 @@ def test_bad_engine_arguments(tiny):
         make_engine("sglang", model, tokenizer)
     with pytest.raises(ValueError, match="unknown engine dtype 'float8'"):
         make_engine("hf", model, tokenizer, dtype="float8")
-    with pytest.raises(ValueError, match="top_p must be 1.0"):
-        HFEngine(model, tokenizer).generate(_prompt_ids(tokenizer), 1, 2, 1.0, top_p=0.9)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        HFEngine(model, tokenizer).generate(_prompt_ids(tokenizer), 1, 2, 1.0, top_p=1.5)
 
 
 def _chat_tokenizer(tokenizer):
@@ -309,3 +309,67 @@ def test_vllms_auto_dtype_follows_the_trainers_compute_dtype(tiny, monkeypatch):
         source = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "algorithms", f"{name}.py")).read()
         call = source[source.index("engine = make_engine(") :].split(")\n")[0]
         assert "compute_dtype=compute_dtype" in call, name
+
+
+def test_truncation_keeps_what_top_k_then_top_p_keep():
+    from common.engines import kept_ids, truncate
+
+    torch.manual_seed(0)
+    scores = torch.randn(50, 30)
+    assert (truncate(scores, top_k=7).sum(-1) == 7).all()
+    for top_k, top_p in [(0, 0.9), (10, 0.5), (0, 0.01)]:
+        kept = truncate(scores, top_k, top_p)
+        for row, keep in zip(scores, kept):
+            allowed = row.topk(top_k).indices if top_k else torch.arange(30)
+            probs = torch.zeros(30).index_put((allowed,), torch.softmax(row[allowed], -1))
+            order = probs.argsort(descending=True)
+            needed = int((probs[order].cumsum(0) < top_p).sum()) + 1  # the smallest prefix reaching top_p
+            assert set(keep.nonzero().flatten().tolist()) == set(order[: min(needed, len(allowed))].tolist())
+    ids = kept_ids(truncate(scores, 3))
+    assert ids.shape == (50, 3) and (ids >= 0).all()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.8), (8, 0.7)])
+def test_the_kept_mask_makes_the_trainer_score_what_the_engine_sampled(tiny, top_k, top_p):
+    """Top-k / top-p in the engine: each sampled token is in its position's kept set; the trainer's log-probs
+    renormalised over those sets equal the engine's (float32), and without the mask they exceed them by exactly
+    −log(kept mass), the truncated mass the naive ratio π_θ/μ ignores."""
+    from algorithms import grpo
+
+    model, tokenizer = tiny
+    engine = HFEngine(model, tokenizer)
+    prompts = _prompt_ids(tokenizer)
+    torch.manual_seed(0)
+    completions = engine.generate(prompts, 4, 8, 1.0, top_p=top_p, top_k=top_k)
+    for completion in completions:
+        mask = completion.sampling_mask
+        assert mask.shape[0] == len(completion.token_ids) and (top_k == 0 or mask.shape[1] <= top_k)
+        assert all(token in row.tolist() for token, row in zip(completion.token_ids, mask))
+    batch = grpo.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
+    width = max(c.sampling_mask.shape[1] for c in completions)
+    batch["sampling_mask"] = torch.full((*batch["response_ids"].shape, width), -1, dtype=torch.int32)
+    for row, completion in enumerate(completions):
+        batch["sampling_mask"][row, : len(completion.token_ids), : completion.sampling_mask.shape[1]] = (
+            completion.sampling_mask
+        )
+    from common.logprobs import output_layer_scores
+
+    valid = batch["response_mask"].bool()
+    results = {}
+    for masked in (True, False):
+        with (
+            torch.no_grad(),
+            output_layer_scores(
+                model, batch["response_ids"], 1.0, sampling_mask=batch["sampling_mask"] if masked else None
+            ),
+        ):
+            scores = model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"],
+                logits_to_keep=batch["response_ids"].shape[1] + 1,
+            ).logits[:, :-1, 0]
+        results[masked] = scores
+    assert (results[True] - batch["sampler_logprobs"])[valid].abs().max() < 1e-5
+    truncated = (results[False] - batch["sampler_logprobs"])[valid]
+    assert truncated.max() < 1e-5 and truncated.min() < -1e-3  # π_θ(o) ≤ μ(o) = π_θ(o) / kept mass

@@ -148,3 +148,35 @@ def test_a_float32_output_layer_under_bfloat16_autocast(tiny, chunk_tokens):
             reference = torch.log_softmax(hidden.double() @ model.lm_head.weight.double().T, -1)
             errors[float32] = (logprobs - reference.gather(-1, targets[..., None]).squeeze(-1)).abs().max()
     assert errors[True] < 1e-5 and errors[False] > 1e-3, errors
+
+
+def test_a_sampling_mask_renormalises_over_the_kept_tokens_in_float64():
+    """log π_kept(o) = z_o/τ − logsumexp over the kept ids, and the entropy of the renormalised π, against the formula
+    over full logits in float64 (gradients too), in chunks; a position whose mask is all −1 uses the full vocabulary."""
+    torch.manual_seed(0)
+    rows, width, hidden_size, vocab = 2, 4, 6, 13
+    hidden = torch.randn(rows, width, hidden_size, dtype=F64, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, dtype=F64, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows, width))
+    kept = torch.full((rows, width, 5), -1)
+    for b in range(rows):
+        for t in range(width):
+            others = [v for v in torch.randperm(vocab).tolist() if v != targets[b, t]][: 1 + (b + t) % 4]
+            kept[b, t, : len(others) + 1] = torch.tensor(sorted(others + [targets[b, t].item()]))
+    kept[1, 3] = -1  # no mask at this position
+    scores = chunked_scores(hidden, weight, None, targets, 0.8, True, chunk_bytes=4 * vocab * 3, kept=kept)
+    logits = hidden @ weight.T / 0.8
+    member = torch.zeros(rows, width, vocab, dtype=torch.bool)
+    for b, t, k in (kept >= 0).nonzero().tolist():
+        member[b, t, kept[b, t, k]] = True
+    member[1, 3] = True
+    masked = logits.masked_fill(~member, -torch.inf)
+    expected = torch.log_softmax(masked, -1).gather(-1, targets[..., None]).squeeze(-1)
+    probs = torch.softmax(masked, -1)
+    entropy = -(probs * torch.log_softmax(masked, -1).nan_to_num(neginf=0.0)).sum(-1)
+    torch.testing.assert_close(scores[..., 0], expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(scores[..., 1], entropy, rtol=1e-10, atol=1e-12)
+    upstream = torch.randn(rows, width, dtype=F64)
+    grads = torch.autograd.grad((scores[..., 0] * upstream).sum(), [hidden, weight])
+    for got, want in zip(grads, torch.autograd.grad((expected * upstream).sum(), [hidden, weight])):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -173,6 +173,35 @@ def test_a_float32_output_layer_in_a_bfloat16_vllm_engine(tiny, tiny_dir):
     assert gaps[True] < gaps[False], gaps
 
 
+@pytest.mark.slow
+def test_vllms_sampling_mask_is_its_processed_top_k(tiny, tiny_dir, engines):
+    """top-k 6 with top-p 0.8 in vLLM: the kept set of each position is the top-k entries with a finite processed
+    log-prob, the sampled token among them, and the float32 trainer renormalised over it scores what vLLM sampled.
+    Top-p alone is refused: vLLM cannot return a kept set larger than its max_logprobs."""
+    from common.logprobs import output_layer_scores
+
+    model, tokenizer = tiny
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    engine = engines(tiny_dir)
+    completions = engine.generate(prompts, 4, 8, 1.0, top_p=0.8, top_k=6)
+    worst = 0.0
+    for index, completion in enumerate(completions):
+        mask = completion.sampling_mask
+        assert mask.shape == (len(completion.token_ids), 6)
+        assert all(token in row.tolist() for token, row in zip(completion.token_ids, mask))
+        prompt = prompts[index // 4]
+        ids = torch.tensor([prompt + completion.token_ids])
+        with (
+            torch.no_grad(),
+            output_layer_scores(model, torch.tensor([completion.token_ids]), 1.0, sampling_mask=mask[None]),
+        ):
+            scores = model(input_ids=ids, logits_to_keep=len(completion.token_ids) + 1).logits[0, :-1, 0]
+        worst = max(worst, (scores - torch.tensor(completion.logprobs)).abs().max().item())
+    assert worst < 1e-4, worst
+    with pytest.raises(BadInput, match="set --top-k"):
+        engine.generate(prompts, 1, 4, 1.0, top_p=0.8)
+
+
 def test_vllm_on_a_cpu_refuses_to_record_routing(tiny_moe_dir):
     if torch.cuda.is_available():
         pytest.skip("vllm 0.33 on a GPU records the routing")
