@@ -54,7 +54,7 @@ from tqdm import tqdm
 from common import checks, fsdp
 from common.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
 from common.checks import require
-from common.engines import load_tokenizer, make_engine
+from common.engines import load_tokenizer, make_engine, sampling_masks
 from common.evaluate import evaluate
 from common.logprobs import output_layer_scores
 from common.rollouts import Groups, PromptSampler
@@ -106,6 +106,13 @@ class Args:
     """maximum completion length"""
     temperature: float = 1.0
     """sampling temperature (the trainer divides its logits by it too)"""
+    top_p: float = 1.0
+    """nucleus sampling: each token from the most likely ones whose probability reaches top_p (1: off)"""
+    top_k: int = 0
+    """each token from the k most likely (0: off); vLLM returns at most 20 kept tokens, so --top-p needs it there"""
+    keep_sampling_mask: bool = True
+    """with --top-p / --top-k: π_θ (and π_old, π_ref) renormalised over the tokens the engine kept (DeepSeek-V3.2);
+    --no-keep-sampling-mask scores the full vocabulary, the naive mismatch"""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are replaced by newly drawn prompts"""
     max_sampling_rounds: int = 8
@@ -230,7 +237,7 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the logits at the
     # position before o_t. Inside the context the output layer returns these two numbers per position instead of
     # the logits, a chunk of positions at a time: no [B, T, vocabulary] tensor (common/logprobs.py)
-    with output_layer_scores(model, response_ids, temperature, with_entropy):
+    with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
         scores = model(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],
@@ -245,7 +252,11 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
 def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     """G completions of each prompt from the engine, with the engine's log-prob μ of each sampled token, each
     scored against its row's gold answer: reward 1 for a correct answer, else 0, plus DAPO's overlong penalty."""
-    completions = engine.generate(prompt_ids, args.group_size, args.max_new_tokens, args.temperature)
+    completions = engine.generate(
+        prompt_ids, args.group_size, args.max_new_tokens, args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
+    for completion in completions if not args.keep_sampling_mask else []:  # the naive ratio, to measure it
+        completion.sampling_mask = None
     scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)  # prompt i: [iG, (i+1)G)
     # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens, then down to −1 at the limit
     rewards = [
@@ -275,7 +286,7 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None)
         sampler_logprobs.append(completion.logprobs + [0.0] * right)
     attention_mask = torch.tensor(masks, device=device)
     input_ids = torch.tensor(rows, device=device)
-    return {
+    batch = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
@@ -283,6 +294,8 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None)
         "response_mask": torch.tensor(response_masks, device=device).float(),
         "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
     }
+    kept = sampling_masks(completions, response_width, device)  # top-p / top-k: the ids kept per position [B, T, K]
+    return batch | ({"sampling_mask": kept} if kept is not None else {})
 
 
 def micro_batches(batch, indices, size, by_length=True):
@@ -302,7 +315,7 @@ def micro_batches(batch, indices, size, by_length=True):
         for key, value in micro.items():
             if value.dim() >= 2 and value.shape[1] == full_width:  # [B, prompt + response, ...]
                 micro[key] = value[:, first : full_width - response_width + width]
-            elif value.dim() == 2 and value.shape[1] == response_width:
+            elif value.dim() >= 2 and value.shape[1] == response_width:
                 micro[key] = value[:, :width]
         yield micro
 

@@ -49,6 +49,13 @@ def shared_flags(args) -> list[str]:
         *require(args.max_prompt_tokens >= 1, "--max-prompt-tokens", ">= 1"),
         *require(args.max_new_tokens >= min_new_tokens, "--max-new-tokens", f">= {min_new_tokens} for {args.task}"),
         *require(0 < args.temperature < INFINITY, "--temperature", "> 0 and finite"),
+        *require(0 < args.top_p <= 1, "--top-p", "in (0, 1] (1: off)"),
+        *require(args.top_k >= 0, "--top-k", ">= 0 (0: off)"),
+        *(
+            unused(args, ["keep_sampling_mask"], "applies with --top-p < 1 or --top-k > 0 only")
+            if args.top_p == 1 and args.top_k == 0
+            else []
+        ),
         *require(args.max_sampling_rounds >= 1, "--max-sampling-rounds", ">= 1"),
         *require(0 <= args.overlong_buffer < args.max_new_tokens, "--overlong-buffer", "in [0, --max-new-tokens)"),
         *require(0 < args.lr <= 1, "--lr", "in (0, 1] (an AdamW learning rate; 1e-6 to 1e-4 is usual)"),

@@ -459,6 +459,19 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
 
+def sampling_masks(completions: list[Completion], width: int, device=None) -> torch.Tensor | None:
+    """The completions' sampling masks as one [B, width, K] int32 tensor (−1 padding, K the widest kept set), aligned
+    with a batch's right-padded responses; None when no completion carries one (no truncation)."""
+    masks = [c.sampling_mask for c in completions]
+    if all(mask is None for mask in masks):
+        return None
+    kept = torch.full((len(masks), width, max(m.shape[1] for m in masks if m is not None)), -1, dtype=torch.int32)
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            kept[row, : mask.shape[0], : mask.shape[1]] = mask
+    return kept.to(device)
+
+
 VLLM_MAX_MASK = 20  # vLLM's default max_logprobs: the largest top-k whose kept set it returns
 
 

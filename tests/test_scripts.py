@@ -98,6 +98,22 @@ def test_dapo_rollout_flags_end_to_end(name, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ALGORITHMS)
+def test_top_k_top_p_with_and_without_the_sampling_mask(name, tmp_path):
+    """--top-k 5 --top-p 0.9 with the engine sharing the float32 trainer's module: with the mask kept, the trainer
+    scores what the engine sampled (μ = π_old to float rounding); without it every token's ratio carries the mass the
+    truncation dropped (DeepSeek-V3.2's argument for keeping the mask)."""
+    worst = {}
+    for keep in ("--keep-sampling-mask", "--no-keep-sampling-mask"):
+        flags = ["--steps", 1, "--eval-every", 0, "--output-dir", tmp_path / keep, *SMALL, "--top-k", 5, "--top-p", 0.9]
+        run_script(f"algorithms/{name}.py", *flags, keep)
+        worst[keep] = read_jsonl(os.path.join(only_run_dir(tmp_path / keep), "metrics.jsonl"))[-1]
+    assert worst["--keep-sampling-mask"]["mismatch/max_abs_logprob_diff"] < 1e-4
+    assert worst["--no-keep-sampling-mask"]["mismatch/max_abs_logprob_diff"] > 1e-2
+    assert worst["--no-keep-sampling-mask"]["mismatch/kl_k3"] > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ALGORITHMS)
 def test_the_reasoning_task_in_float16_end_to_end(name, tmp_path, tiny_sums_dir):
     """`--task sums` (the scratchpad task and its own warm start, `--model tiny`) with the float16 trainer
     (autocast under a loss scale; ISOPO, which refuses float16, in float32): responses are the written
