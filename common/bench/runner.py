@@ -379,6 +379,26 @@ SUITES["fp32_head"] = Suite(
     + ("--engine-dtype", "bfloat16", "--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32"),
     columns=MISMATCH_COLUMNS,
 )
+# Top-p / top-k sampling beside a bf16 engine, with and without DeepSeek-V3.2's kept sampling mask (on by default):
+# the mismatch over 5 steps of GRPO on the reasoning task; no truncation first, for the bf16 engine's own share
+SUITES["sampling_mask"] = Suite(
+    "sampling_mask",
+    "Top-p / top-k sampling with and without the kept sampling mask, bf16 engine: the train-inference mismatch",
+    [Config("full distribution", "grpo")]
+    + [
+        Config(f"{name}{label}", "grpo", flags + extra)
+        for name, flags in (("top-p 0.9", ("--top-p", "0.9")), ("top-k 20", ("--top-k", "20")))
+        for label, extra in ((", mask kept", ()), (", no mask", ("--no-keep-sampling-mask",)))
+    ],
+    [
+        Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"),
+        Panel("mismatch/max_abs_logprob_diff", "max |log μ − log π_old|"),
+    ],
+    steps=5,
+    flags=SUMS_TASK
+    + ("--engine-dtype", "bfloat16", "--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32"),
+    columns=MISMATCH_COLUMNS,
+)
 # Mixture-of-experts models (tis_icepop.py, whose --correction none is grpo.py, and which logs routing/*). First the
 # survey's claim that routing amplifies the mismatch: the dense built-in model and its MoE version (the same width;
 # the MoE upcycled from the dense one) beside each engine precision, 5 steps of GRPO on the reasoning task.
@@ -936,8 +956,8 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 class BenchArgs:
     suites: tyro.conf.Positional[tuple[str, ...]] = ("bench",)
     """what to run: bench (every method), ema_kpo, p3o, tis_icepop, gtpo, isopo (the claims on the built-in
-    task), stress_search, stress, fp16, fp32_head, moe_mismatch, moe (on the reasoning task; the last two: mixture
-    of experts), or all"""
+    task), stress_search, stress, fp16, fp32_head, sampling_mask, moe_mismatch, moe (on the reasoning task; the last
+    two: mixture of experts), or all"""
     quick: bool = False
     """a few minutes: 1 seed, 8 steps, smaller evaluations (results under --output-dir)"""
     seeds: int | None = None
