@@ -109,8 +109,8 @@ class Args:
     top_k: int = 0
     """each token from the k most likely (0: off); vLLM returns at most 20 kept tokens, so --top-p needs it there"""
     keep_sampling_mask: bool = True
-    """with --top-p / --top-k: π_θ (and π_old, π_ref) renormalised over the tokens the engine kept (DeepSeek-V3.2);
-    --no-keep-sampling-mask scores the full vocabulary, the naive mismatch"""
+    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the tokens the engine kept
+    (DeepSeek-V3.2); --no-keep-sampling-mask scores the full vocabulary: the naive mismatch"""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are replaced by newly drawn prompts"""
     max_sampling_rounds: int = 8
