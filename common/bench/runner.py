@@ -399,6 +399,21 @@ SUITES["sampling_mask"] = Suite(
     + ("--engine-dtype", "bfloat16", "--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32"),
     columns=MISMATCH_COLUMNS,
 )
+# Whether either fix changes training: 40 steps of GRPO on the reasoning task beside the bf16 engine, one run each
+SUITES["mismatch_fixes_training"] = Suite(
+    "mismatch_fixes_training",
+    "The float32 output layer and the kept sampling mask over 40 steps of GRPO beside a bf16 engine",
+    [Config("full distribution", "grpo"), Config("fp32 head", "grpo", ("--fp32-lm-head",))]
+    + [
+        Config(f"{name}{label}", "grpo", flags + extra)
+        for name, flags in (("top-p 0.9", ("--top-p", "0.9")), ("top-k 20", ("--top-k", "20")))
+        for label, extra in ((", mask kept", ()), (", no mask", ("--no-keep-sampling-mask",)))
+    ],
+    [ACCURACY, ENTROPY, Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3")],
+    steps=40,
+    flags=SUMS + ("--engine-dtype", "bfloat16"),
+    columns=MISMATCH_COLUMNS,
+)
 # Mixture-of-experts models (tis_icepop.py, whose --correction none is grpo.py, and which logs routing/*). First the
 # survey's claim that routing amplifies the mismatch: the dense built-in model and its MoE version (the same width;
 # the MoE upcycled from the dense one) beside each engine precision, 5 steps of GRPO on the reasoning task.
@@ -956,8 +971,8 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 class BenchArgs:
     suites: tyro.conf.Positional[tuple[str, ...]] = ("bench",)
     """what to run: bench (every method), ema_kpo, p3o, tis_icepop, gtpo, isopo (the claims on the built-in
-    task), stress_search, stress, fp16, fp32_head, sampling_mask, moe_mismatch, moe (on the reasoning task; the last
-    two: mixture of experts), or all"""
+    task), stress_search, stress, fp16, fp32_head, sampling_mask, mismatch_fixes_training, moe_mismatch, moe (on the
+    reasoning task; the last two: mixture of experts), or all"""
     quick: bool = False
     """a few minutes: 1 seed, 8 steps, smaller evaluations (results under --output-dir)"""
     seeds: int | None = None
