@@ -26,6 +26,7 @@ softmax over the k) is refused by name rather than replayed wrongly.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import weakref
 from functools import partial
@@ -83,8 +84,14 @@ class Routing:
         forward's), until replay(None)."""
         self.replayed = routing
 
+    @contextlib.contextmanager
     def recording(self):
-        return _Recording(self)
+        """Within the context, every forward's routing is kept until `take`."""
+        self.is_recording, self.used, self.own = True, {}, {}
+        try:
+            yield self
+        finally:
+            self.is_recording = False
 
     def take(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The routing of the forwards recorded since the last take, [B, S, L, k] with S the positions of all of
@@ -124,18 +131,6 @@ class Routing:
             self.used.setdefault(layer, []).append(used.detach())
             self.own.setdefault(layer, []).append(own.detach())
         return output
-
-
-class _Recording:
-    def __init__(self, routing: Routing):
-        self.routing = routing
-
-    def __enter__(self):
-        self.routing.is_recording, self.routing.used, self.routing.own = True, {}, {}
-        return self.routing
-
-    def __exit__(self, *exc):
-        self.routing.is_recording = False
 
 
 def agreement(first: torch.Tensor, second: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:

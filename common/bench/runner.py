@@ -331,6 +331,19 @@ def _stress_suite() -> Suite:
 
 
 SUITES["stress"] = _stress_suite()
+# The mismatch measured directly: 5 steps of 8 prompts, and the two panels of its size
+SHORT_RUN = ("--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32")
+BF16_ENGINE = ("--engine-dtype", "bfloat16")
+MISMATCH_PANELS = [
+    Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"),
+    Panel("mismatch/max_abs_logprob_diff", "max |log μ − log π_old|"),
+]
+# top-p 0.9 and top-k 20, each with the sampling mask kept (the default) and without
+TRUNCATED_SAMPLING = [
+    Config(f"{name}{label}", "grpo", flags + extra)
+    for name, flags in (("top-p 0.9", ("--top-p", "0.9")), ("top-k 20", ("--top-k", "20")))
+    for label, extra in ((", mask kept", ()), (", no mask", ("--no-keep-sampling-mask",)))
+]
 # The precision of the trainer (autocast over float32 weights) and of the engine's weights: the mismatch it
 # makes, on the reasoning task, over 5 steps of GRPO (float16 autocast is ~10x slower than float32 on CPUs)
 SUITES["fp16"] = Suite(
@@ -351,13 +364,9 @@ SUITES["fp16"] = Suite(
             ("fp16", "fp16"),
         ]
     ],
-    [
-        Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"),
-        Panel("mismatch/max_abs_logprob_diff", "max |log μ − log π_old|"),
-        Panel("losses/grad_norm", "gradient norm"),
-    ],
+    [*MISMATCH_PANELS, Panel("losses/grad_norm", "gradient norm")],
     steps=5,
-    flags=SUMS_TASK + ("--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32"),
+    flags=SUMS_TASK + SHORT_RUN,
     columns=MISMATCH_COLUMNS,
 )
 # MiniMax-M1's float32 output layer (--fp32-lm-head) beside a bf16 engine, with a float32 and a bf16 trainer: the
@@ -370,13 +379,9 @@ SUITES["fp32_head"] = Suite(
         for trainer in ("fp32", "bf16")
         for head, flags in (("", ()), (", fp32 head", ("--fp32-lm-head",)))
     ],
-    [
-        Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"),
-        Panel("mismatch/max_abs_logprob_diff", "max |log μ − log π_old|"),
-    ],
+    MISMATCH_PANELS,
     steps=5,
-    flags=SUMS_TASK
-    + ("--engine-dtype", "bfloat16", "--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32"),
+    flags=SUMS_TASK + BF16_ENGINE + SHORT_RUN,
     columns=MISMATCH_COLUMNS,
 )
 # Top-p / top-k sampling beside a bf16 engine, with and without DeepSeek-V3.2's kept sampling mask (on by default):
@@ -384,34 +389,20 @@ SUITES["fp32_head"] = Suite(
 SUITES["sampling_mask"] = Suite(
     "sampling_mask",
     "Top-p / top-k sampling with and without the kept sampling mask, bf16 engine: the train-inference mismatch",
-    [Config("full distribution", "grpo")]
-    + [
-        Config(f"{name}{label}", "grpo", flags + extra)
-        for name, flags in (("top-p 0.9", ("--top-p", "0.9")), ("top-k 20", ("--top-k", "20")))
-        for label, extra in ((", mask kept", ()), (", no mask", ("--no-keep-sampling-mask",)))
-    ],
-    [
-        Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3"),
-        Panel("mismatch/max_abs_logprob_diff", "max |log μ − log π_old|"),
-    ],
+    [Config("full distribution", "grpo")] + TRUNCATED_SAMPLING,
+    MISMATCH_PANELS,
     steps=5,
-    flags=SUMS_TASK
-    + ("--engine-dtype", "bfloat16", "--prompts-per-step", "8", "--eval-every", "5", "--eval-prompts", "32"),
+    flags=SUMS_TASK + BF16_ENGINE + SHORT_RUN,
     columns=MISMATCH_COLUMNS,
 )
 # Whether either fix changes training: 40 steps of GRPO on the reasoning task beside the bf16 engine, one run each
 SUITES["mismatch_fixes_training"] = Suite(
     "mismatch_fixes_training",
     "The float32 output layer and the kept sampling mask over 40 steps of GRPO beside a bf16 engine",
-    [Config("full distribution", "grpo"), Config("fp32 head", "grpo", ("--fp32-lm-head",))]
-    + [
-        Config(f"{name}{label}", "grpo", flags + extra)
-        for name, flags in (("top-p 0.9", ("--top-p", "0.9")), ("top-k 20", ("--top-k", "20")))
-        for label, extra in ((", mask kept", ()), (", no mask", ("--no-keep-sampling-mask",)))
-    ],
+    [Config("full distribution", "grpo"), Config("fp32 head", "grpo", ("--fp32-lm-head",))] + TRUNCATED_SAMPLING,
     [ACCURACY, ENTROPY, Panel("mismatch/kl_k3", "mismatch KL(μ ‖ π_old), k3")],
     steps=40,
-    flags=SUMS + ("--engine-dtype", "bfloat16"),
+    flags=SUMS + BF16_ENGINE,
     columns=MISMATCH_COLUMNS,
 )
 # Mixture-of-experts models (tis_icepop.py, whose --correction none is grpo.py, and which logs routing/*). First the
