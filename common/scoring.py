@@ -2,6 +2,10 @@
 
     score(completion_text, row.answer, task="gsm8k")        # Score(correct, found); .reward is 1.0 or 0.0
     scores = score_completions(completions, rows, n=8, tokenizer=tokenizer, task="gsm8k")
+    scores = score_completions(completions, rows, n=8, tokenizer=tokenizer, task="my_task.py")   # a task file's score
+
+A task file (common/task_files.py) scores with its own `score(completion, row)`: the reward it returns, in a worker
+process under a deadline per completion; correct means a reward of at least 1.
 
 The final answer is the last \\boxed{...}, else the last `#### x`, else the last `Answer: x`; for the built-in
 `arith` task the whole completion. It is compared with the gold answer: plain numbers exactly, anything else
@@ -18,6 +22,8 @@ import threading
 from dataclasses import dataclass
 from fractions import Fraction
 
+from common.task_files import is_task_file, load_task_file, score_all
+
 NUMBER_ANSWER_TASKS = ("arith", "sums")  # the built-in tasks: a plain number is the only right answer
 
 # ---------------------------------------------------------------------------------------------
@@ -29,10 +35,11 @@ NUMBER_ANSWER_TASKS = ("arith", "sums")  # the built-in tasks: a plain number is
 class Score:
     correct: bool
     found: bool  # an answer could be extracted at all
+    value: float | None = None  # a task file's reward (None: 1 when correct, else 0)
 
     @property
     def reward(self) -> float:
-        return 1.0 if self.correct else 0.0
+        return self.value if self.value is not None else 1.0 if self.correct else 0.0
 
 
 def extract_boxed(text: str) -> str | None:
@@ -140,6 +147,9 @@ def score(completion: str, gold: str, task: str) -> Score:
 def score_completions(completions, rows, n: int, tokenizer, task: str) -> list[Score]:
     """Each completion scored against its prompt's gold answer (prompt i owns completions[i*n : (i+1)*n])."""
     texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    if is_task_file(task):  # the user's score(completion, row), in a worker process, under a deadline
+        scored = score_all(load_task_file(task), texts, [rows[i // n].data for i in range(len(texts))])
+        return [Score(s.reward >= 1, s.found, s.reward) for s in scored]
     return [score(text, rows[i // n].answer, task) for i, text in enumerate(texts)]
 
 

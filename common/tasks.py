@@ -4,10 +4,12 @@
     rows = load_task("sums", "train")             # built-in: sums with a written scratchpad
     rows = load_task("gsm8k", "test")             # Hugging Face datasets (needs the hub once)
     rows = load_task("data/my.jsonl", "train", question_column="q", answer_column="a")
+    rows = load_task("my_task.py", "train")       # a task file: its rows(split) and score(completion, row)
     rows, prompt_ids = encode_prompts(rows, tokenizer, task="gsm8k", max_tokens=512)
     train_rows, eval_rows = load_train_and_eval("data/my.jsonl", None)   # a local file: a seeded 10% held out
 
-How a completion is scored against a row's gold answer: common/scoring.py.
+How a completion is scored against a row's gold answer: common/scoring.py; what a task file defines:
+common/task_files.py.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import json
 import os
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from common.errors import BadInput
 from common.scoring import extract_boxed
+from common.task_files import is_task_file, load_task_file
 
 # ---------------------------------------------------------------------------------------------
 # Tasks
@@ -30,7 +33,8 @@ from common.scoring import extract_boxed
 @dataclass(frozen=True)
 class Row:
     question: str
-    answer: str
+    answer: str  # the gold answer ("" for a task file's row without one)
+    data: dict | None = field(default=None, compare=False)  # a task file's row, as its rows(split) returned it
 
 
 @dataclass(frozen=True)
@@ -167,12 +171,14 @@ def load_task(
         return BUILT_IN_TASKS[name_or_path](split)
     if name_or_path in HUB_TASKS:
         return _load_hub_task(name_or_path, split)
+    if is_task_file(name_or_path):
+        return [Row(r["question"], str(r.get("answer", "")), r) for r in load_task_file(name_or_path).rows(split)]
     extension = os.path.splitext(name_or_path)[1].lower()
     if extension in LOCAL_FORMATS:
         return _load_local_file(name_or_path, question_column, answer_column)
     raise BadInput(
-        f"unknown task {name_or_path!r}: use one of {[*BUILT_IN_TASKS, *HUB_TASKS]} or a path to a "
-        f"{'/'.join(LOCAL_FORMATS)} file"
+        f"unknown task {name_or_path!r}: use one of {[*BUILT_IN_TASKS, *HUB_TASKS]}, a path to a "
+        f"{'/'.join(LOCAL_FORMATS)} file, or a task file (.py: its rows(split) and score(completion, row))"
     )
 
 
@@ -305,10 +311,17 @@ MATH_INSTRUCTION = "Please reason step by step, and put your final answer within
 
 def format_prompt(question: str, tokenizer, task: str, use_chat_template: bool = True) -> str:
     """The text the policy sees. The built-in tasks are used verbatim (the tiny models were trained on them).
+    A task file's question goes inside the chat template after its SYSTEM_PROMPT, or verbatim without one.
     Math tasks get an instruction to box the answer, inside the chat template when the tokenizer has
     one (and `use_chat_template`), else as a plain `Question: ... Answer:` completion prompt."""
     if task in BUILT_IN_TASKS:
         return question
+    if is_task_file(task):
+        if not (use_chat_template and getattr(tokenizer, "chat_template", None)):
+            return question
+        system = load_task_file(task).system_prompt
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": f"{question}\n{MATH_INSTRUCTION}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -41,6 +41,20 @@ def tiny(tiny_dir):
     return model.eval(), tokenizer
 
 
+@pytest.fixture(scope="session")
+def readme_task_file(tmp_path_factory):
+    """The README's example task file (the code block that starts `# my_task.py`), written to a temporary folder."""
+    import re
+
+    from helpers import REPO
+
+    with open(os.path.join(REPO, "README.md")) as f:
+        source = re.search(r"```python\n(# my_task\.py.*?)```", f.read(), re.S).group(1)
+    path = tmp_path_factory.mktemp("task") / "my_task.py"
+    path.write_text(source)
+    return str(path)
+
+
 def pytest_ignore_collect(collection_path, config):
     """tests/test_gpu.py runs when it is named (`./run.sh test tests/test_gpu.py` on a GPU machine, where
     it skips what that machine lacks, with the reason); the default suite is the CPU suite, with no skips."""

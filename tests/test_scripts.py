@@ -69,11 +69,14 @@ def test_two_steps_end_to_end(name, tmp_path, tiny_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ALGORITHMS)
-def test_dapo_rollout_flags_end_to_end(name, tmp_path):
+def test_dapo_rollout_flags_end_to_end(name, tmp_path, readme_task_file):
     """Every script draws its rollouts with DAPO's flags (its `rollout` and common/rollouts.py, the same lines as
-    grpo.py's): with dynamic sampling, a batch not short at the round cap holds no all-equal group."""
+    grpo.py's): with dynamic sampling, a batch not short at the round cap holds no all-equal group. The task is the
+    README's example task file (the user's own `rows` and `score`)."""
     run_script(
         f"algorithms/{name}.py",
+        "--task",
+        readme_task_file,
         "--steps",
         2,
         "--eval-every",

@@ -1,0 +1,192 @@
+"""A task is a Python file the user writes: `--task path/to/my_task.py` in every script and in common.evaluate.
+
+The file defines two functions, and may set a system prompt:
+
+    def rows(split):             # "train" or "test" -> a list of dicts, each with a "question" (the prompt's text)
+    def score(completion, row):  # the completion's text and its row -> the reward: a number (or a bool; None: no
+                                 # answer could be read, reward 0, counted in charts/no_answer_rate)
+    SYSTEM_PROMPT = "..."        # optional: the system message, for a model whose tokenizer has a chat template
+
+A row may carry anything else the score needs (a gold answer, test cases). The prompt is the row's question,
+inside the chat template when the tokenizer has one (after SYSTEM_PROMPT), verbatim otherwise. Accuracy
+metrics count a reward of at least 1 as correct.
+
+`rows` runs in the trainer's process, once per split. `score` is the user's code, and never runs there without
+a deadline: completions are scored in a worker process, one at a time, each within `SCORE_SECONDS` (the file
+may set its own); a completion that overruns it gets reward 0 (it counts as no answer, with a warning) and the
+worker is replaced. A file that cannot be imported, lacks a function, or whose function raises or returns
+something other than a number stops the run with an error that names the file and the function.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import multiprocessing
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+
+from common.errors import BadInput
+
+SCORE_SECONDS = 10.0  # per completion, unless the file sets SCORE_SECONDS
+REQUIRED = {"rows": "rows(split)", "score": "score(completion, row)"}
+
+
+def is_task_file(task: str | None) -> bool:
+    return bool(task) and task.lower().endswith(".py")
+
+
+@dataclass
+class TaskFile:
+    path: str  # absolute
+    module: object
+    system_prompt: str | None
+    score_seconds: float
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def rows(self, split: str) -> list[dict]:
+        """The file's rows of `split`, checked: a non-empty list of dicts, each with a non-empty string "question"."""
+        try:
+            rows = self.module.rows(split)
+        except Exception as error:
+            raise BadInput(f"{self.path}: rows({split!r}) raised {_describe(error)}") from None
+        if isinstance(rows, dict) or not hasattr(rows, "__iter__"):
+            raise BadInput(f"{self.path}: rows({split!r}) returned a {type(rows).__name__}, not a list of dicts")
+        rows = list(rows)
+        if not rows:
+            raise BadInput(f"{self.path}: rows({split!r}) returned no rows")
+        for index, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise BadInput(f"{self.path}: rows({split!r})[{index}] is a {type(row).__name__}, not a dict")
+            question = row.get("question")
+            if not isinstance(question, str) or not question.strip():
+                raise BadInput(f'{self.path}: rows({split!r})[{index}] has no "question" (a non-empty string)')
+        return rows
+
+
+_LOADED: dict[str, TaskFile] = {}
+
+
+def load_task_file(path: str) -> TaskFile:
+    """The task file at `path`, imported once per process; a missing file or function, or an import that fails,
+    is an error naming the file."""
+    path = os.path.abspath(path)
+    if path in _LOADED:
+        return _LOADED[path]
+    if not os.path.isfile(path):
+        raise BadInput(f"task file not found: {path}")
+    module = _import(path)
+    for name, signature in REQUIRED.items():
+        if not callable(getattr(module, name, None)):
+            raise BadInput(
+                f"{path} defines no function {signature} (a task file needs {' and '.join(REQUIRED.values())})"
+            )
+    system_prompt = getattr(module, "SYSTEM_PROMPT", None)
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise BadInput(f"{path}: SYSTEM_PROMPT is a {type(system_prompt).__name__}, not a string")
+    seconds = getattr(module, "SCORE_SECONDS", SCORE_SECONDS)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+        raise BadInput(f"{path}: SCORE_SECONDS must be a positive number of seconds, got {seconds!r}")
+    _LOADED[path] = TaskFile(path, module, system_prompt, float(seconds))
+    return _LOADED[path]
+
+
+def _import(path: str):
+    name = "task_file_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_").replace(".", "_")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # a syntax error, a missing import, ... in the user's file
+        raise BadInput(f"task file {path} could not be imported: {_describe(error)}") from None
+    return module
+
+
+def _describe(error: BaseException) -> str:
+    """`Type: message (file:line)` of the innermost frame of the user's code, for a one-line error."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    if isinstance(error, SyntaxError):
+        where = f" ({os.path.basename(error.filename or '?')}:{error.lineno})"
+    return f"{type(error).__name__}: {error}{where}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring in a worker process, each completion within a deadline
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scored:
+    reward: float  # 0 for no answer or a time-out
+    found: bool  # the score was a number (False: None, or a time-out)
+    timed_out: bool = False
+
+
+_WORKERS: dict[str, multiprocessing.pool.Pool] = {}  # one per task file, started on first use
+
+
+def score_all(task: TaskFile, texts: list[str], rows: list[dict]) -> list[Scored]:
+    """`score(text, row)` of the task file for every pair, in a worker process, each within the task's deadline."""
+    results = []
+    while len(results) < len(texts):
+        start = len(results)
+        if task.path not in _WORKERS:
+            _WORKERS[task.path] = multiprocessing.get_context("spawn").Pool(1)
+        jobs = [(task.path, text, row) for text, row in zip(texts[start:], rows[start:])]
+        pending = _WORKERS[task.path].imap(_score_one, jobs)
+        try:
+            while len(results) < len(texts):  # one completion at a time, each within the deadline
+                results.append(_checked(task, pending.next(task.score_seconds), rows[len(results)]))
+        except multiprocessing.TimeoutError:  # the user's score hangs on this completion: reward 0, a new worker
+            _WORKERS.pop(task.path).terminate()
+            print(
+                f"warning: {task.name}: score() ran past {task.score_seconds:g} s on a completion of row "
+                f"{_short(rows[len(results)])}; it gets reward 0",
+                file=sys.stderr,
+            )
+            results.append(Scored(0.0, False, timed_out=True))
+    return results
+
+
+def _checked(task: TaskFile, outcome: tuple[str, object], row: dict) -> Scored:
+    """What the worker returned, as a Scored; an exception or a non-number is an error naming the file."""
+    kind, value = outcome
+    where = f"{task.path}: score(completion, row)"
+    if kind == "raised":
+        raise BadInput(f"{where} raised {value} on row {_short(row)}")
+    if kind == "not a number" or not math.isfinite(value if value is not None else 0.0):
+        raise BadInput(
+            f"{where} returned {value} on row {_short(row)}: the reward must be a finite number, a bool, or None "
+            "(no answer)"
+        )
+    return Scored(0.0, False) if value is None else Scored(float(value), True)
+
+
+def _short(row: dict) -> str:
+    text = repr(row)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _score_one(job: tuple[str, str, dict]) -> tuple[str, object]:
+    """In the worker: ("value", a float, bool or None), ("not a number", its repr) or ("raised", what was raised)."""
+    path, text, row = job
+    try:
+        value = load_task_file(path).module.score(text, row)
+    except BadInput as error:
+        return ("raised", str(error))
+    except Exception as error:
+        return ("raised", _describe(error))
+    if value is None or isinstance(value, (bool, int, float)):
+        return ("value", value)
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        return ("value", float(value))  # a numpy or torch scalar
+    except (TypeError, ValueError):
+        return ("not a number", f"{repr(value)[:100]} ({type(value).__name__})")

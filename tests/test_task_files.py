@@ -1,0 +1,189 @@
+"""A task is a file the user writes (common/task_files.py): the README's example, clear errors for a broken file,
+and a score that runs in a worker process under a deadline. Every script trains on the README's example in
+test_scripts.py (test_dapo_rollout_flags_end_to_end)."""
+
+import os
+import textwrap
+import time
+
+import pytest
+from helpers import run_script
+
+from common.engines import Completion, HFEngine
+from common.errors import BadInput
+from common.evaluate import evaluate
+from common.scoring import score, score_completions
+from common.tasks import arith_rows, encode_prompt, format_prompt, load_task, load_train_and_eval
+
+
+def write(tmp_path, source, name="task.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+ADDITION = textwrap.dedent("""
+    def rows(split):
+        return [{"question": f"Q: {a}+{a}=", "sum": 2 * a} for a in range(10 if split == "train" else 3)]
+
+
+    def score(completion, row):
+        return float(completion.strip() == str(row["sum"]))
+""")
+
+
+def completions_of(tokenizer, texts):
+    return [Completion(tokenizer(t, add_special_tokens=False)["input_ids"], [0.0] * len(t), "stop") for t in texts]
+
+
+def test_the_readme_example_is_the_built_in_task_and_scores_like_it(readme_task_file, tiny):
+    _, tokenizer = tiny
+    train, held_out = load_train_and_eval(readme_task_file, None, verbose=False)
+    assert [r.question for r in held_out] == [r.question for r in arith_rows("test")]
+    assert len(train) == 9500 and not {r.question for r in train} & {r.question for r in held_out}
+    row, gold = held_out[0], str(held_out[0].data["sum"])
+    texts = [gold, str(int(gold) + 1), "", "x7", " " + gold]
+    scores = score_completions(completions_of(tokenizer, texts), [row], len(texts), tokenizer, readme_task_file)
+    assert [s.reward for s in scores] == [score(t, gold, "arith").reward for t in texts] == [1, 0, 0, 0, 1]
+    assert [s.found for s in scores] == [True, True, False, False, True]  # None: no answer to read
+
+
+def test_evaluate_scores_a_task_file_as_the_built_in_task(readme_task_file, tiny):
+    """Greedy accuracy on the first 32 held-out prompts: the README's file and the built-in `arith` agree."""
+    model, tokenizer = tiny
+    engine = HFEngine(model, tokenizer)
+    results = {}
+    for task in ("arith", readme_task_file):
+        rows = load_task(task, "test")[:32]
+        results[task] = evaluate(engine, tokenizer, rows, task=task, k=0, max_new_tokens=6)["eval/greedy_accuracy"]
+    assert results[readme_task_file] == results["arith"] > 0
+
+
+def test_rewards_may_be_numbers_bools_or_none_and_score_never_runs_in_this_process(tmp_path, tiny):
+    _, tokenizer = tiny
+    path = write(
+        tmp_path,
+        """
+        import os
+        from fractions import Fraction
+
+        def rows(split):
+            return [{"question": "Q: 1+1=", "parent": 0}]
+
+        def score(completion, row):
+            if os.getpid() == row["parent"]:
+                raise RuntimeError("scored in the trainer's process")
+            return {"a": 0.25, "b": True, "c": None, "d": 2, "e": Fraction(3, 2)}[completion]
+        """,
+    )
+    row = load_task(path, "train")[0]
+    row.data["parent"] = os.getpid()
+    scores = score_completions(completions_of(tokenizer, "abcde"), [row], 5, tokenizer, path)
+    assert [s.reward for s in scores] == [0.25, 1.0, 0.0, 2.0, 1.5]
+    assert [s.correct for s in scores] == [False, True, False, True, True]  # correct: a reward of at least 1
+    assert [s.found for s in scores] == [True, True, False, True, True]
+
+
+def test_a_score_that_hangs_gets_reward_zero_and_the_others_are_still_scored(tmp_path, tiny, capsys):
+    _, tokenizer = tiny
+    path = write(
+        tmp_path,
+        """
+        import time
+        SCORE_SECONDS = 2
+
+        def rows(split):
+            return [{"question": "Q: 1+1="}]
+
+        def score(completion, row):
+            if completion == "9":
+                time.sleep(600)  # C code or a loop that signals cannot stop: only killing the worker does
+            return float(completion == "2")
+        """,
+    )
+    rows = load_task(path, "train")
+    score_completions(completions_of(tokenizer, ["2"]), rows, 1, tokenizer, path)  # start the worker first
+    start = time.time()
+    scores = score_completions(completions_of(tokenizer, ["2", "9", "2", "3"]), rows, 4, tokenizer, path)
+    assert [s.reward for s in scores] == [1.0, 0.0, 1.0, 0.0] and not scores[1].found
+    assert time.time() - start < 30  # 2 s, and a new worker (spawned: a fresh interpreter)
+    assert "score() ran past 2 s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("def rows(split):\n    return []\n", "defines no function score(completion, row)"),
+        ("score = 1\ndef rows(split):\n    return []\n", "defines no function score(completion, row)"),
+        ("def score(completion, row):\n    return 1\n", "defines no function rows(split)"),
+        ("def rows(split:\n", "could not be imported: SyntaxError"),
+        ("import no_such_module\n", "could not be imported: ModuleNotFoundError"),
+        (ADDITION.replace("range(10", "range(1 // 0 +10"), "rows('train') raised ZeroDivisionError"),
+        (ADDITION.replace("range(10 if", "range(0 if"), "rows('train') returned no rows"),
+        (ADDITION.replace('"question"', '"prompt"'), "rows('train')[0] has no \"question\""),
+        (ADDITION.replace('"question": f"Q: {a}+{a}="', '"question": " "'), 'has no "question"'),
+        (ADDITION.replace("return [", "return 7 or ["), "rows('train') returned a int, not a list of dicts"),
+        (ADDITION.replace("return [", "return [5] or ["), "rows('train')[0] is a int, not a dict"),
+        (ADDITION + "SYSTEM_PROMPT = 3\n", "SYSTEM_PROMPT is a int, not a string"),
+        (ADDITION + "SCORE_SECONDS = 0\n", "SCORE_SECONDS must be a positive number"),
+    ],
+)
+def test_a_broken_task_file_is_named_with_its_function(tmp_path, source, message):
+    path = write(tmp_path, textwrap.dedent(source), name=f"broken_{abs(hash(source))}.py")
+    with pytest.raises(BadInput) as error:
+        load_task(path, "train")
+    assert path in str(error.value) and message in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("return 1 / 0", "score(completion, row) raised ZeroDivisionError: division by zero"),
+        ("return row['missing']", "score(completion, row) raised KeyError: 'missing'"),
+        ('return "1.0"', "score(completion, row) returned '1.0' (str)"),
+        ("return [1.0]", "score(completion, row) returned [1.0] (list)"),
+        ("return float('nan')", "score(completion, row) returned nan"),
+    ],
+)
+def test_a_score_that_raises_or_is_not_a_number_is_named(tmp_path, tiny, body, message):
+    _, tokenizer = tiny
+    path = write(tmp_path, ADDITION.replace('return float(completion.strip() == str(row["sum"]))', body))
+    rows = load_task(path, "train")
+    with pytest.raises(BadInput) as error:
+        score_completions(completions_of(tokenizer, ["0"]), rows, 1, tokenizer, path)
+    assert path in str(error.value) and message in str(error.value) and "on row {'question'" in str(error.value)
+
+
+def test_a_script_names_a_broken_task_file_in_one_line(tmp_path):
+    path = write(tmp_path, "def rows(split):\n    return []\n")
+    result = run_script("algorithms/grpo.py", "--task", path, "--output-dir", tmp_path / "runs", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {path} defines no function score(completion, row) (a task file needs rows(split) and "
+        "score(completion, row))"
+    )
+
+
+def test_the_prompt_is_the_question_inside_the_chat_template_after_the_system_prompt(tmp_path, tiny):
+    _, tokenizer = tiny
+    plain = write(tmp_path, ADDITION, "plain.py")
+    system = write(tmp_path, ADDITION + "SYSTEM_PROMPT = 'Add.'\n", "system.py")
+
+    class ChatTokenizer:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    assert format_prompt("Q: 1+1=", tokenizer, plain) == "Q: 1+1="  # no chat template: verbatim
+    assert encode_prompt("Q: 1+1=", tokenizer, plain) == encode_prompt("Q: 1+1=", tokenizer, "arith")
+    assert format_prompt("Q: 1+1=", ChatTokenizer(), plain) == "<user>Q: 1+1=<assistant>"
+    assert format_prompt("Q: 1+1=", ChatTokenizer(), system) == "<system>Add.<user>Q: 1+1=<assistant>"
+    assert format_prompt("Q: 1+1=", ChatTokenizer(), system, use_chat_template=False) == "Q: 1+1="
+
+
+def test_a_task_file_is_imported_once_per_process(tmp_path):
+    counter = tmp_path / "imports"
+    path = write(tmp_path, ADDITION + f"open({str(counter)!r}, 'a').write('.')\n", "once.py")
+    load_task(path, "train"), load_task(path, "test")
+    assert counter.read_text() == "."
