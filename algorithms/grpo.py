@@ -61,6 +61,7 @@ from common.rollouts import Groups, PromptSampler
 from common.scoring import overlong_penalty, score_completions
 from common.tasks import encode_prompts, load_train_and_eval
 from common.tiny import resolve_model
+from common.tools import episode_tokens, later_turns, record_tool_use, with_tools
 from common.tracking import StepMetrics, Tracker
 
 
@@ -121,6 +122,11 @@ class Args:
     """DAPO's soft overlong punishment: the reward falls linearly to -1 over this many last tokens (0: off)"""
     mask_truncated: bool = False
     """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
+    max_turns: int = 4
+    """a task with tools: the policy's turns per episode at most (a call on the last one is not run)"""
+    max_episode_tokens: int = 0
+    """a task with tools: an episode's tokens at most, the tools' outputs included (0: twice --max-new-tokens);
+    --max-new-tokens bounds the policy's own"""
 
     # the loss: this method's own arguments
     clip_low: float = 0.2
@@ -260,29 +266,33 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)  # prompt i: [iG, (i+1)G)
     # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens, then down to −1 at the limit
     rewards = [
-        score.reward + overlong_penalty(len(completion.token_ids), args.max_new_tokens, args.overlong_buffer)
+        score.reward + overlong_penalty(completion.policy_length, args.max_new_tokens, args.overlong_buffer)
         for score, completion in zip(scores, completions)
     ]
     # --mask-truncated (DAPO's overlong filtering): a completion cut off by the length limit gets no gradient
     trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
+    record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
     metrics.sum("sampling/rollouts", len(completions))  # completions generated, all ranks (and rounds)
     return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
 
 
 def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None):
     """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding. The
-    response mask marks the tokens that train: every completion's, or those whose `trains` entry is True
-    (the sampler's: not a completion cut off with --mask-truncated, nor a filler group of a batch left
-    short by dynamic sampling)."""
+    response mask marks the tokens that train: the policy's own (not a tool's output), of every completion or of
+    those whose `trains` entry is True (the sampler's: not a completion cut off with --mask-truncated, nor a filler
+    group of a batch left short by dynamic sampling)."""
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(len(c.token_ids) for c in completions)
-    rows, masks, response_masks, sampler_logprobs = [], [], [], []
+    rows, masks, response_masks, sampler_logprobs, turns = [], [], [], [], []
     for index, completion in enumerate(completions):
         prompt, response = prompt_ids[index // group_size], completion.token_ids
         left, right = prompt_width - len(prompt), response_width - len(response)
         rows.append([pad_id] * left + prompt + response + [pad_id] * right)
         masks.append([0] * left + [1] * (len(prompt) + len(response)) + [0] * right)
-        response_masks.append([int(trains is None or trains[index])] * len(response) + [0] * right)
+        # a tool's output is context: no loss, no ratio, no statistic (common/tools.py)
+        tool = completion.tool_mask or [0] * len(response)
+        response_masks.append([int((trains is None or trains[index]) and not t) for t in tool] + [0] * right)
+        turns.append(later_turns(completion) + [0] * right)
         sampler_logprobs.append(completion.logprobs + [0.0] * right)
     attention_mask = torch.tensor(masks, device=device)
     input_ids = torch.tensor(rows, device=device)
@@ -294,6 +304,8 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None)
         "response_mask": torch.tensor(response_masks, device=device).float(),
         "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
     }
+    if any(c.tool_mask is not None for c in completions):  # episodes with tools: 1 after the first tool output
+        batch["later_turns"] = torch.tensor(turns, device=device).float()
     kept = sampling_masks(completions, response_width, device)  # top-p / top-k: the ids kept per position [B, T, K]
     return batch | ({"sampling_mask": kept} if kept is not None else {})
 
@@ -334,17 +346,29 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
     return logprobs, (entropy if with_entropy else None)
 
 
-def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask):
+MISMATCH_INPUTS = (
+    "old_logprobs",
+    "sampler_logprobs",
+    "response_mask",
+    "later_turns",
+)  # record_mismatch's, from a batch
+
+
+def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask, later=None):
     """The train-inference mismatch over response tokens, μ being the engine's log-probs:
     mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ; mismatch/max_abs_logprob_diff."""
     log_ratio = (old_logprobs - sampler_logprobs).detach()
     metrics.mean("mismatch/kl_k3", ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum(), mask.sum())
     metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
+    if later is not None:  # episodes with tools: the tokens of the first turn, and those after a tool's output
+        k3 = torch.exp(log_ratio) - 1 - log_ratio
+        for turn, part in (("first_turn", mask * (1 - later)), ("later_turns", mask * later)):
+            metrics.mean(f"mismatch/kl_k3_{turn}", (k3 * part).sum(), part.sum())
 
 
 def record_rollouts(metrics, scores, completions, rewards):
     """What the engine sampled this step (the groups of the batch): the reward and how it came about."""
-    lengths, rollouts = torch.tensor([len(c.token_ids) for c in completions]), len(scores)  # EOS included
+    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)  # EOS in, tool outputs out
     metrics.mean("charts/reward", rewards.sum(), rollouts)
     metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
     metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)  # no answer to extract
@@ -377,7 +401,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     if multiple_updates:
         batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old [B, T]
-        record_mismatch(metrics, batch["old_logprobs"], batch["sampler_logprobs"], batch["response_mask"])
+        record_mismatch(metrics, *(batch.get(k) for k in MISMATCH_INPUTS))
     if reference is not None:  # β > 0
         batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref [B, T]
 
@@ -434,7 +458,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])
                     if not multiple_updates:  # this single pass sees every rollout once, under π_old
-                        record_mismatch(metrics, old_logprobs, micro["sampler_logprobs"], mask)
+                        record_mismatch(metrics, old_logprobs, *(micro.get(k) for k in MISMATCH_INPUTS[1:]))
             # TRY NOT TO MODIFY: clip to --max-grad-norm, then step; a step whose loss or gradient norm is not
             # finite is skipped (counted in charts/skipped_steps), so weights never become NaN
             stepped, minibatch_loss, grad_norm = fsdp.optimizer_step(
@@ -495,7 +519,7 @@ def main(args: Args) -> None:
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
     # One rank: the hf engine can share the trainer's module; several: it keeps a full copy per rank.
     policy = AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32)
-    max_model_len = prompt_limit + args.max_new_tokens
+    max_model_len = prompt_limit + episode_tokens(args)  # the tools' outputs too
     engine = make_engine(
         args.rollout_engine,
         policy,
@@ -511,6 +535,7 @@ def main(args: Args) -> None:
         compute_dtype=compute_dtype,
         float32_head=args.fp32_lm_head,
     )
+    engine = with_tools(engine, tokenizer, args)  # a task with tools: multi-turn episodes (common/tools.py)
     policy = fsdp.prepare_for_training(policy.to(device), args.gradient_checkpointing)  # train mode, no dropout
     policy = fsdp.shard(policy, dist, args.cpu_offload, compute_dtype, args.fp32_lm_head)
     reference = None

@@ -20,6 +20,7 @@ import sys
 
 from common.errors import BadInput, clear_errors  # noqa: F401 (the scripts use checks.clear_errors)
 from common.tasks import MIN_NEW_TOKENS
+from common.tools import episode_tokens, toolbox_of
 
 INFINITY = math.inf
 
@@ -57,6 +58,17 @@ def shared_flags(args) -> list[str]:
             else []
         ),
         *require(args.max_sampling_rounds >= 1, "--max-sampling-rounds", ">= 1"),
+        *require(args.max_turns >= 1, "--max-turns", ">= 1"),
+        *require(
+            args.max_episode_tokens == 0 or args.max_episode_tokens >= args.max_new_tokens,
+            "--max-episode-tokens",
+            "0 (twice --max-new-tokens) or >= --max-new-tokens",
+        ),
+        *(
+            unused(args, ["max_turns", "max_episode_tokens"], "applies to a task with tools only (a task file's TOOLS)")
+            if toolbox_of(args.task) is None
+            else []
+        ),
         *require(0 <= args.overlong_buffer < args.max_new_tokens, "--overlong-buffer", "in [0, --max-new-tokens)"),
         *require(0 < args.lr <= 1, "--lr", "in (0, 1] (an AdamW learning rate; 1e-6 to 1e-4 is usual)"),
         *require(args.warmup_steps >= 0, "--warmup-steps", ">= 0 (0: no warm-up)"),
@@ -107,12 +119,16 @@ def prompt_token_limit(args) -> int:
     from transformers import AutoConfig
 
     context = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None) or INFINITY
-    if args.max_new_tokens >= context:
+    new_tokens = episode_tokens(args)  # --max-new-tokens, or a whole episode's with tools
+    if new_tokens >= context:
+        what = f"--max-new-tokens {args.max_new_tokens}"
+        if new_tokens != args.max_new_tokens:
+            what = f"an episode of {new_tokens} tokens (--max-episode-tokens)"
         raise BadInput(
-            f"--max-new-tokens {args.max_new_tokens} does not fit in the context of {args.model} ({context} tokens, "
-            f"prompt included): lower it below {context}"
+            f"{what} does not fit in the context of {args.model} ({context} tokens, prompt included): lower it below "
+            f"{context}"
         )
-    return min(args.max_prompt_tokens, context - args.max_new_tokens)  # prompts left out are counted where encoded
+    return min(args.max_prompt_tokens, context - new_tokens)  # prompts left out are counted where encoded
 
 
 class Watch:

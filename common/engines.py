@@ -38,11 +38,25 @@ from common.logprobs import float32_linear
 @dataclass
 class Completion:
     token_ids: list[int]
-    logprobs: list[float]  # sampler's log-prob of each token in token_ids (after temperature)
-    finish_reason: Literal["stop", "length"]  # stop: an EOS was sampled; length: max_new_tokens reached
+    logprobs: list[float]  # sampler's log-prob of each token in token_ids (after temperature; 0 for a tool's)
+    # stop: an EOS (or a `stop` string) was sampled; length: max_new_tokens (or the episode's limit) reached;
+    # turns: a tool call on the episode's last turn (common/tools.py)
+    finish_reason: Literal["stop", "length", "turns"]
     routing: torch.Tensor | None = None  # MoE with routing=True: experts per fed token [prompt + len − 1, L, k]
     # top-p / top-k: the ids the truncation kept at each sampled position [len, K], padded with −1 (None: no truncation)
     sampling_mask: torch.Tensor | None = None
+    # a multi-turn episode with tools (common/tools.py): 1 where token_ids[i] is a tool's output (context, not an
+    # action of the policy); None: every token was sampled
+    tool_mask: list[int] | None = None
+    turns: int = 1  # the policy's turns (tool calls answered + 1)
+    tool_calls: int = 0
+    tool_errors: int = 0  # calls that raised, named no tool, or ran out of time
+    tool_timeouts: int = 0
+
+    @property
+    def policy_length(self) -> int:
+        """The policy's own tokens (EOS included): what --max-new-tokens bounds and the overlong penalty counts."""
+        return len(self.token_ids) - sum(self.tool_mask or ())
 
 
 def truncate(scores: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -140,7 +154,7 @@ class HFEngine:
         if float32_head and self.dtype != torch.float32:  # its output layer's product in float32, as vLLM's head_dtype
             head = self.model.get_output_embeddings()
             head.forward = partial(float32_linear, weight=head.weight, bias=getattr(head, "bias", None))
-        self.pad_id = tokenizer.pad_token_id
+        self.pad_id, self.tokenizer = tokenizer.pad_token_id, tokenizer
         self.eos_ids = sorted(set(_eos_ids(model, tokenizer)) | set(end_of_turn_ids(tokenizer)))
         self.max_batch_size = max_batch_size
         # records the routers' choices while sampling (an MoE model)
@@ -156,9 +170,11 @@ class HFEngine:
         top_p: float = 1.0,
         ignore_eos: bool = False,
         top_k: int = 0,
+        stop: tuple[str, ...] = (),
     ) -> list[Completion]:
         """`ignore_eos`: always generate max_new_tokens tokens (for benchmarks). `top_p` < 1, `top_k` > 0: sample
-        from the truncated distribution, and return its sampling mask."""
+        from the truncated distribution, and return its sampling mask. `stop`: strings that end a completion as an
+        EOS does (a tool call's closing marker), the token that completes one included."""
         if not (0 < top_p <= 1 and top_k >= 0):
             raise ValueError(f"top_p must be in (0, 1] and top_k >= 0, got {top_p} and {top_k}")
         if temperature < 0:
@@ -177,13 +193,15 @@ class HFEngine:
         try:
             for start in range(0, len(prompt_ids), prompts_per_chunk):
                 chunk = prompt_ids[start : start + prompts_per_chunk]
-                completions += self._generate_chunk(chunk, n, max_new_tokens, temperature, ignore_eos, top_k, top_p)
+                completions += self._generate_chunk(
+                    chunk, n, max_new_tokens, temperature, ignore_eos, top_k, top_p, stop
+                )
         finally:
             self.model.train(was_training)
             self.model.generation_config = model_config
         return completions
 
-    def _generate_chunk(self, prompt_ids, n, max_new_tokens, temperature, ignore_eos, top_k=0, top_p=1.0):
+    def _generate_chunk(self, prompt_ids, n, max_new_tokens, temperature, ignore_eos, top_k=0, top_p=1.0, stop=()):
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompt_ids], device=device)
@@ -193,6 +211,8 @@ class HFEngine:
         # temperature is applied by the recorder, so it sees exactly the distribution sampled from
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
         rows = len(prompt_ids) * (1 if greedy else n)
+        if stop:  # transformers' StopStringCriteria: a row that completes one is finished (padded from then on)
+            sampling |= {"stop_strings": list(stop), "tokenizer": self.tokenizer}
         with self.routing.recording() if self.routing else contextlib.nullcontext():
             sequences = self.model.generate(
                 input_ids=input_ids,
@@ -220,12 +240,17 @@ class HFEngine:
             routing = routing.repeat_interleave(n, dim=0) if self.routing else [None] * len(new_tokens)
         paddings = [width - len(p) for p in prompt_ids for _ in range(n)]  # completions of prompt i: [iG, (i+1)G)
         completions = zip(new_tokens.tolist(), logprobs.tolist(), routing, paddings, masks)
-        return [self._trim(*completion) for completion in completions]
+        return [self._trim(*completion, stop_strings=stop) for completion in completions]
 
-    def _trim(self, tokens, logprobs, routing=None, padding: int = 0, mask=None) -> Completion:
-        """The completion up to its first EOS, and its routing without the prompt's left padding: one row per token
-        fed to the model, the prompt's and the completion's but the last."""
+    def _trim(self, tokens, logprobs, routing=None, padding: int = 0, mask=None, stop_strings=()) -> Completion:
+        """The completion up to its first EOS (or `stop_strings`), and its routing without the prompt's left padding:
+        one row per token fed to the model, the prompt's and the completion's but the last."""
         stop = next((position for position, token in enumerate(tokens) if token in self.eos_ids), None)
+        stop = min(
+            stop if stop is not None else len(tokens),
+            _stop_string_end(tokens, stop_strings, self.tokenizer, self.pad_id),
+        )
+        stop = None if stop == len(tokens) else stop
         length = len(tokens) if stop is None else stop + 1
         if routing is not None:
             width = routing.shape[0] - len(tokens) + 1  # the padded prompt's
@@ -259,6 +284,19 @@ class HFEngine:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         pass
+
+
+def _stop_string_end(tokens: list[int], stop: tuple[str, ...], tokenizer, pad_id: int) -> int:
+    """The position of the token that completed one of the `stop` strings (len(tokens): none). generate pads a row
+    from the token after it, so only the text ending at the last token before the padding is decoded (a string of c
+    characters spans at most c tokens)."""
+    end = len(tokens)
+    while stop and end > 0 and tokens[end - 1] == pad_id:
+        end -= 1
+    if not stop or end == 0:
+        return len(tokens)
+    text = tokenizer.decode(tokens[max(0, end - max(map(len, stop))) : end])
+    return end - 1 if any(string in text for string in stop) else len(tokens)
 
 
 def load_tokenizer(model_name_or_path: str):
@@ -387,6 +425,7 @@ class VLLMEngine:
         top_p: float = 1.0,
         ignore_eos: bool = False,
         top_k: int = 0,
+        stop: tuple[str, ...] = (),
     ) -> list[Completion]:
         """As HFEngine.generate. The sampling mask comes from vLLM's processed log-probs of the top-k tokens (-inf
         where top-p masked one): exact for top-k up to the engine's max_logprobs (VLLM_MAX_MASK); top-p alone keeps a
@@ -412,6 +451,8 @@ class VLLMEngine:
             logprobs=top_k if truncated else 0,
             ignore_eos=ignore_eos,
             stop_token_ids=self.stop_token_ids,
+            stop=list(stop) or None,
+            include_stop_str_in_output=True,  # the call's closing marker belongs to the policy's tokens
         )
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
         completions = []

@@ -6,6 +6,7 @@ The file defines two functions, and may set a system prompt:
     def score(completion, row):  # the completion's text and its row -> the reward: a number (or a bool; None: no
                                  # answer could be read, reward 0, counted in charts/no_answer_rate)
     SYSTEM_PROMPT = "..."        # optional: the system message, for a model whose tokenizer has a chat template
+    TOOLS = {"calc": calculator} # optional: tools, each a function of a string that returns a string (common/tools.py)
 
 A row may carry anything else the score needs (a gold answer, test cases). The prompt is the row's question,
 inside the chat template when the tokenizer has one (after SYSTEM_PROMPT), verbatim otherwise. Accuracy
@@ -31,6 +32,9 @@ from dataclasses import dataclass
 from common.errors import BadInput
 
 SCORE_SECONDS = 10.0  # per completion, unless the file sets SCORE_SECONDS
+TOOL_SECONDS = 10.0  # per tool call, unless the file sets TOOL_SECONDS
+TOOL_RESULT = "<result>{}</result>"  # how a tool's output is shown to the policy, unless the file sets TOOL_RESULT
+WORKER_START_SECONDS = 120  # a spawned worker imports the main script (torch, ...) and the task file
 REQUIRED = {"rows": "rows(split)", "score": "score(completion, row)"}
 
 
@@ -44,6 +48,9 @@ class TaskFile:
     module: object
     system_prompt: str | None
     score_seconds: float
+    tools: tuple[str, ...] = ()  # the names in TOOLS
+    tool_seconds: float = TOOL_SECONDS
+    tool_result: str = TOOL_RESULT
 
     @property
     def name(self) -> str:
@@ -89,11 +96,26 @@ def load_task_file(path: str) -> TaskFile:
     system_prompt = getattr(module, "SYSTEM_PROMPT", None)
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise BadInput(f"{path}: SYSTEM_PROMPT is a {type(system_prompt).__name__}, not a string")
-    seconds = getattr(module, "SCORE_SECONDS", SCORE_SECONDS)
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
-        raise BadInput(f"{path}: SCORE_SECONDS must be a positive number of seconds, got {seconds!r}")
-    _LOADED[path] = TaskFile(path, module, system_prompt, float(seconds))
+    seconds = {name: getattr(module, name, default) for name, default in SECONDS.items()}
+    for name, value in seconds.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise BadInput(f"{path}: {name} must be a positive number of seconds, got {value!r}")
+    tools = getattr(module, "TOOLS", {})
+    if not isinstance(tools, dict) or not all(isinstance(n, str) and callable(f) for n, f in tools.items()):
+        raise BadInput(f"{path}: TOOLS must be a dict of names and functions (each of a string), got {tools!r}")
+    unnamed = [name for name in tools if not name.isidentifier()]
+    if unnamed:
+        raise BadInput(f"{path}: a tool's name is its marker (<name>...</name>): letters, digits, _; not {unnamed}")
+    result = getattr(module, "TOOL_RESULT", TOOL_RESULT)
+    if not isinstance(result, str) or result.count("{}") != 1:
+        raise BadInput(f"{path}: TOOL_RESULT must be a string with one {{}} where the output goes, got {result!r}")
+    _LOADED[path] = TaskFile(
+        path, module, system_prompt, float(seconds["SCORE_SECONDS"]), tuple(tools), seconds["TOOL_SECONDS"], result
+    )
     return _LOADED[path]
+
+
+SECONDS = {"SCORE_SECONDS": SCORE_SECONDS, "TOOL_SECONDS": TOOL_SECONDS}
 
 
 def _import(path: str):
@@ -131,27 +153,43 @@ class Scored:
 _WORKERS: dict[str, multiprocessing.pool.Pool] = {}  # one per task file, started on first use
 
 
+def run_each(task: TaskFile, jobs: list[tuple], seconds: float) -> list[tuple[str, object] | None]:
+    """Each job, ("score", text, row) or ("tool", name, argument), run by the task file's code in a worker process,
+    one at a time, each within `seconds`: what `_run_one` returns, or None for a job that ran past its time (the
+    worker is then killed and a new one takes the jobs that follow)."""
+    outcomes = []
+    while len(outcomes) < len(jobs):
+        if task.path not in _WORKERS:  # a new worker imports the task file before any deadline counts
+            _WORKERS[task.path] = multiprocessing.get_context("spawn").Pool(1)
+            try:
+                _WORKERS[task.path].apply_async(_run_one, ((task.path, "load", None, None),)).get(WORKER_START_SECONDS)
+            except multiprocessing.TimeoutError:
+                _WORKERS.pop(task.path).terminate()
+                raise BadInput(
+                    f"{task.path}: the worker process that runs its code did not start in {WORKER_START_SECONDS} s "
+                    '(a script that starts it needs the `if __name__ == "__main__":` guard)'
+                ) from None
+        pending = _WORKERS[task.path].imap(_run_one, [(task.path, *job) for job in jobs[len(outcomes) :]])
+        try:
+            while len(outcomes) < len(jobs):
+                outcomes.append(pending.next(seconds))
+        except multiprocessing.TimeoutError:  # the user's code hangs on this job
+            _WORKERS.pop(task.path).terminate()
+            outcomes.append(None)
+    return outcomes
+
+
 def score_all(task: TaskFile, texts: list[str], rows: list[dict]) -> list[Scored]:
     """`score(text, row)` of the task file for every pair, in a worker process, each within the task's deadline."""
-    results = []
-    while len(results) < len(texts):
-        start = len(results)
-        if task.path not in _WORKERS:
-            _WORKERS[task.path] = multiprocessing.get_context("spawn").Pool(1)
-        jobs = [(task.path, text, row) for text, row in zip(texts[start:], rows[start:])]
-        pending = _WORKERS[task.path].imap(_score_one, jobs)
-        try:
-            while len(results) < len(texts):  # one completion at a time, each within the deadline
-                results.append(_checked(task, pending.next(task.score_seconds), rows[len(results)]))
-        except multiprocessing.TimeoutError:  # the user's score hangs on this completion: reward 0, a new worker
-            _WORKERS.pop(task.path).terminate()
+    outcomes = run_each(task, [("score", text, row) for text, row in zip(texts, rows)], task.score_seconds)
+    for outcome, row in zip(outcomes, rows):
+        if outcome is None:
             print(
                 f"warning: {task.name}: score() ran past {task.score_seconds:g} s on a completion of row "
-                f"{_short(rows[len(results)])}; it gets reward 0",
+                f"{_short(row)}; it gets reward 0",
                 file=sys.stderr,
             )
-            results.append(Scored(0.0, False, timed_out=True))
-    return results
+    return [Scored(0.0, False, True) if o is None else _checked(task, o, row) for o, row in zip(outcomes, rows)]
 
 
 def _checked(task: TaskFile, outcome: tuple[str, object], row: dict) -> Scored:
@@ -173,15 +211,21 @@ def _short(row: dict) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-def _score_one(job: tuple[str, str, dict]) -> tuple[str, object]:
-    """In the worker: ("value", a float, bool or None), ("not a number", its repr) or ("raised", what was raised)."""
-    path, text, row = job
+def _run_one(job: tuple) -> tuple[str, object]:
+    """In the worker. A score: ("value", a float, bool or None), ("not a number", its repr) or ("raised", what was
+    raised). A tool: ("value", its output as a string) or ("raised", what was raised)."""
+    path, kind, first, second = job
     try:
-        value = load_task_file(path).module.score(text, row)
+        module = load_task_file(path).module
+        if kind == "load":
+            return ("value", None)
+        value = module.score(first, second) if kind == "score" else module.TOOLS[first](second)
     except BadInput as error:
         return ("raised", str(error))
     except Exception as error:
         return ("raised", _describe(error))
+    if kind == "tool":
+        return ("value", value if isinstance(value, str) else str(value))
     if value is None or isinstance(value, (bool, int, float)):
         return ("value", value)
     try:

@@ -1,0 +1,234 @@
+"""Multi-turn rollouts with tools: the policy calls a tool, the tool's output joins the context, the policy goes on.
+
+A task file (common/task_files.py) declares its tools; the built-in `sums-calc` task has a calculator:
+
+    def calculator(expression): ...       # a tool: a function of a string that returns a string
+    TOOLS = {"calc": calculator}          # the policy calls it by writing <calc>12*34</calc>
+    TOOL_SECONDS = 5                      # optional: the time limit of one call (default 10)
+    TOOL_RESULT = "<result>{}</result>"   # optional: how the output is shown to the policy (this is the default)
+
+    engine = with_tools(make_engine(...), tokenizer, args)   # the engine itself when the task has no tools
+    completions = engine.generate(prompt_ids, n=8, max_new_tokens=64, temperature=1.0)
+
+An episode: the engine samples until an EOS or a call's closing marker (`</calc>`); the text between the call's
+opening and closing markers goes to the tool, which runs in a worker process under the time limit (a user's tool is
+the user's code: a tool that executes code needs a sandbox, which this project does not provide); its output,
+formatted by TOOL_RESULT and tokenized, is appended to the episode, and the engine continues from the episode's token
+ids, up to --max-turns turns of the policy. Token in, token out: the policy's own tokens are never decoded and encoded
+again (only the tool's output is encoded). A call on the last turn is not run: the episode ends there ("turns").
+
+A tool's output is context, not an action: `Completion.tool_mask` marks its tokens, and the scripts give them no
+loss, no ratio and no place in any per-token statistic (their response mask is 0 there). --max-new-tokens bounds the
+policy's own tokens of an episode, --max-episode-tokens all of them (the tools' included); an output that would pass
+the episode's limit is cut there and ends the episode ("length"). A call that raises, names no tool, or runs out of
+time is answered with `error: ...` and counted (tools/errors, tools/timeouts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.engines import Completion
+from common.errors import BadInput
+from common.task_files import TaskFile, is_task_file, load_task_file, run_each
+
+
+def toolbox_of(task: str) -> TaskFile | None:
+    """The task file of `task` when it declares tools, else None."""
+    if not is_task_file(task):
+        return None
+    task_file = load_task_file(task)
+    return task_file if task_file.tools else None
+
+
+def episode_tokens(args) -> int:
+    """Tokens after the prompt an episode may hold: --max-new-tokens without tools, --max-episode-tokens (0: twice
+    --max-new-tokens) with them. What the engine's context must fit beside the prompt."""
+    if toolbox_of(args.task) is None:
+        return args.max_new_tokens
+    return args.max_episode_tokens or 2 * args.max_new_tokens
+
+
+def with_tools(engine, tokenizer, args):
+    """`engine`, or, for a task with tools, an engine that generates multi-turn episodes (this module's docstring)."""
+    toolbox = toolbox_of(args.task)
+    if toolbox is None:
+        return engine
+    if getattr(engine, "routing", None):
+        raise BadInput(
+            "routing replay (--router-replay) is not supported with tools yet: the episodes' routing is not kept"
+        )
+    return ToolEngine(engine, tokenizer, toolbox, args.max_turns, episode_tokens(args))
+
+
+@dataclass
+class Episode:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tool_mask: list[int] = field(default_factory=list)
+    masks: list[torch.Tensor] = field(default_factory=list)  # top-p / top-k: each turn's kept ids [len, K]
+    turns: int = 0
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    finish: str = "stop"
+    call: tuple[str, str | None] | None = None  # (tool, argument) of the call that ended the last turn
+
+    @property
+    def policy_tokens(self) -> int:
+        return len(self.tokens) - sum(self.tool_mask)
+
+
+class ToolEngine:
+    """An engine whose `generate` returns whole episodes: policy turns and tool outputs (the module's docstring).
+    Everything else (weight push, sleep, close) is the wrapped engine's."""
+
+    def __init__(self, engine, tokenizer, toolbox: TaskFile, max_turns: int, max_episode_tokens: int):
+        self.engine, self.tokenizer, self.toolbox = engine, tokenizer, toolbox
+        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.closing = {f"</{name}>": name for name in toolbox.tools}
+
+    def __getattr__(self, name):  # load_weights, sleep, wake_up, close, dtype, ...
+        return getattr(self.engine, name)
+
+    def generate(self, prompt_ids, n, max_new_tokens, temperature, top_p=1.0, ignore_eos=False, top_k=0):
+        sample = dict(
+            temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos, stop=tuple(self.closing)
+        )
+        episodes = [Episode(prompt_ids[i // n]) for i in range(len(prompt_ids) * n)]
+        turns = self.engine.generate(prompt_ids, n, max_new_tokens, **sample)
+        active = episodes
+        while True:
+            for episode, turn in zip(active, turns):
+                self._add_turn(episode, turn, max_new_tokens)
+            active = [e for e in active if e.call is not None]
+            if not active:
+                break
+            self._answer_calls(active)
+            active = [e for e in active if e.finish == "stop"]  # not cut by the episode's limit
+            budgets = [self._budget(e, max_new_tokens) for e in active]
+            active = [e for e, budget in zip(active, budgets) if budget > 0]
+            if not active:
+                break
+            contexts = [e.prompt + e.tokens for e in active]
+            turns = self.engine.generate(contexts, 1, max(budgets), **sample)
+        return [self._completion(e) for e in episodes]
+
+    def _budget(self, episode: Episode, max_new_tokens: int) -> int:
+        """The tokens the policy may sample in its next turn; an episode with none left ends ("length")."""
+        budget = min(max_new_tokens - episode.policy_tokens, self.max_episode_tokens - len(episode.tokens))
+        if budget <= 0:
+            episode.finish = "length"
+        return budget
+
+    def _add_turn(self, episode: Episode, turn: Completion, max_new_tokens: int) -> None:
+        """The policy's tokens of one turn (cut to the episode's budget), and the call it ends with, if any."""
+        budget = min(max_new_tokens - episode.policy_tokens, self.max_episode_tokens - len(episode.tokens))
+        tokens, cut = turn.token_ids[:budget], len(turn.token_ids) > budget
+        episode.tokens += tokens
+        episode.logprobs += turn.logprobs[: len(tokens)]
+        episode.tool_mask += [0] * len(tokens)
+        if turn.sampling_mask is not None:
+            episode.masks.append(turn.sampling_mask[: len(tokens)])
+        episode.turns += 1
+        episode.finish, episode.call = ("length" if cut else turn.finish_reason), None
+        if cut or turn.finish_reason != "stop" or not tokens:
+            return
+        # a closing marker stops the engine as it completes, so one in this turn's text is the call that ended it
+        text = self.tokenizer.decode(tokens)
+        closing = next((marker for marker in self.closing if marker in text), None)
+        if closing is None:  # an EOS ended the turn: the episode is over
+            return
+        if episode.turns == self.max_turns:  # no turn left to read the output
+            episode.finish = "turns"
+            return
+        name = self.closing[closing]
+        body = text[: text.index(closing)]
+        opening = body.rfind(f"<{name}>")
+        episode.call = (name, body[opening + len(name) + 2 :] if opening >= 0 else None)
+
+    def _answer_calls(self, episodes: list[Episode]) -> None:
+        """Run every pending call (in the task file's worker, each under the time limit), then append each output."""
+        toolbox = self.toolbox
+        runnable = [e for e in episodes if e.call[1] is not None]
+        outcomes = run_each(toolbox, [("tool", *e.call) for e in runnable], toolbox.tool_seconds)
+        answers = dict(zip(map(id, runnable), outcomes))
+        for episode in episodes:
+            name, argument = episode.call
+            outcome = answers.get(id(episode), ("raised", f"no <{name}> opens the call"))
+            episode.calls += 1
+            if outcome is None:
+                episode.timeouts += 1
+                output = f"error: the tool ran past {toolbox.tool_seconds:g} s"
+            elif outcome[0] == "raised":
+                output = f"error: {outcome[1]}"
+            else:
+                output = outcome[1]
+            episode.errors += outcome is None or outcome[0] == "raised"
+            ids = self.tokenizer(toolbox.tool_result.format(output), add_special_tokens=False)["input_ids"]
+            room = self.max_episode_tokens - len(episode.tokens)
+            episode.tokens += ids[:room]
+            episode.logprobs += [0.0] * len(ids[:room])
+            episode.tool_mask += [1] * len(ids[:room])
+            if episode.masks:  # a tool's token was not sampled: its kept set is itself (never scored: masked)
+                episode.masks.append(torch.tensor(ids[:room], dtype=torch.int32)[:, None])
+            episode.finish = "length" if len(ids) > room else "stop"
+
+    def _completion(self, episode: Episode) -> Completion:
+        mask = None
+        if episode.masks:
+            width = max(m.shape[1] for m in episode.masks)
+            mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1]), value=-1) for m in episode.masks])
+        return Completion(
+            episode.tokens,
+            episode.logprobs,
+            episode.finish,
+            sampling_mask=mask,
+            tool_mask=episode.tool_mask,
+            turns=episode.turns,
+            tool_calls=episode.calls,
+            tool_errors=episode.errors,
+            tool_timeouts=episode.timeouts,
+        )
+
+
+def later_turns(completion: Completion) -> list[int]:
+    """Per token of the completion: 1 after its first tool output (a later turn's), else 0."""
+    if not completion.tool_mask or 1 not in completion.tool_mask:
+        return [0] * len(completion.token_ids)
+    first = completion.tool_mask.index(1)
+    return [0] * first + [1] * (len(completion.token_ids) - first)
+
+
+def record_tool_use(metrics, completions: list[Completion], max_new_tokens: int) -> None:
+    """What the episodes did with their tools (a task with tools only)."""
+    if all(c.tool_mask is None for c in completions):
+        return
+    episodes = len(completions)
+    metrics.mean("tools/calls_per_episode", sum(c.tool_calls for c in completions), episodes)
+    metrics.mean("tools/turns", sum(c.turns for c in completions), episodes)  # the policy's turns per episode
+    metrics.sum("tools/errors", sum(c.tool_errors for c in completions))  # raised, no such call, or out of time
+    metrics.sum("tools/timeouts", sum(c.tool_timeouts for c in completions))
+    metrics.mean("tools/tool_tokens", sum(sum(c.tool_mask) for c in completions), episodes)  # per episode
+    # which limit ended an episode cut short: the policy's own tokens (--max-new-tokens) or all of them
+    policy_limit = sum(c.finish_reason == "length" and c.policy_length >= max_new_tokens for c in completions)
+    metrics.mean("tools/policy_limit_rate", policy_limit, episodes)
+    episode_limit = sum(c.finish_reason == "length" for c in completions) - policy_limit
+    metrics.mean("tools/episode_limit_rate", episode_limit, episodes)  # --max-episode-tokens
+    metrics.mean("tools/turn_limit_rate", sum(c.finish_reason == "turns" for c in completions), episodes)
+
+
+def policy_first(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] column order that moves each row's policy tokens (mask 1) to the front, in their order: a method whose
+    math runs along the response (a filter, spans aligned by position) gathers with it, so that a tool's output in
+    the middle of an episode is skipped as if absent, and scatters its result back with `restore_order`. The
+    identity without tools (the mask is 1 up to each response's end)."""
+    return torch.argsort((mask == 0).to(torch.int8), dim=1, stable=True)
+
+
+def restore_order(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Undo `x.gather(1, order)`: the value computed at gathered column j returns to column order[:, j]."""
+    return torch.empty_like(values).scatter_(1, order, values)
