@@ -27,6 +27,10 @@ What this file changes relative to grpo.py: the filtered ratio (the filter, its 
 the defaults ε_low = 3e-4, ε_high = 4e-4, --num-minibatches 4 and --loss-aggregation sequence-mean (KPO's
 seq-mean-token-mean).
 
+Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output inside it is
+context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own tokens. The filter of Eq. 9
+runs along the policy's own tokens, skipping an output as if it were absent (α_t indexed by the policy's tokens).
+
 Run it
   python algorithms/ema_kpo.py                               # the built-in task on a CPU, a few minutes
   python algorithms/ema_kpo.py --help                        # every flag, with its default

@@ -29,6 +29,10 @@ rollout engine, then log, evaluate and checkpoint. The method lives between `# A
 details are comments at the code they explain, each metric is defined where it is recorded, and the
 paper-scale command and the differences from the papers' settings close the file.
 
+Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output inside it is
+context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own tokens. GSPO's s_i averages log
+ρ over the policy's tokens only.
+
 Run it
   python algorithms/grpo.py                      # the built-in task on a CPU, about two minutes
   python algorithms/grpo.py --help               # every flag, with its default

@@ -30,6 +30,10 @@ rollout engine, then log, evaluate and checkpoint. The method lives between `# A
 details are comments at the code they explain, each metric is defined where it is recorded, and the
 paper-scale command and the differences from the papers' settings close the file.
 
+Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output inside it is
+context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own tokens. Each per-sequence
+gradient of Eq. 6 sums the policy's tokens only: an output is context for the forward, never a gradient term.
+
 Run it
   python algorithms/isopo.py                      # the built-in task on a CPU, a few minutes
   python algorithms/isopo.py --help               # every flag, with its default

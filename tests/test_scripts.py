@@ -272,6 +272,47 @@ def test_masked_truncated_completions_get_no_gradient(name, tiny):
     ).norm()
 
 
+def _with_a_tool_output(tokenizer, completions, tool_logprob=0.0, masked=True):
+    """The completions with a tool's output (`<r>7</r>`) after their first token: context the policy did not
+    sample, masked (`tool_logprob`: what the engine reports at its tokens, which nothing may read)."""
+    tool = tokenizer("<r>7</r>", add_special_tokens=False)["input_ids"]
+    episodes = []
+    for c in completions:
+        ids, logprobs = c.token_ids[:1] + tool + c.token_ids[1:], c.logprobs[:1] + [tool_logprob] * len(tool)
+        mask = [0] + [1] * len(tool) + [0] * (len(c.token_ids) - 1)
+        episode = Completion(ids, logprobs + c.logprobs[1:], c.finish_reason, tool_mask=mask if masked else None)
+        episodes.append(episode)
+    return episodes
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_a_tool_output_is_context_not_action(name, tiny):
+    """Tool-output tokens inside every response, two updates per batch (ratios, corrections and filters at work):
+    the update and every logged statistic are the same whatever the engine's log-probs at those tokens (no loss,
+    ratio, correction, filter or statistic reads them), and differ from the update that treats the same tokens as
+    the policy's own (the mask is what keeps them out)."""
+    algorithm = importlib.import_module(f"algorithms.{name}")
+    model, tokenizer = tiny
+    prompts, completions = two_group_rollouts(tokenizer)
+    rewards, args = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0], _args(algorithm, num_minibatches=2)
+    runs = {}
+    for label, episodes in (
+        ("engine log-prob 0", _with_a_tool_output(tokenizer, completions, 0.0)),
+        ("engine log-prob -30", _with_a_tool_output(tokenizer, completions, -30.0)),
+        ("unmasked", _with_a_tool_output(tokenizer, completions, masked=False)),
+    ):
+        torch.manual_seed(0)  # the minibatches' order
+        runs[label] = _updated(algorithm, model, tokenizer, prompts, episodes, rewards, args)
+    (weights, logged), (other_weights, other_logged) = runs["engine log-prob 0"], runs["engine log-prob -30"]
+    for key, weight in weights.items():
+        assert torch.equal(weight, other_weights[key]), key
+    assert logged.keys() == other_logged.keys() and "mismatch/kl_k3_later_turns" in logged
+    for key, value in logged.items():
+        assert value == other_logged[key] or (value != value and other_logged[key] != other_logged[key]), key
+    embedding = "model.embed_tokens.weight"
+    assert (runs["unmasked"][0][embedding] - weights[embedding]).norm() > 1e-3 * weights[embedding].norm()
+
+
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_a_minibatch_without_response_tokens_is_skipped_and_counted(name, tiny):
     """No response token in a minibatch (0/0 in a token mean): no NaN, no optimizer step, counted as

@@ -97,6 +97,12 @@ def test_sampled_logprobs_match_the_trainer(tiny, tiny_dir, engines):
     for completion in completions:
         assert (completion.token_ids[-1] == tokenizer.eos_token_id) == (completion.finish_reason == "stop")
     assert _greedy(engine, prompts) == _hf_greedy(model, prompts, tokenizer.eos_token_id)
+    # a stop string (a tool call's closing marker) ends a completion at the token that completes it, included
+    stopped = engine.generate(prompts, 8, 8, 1.0, stop=("1",))
+    texts = [tokenizer.decode(c.token_ids) for c in stopped]
+    assert any("1" in text for text in texts)
+    for text, completion in zip(texts, stopped):
+        assert "1" not in text or (text.index("1") == len(text) - 1 and completion.finish_reason == "stop"), text
 
 
 @pytest.mark.slow
