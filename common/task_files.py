@@ -38,8 +38,13 @@ WORKER_START_SECONDS = 120  # a spawned worker imports the main script (torch, .
 REQUIRED = {"rows": "rows(split)", "score": "score(completion, row)"}
 
 
+# built-in tasks written as task files: the project's own code, run in the trainer's process (no worker)
+BUILT_IN = {"products": os.path.join(os.path.dirname(os.path.abspath(__file__)), "task_products.py")}
+
+
 def is_task_file(task: str | None) -> bool:
-    return bool(task) and task.lower().endswith(".py")
+    """A path to a .py task file, or the name of a built-in task written as one (`products`)."""
+    return bool(task) and (task.lower().endswith(".py") or task in BUILT_IN)
 
 
 @dataclass
@@ -51,6 +56,7 @@ class TaskFile:
     tools: tuple[str, ...] = ()  # the names in TOOLS
     tool_seconds: float = TOOL_SECONDS
     tool_result: str = TOOL_RESULT
+    in_process: bool = False  # a built-in task: its score and tools run here, not in a worker
 
     @property
     def name(self) -> str:
@@ -82,7 +88,7 @@ _LOADED: dict[str, TaskFile] = {}
 def load_task_file(path: str) -> TaskFile:
     """The task file at `path`, imported once per process; a missing file or function, or an import that fails,
     is an error naming the file."""
-    path = os.path.abspath(path)
+    path = os.path.abspath(BUILT_IN.get(path, path))
     if path in _LOADED:
         return _LOADED[path]
     if not os.path.isfile(path):
@@ -109,9 +115,9 @@ def load_task_file(path: str) -> TaskFile:
     result = getattr(module, "TOOL_RESULT", TOOL_RESULT)
     if not isinstance(result, str) or result.count("{}") != 1:
         raise BadInput(f"{path}: TOOL_RESULT must be a string with one {{}} where the output goes, got {result!r}")
-    _LOADED[path] = TaskFile(
-        path, module, system_prompt, float(seconds["SCORE_SECONDS"]), tuple(tools), seconds["TOOL_SECONDS"], result
-    )
+    seconds = float(seconds["SCORE_SECONDS"]), float(seconds["TOOL_SECONDS"])
+    built_in = path in BUILT_IN.values()
+    _LOADED[path] = TaskFile(path, module, system_prompt, seconds[0], tuple(tools), seconds[1], result, built_in)
     return _LOADED[path]
 
 
@@ -157,6 +163,8 @@ def run_each(task: TaskFile, jobs: list[tuple], seconds: float) -> list[tuple[st
     """Each job, ("score", text, row) or ("tool", name, argument), run by the task file's code in a worker process,
     one at a time, each within `seconds`: what `_run_one` returns, or None for a job that ran past its time (the
     worker is then killed and a new one takes the jobs that follow)."""
+    if task.in_process:  # the project's own code, bounded: no worker, no deadline
+        return [_run_one((task.path, *job)) for job in jobs]
     outcomes = []
     while len(outcomes) < len(jobs):
         if task.path not in _WORKERS:  # a new worker imports the task file before any deadline counts

@@ -23,6 +23,7 @@ from typing import Callable
 
 from common.errors import BadInput
 from common.scoring import extract_boxed
+from common.task_files import BUILT_IN as BUILT_IN_TASK_FILES
 from common.task_files import is_task_file, load_task_file
 
 # ---------------------------------------------------------------------------------------------
@@ -158,7 +159,10 @@ def sums_rows(split: str, seed: int = 4321) -> list[Row]:
 
 BUILT_IN_TASKS = {"arith": arith_rows, "sums": sums_rows}  # offline, answers are plain numbers
 # --max-new-tokens a task needs: room for its longest completion and EOS (99+99=198,198+99=297,297+99=396 #### 396)
-MIN_NEW_TOKENS = {"sums": 41}
+MIN_NEW_TOKENS = {
+    "sums": 41,
+    "products": 28,
+}  # products: <calc>99*99</calc> #### 9801 and EOS (the tool's output apart)
 
 
 def load_task(
@@ -177,7 +181,7 @@ def load_task(
     if extension in LOCAL_FORMATS:
         return _load_local_file(name_or_path, question_column, answer_column)
     raise BadInput(
-        f"unknown task {name_or_path!r}: use one of {[*BUILT_IN_TASKS, *HUB_TASKS]}, a path to a "
+        f"unknown task {name_or_path!r}: use one of {[*BUILT_IN_TASKS, *BUILT_IN_TASK_FILES, *HUB_TASKS]}, a path to a "
         f"{'/'.join(LOCAL_FORMATS)} file, or a task file (.py: its rows(split) and score(completion, row))"
     )
 

@@ -47,6 +47,8 @@ import torch
 
 from common.errors import BadInput
 from common.scoring import score
+from common.task_files import BUILT_IN as BUILT_IN_TASK_FILES
+from common.task_files import load_task_file
 from common.tasks import load_task, sums_scratchpad
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -69,6 +71,11 @@ class WarmStart:
 WARM_STARTS = {
     "arith": WarmStart("tiny-llama-arith-v1", "TINY_MODEL_DIR", 0.20, 8, 300, 2000, 1e-3),
     "sums": WarmStart("tiny-llama-sums-v1", "TINY_SUMS_MODEL_DIR", 0.25, 48, 400, 1500, 1e-3, starts_from="arith"),
+    # the tool task: half the targets call the calculator (common/task_products.py), the accuracy is measured in
+    # episodes with the tool
+    "products": WarmStart(
+        "tiny-llama-products-v1", "TINY_PRODUCTS_MODEL_DIR", 0.25, 32, 200, 1000, 1e-3, starts_from="arith"
+    ),
 }
 # the mixture-of-experts models, each upcycled from the dense model of the same task (`starts_from`)
 MOE_WARM_STARTS = {
@@ -241,9 +248,17 @@ def upcycle(dense, experts: int = MOE_EXPERTS, active: int = MOE_ACTIVE, noise: 
 
 @torch.no_grad()
 def sampled_accuracy(model, tokenizer, rows, task: str = "arith", max_new_tokens: int = 8) -> float:
-    """Fraction of `rows` answered right by one sample each at temperature 1: plain `generate`, so that
-    the built-in models depend on nothing but the answer checker."""
+    """Fraction of `rows` answered right by one sample each at temperature 1: plain `generate` (for the tool task,
+    episodes with its tool, as the scripts run them)."""
     prompts = [tokenizer(row.question)["input_ids"] for row in rows]
+    if task in BUILT_IN_TASK_FILES:
+        from common.engines import HFEngine
+        from common.scoring import score_completions
+        from common.tools import ToolEngine
+
+        engine = ToolEngine(HFEngine(model, tokenizer), tokenizer, load_task_file(task), 4, 2 * max_new_tokens)
+        completions = engine.generate(prompts, 1, max_new_tokens, 1.0)
+        return sum(s.correct for s in score_completions(completions, rows, 1, tokenizer, task)) / len(rows)
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     was_training = model.training
@@ -268,6 +283,8 @@ def target_text(row, task: str) -> str:
     """The completion the warm start imitates."""
     if task == "sums":
         return sums_scratchpad([int(n) for n in row.question.removeprefix("Q: ").removesuffix("=").split("+")])
+    if task in BUILT_IN_TASK_FILES:  # the task file says (products: the call and its output, or a bare answer)
+        return load_task_file(task).module.warm_start_target(row.data)
     return row.answer
 
 

@@ -205,3 +205,59 @@ def test_gtpo_conflict_spans_skip_a_tool_output():
             assert torch.equal(after[row][tool_mask[row].bool()], before[row]), row
         assert not after[~tool_mask.bool()].any()
     assert plain[0].any() and plain[1].any()  # there are spans to keep
+
+
+# --- the built-in tool task -------------------------------------------------------------------
+
+
+def _random_expression(generator, depth):
+    if depth == 0 or generator.random() < 0.3:
+        return str(generator.randint(0, 99))
+    operator = generator.choice("+-*/")
+    left, right = _random_expression(generator, depth - 1), _random_expression(generator, depth - 1)
+    return f"({left}{operator}{right})" if generator.random() < 0.5 else f"{left} {operator} {right}"
+
+
+def test_the_calculator_agrees_with_exact_python_arithmetic():
+    """Random expressions against Python's own arithmetic on Fractions (eval is fine in a test, never in a tool)."""
+    import random
+    import re
+    from fractions import Fraction
+
+    from common.task_products import calculator
+
+    generator, checked = random.Random(0), 0
+    for _ in range(3000):
+        expression = _random_expression(generator, 3)
+        if len(expression) > 64:
+            continue
+        try:
+            expected = eval(re.sub(r"\d+", lambda m: f"Fraction({m.group()})", expression), {"Fraction": Fraction})
+        except ZeroDivisionError:
+            with pytest.raises(ValueError, match="division by zero"):
+                calculator(expression)
+            continue
+        assert Fraction(calculator(expression)) == expected, expression
+        checked += 1
+    assert checked > 1000
+    for bad, message in [("2*", "ends too early"), ("x+1", "unexpected 'x'"), ("((1)", "not closed"), ("1" * 65, "64")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            calculator(bad)
+
+
+def test_the_tool_task_rows_score_and_warm_start_targets():
+    from common import task_products
+    from common.tasks import load_task
+
+    train, test = load_task("products", "train"), load_task("products", "test")
+    assert (len(train), len(test)) == (7600, 500) and not {r.question for r in train} & {r.question for r in test}
+    assert all(int(r.answer) == eval(r.question[3:-1]) for r in train[:50])
+    row = test[0].data
+    good, product = (
+        f"<calc>{row['question'][3:-1]}</calc> = {row['answer']} #### {row['answer']}",
+        row["answer"],
+    )
+    assert task_products.score(good, row) == 1.0 and task_products.score(f" #### {int(product) + 1}", row) == 0.0
+    assert task_products.score(f"<calc>1*{product}</calc> = {product}", row) is None  # an output is no answer
+    calls = sum("<calc>" in task_products.warm_start_target(r.data) for r in train) / len(train)
+    assert 0.46 < calls < 0.54  # half

@@ -479,6 +479,34 @@ def _moe_suite() -> Suite:
 
 
 SUITES["moe"] = _moe_suite()
+# Tools: the built-in tool task `products` (`Q: 37*48=`, a calculator the warm start calls on a third of its answers).
+# GRPO with the calculator and without it (--max-turns 1: a call is never answered, so the policy must multiply);
+# then with a bf16 engine, the mismatch of the first turn against the turns after a tool's output (the survey: tool
+# outputs are out-of-distribution context, so the later turns' mismatch should be larger). Fixed before any run.
+PRODUCTS = ("--task", "products", "--max-new-tokens", "32", "--eval-prompts", "128")
+TOOL_COLUMNS = (
+    ("tools/calls_per_episode", "calls per episode"),
+    ("mismatch/kl_k3_first_turn", "k3, first turn"),
+    ("mismatch/kl_k3_later_turns", "k3, later turns"),
+)
+SUITES["tools"] = Suite(
+    "tools",
+    "GRPO on the tool task with and without its calculator; the mismatch per turn beside a bf16 engine",
+    [
+        Config("with the calculator", "grpo"),
+        Config("without it", "grpo", ("--max-turns", "1")),
+        Config("with the calculator, bf16 engine", "grpo", BF16_ENGINE),
+    ],
+    [
+        ACCURACY,
+        Panel("tools/calls_per_episode", "calculator calls per episode"),
+        Panel("mismatch/kl_k3_first_turn", "mismatch k3, first turn"),
+        Panel("mismatch/kl_k3_later_turns", "mismatch k3, turns after a tool's output"),
+    ],
+    steps=40,
+    flags=PRODUCTS,
+    columns=TOOL_COLUMNS,
+)
 QUICK = dict(steps=8, seeds=(1,), flags=("--eval-every", "4", "--eval-prompts", "64"))
 
 
@@ -963,7 +991,7 @@ class BenchArgs:
     suites: tyro.conf.Positional[tuple[str, ...]] = ("bench",)
     """what to run: bench (every method), ema_kpo, p3o, tis_icepop, gtpo, isopo (the claims on the built-in
     task), stress_search, stress, fp16, fp32_head, sampling_mask, mismatch_fixes_training, moe_mismatch, moe (on the
-    reasoning task; the last two: mixture of experts), or all"""
+    reasoning task; the last two: mixture of experts), tools (the tool task), or all"""
     quick: bool = False
     """a few minutes: 1 seed, 8 steps, smaller evaluations (results under --output-dir)"""
     seeds: int | None = None
