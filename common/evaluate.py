@@ -75,7 +75,11 @@ class EvalArgs:
     prompts: int = 0
     """score only the first this many prompts (0: all)"""
     max_new_tokens: int = 16
-    """maximum completion length"""
+    """maximum completion length (a task with tools: the policy's own tokens of an episode)"""
+    max_turns: int = 4
+    """a task with tools: the policy's turns per episode at most, as in the training scripts"""
+    max_episode_tokens: int = 0
+    """a task with tools: an episode's tokens at most, the tools' outputs included (0: twice --max-new-tokens)"""
     temperature: float = 1.0
     """sampling temperature for the k samples (greedy accuracy is always computed)"""
     engine: Literal["auto", "hf", "vllm"] = "auto"
@@ -104,6 +108,7 @@ def main() -> None:
     from common.errors import BadInput
     from common.tasks import MIN_NEW_TOKENS, load_task
     from common.tiny import resolve_model
+    from common.tools import episode_tokens, with_tools
 
     description = "Score a model on a task's test split: greedy, avg@k, pass@j."
     args = tyro.cli(EvalArgs, prog="python -m common.evaluate", description=description)
@@ -114,6 +119,8 @@ def main() -> None:
         args.max_new_tokens >= min_new_tokens, "--max-new-tokens", f">= {min_new_tokens} for {args.task}"
     )
     problems += require(0 < args.temperature < math.inf, "--temperature", "> 0 and finite")
+    problems += require(args.max_turns >= 1, "--max-turns", ">= 1")
+    problems += require(args.max_episode_tokens >= 0, "--max-episode-tokens", ">= 0")
     refuse(problems)
     torch.manual_seed(args.seed)
     rows = load_task(args.task, "test", args.question_column, args.answer_column)[: args.prompts or None]
@@ -121,23 +128,24 @@ def main() -> None:
     if os.path.isdir(path):  # a checkpoint or a local model: a truncated weights file is named, not a traceback
         check_checkpoint_files(path, weights_only=True)
     tokenizer = load_tokenizer(path)
-    # the engine's context holds the longest prompt plus --max-new-tokens (the trainer bounds it the same
-    # way): checked before any weights are loaded
+    # the engine's context holds the longest prompt plus --max-new-tokens (a whole episode's tokens with tools; the
+    # trainer bounds it the same way): checked before any weights are loaded
     longest = max(len(encode_prompt(row.question, tokenizer, args.task, args.chat_template)) for row in rows)
-    model_limit = AutoConfig.from_pretrained(path).max_position_embeddings
-    if longest + args.max_new_tokens > model_limit:
+    model_limit, new_tokens = AutoConfig.from_pretrained(path).max_position_embeddings, episode_tokens(args)
+    if longest + new_tokens > model_limit:
+        what = f"--max-new-tokens {args.max_new_tokens}"
+        what += f" ({new_tokens} tokens an episode with tools)" if new_tokens != args.max_new_tokens else ""
         raise BadInput(
-            f"the longest prompt ({longest} tokens) + --max-new-tokens {args.max_new_tokens} exceeds "
-            f"{args.model}'s context of {model_limit} tokens: lower --max-new-tokens"
+            f"the longest prompt ({longest} tokens) + {what} exceeds {args.model}'s context of {model_limit} tokens: "
+            "lower --max-new-tokens"
         )
     kind = engine_kind(args.engine)
     model = None
     if kind == "hf":  # vLLM loads its own weights: no second copy on the GPU
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.to("cuda" if torch.cuda.is_available() else "cpu")
-    engine = make_engine(
-        kind, model, tokenizer, model_path=path, seed=args.seed, max_model_len=longest + args.max_new_tokens
-    )
+    engine = make_engine(kind, model, tokenizer, model_path=path, seed=args.seed, max_model_len=longest + new_tokens)
+    engine = with_tools(engine, tokenizer, args)  # a task with tools: multi-turn episodes (common/tools.py)
     metrics = evaluate(
         engine, tokenizer, rows, args.task, args.k, args.max_new_tokens, args.temperature, args.chat_template
     )

@@ -25,6 +25,14 @@ def tiny_sums_dir(tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_products_dir(tiny_dir):
+    """The built-in model of the tool task `products` (warm-started from the arith one to call a calculator)."""
+    from common.tiny import tiny_model_dir
+
+    return tiny_model_dir("products")
+
+
+@pytest.fixture(scope="session")
 def tiny_moe_dir(tiny_dir):
     """The built-in mixture-of-experts model of the `arith` task (upcycled from the dense one)."""
     from common.tiny import tiny_model_dir

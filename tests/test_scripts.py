@@ -38,6 +38,7 @@ def recorded_metrics(name):
     like, or an f-string for a family (ISOPO's per-layer `isopo/{group}/{key}`: one piece per placeholder)."""
     source = open(os.path.join(REPO, "algorithms", f"{name}.py")).read()
     source += open(os.path.join(REPO, "common", "rollouts.py")).read()  # what dynamic sampling records
+    source += open(os.path.join(REPO, "common", "tools.py")).read()  # what episodes with tools record
     calls = re.findall(r'(?:metrics\.(?:mean|sum|max|min|set|timer)|getattr\(metrics, \w+\))\(\s*(f?)"([^"]+)"', source)
     return [r"[^/]+".join(map(re.escape, re.split(r"\{[^}]*\}", text))) if f else re.escape(text) for f, text in calls]
 
@@ -49,22 +50,26 @@ def test_help_documents_every_flag(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ALGORITHMS)
-def test_two_steps_end_to_end(name, tmp_path, tiny_dir):
-    """Two steps with evaluations: every metric every script logs, each logged metric recorded in the
-    script's own code (where its comment defines it), the curves, and a checkpoint that loads and trained."""
-    run_script(f"algorithms/{name}.py", "--steps", 2, "--eval-every", 1, "--output-dir", tmp_path, *SMALL)
+def test_two_steps_end_to_end(name, tmp_path, tiny_products_dir):
+    """Two steps with evaluations on the built-in tool task (episodes with calculator calls): every metric every
+    script logs, each logged metric recorded in the script's own code or the common module it calls (where its
+    comment defines it), the curves, and a checkpoint that loads and trained."""
+    flags = ["--task", "products", "--max-new-tokens", 32, "--steps", 2, "--eval-every", 1, "--output-dir", tmp_path]
+    run_script(f"algorithms/{name}.py", *flags, *SMALL)
     run_dir = only_run_dir(tmp_path)
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2]
     patterns = recorded_metrics(name)
     clip = CLIP_LOGGED if re.escape("losses/ratio_max") in patterns else []  # the scripts with a ratio
-    for key in BASE_LOGGED + clip + ["eval/greedy_accuracy", "eval/avg@2", "eval/pass@2", "time/eval"]:
+    tools = ["tools/calls_per_episode", "tools/turns", "tools/errors", "mismatch/kl_k3_first_turn"]
+    for key in BASE_LOGGED + clip + tools + ["eval/greedy_accuracy", "eval/avg@2", "eval/pass@2", "time/eval"]:
         assert isinstance(records[-1][key], float), key
+    assert sum(r["tools/calls_per_episode"] for r in records[1:]) > 0  # the warm start calls its calculator
     logged = {key for key in records[-1] if not key.startswith("eval/")} - {"step"}  # eval/*: common/evaluate.py
     unrecorded = sorted(key for key in logged if not any(re.fullmatch(p, key) for p in patterns))
     assert not unrecorded, f"{name}.py logs metrics no line of it records by name: {unrecorded}"
     assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 10_000
-    assert_weights_changed(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_dir)
+    assert_weights_changed(os.path.join(run_dir, "checkpoints", "step_00000002"), tiny_products_dir)
 
 
 @pytest.mark.slow

