@@ -57,6 +57,7 @@ class TaskFile:
     tool_seconds: float = TOOL_SECONDS
     tool_result: str = TOOL_RESULT
     in_process: bool = False  # a built-in task: its score and tools run here, not in a worker
+    tool_call: str = "tag"  # tag: <name>argument</name>; json: <tool_call>{"name": ..., "arguments": ...}</tool_call>
 
     @property
     def name(self) -> str:
@@ -115,9 +116,12 @@ def load_task_file(path: str) -> TaskFile:
     result = getattr(module, "TOOL_RESULT", TOOL_RESULT)
     if not isinstance(result, str) or result.count("{}") != 1:
         raise BadInput(f"{path}: TOOL_RESULT must be a string with one {{}} where the output goes, got {result!r}")
+    call = getattr(module, "TOOL_CALL", "tag")
+    if call not in ("tag", "json"):
+        raise BadInput(f"{path}: TOOL_CALL must be 'tag' (<name>argument</name>) or 'json' (<tool_call>), got {call!r}")
     seconds = float(seconds["SCORE_SECONDS"]), float(seconds["TOOL_SECONDS"])
     built_in = path in BUILT_IN.values()
-    _LOADED[path] = TaskFile(path, module, system_prompt, seconds[0], tuple(tools), seconds[1], result, built_in)
+    _LOADED[path] = TaskFile(path, module, system_prompt, seconds[0], tuple(tools), seconds[1], result, built_in, call)
     return _LOADED[path]
 
 

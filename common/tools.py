@@ -6,6 +6,12 @@ A task file (common/task_files.py) declares its tools; the built-in `sums-calc` 
     TOOLS = {"calc": calculator}          # the policy calls it by writing <calc>12*34</calc>
     TOOL_SECONDS = 5                      # optional: the time limit of one call (default 10)
     TOOL_RESULT = "<result>{}</result>"   # optional: how the output is shown to the policy (this is the default)
+    TOOL_CALL = "json"                    # optional: a chat model's call, <tool_call>{"name": "calc", "arguments":
+                                          # {...}}</tool_call> (Hermes / Qwen); the tool gets the arguments as JSON text
+
+A chat model is told about its tools by the task's SYSTEM_PROMPT, and its TOOL_RESULT holds the chat template's turn
+markers around the output (for Qwen: `<|im_end|>\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n
+<|im_start|>assistant\n`), so that the episode's tokens are what the template would have written.
 
     engine = with_tools(make_engine(...), tokenizer, args)   # the engine itself when the task has no tools
     completions = engine.generate(prompt_ids, n=8, max_new_tokens=64, temperature=1.0)
@@ -26,6 +32,7 @@ time is answered with `error: ...` and counted (tools/errors, tools/timeouts).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -75,7 +82,8 @@ class Episode:
     errors: int = 0
     timeouts: int = 0
     finish: str = "stop"
-    call: tuple[str, str | None] | None = None  # (tool, argument) of the call that ended the last turn
+    # (tool, argument, None), or (tool or None, None, what is wrong with it), of the call that ended the last turn
+    call: tuple[str | None, str | None, str | None] | None = None
 
     @property
     def policy_tokens(self) -> int:
@@ -89,7 +97,10 @@ class ToolEngine:
     def __init__(self, engine, tokenizer, toolbox: TaskFile, max_turns: int, max_episode_tokens: int):
         self.engine, self.tokenizer, self.toolbox = engine, tokenizer, toolbox
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
-        self.closing = {f"</{name}>": name for name in toolbox.tools}
+        if toolbox.tool_call == "json":  # one marker for every tool: the name is in the JSON
+            self.closing = {"</tool_call>": None}
+        else:
+            self.closing = {f"</{name}>": name for name in toolbox.tools}
 
     def __getattr__(self, name):  # load_weights, sleep, wake_up, close, dtype, ...
         return getattr(self.engine, name)
@@ -145,20 +156,35 @@ class ToolEngine:
         if episode.turns == self.max_turns:  # no turn left to read the output
             episode.finish = "turns"
             return
-        name = self.closing[closing]
-        body = text[: text.index(closing)]
-        opening = body.rfind(f"<{name}>")
-        episode.call = (name, body[opening + len(name) + 2 :] if opening >= 0 else None)
+        episode.call = self._parse_call(text[: text.index(closing)], self.closing[closing])
+
+    def _parse_call(self, body: str, name: str | None) -> tuple[str | None, str | None, str | None]:
+        """(tool, argument, None), or (tool or None, None, the problem): the text of `<name>argument</name>`, or the
+        JSON of `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (its arguments passed as JSON text)."""
+        opening = "<tool_call>" if name is None else f"<{name}>"
+        start = body.rfind(opening)
+        if start < 0:
+            return name, None, f"no {opening} opens the call"
+        argument = body[start + len(opening) :]
+        if name is not None:
+            return name, argument, None
+        try:
+            call = json.loads(argument)
+            name, arguments = call["name"], call.get("arguments", {})
+        except (ValueError, KeyError, TypeError) as error:
+            return None, None, f"the call is not a JSON object with a name ({type(error).__name__}: {error})"
+        if name not in self.toolbox.tools:
+            return None, None, f"no tool named {name!r} (the tools: {', '.join(self.toolbox.tools)})"
+        return name, arguments if isinstance(arguments, str) else json.dumps(arguments), None
 
     def _answer_calls(self, episodes: list[Episode]) -> None:
         """Run every pending call (in the task file's worker, each under the time limit), then append each output."""
         toolbox = self.toolbox
-        runnable = [e for e in episodes if e.call[1] is not None]
-        outcomes = run_each(toolbox, [("tool", *e.call) for e in runnable], toolbox.tool_seconds)
+        runnable = [e for e in episodes if e.call[2] is None]
+        outcomes = run_each(toolbox, [("tool", *e.call[:2]) for e in runnable], toolbox.tool_seconds)
         answers = dict(zip(map(id, runnable), outcomes))
         for episode in episodes:
-            name, argument = episode.call
-            outcome = answers.get(id(episode), ("raised", f"no <{name}> opens the call"))
+            outcome = answers.get(id(episode), ("raised", episode.call[2]))
             episode.calls += 1
             if outcome is None:
                 episode.timeouts += 1

@@ -169,6 +169,39 @@ def test_a_call_without_its_opening_marker_is_an_error_and_the_sampling_mask_spa
     assert episode.sampling_mask[:, 0].tolist() == episode.token_ids  # each turn's kept ids, and the outputs' own
 
 
+def test_a_chat_models_json_tool_call(tiny, tmp_path):
+    """TOOL_CALL = "json": one closing marker for every tool, the name and arguments read from the JSON (the tool gets
+    the arguments as JSON text); malformed JSON and an unknown name are answered as errors, not run."""
+    import json
+
+    path = tmp_path / "chat_tools.py"
+    path.write_text(
+        CALCULATOR.replace("a, b = expression.split", "a, b = __import__('json').loads(expression)['x'].split")
+        + "TOOL_CALL = 'json'\nTOOL_RESULT = '<tool_response>{}</tool_response>'\n"
+    )
+    _, tokenizer = tiny
+    calls = iter(
+        [
+            '<tool_call>{"name": "calc", "arguments": {"x": "2*3"}}</tool_call>',
+            "<tool_call>{name: calc}</tool_call>",
+            '<tool_call>{"name": "search", "arguments": {}}</tool_call>',
+            "ok$",
+        ]
+    )
+    engine = ToolEngine(ScriptedPolicy(tokenizer, lambda _: next(calls)), tokenizer, load_task_file(str(path)), 5, 1000)
+    (episode,) = engine.generate([encode(tokenizer, "Q: 2*3=")], 1, 200, 1.0)
+    outputs = tokenizer.decode([t for t, tool in zip(episode.token_ids, episode.tool_mask) if tool])
+    outputs = (
+        outputs.removeprefix("<tool_response>")
+        .removesuffix("</tool_response>")
+        .split("</tool_response><tool_response>")
+    )
+    assert outputs[0] == "6" and json.loads('{"x": "2*3"}') == {"x": "2*3"}
+    assert outputs[1].startswith("error: the call is not a JSON object with a name (JSONDecodeError")
+    assert outputs[2] == "error: no tool named 'search' (the tools: calc)"
+    assert (episode.tool_calls, episode.tool_errors, episode.turns) == (3, 2, 4)
+
+
 def test_a_filter_along_the_response_skips_a_tool_output():
     """EMA-KPO's lines: gathered policy-first, filtered, restored: at the policy's tokens the filter equals the one
     over the policy's tokens alone, whatever the tool's output holds."""
