@@ -3,6 +3,7 @@ measure against a direct computation, every suite's flags accepted by its script
 
 import importlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -88,6 +89,23 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_and_one_without_starts_c
     os.remove(os.path.join(folder, "checkpoints", "step_00000002", "trainer_state.pt"))  # incomplete
     command = run.command()
     assert "--resume" not in command and not os.path.exists(folder)
+
+
+def test_a_column_averages_the_steps_that_measured_it(tmp_path):
+    """A mean of nothing is written as "nan" (the later turns' mismatch at a step without a tool call): the column is
+    the mean of the steps that measured it, and NaN only for a run that never did."""
+    suite = bench.Suite(
+        "demo", "demo", [GRPO], [bench.Panel("eval/greedy_accuracy", "acc")], steps=4, columns=(("x", "x"),)
+    )
+    run_records = records(4, 0.5)
+    for record, value in zip(run_records[1:], [1.0, "nan", 3.0, "nan"]):
+        record["x"] = value
+    write_run(make_run(tmp_path), run_records)
+    assert bench.summarise(suite, [make_run(tmp_path)])[0]["x"] == 2.0
+    for record in run_records[1:]:
+        record["x"] = "nan"
+    write_run(make_run(tmp_path), run_records)
+    assert math.isnan(bench.summarise(suite, [make_run(tmp_path)])[0]["x"])
 
 
 def test_summary_table_and_plots_from_known_runs(tmp_path):

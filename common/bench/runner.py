@@ -749,6 +749,11 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def _measured(value) -> bool:
+    """A metric's value that was measured: a finite number (metrics.jsonl writes a mean of nothing as "nan")."""
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
     """One row per config: final held-out accuracy (mean and std over seeds), seconds per step, per phase."""
     rows = []
@@ -787,9 +792,12 @@ def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
             ("sampling/rollouts", "rollouts_per_step"),
         ]:  # completions generated (dynamic sampling: more)
             row[name] = mean_std([r.get(key) for rs in records for r in rs if r["step"] > 0])[0]
-        for key, _ in suite.columns:  # each run's mean over its training steps, then mean ± std over seeds
+        for key, _ in suite.columns:  # each run's mean over the training steps that measured it, then over seeds
             row[key], row[key + "_std"] = mean_std(
-                [statistics.fmean([r[key] for r in rs if r["step"] > 0 and key in r] or [math.nan]) for rs in records]
+                [
+                    statistics.fmean([r[key] for r in rs if r["step"] > 0 and _measured(r.get(key))] or [math.nan])
+                    for rs in records
+                ]
             )
         if suite.kl_drift:
             row["kl_drift"], row["kl_drift_std"] = mean_std(
