@@ -128,16 +128,20 @@ class ToolEngine:
             turns = self.engine.generate(contexts, 1, max(budgets), **sample)
         return [self._completion(e) for e in episodes]
 
+    def _room(self, episode: Episode, max_new_tokens: int) -> int:
+        """The tokens the policy may still sample: within its own limit and the episode's."""
+        return min(max_new_tokens - episode.policy_tokens, self.max_episode_tokens - len(episode.tokens))
+
     def _budget(self, episode: Episode, max_new_tokens: int) -> int:
         """The tokens the policy may sample in its next turn; an episode with none left ends ("length")."""
-        budget = min(max_new_tokens - episode.policy_tokens, self.max_episode_tokens - len(episode.tokens))
+        budget = self._room(episode, max_new_tokens)
         if budget <= 0:
             episode.finish = "length"
         return budget
 
     def _add_turn(self, episode: Episode, turn: Completion, max_new_tokens: int) -> None:
         """The policy's tokens of one turn (cut to the episode's budget), and the call it ends with, if any."""
-        budget = min(max_new_tokens - episode.policy_tokens, self.max_episode_tokens - len(episode.tokens))
+        budget = self._room(episode, max_new_tokens)
         tokens, cut = turn.token_ids[:budget], len(turn.token_ids) > budget
         episode.tokens += tokens
         episode.logprobs += turn.logprobs[: len(tokens)]
@@ -195,13 +199,13 @@ class ToolEngine:
                 output = outcome[1]
             episode.errors += outcome is None or outcome[0] == "raised"
             ids = self.tokenizer(toolbox.tool_result.format(output), add_special_tokens=False)["input_ids"]
-            room = self.max_episode_tokens - len(episode.tokens)
-            episode.tokens += ids[:room]
-            episode.logprobs += [0.0] * len(ids[:room])
-            episode.tool_mask += [1] * len(ids[:room])
+            kept = ids[: self.max_episode_tokens - len(episode.tokens)]  # cut at the episode's limit
+            episode.tokens += kept
+            episode.logprobs += [0.0] * len(kept)
+            episode.tool_mask += [1] * len(kept)
             if episode.masks:  # a tool's token was not sampled: its kept set is itself (never scored: masked)
-                episode.masks.append(torch.tensor(ids[:room], dtype=torch.int32)[:, None])
-            episode.finish = "length" if len(ids) > room else "stop"
+                episode.masks.append(torch.tensor(kept, dtype=torch.int32)[:, None])
+            episode.finish = "length" if len(kept) < len(ids) else "stop"
 
     def _completion(self, episode: Episode) -> Completion:
         mask = None

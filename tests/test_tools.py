@@ -14,6 +14,7 @@ from common import tools
 from common.engines import Completion, HFEngine
 from common.task_files import load_task_file
 from common.tools import ToolEngine, policy_first, restore_order
+from common.tracking import StepMetrics
 
 CALCULATOR = textwrap.dedent(
     """
@@ -142,21 +143,10 @@ def test_the_limits_turns_policy_tokens_and_the_whole_episode(tiny, calculator):
     assert (whole.finish_reason, len(whole.token_ids), whole.policy_length) == ("length", 40, 22)
     cut_output = run(max_turns=9, max_new_tokens=100, max_episode_tokens=20)  # the output itself is cut
     assert (cut_output.finish_reason, len(cut_output.token_ids), sum(cut_output.tool_mask)) == ("length", 20, 4)
-    metrics = _Recorder()
+    metrics = StepMetrics()
     tools.record_tool_use(metrics, [last_turn_call, own_tokens, whole, cut_output], max_new_tokens=40)
     assert metrics.means["tools/turn_limit_rate"] == [1, 4] and metrics.means["tools/policy_limit_rate"] == [1, 4]
     assert metrics.means["tools/episode_limit_rate"] == [2, 4] and metrics.means["tools/calls_per_episode"] == [5, 4]
-
-
-class _Recorder:
-    def __init__(self):
-        self.means, self.sums = {}, {}
-
-    def mean(self, name, total, count):
-        self.means[name] = [float(total), float(count)]
-
-    def sum(self, name, value):
-        self.sums[name] = float(value)
 
 
 def test_a_call_without_its_opening_marker_is_an_error_and_the_sampling_mask_spans_the_episode(tiny, calculator):
