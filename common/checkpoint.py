@@ -6,7 +6,8 @@
     trainer_state = load_checkpoint(path, model, optimizer, dist)
 
 A checkpoint is a folder `checkpoints/step_00000050/` holding the policy in Hugging Face format
-(`save_pretrained`: loadable by transformers and vLLM, float32 master weights), the optimizer state
+(`save_pretrained`: loadable by transformers and vLLM, float32 master weights; with --lora-rank the adapter in
+peft's format, common/adapters.py), the optimizer state
 through `torch.distributed.checkpoint` (sharded: each rank writes its part; reloadable on another
 number of ranks), each rank's RNG states, and `trainer_state.pt` (step, scheduler; the data position is
 the step, see tasks.sample_batch). It is written to `step_XXXXXXXX.tmp` and renamed once complete, so
@@ -25,6 +26,7 @@ import warnings
 import numpy as np
 import torch
 
+from common import adapters
 from common.checks import damaged, read_checkpoint_file
 from common.errors import BadInput
 from common.fsdp import Dist, barrier
@@ -64,8 +66,10 @@ def save_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, d
         shutil.rmtree(temporary, ignore_errors=True)
         os.makedirs(temporary)
     barrier(dist)
-    # full weights, gathered on rank 0 only
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # full weights, gathered on rank 0 only; with LoRA the adapter's alone, saved in peft's format
+    # (adapter_config.json, adapter_model.safetensors), the frozen base being --model's
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters.is_adapted(model))
+    weights = get_model_state_dict(model, options=options)
     if dist.is_main:
         model.save_pretrained(temporary, state_dict=weights)
         tokenizer.save_pretrained(temporary)

@@ -83,6 +83,18 @@ def shared_flags(args) -> list[str]:
         *require(args.save_every >= 0, "--save-every", ">= 0 (0: only at the end)"),
         *require(args.keep_checkpoints >= 0, "--keep-checkpoints", ">= 0 (0: keep them all)"),
         *require(0 < args.gpu_memory_utilization < 1, "--gpu-memory-utilization", "in (0, 1)"),
+        *require(args.lora_rank >= 0, "--lora-rank", ">= 0 (0: full fine-tuning)"),
+        *require(0 < args.lora_alpha < INFINITY, "--lora-alpha", "> 0 and finite"),
+        *require(
+            len(args.lora_target_modules) > 0 and all(args.lora_target_modules),
+            "--lora-target-modules",
+            "one or more module names (all-linear: every Linear but the output layer)",
+        ),
+        *(
+            unused(args, ["lora_alpha", "lora_target_modules"], "applies with --lora-rank > 0 only")
+            if not args.lora_rank
+            else []
+        ),
     ]
 
 

@@ -30,7 +30,7 @@ from typing import Iterable, Literal
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from common import moe
+from common import adapters, moe
 from common.errors import BadInput
 from common.logprobs import float32_linear
 
@@ -138,10 +138,15 @@ class HFEngine:
         float32_head: bool = False,
     ):
         same_dtype = dtype is None or dtype == next(model.parameters()).dtype
-        if share_weights and same_dtype and quantize is None:
-            self.model, self.shares_trainer_weights = model, True
+        if share_weights and same_dtype and quantize is None:  # LoRA: the base model runs its adapters as it trains
+            self.model, self.shares_trainer_weights = (
+                model.get_base_model() if adapters.is_adapted(model) else model,
+                True,
+            )
         else:  # its own copy: another dtype, rounded weights, or a trainer whose weights will be sharded across ranks
-            self.model, self.shares_trainer_weights = copy.deepcopy(model).to(dtype), False
+            own = copy.deepcopy(model)
+            own = own.merge_and_unload() if adapters.is_adapted(own) else own  # LoRA: a plain model, W + (α/r)·B·A
+            self.model, self.shares_trainer_weights = own.to(dtype), False
         self.dtype = next(self.model.parameters()).dtype
         # quantize: every Linear weight but the output layer's (which is also the embedding when tied), as
         # weight-quantized inference engines do; rounded again after each weight push
@@ -610,7 +615,10 @@ def make_engine(
         raise ValueError(f"engine dtype {dtype}: rounded weights are the transformers engine's (--rollout-engine hf)")
     if engine_kind(kind) == "vllm":
         dtype = vllm_dtype(dtype, compute_dtype, on_gpu=torch.cuda.is_available())
-        return VLLMEngine(
+        adapted = model is not None and adapters.is_adapted(model)
+        if adapted:  # LoRA: vLLM starts from the base weights; a resumed adapter is merged in by a push below
+            model_path = model.peft_config[adapters.ADAPTER].base_model_name_or_path
+        engine = VLLMEngine(
             model_path or model.name_or_path,
             dtype,
             max_model_len,
@@ -618,10 +626,13 @@ def make_engine(
             gpu_memory_utilization,
             sleep_mode,
             stop_token_ids=end_of_turn_ids(tokenizer),
-            model=model,
+            model=model.get_base_model() if adapted else model,
             routing=routing,
             float32_head=float32_head,
         )
+        if adapted and adapters.has_trained(model):
+            engine.load_weights(adapters.merged_weights(model, lambda tensor, dtype: tensor.detach().to(dtype=dtype)))
+        return engine
     engine = HFEngine(
         model,
         tokenizer,

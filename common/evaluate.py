@@ -103,6 +103,7 @@ def main() -> None:
     import tyro
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from common import adapters
     from common.checks import check_checkpoint_files, refuse, require
     from common.engines import engine_kind, load_tokenizer, make_engine
     from common.errors import BadInput
@@ -124,14 +125,16 @@ def main() -> None:
     refuse(problems)
     torch.manual_seed(args.seed)
     rows = load_task(args.task, "test", args.question_column, args.answer_column)[: args.prompts or None]
-    path = resolve_model(args.model, args.task)
+    path = resolve_model(args.model, args.task, adapter=True)  # a --lora-rank checkpoint too
     if os.path.isdir(path):  # a checkpoint or a local model: a truncated weights file is named, not a traceback
         check_checkpoint_files(path, weights_only=True)
     tokenizer = load_tokenizer(path)
     # the engine's context holds the longest prompt plus --max-new-tokens (a whole episode's tokens with tools; the
     # trainer bounds it the same way): checked before any weights are loaded
     longest = max(len(encode_prompt(row.question, tokenizer, args.task, args.chat_template)) for row in rows)
-    model_limit, new_tokens = AutoConfig.from_pretrained(path).max_position_embeddings, episode_tokens(args)
+    adapter = adapters.is_adapter_folder(path)  # a --lora-rank checkpoint: its base model and the adapter, merged
+    config = AutoConfig.from_pretrained(adapters.base_of(path) if adapter else path)
+    model_limit, new_tokens = config.max_position_embeddings, episode_tokens(args)
     if longest + new_tokens > model_limit:
         what = f"--max-new-tokens {args.max_new_tokens}"
         what += f" ({new_tokens} tokens an episode with tools)" if new_tokens != args.max_new_tokens else ""
@@ -141,10 +144,17 @@ def main() -> None:
         )
     kind = engine_kind(args.engine)
     model = None
-    if kind == "hf":  # vLLM loads its own weights: no second copy on the GPU
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        model.to("cuda" if torch.cuda.is_available() else "cpu")
-    engine = make_engine(kind, model, tokenizer, model_path=path, seed=args.seed, max_model_len=longest + new_tokens)
+    if kind == "hf" or adapter:  # vLLM loads its own weights: no second copy on the GPU
+        model = (
+            adapters.load_merged(path) if adapter else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        )
+        model.to("cuda" if torch.cuda.is_available() and kind == "hf" else "cpu")
+    engine_path = adapters.base_of(path) if adapter else path
+    engine = make_engine(
+        kind, model, tokenizer, model_path=engine_path, seed=args.seed, max_model_len=longest + new_tokens
+    )
+    if adapter and kind == "vllm":  # vLLM starts from the base model: the merged weights are pushed
+        engine.load_weights(model.state_dict().items())
     engine = with_tools(engine, tokenizer, args)  # a task with tools: multi-turn episodes (common/tools.py)
     metrics = evaluate(
         engine, tokenizer, rows, args.task, args.k, args.max_new_tokens, args.temperature, args.chat_template

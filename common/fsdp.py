@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as torch_dist
 
-from common import logprobs
+from common import adapters, logprobs
 
 
 @dataclass(frozen=True)
@@ -141,12 +141,19 @@ def named_full_tensors(model, device: torch.device, dtype: torch.dtype | None = 
     """(Hugging Face name, full tensor on `device`, in `dtype`) for every weight, gathered one tensor at a
     time. A shard is moved to the compute device and cast before its gather (a CPU-offloaded shard cannot
     go through nccl; the engine's dtype halves the traffic for bf16). Under FSDP2 every rank must iterate
-    this to the end, in the same order: each gather is a collective."""
+    this to the end, in the same order: each gather is a collective. A model with LoRA adapters
+    (common/adapters.py) gives the base model's names and merged weights W + (α/r)·B·A."""
     from torch.distributed.tensor import DTensor
 
-    for name, tensor in model.state_dict().items():
+    def gather(tensor, dtype):
         tensor = tensor.detach().to(device=device, dtype=dtype)
-        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    if adapters.is_adapted(model):
+        yield from adapters.merged_weights(model, gather, dtype)
+        return
+    for name, tensor in model.state_dict().items():
+        yield name, gather(tensor, dtype)
 
 
 def clip_grad_norm(model, max_norm: float, device: torch.device) -> torch.Tensor:

@@ -8,7 +8,8 @@ The same flags as the scripts (the ones that change memory), plus --gpus (torchr
 each part of the peak, the phase that sets it (the update, the optimizer step or generation), whether it fits, and
 which flags would make it fit when it does not. The parts, per GPU:
 - training state: float32 weights, gradients and AdamW's two moments, 16 bytes per parameter, split over the
-  ranks by FSDP2 (in CPU memory with --cpu-offload);
+  ranks by FSDP2 (in CPU memory with --cpu-offload); with --lora-rank 16 bytes per adapter parameter, and the
+  frozen weights at 2 (bf16 compute) or 4 bytes each;
 - weights in the compute dtype: one process under bf16 autocast keeps a bf16 cast of every weight for the backward
   (one layer's with --gradient-checkpointing); FSDP2 ranks gather bf16 weights one layer at a time (two in
   flight) beside the root module (embedding, output layer), which stays gathered between forward and backward;
@@ -82,6 +83,8 @@ class Plan:
     """the scripts' --vllm-sleep-mode"""
     kl_coef: float = 0.0
     """> 0 loads a reference model (float32, sharded like the policy)"""
+    lora_rank: int = 0
+    """the scripts' --lora-rank (adapters on every Linear of the decoder layers; 0: full fine-tuning)"""
     full_logits: bool = False
     """full [B, T, vocabulary] logits in the update (isopo.py) instead of chunks"""
 
@@ -148,6 +151,16 @@ def activation_bytes_per_token(
     return ((saved[2, long] - saved[1, long]) - (saved[2, short] - saved[1, short])) / (long - short)
 
 
+def lora_parameters(config, rank: int) -> int:
+    """The adapters' parameters at rank r on every Linear of the decoder layers: r × (in + out) each."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linear = [m for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    return len(model.model.layers) * sum(rank * (m.in_features + m.out_features) for m in linear)
+
+
 def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
     """Each part of the peak in bytes, the phase that sets it, and the total. `config`: the model's (default: read from
     plan.model); `per_token`: activation bytes per token per layer (default: measured, activation_bytes_per_token)."""
@@ -157,22 +170,30 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
     compute = fsdp.compute_dtype(plan.dtype, torch.device(plan.device))
     sharded = plan.gpus > 1
     mixed = sharded and compute == torch.bfloat16  # fsdp.shard's MixedPrecisionPolicy: bf16 weights in the forward
-    residual = compute if mixed else torch.float32
+    lora_bf16 = plan.lora_rank > 0 and compute == torch.bfloat16  # the frozen weights, embedding included, in bf16
+    residual = compute if mixed or lora_bf16 else torch.float32
     if per_token is None:
         per_token = activation_bytes_per_token(config, compute, residual)
     hidden, vocab, layers = config.hidden_size, config.vocab_size, counts["layers"]
     compute_bytes = compute.itemsize
 
     parts = {}
-    # parameters whose float32 weight, gradient and AdamW moments (16 bytes) this GPU holds: its shard
-    on_device = 0.0 if (plan.cpu_offload and sharded and gpu) else counts["total"] / plan.gpus
+    # parameters whose float32 weight, gradient and AdamW moments (16 bytes) this GPU holds: its shard. With LoRA the
+    # adapters' alone, beside the frozen weights (bf16 under bf16 compute, else float32; common/adapters.py)
+    offloaded = plan.cpu_offload and sharded and gpu
+    trained = lora_parameters(config, plan.lora_rank) if plan.lora_rank else counts["total"]
+    on_device = 0.0 if offloaded else trained / plan.gpus
     parts["training state (fp32 weights, grads, AdamW)"] = 16 * on_device
+    frozen_bytes = (2 if lora_bf16 else 4) if plan.lora_rank else 0
+    frozen = 0.0 if offloaded else frozen_bytes * counts["total"] / plan.gpus
+    if plan.lora_rank:
+        parts["frozen weights (LoRA)"] = frozen
     if plan.kl_coef > 0:
         parts["reference model (fp32)"] = 4 * counts["total"] / plan.gpus
     # weights in the compute dtype during the update
     if sharded:  # gathered: the root stays, two layers in flight
         parts["gathered weights"] = (counts["root"] + 2 * counts["layer"]) * (compute_bytes if mixed else 4)
-    elif compute != torch.float32:  # autocast's casts, kept for the backward
+    elif compute != torch.float32 and not lora_bf16:  # autocast's casts, kept for the backward (bf16 ones need none)
         kept_layers = 1 if plan.gradient_checkpointing else layers
         parts["weight casts for the backward"] = (counts["root"] + kept_layers * counts["layer"]) * compute_bytes
     # activations of the longest micro-batch
@@ -210,9 +231,9 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
 
     update = sum(parts.values())
     # the optimizer step: the state, and AdamW's foreach temporaries (about one more float32 copy of the shard)
-    step = 20 * on_device + engine_training + fixed
+    step = 20 * on_device + frozen + engine_training + fixed
     # generation: weights and AdamW's moments (gradients are freed), the engine, but no activations
-    resident = 12 * on_device + fixed + (engine_training if plan.rollout_engine != "vllm" or not gpu else 0.0)
+    resident = 12 * on_device + frozen + fixed + (engine_training if plan.rollout_engine != "vllm" or not gpu else 0.0)
     rollout = resident + sum(generation.values())
     phases = {"update": update, "optimizer step": step, "generation": rollout}
     return {
@@ -222,6 +243,7 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
         "peak_bytes": max(phases.values()),
         "phase": max(phases, key=phases.get),
         "parameters": counts["total"],
+        "trained_parameters": trained,
         "activation_bytes_per_token_per_layer": per_token,
     }
 
@@ -266,8 +288,9 @@ def advice(plan: Plan, result: dict) -> list[str]:
 def report(plan: Plan, result: dict) -> str:
     unit, scale = ("GiB", GiB) if plan.device == "cuda" else ("GB", 1e9)
     budget = plan.gpu_gib * GiB if plan.device == "cuda" else None
-    count = result["parameters"]
-    count = f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.1f} M"
+    size = lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+    count = size(result["parameters"])
+    count += f" ({size(result['trained_parameters'])} in LoRA's adapters)" if plan.lora_rank else ""
     lines = [
         f"{plan.model}: {count} parameters, {plan.gpus} rank(s); activations "
         f"{result['activation_bytes_per_token_per_layer'] / 1024:.0f} KiB per token per layer"

@@ -119,12 +119,13 @@ MODEL_CHOICES = (
 )
 
 
-def resolve_model(name: str, task: str = "arith") -> str:
+def resolve_model(name: str, task: str = "arith", adapter: bool = False) -> str:
     """`tiny` / `tiny-moe` -> the folder of the built-in model warm-started on `task` (the `arith` one for a task
     that is not built in; built if needed); a Hugging Face model id or a local model
     folder is returned unchanged. A local folder without config.json, or a local path that does not
     exist, is an error that says so (transformers would otherwise try to convert a tokenizer and fail
-    with a message about sentencepiece and tiktoken)."""
+    with a message about sentencepiece and tiktoken). A LoRA checkpoint (adapter_config.json) is a model only
+    where `adapter` says so (evaluation: base and adapter merged)."""
     if name in ("tiny", "tiny-moe"):
         return tiny_model_dir(task if task in WARM_STARTS else "arith", moe=name == "tiny-moe")
     if os.path.isdir(name):
@@ -135,7 +136,13 @@ def resolve_model(name: str, task: str = "arith") -> str:
                 f"(--model {newest[-1] if newest else os.path.join(name, 'checkpoints', 'step_N')}), or continue "
                 f"the run with --resume {name}"
             )
-        if not os.path.isfile(os.path.join(name, "config.json")):
+        is_adapter = os.path.isfile(os.path.join(name, "adapter_config.json"))
+        if is_adapter and not adapter:
+            raise BadInput(
+                f"--model {name} is a LoRA adapter, not a model: pass its base as --model, continue its run with "
+                "--resume, or score it with python -m common.evaluate --model FOLDER"
+            )
+        if not os.path.isfile(os.path.join(name, "config.json")) and not is_adapter:
             raise BadInput(
                 f"--model {name}: this folder holds no model (no config.json); --model takes {MODEL_CHOICES}"
             )

@@ -3,8 +3,10 @@ launched with (`python` or `torchrun --nproc_per_node N`):
 
     python tests/distributed_update.py OUT.json [ALGORITHM [ARGS_JSON [CHUNK_BYTES]]]   # ALGORITHM defaults to grpo
 
-ARGS_JSON may name "model": "tiny-moe" (the mixture-of-experts model); with "router_replay": "r3" the batch then
-carries an engine routing that depends on each token's position in its sequence only (the same on any rank).
+ARGS_JSON may name "lora_rank" (the adapted model of helpers.adapted_tiny; the weights written are then the merged
+ones the engine receives), or "model": "tiny-moe" (the mixture-of-experts model); with "router_replay": "r3" the
+batch then carries an engine routing that depends on each token's position in its sequence only (the same on any
+rank).
 Writes every statistic the update records (reduced over ranks, as the scripts log them) and the number
 of skipped optimizer steps as JSON to OUT.json, and the updated weights to OUT.json.weights.pt.
 The global batch is 4 prompts x 4 completions (group_size 4) of very different lengths; rank r takes prompts
@@ -21,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from helpers import compute_dtype, precision
+from helpers import adapted_tiny, compute_dtype, precision
 
 from common import fsdp, logprobs, moe
 from common.engines import Completion
@@ -162,6 +164,8 @@ def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):
     batch["advantages"] = advantages[mine.start * 4 : mine.stop * 4]
     fields = {f.name for f in dataclasses.fields(algorithm.Args)}  # e.g. P3O has no clip range
     args = algorithm.Args(**{k: v for k, v in settings.items() if k in fields})
+    if args.lora_rank:  # LoRA adapters as the scripts make them, B drawn at random (the same on every rank)
+        model = adapted_tiny(tiny_model_dir(), args.lora_rank, args.lora_alpha)
     if getattr(args, "router_replay", "none") == "r3":
         batch["engine_routing"] = synthetic_routing(batch, moe.Routing(model))
     float32_head = getattr(args, "fp32_lm_head", False)

@@ -170,3 +170,41 @@ def two_group_rollouts(tokenizer, responses=("3$", "12", "4$", "396", "96$", "9"
         ids += [tokenizer.eos_token_id] if text.endswith("$") else []
         completions.append(Completion(ids, [-1.0] * len(ids), "stop"))
     return prompts, completions
+
+
+def adapted_tiny(tiny_dir, rank=4, alpha=8.0, seed=0, scale=0.5, targets=("all-linear",)):
+    """The built-in model with LoRA adapters as the scripts make them (common.adapters.load_policy, float32), each B
+    drawn at random (`scale` × its A's std) so that the adapters change the model and A gets a gradient too."""
+    import argparse
+
+    import torch
+
+    from common.adapters import load_policy
+
+    args = argparse.Namespace(model=tiny_dir, lora_rank=rank, lora_alpha=alpha, lora_target_modules=targets)
+    policy = load_policy(args, None)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if ".lora_B." in name:
+                parameter.copy_(scale * torch.randn(parameter.shape, generator=generator) / rank)
+    return policy
+
+
+def peak_rss_of(script, *flags, timeout=900):
+    """The peak resident memory (bytes) of `python script flags...` alone: a launcher whose only child it is."""
+    launcher = (
+        "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)"
+    )
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "2"}
+    result = subprocess.run(
+        [sys.executable, "-c", launcher, sys.executable, os.path.join(REPO, script), *map(str, flags)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return int(result.stdout.split()[-1])

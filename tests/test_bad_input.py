@@ -56,6 +56,11 @@ SHARED_CASES = [
     ({"micro_batch_size": 0}, "--micro-batch-size must be >= 1"),
     ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization must be in (0, 1)"),
     ({"exp_name": "a/b"}, "--exp-name must be a name without '/'"),
+    ({"lora_rank": -4}, "--lora-rank must be >= 0 (0: full fine-tuning)"),
+    ({"lora_rank": 8, "lora_alpha": 0.0}, "--lora-alpha must be > 0 and finite"),
+    ({"lora_rank": 8, "lora_alpha": NAN}, "--lora-alpha must be > 0 and finite"),
+    ({"lora_rank": 8, "lora_target_modules": ()}, "--lora-target-modules must be one or more module names"),
+    ({"lora_alpha": 64.0}, "--lora-alpha applies with --lora-rank > 0 only"),
 ]
 # each method's own flags: out of range, NaN, or set where the chosen variant ignores them
 METHOD_CASES = {

@@ -187,14 +187,19 @@ ISOPO_BLOCKS = {
     "isopo": '{"block_size": 4, "micro_batch_size": 8, "reg_coef": 1.0}',
     "isopo interacting": '{"block_size": 4, "micro_batch_size": 8, "variant": "interacting"}',
 }
+# LoRA: the updated adapters, merged into the pushed weights, agree (ISOPO's layers are then the adapters' A and B)
+LORA = {
+    "grpo lora": '{"lora_rank": 4, "lora_alpha": 8.0}',
+    "isopo lora": '{"block_size": 4, "micro_batch_size": 8, "lora_rank": 4, "lora_alpha": 8.0}',
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in ALGORITHMS if n != "isopo"] + list(ISOPO_BLOCKS))
+@pytest.mark.parametrize("name", [n for n in ALGORITHMS if n != "isopo"] + list(ISOPO_BLOCKS) + list(LORA))
 def test_two_ranks_update_exactly_like_one(name, tmp_path):
     """Same global batch, 1 process vs 2 FSDP2 ranks (gloo) holding different numbers of response tokens:
     every statistic the update logs and every updated weight agree (the cross-rank means and counts)."""
-    assert_two_ranks_update_like_one(tmp_path, name.split()[0], ISOPO_BLOCKS.get(name, "{}"))
+    assert_two_ranks_update_like_one(tmp_path, name.split()[0], {**ISOPO_BLOCKS, **LORA}.get(name, "{}"))
 
 
 def _args(algorithm, micro_batch_size=16, **overrides):

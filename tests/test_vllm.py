@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import only_run_dir, read_jsonl, run_script, torchrun
 
+from common import fsdp
 from common.engines import VLLMEngine, make_engine, vllm_available
 from common.errors import BadInput
 
@@ -160,6 +161,34 @@ def test_a_mixture_of_experts_push_keeps_the_log_probs(tiny_moe_dir, engines):
     worst_before = _worst_logprob_gap(engine, model, prompts)[0]
     engine.load_weights(model.state_dict().items())
     assert worst_before > 1e-2 and _worst_logprob_gap(engine, model, prompts)[0] < 1e-5
+
+
+@pytest.mark.slow
+def test_a_lora_policy_reaches_vllm_as_merged_weights(tiny, tiny_dir):
+    """An adapted policy whose adapters have trained (a resume): vLLM starts from the base model named in the adapter's
+    config and receives W + (α/r)·B·A; its sampled log-probs are the adapted model's, not the base model's; and
+    again after the training loop's push of other adapters."""
+    from helpers import adapted_tiny
+
+    base, tokenizer = tiny
+    adapted = adapted_tiny(tiny_dir).eval()
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    engine = make_engine("vllm", adapted, tokenizer, dtype="float32", max_model_len=64, gpu_memory_utilization=0.2)
+    try:
+        to_adapted, completions = _worst_logprob_gap(engine, adapted, prompts)
+        to_base = max(
+            (torch.tensor(c.logprobs, dtype=torch.float64) - _reference_logprobs(base, prompts[i // 4], c.token_ids))
+            .abs()
+            .max()
+            .item()
+            for i, c in enumerate(completions)
+        )
+        assert to_adapted < 1e-5 and to_base > 1e-2, (to_adapted, to_base)
+        trained = adapted_tiny(tiny_dir, seed=1).eval()  # the adapters after another update: the training loop's push
+        engine.load_weights(fsdp.named_full_tensors(trained, torch.device("cpu"), engine.dtype))
+        assert _worst_logprob_gap(engine, trained, prompts)[0] < 1e-5
+    finally:
+        engine.close()
 
 
 @pytest.mark.slow

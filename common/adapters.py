@@ -1,0 +1,155 @@
+"""LoRA adapters through peft: `--lora-rank r` trains low-rank matrices beside frozen weights, in every script.
+
+    policy = load_policy(args, checkpoint, compute_dtype)    # float32 model, or frozen base + peft's adapters
+    for name, weight in merged_weights(policy, gather): ...  # the engine push: W + (α/r)·B·A, base names
+    model = load_merged(path)                                # evaluate: a checkpoint's base + adapter, merged
+
+LoRA (Hu et al., 2021, arXiv:2106.09685, Eq. 3): an adapted Linear layer computes y = x Wᵀ + (α/r)·x Aᵀ Bᵀ with
+A [r, in] random and B [out, r] zero at the start, so the adapted model starts as the base model. Only A and B
+train: gradients and AdamW's state exist for them alone (77,824 of 3.25 M parameters in the tiny model at r = 4;
+about 0.5% of an 8B model's at r = 16 on every projection). The frozen weights are held in the trainer's compute
+dtype when it is bfloat16 (no float32 master copy: nothing updates them), in float32 otherwise.
+
+The engine never runs the adapters: at each push it receives W + (α/r)·B·A under the base model's names,
+computed in float32 from the gathered tensors, so vLLM serves a plain model (no in-place merge and unmerge of
+sharded weights, and every weight tensor goes through on each push, as without adapters). vLLM's own LoRA
+loading (`enable_lora`, adapter-only sync) is not used: it computes x Aᵀ Bᵀ in its own kernels beside the base
+weights, a second code path whose numbers differ from the trainer's, and it would save only the push of the
+frozen tensors, a fraction of a second of a step's time on one GPU.
+A checkpoint holds the adapter in peft's format (adapter_config.json, adapter_model.safetensors; its
+base_model_name_or_path names the base) beside the trainer state: `PeftModel.from_pretrained(base, folder)`
+loads it anywhere, `python -m common.evaluate --model folder` scores it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from common.errors import BadInput
+
+ADAPTER = "default"  # peft's name for a model's only adapter
+CONFIG_FILE = "adapter_config.json"
+
+
+def is_adapted(model) -> bool:
+    """Whether `model` carries peft adapters (a PeftModel)."""
+    return hasattr(model, "peft_config")
+
+
+def load_policy(args, checkpoint: str | None, compute_dtype: torch.dtype = torch.float32):
+    """The model to train. Full fine-tuning: the weights of `checkpoint` (a resume) or of --model, in float32.
+    --lora-rank r: --model's weights, frozen (bfloat16 when that is the compute dtype, else float32), with a
+    LoRA adapter on --lora-target-modules: new (B = 0), or the checkpoint's for a resume."""
+    from transformers import AutoModelForCausalLM
+
+    if not args.lora_rank:
+        return AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32)
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    frozen_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
+    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=frozen_dtype)
+    if checkpoint:  # the run's adapter (its config was the run's flags: check_resume keeps them)
+        return PeftModel.from_pretrained(base, checkpoint, is_trainable=True)
+    targets = list(args.lora_target_modules)
+    config = LoraConfig(
+        r=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        target_modules=decoder_linear_layers(base) if targets == ["all-linear"] else targets,
+        lora_dropout=0.0,  # the ratio π_θ / π_old compares two passes: π_θ must be deterministic
+        bias="none",
+    )
+    try:
+        return get_peft_model(base, config)  # adapters in float32 over a bf16 base (autocast_adapter_dtype)
+    except ValueError as error:  # peft: "Target modules {...} not found in the base model"
+        raise BadInput(
+            f"--lora-target-modules {' '.join(targets)}: {error}. The Linear layers of {args.model}'s decoder layers: "
+            f"{' '.join(decoder_linear_layers(base))}"
+        ) from None
+
+
+def decoder_linear_layers(model) -> list[str]:
+    """The names of the nn.Linear modules inside the decoder layers (q_proj, ..., down_proj): --lora-target-modules
+    all-linear. Not peft's own "all-linear", which on an MoE model also adapts the fused experts and the routers
+    (nn.Parameters, through parametrizations): here an MoE model's experts and routers stay frozen, so routing
+    replay (common/moe.py) sees the routers it knows and a push merges Linear layers only."""
+    layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for layer in model.modules()
+            if type(layer).__name__ in layer_classes
+            for name, module in layer.named_modules()
+            if isinstance(module, torch.nn.Linear)
+        }
+    )
+
+
+def _adapted_part(name: str, scales: dict[str, float]) -> tuple[str | None, str]:
+    """(the adapted module, "W" / "A" / "B") for a state-dict entry of an adapted layer, else (None, "")."""
+    for marker, part in (
+        (".base_layer.weight", "W"),
+        (f".lora_A.{ADAPTER}.weight", "A"),
+        (f".lora_B.{ADAPTER}.weight", "B"),
+    ):
+        if name.endswith(marker) and name[: -len(marker)] in scales:
+            return name[: -len(marker)], part
+    return None, ""
+
+
+def base_name(name: str) -> str:
+    """The base model's name of a PeftModel's tensor: base_model.model.X.base_layer.weight -> X.weight."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def merged_weights(model, gather, dtype: torch.dtype | None = None):
+    """(base name, tensor in `dtype`) for every weight of the adapted `model`, in state-dict order: an adapted
+    layer's W + (α/r)·B·A, merged in float32; every other weight as it is. `gather(tensor, dtype)` makes a full
+    tensor of a state-dict entry (FSDP2: a collective, so every rank runs this to the end). A layer's W, A and B
+    are consecutive entries: one layer's parts are held at a time."""
+    from peft.tuners.lora import LoraLayer
+
+    scales = {n: m.scaling[ADAPTER] for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in model.state_dict().items():
+        module, part = _adapted_part(name, scales)
+        if module is None:
+            yield base_name(name), gather(tensor, dtype)
+            continue
+        parts.setdefault(module, {})[part] = gather(tensor, torch.float32)
+        if len(parts[module]) == 3:
+            weight, a, b = (parts[module].pop(k) for k in "WAB")
+            del parts[module]
+            yield base_name(f"{module}.weight"), torch.addmm(weight, b, a, alpha=scales[module]).to(dtype)
+
+
+def has_trained(model) -> bool:
+    """Whether any B of the adapter is non-zero (a resumed adapter): a new one leaves the base model as it is."""
+    return any(p.count_nonzero() > 0 for n, p in model.named_parameters() if f".lora_B.{ADAPTER}." in n)
+
+
+def is_adapter_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def base_of(path: str) -> str:
+    """The base model an adapter folder was trained on (its adapter_config.json's base_model_name_or_path)."""
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            base = json.load(f)["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError) as error:
+        raise BadInput(f"{path}/{CONFIG_FILE}: no base model named in it ({error})") from None
+    if not base:
+        raise BadInput(f"{path}/{CONFIG_FILE}: no base model named in it (base_model_name_or_path is empty)")
+    return base
+
+
+def load_merged(path: str):
+    """A plain float32 model: the base named in the adapter folder `path` with the adapter merged into it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_of(path), dtype=torch.float32)
+    return PeftModel.from_pretrained(base, path).merge_and_unload()

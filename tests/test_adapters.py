@@ -1,0 +1,140 @@
+"""LoRA adapters (common/adapters.py, --lora-rank): the merged push, what trains, resume, and the checkpoint.
+
+Memory is measured in test_memory.py, 1 vs 2 ranks in test_scripts.py, the vLLM push in test_vllm.py."""
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+
+import pytest
+import torch
+from distributed_update import update_policy
+from helpers import (
+    ALGORITHMS,
+    adapted_tiny,
+    only_run_dir,
+    read_jsonl,
+    run_script,
+    two_group_rollouts,
+)
+
+from common import adapters, fsdp
+from common.engines import HFEngine
+from common.errors import BadInput
+
+ONE_PROCESS = fsdp.Dist(0, 1, 0, torch.device("cpu"))
+
+
+def _logprobs(model, ids):
+    """log p of every token of `ids` [B, S] after the first, float64."""
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1].double()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def test_a_merged_push_gives_the_engine_the_adapted_models_log_probs(tiny, tiny_dir):
+    """An engine holding its own copy (several ranks, another dtype) receives W + (α/r)·B·A under the base names:
+    its log-probs equal those of the adapted model, which runs the adapters as peft does (<= 1e-6 in float64)."""
+    _, tokenizer = tiny
+    policy = adapted_tiny(tiny_dir, scale=0.0)  # B = 0: the engine's copy starts as the base model
+    engine = HFEngine(policy, tokenizer, share_weights=False)
+    assert not any("lora" in name for name in dict(engine.model.named_parameters()))  # a plain model
+    adapted = adapted_tiny(tiny_dir, scale=0.5)  # the adapters after some training
+    ids = torch.tensor([tokenizer("Q: 12+30=42")["input_ids"], tokenizer("Q: 99+99=19")["input_ids"]])
+    before = (_logprobs(engine.model, ids) - _logprobs(adapted, ids)).abs().max().item()
+
+    pushed = dict(fsdp.named_full_tensors(adapted, torch.device("cpu")))
+    assert pushed.keys() == dict(engine.model.state_dict()).keys()  # the base model's names, nothing else
+    engine.load_weights(pushed.items())
+    after = (_logprobs(engine.model, ids) - _logprobs(adapted, ids)).abs().max().item()
+    # float32 forwards: x(W + sBA) and xW + s(xA)B round differently (3e-6 here); both run in float64, what is left
+    # is the pushed weights' own rounding to float32
+    after_float64 = (_logprobs(engine.model.double(), ids) - _logprobs(adapted.double(), ids)).abs().max().item()
+    assert before > 1e-2 and after <= 1e-5 and after_float64 <= 1e-6, (before, after, after_float64)
+
+    # the merge itself against a hand-built one in float64, for one layer: W + (α/r)·B·A with α/r = 8/4
+    layer = adapted.base_model.model.model.layers[0].self_attn.q_proj
+    a, b = layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
+    expected = layer.base_layer.weight.double() + 2.0 * b @ a
+    torch.testing.assert_close(pushed["model.layers.0.self_attn.q_proj.weight"].double(), expected, rtol=0, atol=1e-6)
+
+
+def test_the_shared_engine_runs_the_adapters_and_a_copy_is_merged(tiny, tiny_dir):
+    """One rank, the trainer's dtype: the engine generates with the trainer's own module, adapters included (no
+    push needed); in bfloat16 it holds a merged copy."""
+    _, tokenizer = tiny
+    adapted = adapted_tiny(tiny_dir)
+    shared = HFEngine(adapted, tokenizer)
+    assert shared.shares_trainer_weights and shared.model is adapted.get_base_model()
+    copy = HFEngine(adapted, tokenizer, dtype=torch.bfloat16)
+    ids = torch.tensor([tokenizer("Q: 12+30=42")["input_ids"]])
+    gap = (_logprobs(copy.model.float(), ids) - _logprobs(adapted, ids)).abs().max().item()
+    assert gap < 0.05  # bf16 rounding of merged weights, not a missing adapter (those moved log p by > 1e-2 above)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_only_the_adapters_train(name, tiny, tiny_dir):
+    """One update of each method, with AdamW over the parameters that require a gradient (as main() builds it): every
+    frozen weight is bit-for-bit unchanged and every adapter matrix moves. With B = 0 (a new adapter) A gets no
+    gradient at first (∂L/∂A = (α/r)·Bᵀ·∂L/∂(xW), LoRA's start), so B is drawn at random here."""
+    algorithm = importlib.import_module(f"algorithms.{name}")
+    _, tokenizer = tiny
+    policy = adapted_tiny(tiny_dir).train()
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    assert {n for n, p in policy.named_parameters() if p.requires_grad} == {n for n in before if ".lora_" in n}
+    prompts, completions = two_group_rollouts(tokenizer)
+    batch = algorithm.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
+    batch["advantages"] = algorithm.compute_advantages(torch.tensor([[1.0, 0, 1, 0], [0, 1, 1, 0]])).flatten()
+    fields = {f.name for f in dataclasses.fields(algorithm.Args)}
+    settings = {"group_size": 4, "lr": 1e-2, "micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8.0}
+    args = algorithm.Args(**{k: v for k, v in settings.items() if k in fields})
+    logged = update_policy(algorithm, policy, batch, args, ONE_PROCESS, torch.optim.AdamW(trainable, lr=args.lr))
+    assert logged["skipped"] == 0
+    for n, p in policy.named_parameters():
+        assert torch.equal(p, before[n]) != (".lora_" in n), n
+
+
+def test_bad_target_modules_are_named_with_the_models_layers(tiny_dir):
+    args = argparse.Namespace(model=tiny_dir, lora_rank=4, lora_alpha=8.0, lora_target_modules=("qproj",))
+    with pytest.raises(BadInput, match=r"--lora-target-modules qproj: .*down_proj gate_proj k_proj o_proj q_proj"):
+        adapters.load_policy(args, None)
+
+
+def test_an_adapter_is_not_a_model_to_train_from(tmp_path):
+    from common.tiny import resolve_model
+
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(BadInput, match="is a LoRA adapter, not a model: pass its base as --model"):
+        resolve_model(str(tmp_path))
+    assert resolve_model(str(tmp_path), adapter=True) == str(tmp_path)  # evaluation takes it
+    with pytest.raises(BadInput, match="no base model named in it"):
+        adapters.base_of(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumes_exactly_and_its_checkpoint_scores_alike_in_a_fresh_process(tmp_path):
+    """grpo.py with --lora-rank: 3 steps straight = 2 steps, killed, then resumed to 3 (every logged number); the
+    checkpoint is peft's adapter format, and `python -m common.evaluate` on it (base + adapter, merged, in a new
+    process) finds the greedy accuracy the run logged at its end on the same held-out prompts."""
+    flags = ["--lora-rank", 4, "--lr", 1e-2, "--prompts-per-step", 4, "--group-size", 4, "--num-minibatches", 2]
+    flags += ["--eval-every", 3, "--eval-prompts", 32, "--eval-k", 0, "--save-every", 2]
+    run_script("algorithms/grpo.py", "--steps", 3, "--output-dir", tmp_path / "straight", *flags)
+    run_script("algorithms/grpo.py", "--steps", 2, "--output-dir", tmp_path / "resumed", *flags)
+    run_script("algorithms/grpo.py", "--steps", 3, "--output-dir", tmp_path / "resumed", "--resume", "auto", *flags)
+    straight, resumed = (
+        read_jsonl(os.path.join(only_run_dir(tmp_path / n), "metrics.jsonl")) for n in ("straight", "resumed")
+    )
+    assert [r["step"] for r in resumed] == [r["step"] for r in straight] == [0, 1, 2, 3]
+    for a, b in zip(straight, resumed):
+        for key, value in a.items():
+            if not key.startswith("time/") and key != "charts/tokens_per_second":
+                assert b[key] == value, (a["step"], key)
+    checkpoint = os.path.join(only_run_dir(tmp_path / "resumed"), "checkpoints", "step_00000003")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(checkpoint))
+    assert not any(name.startswith("model") for name in os.listdir(checkpoint))  # no copy of the frozen base
+    result = run_script("-m", "common.evaluate", "--model", checkpoint, "--prompts", 32, "--k", 1)
+    scored = json.loads(result.stdout[result.stdout.index("{") :])
+    assert scored["eval/greedy_accuracy"] == straight[-1]["eval/greedy_accuracy"] != straight[0]["eval/greedy_accuracy"]
