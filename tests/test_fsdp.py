@@ -2,6 +2,7 @@
 deterministic runs."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -131,6 +132,23 @@ def test_grpo_on_two_ranks_end_to_end_and_resume(tmp_path):
     assert sorted(f for f in os.listdir(checkpoint) if f.startswith("rng")) == ["rng_rank0.pt", "rng_rank1.pt"]
     model = AutoModelForCausalLM.from_pretrained(checkpoint)  # full weights in Hugging Face format
     assert model.model.embed_tokens.weight.shape == (100, 256)
+
+
+def test_lora_on_two_ranks_with_offload_checkpointing_and_bf16(tmp_path):
+    """--lora-rank on 2 FSDP2 ranks with --cpu-offload and --gradient-checkpointing: each rank's engine copy receives
+    the merged weights (its log-probs match π_old to float32 rounding after the adapters moved), the checkpoint is
+    the adapter; then in bf16, where the frozen weights are bf16 and the adapters float32 in the same FSDP2 units."""
+    flags = ["--lora-rank", 4, "--lr", 1e-2, "--prompts-per-step", 4, "--group-size", 4, "--num-minibatches", 2]
+    flags += ["--eval-every", 0, "--cpu-offload", "--gradient-checkpointing"]
+    torchrun(2, "algorithms/grpo.py", "--steps", 3, "--output-dir", tmp_path / "fp32", *flags)
+    run_dir = only_run_dir(tmp_path / "fp32")
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert records[-1]["losses/approx_kl"] > 0 and records[-1]["mismatch/max_abs_logprob_diff"] < 1e-3, records[-1]
+    checkpoint = os.listdir(os.path.join(run_dir, "checkpoints", "step_00000003"))
+    assert {"adapter_model.safetensors", "rng_rank0.pt", "rng_rank1.pt"} <= set(checkpoint)
+    torchrun(2, "algorithms/grpo.py", "--steps", 1, "--output-dir", tmp_path / "bf16", *flags, "--dtype", "bfloat16")
+    record = read_jsonl(os.path.join(only_run_dir(tmp_path / "bf16"), "metrics.jsonl"))[-1]
+    assert math.isfinite(record["losses/grad_norm"]) and record["charts/skipped_steps"] == 0
 
 
 FLAGS = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0, "--num-minibatches", 2]

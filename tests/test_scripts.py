@@ -338,12 +338,13 @@ def test_a_minibatch_without_response_tokens_is_skipped_and_counted(name, tiny):
     assert logged["skipped"] == 1 and "losses/policy_loss" not in logged
 
 
-@pytest.mark.parametrize("name", ALGORITHMS)
-def test_gradient_checkpointing_recomputes_every_layer(name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name, lora_rank", [(n, 0) for n in ALGORITHMS] + [("grpo", 4)])
+def test_gradient_checkpointing_recomputes_every_layer(name, lora_rank, tmp_path, monkeypatch):
     """Through the script's own set-up (main()): with --gradient-checkpointing every decoder layer runs
     twice per training forward (the forward, then its recomputation inside the backward), without it once.
     Counted by calls with autograd on, so generation and the no-grad scoring passes do not count. The
-    recomputation changes no number: the step's loss and gradient norm are the same."""
+    recomputation changes no number: the step's loss and gradient norm are the same. With LoRA too (frozen
+    weights: the layers' inputs need no gradient, the adapters inside them do)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM
 
     algorithm = importlib.import_module(f"algorithms.{name}")
@@ -367,6 +368,7 @@ def test_gradient_checkpointing_recomputes_every_layer(name, tmp_path, monkeypat
             "num_minibatches": 2,
             "micro_batch_size": 8,
             "gradient_checkpointing": checkpointing,
+            "lora_rank": lora_rank,
         }
         algorithm.main(algorithm.Args(**{k: v for k, v in overrides.items() if k in fields}))
         layers = 4  # the built-in model's
