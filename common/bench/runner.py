@@ -8,6 +8,7 @@
     ./run.sh bench stress_search   # GRPO alone on the reasoning task, in each setting searched for a failure
     ./run.sh bench stress          # each method in the stress setting of its claim, beside GRPO there
     ./run.sh bench fp16            # the train-inference mismatch of fp32 / bf16 / fp16 trainers and engines
+    ./run.sh bench lora            # GRPO with LoRA adapters against full fine-tuning
 (`./run.sh bench ARGS` is `python -m common.bench ARGS`; `python -m common.bench.engines` times the
 rollout engines.)
 
@@ -507,6 +508,20 @@ SUITES["tools"] = Suite(
     flags=PRODUCTS,
     columns=TOOL_COLUMNS,
 )
+# LoRA: GRPO with rank-16 adapters on every Linear of the decoder layers (α = 32) against full fine-tuning, on the
+# built-in task with the benchmark's settings. Each at its own learning rate: full fine-tuning at the scripts' 1e-4,
+# LoRA at 10× that (the usual rule for LoRA; Schulman et al., "LoRA Without Regret", Thinking Machines 2025), and
+# LoRA at full fine-tuning's 1e-4 as well, to show what the rate does. Fixed before any run.
+SUITES["lora"] = Suite(
+    "lora",
+    "GRPO with LoRA (rank 16) against full fine-tuning on the built-in task",
+    [
+        Config("full fine-tuning, lr 1e-4", "grpo"),
+        Config("LoRA r=16, lr 1e-3", "grpo", ("--lora-rank", "16", "--lr", "1e-3")),
+        Config("LoRA r=16, lr 1e-4", "grpo", ("--lora-rank", "16")),
+    ],
+    [ACCURACY, AVG_AT_4, Panel("charts/reward", "training reward"), ENTROPY],
+)
 QUICK = dict(steps=8, seeds=(1,), flags=("--eval-every", "4", "--eval-prompts", "64"))
 
 
@@ -999,7 +1014,7 @@ class BenchArgs:
     suites: tyro.conf.Positional[tuple[str, ...]] = ("bench",)
     """what to run: bench (every method), ema_kpo, p3o, tis_icepop, gtpo, isopo (the claims on the built-in
     task), stress_search, stress, fp16, fp32_head, sampling_mask, mismatch_fixes_training, moe_mismatch, moe (on the
-    reasoning task; the last two: mixture of experts), tools (the tool task), or all"""
+    reasoning task; the last two: mixture of experts), tools (the tool task), lora (adapters), or all"""
     quick: bool = False
     """a few minutes: 1 seed, 8 steps, smaller evaluations (results under --output-dir)"""
     seeds: int | None = None
