@@ -34,6 +34,10 @@ Tools. With a task that has tools (common/tools.py) a response is an episode, an
 context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own tokens. Each per-sequence
 gradient of Eq. 6 sums the policy's tokens only: an output is context for the forward, never a gradient term.
 
+LoRA. With --lora-rank the Linear layers of Eq. 6 are each adapter's A [r, in] and B [out, r], the only trained
+parameters: every v_i is normalized in the Fisher metric of A or B on its own, not of the adapted W (another geometry
+than ISOPO on full weights: the paper's runs train every weight); lm_head, embeddings and norms are frozen.
+
 Run it
   python algorithms/isopo.py                      # the built-in task on a CPU, a few minutes
   python algorithms/isopo.py --help               # every flag, with its default

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
 
@@ -52,6 +53,12 @@ def load_policy(args, checkpoint: str | None, compute_dtype: torch.dtype = torch
     frozen_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
     base = AutoModelForCausalLM.from_pretrained(args.model, dtype=frozen_dtype)
     if checkpoint:  # the run's adapter (its config was the run's flags: check_resume keeps them)
+        trained_on = base_of(checkpoint)
+        if os.path.realpath(trained_on) != os.path.realpath(args.model):  # --model may move, but should be the same
+            print(
+                f"warning: the adapter was trained on {trained_on}; resuming it on --model {args.model}",
+                file=sys.stderr,
+            )
         return PeftModel.from_pretrained(base, checkpoint, is_trainable=True)
     targets = list(args.lora_target_modules)
     config = LoraConfig(
