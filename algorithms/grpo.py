@@ -669,8 +669,8 @@ if __name__ == "__main__":
 #       --steps 500 --prompts-per-step 32 --group-size 8 --max-new-tokens 1024 --num-minibatches 4 \
 #       --micro-batch-size 8 --gradient-checkpointing --dtype bfloat16 --gpu-memory-utilization 0.35 --track
 # Memory (`python -m common.memory` with these flags): frozen weights 15.3 GiB, the adapters' training state 0.65,
-# checkpointed activations 11.2 (250 KiB per token per layer), output-layer chunks 0.5, vLLM 28.0 (0.35 × 80: its bf16
-# weights and KV cache), CUDA 1.5: peak 57 of 80 GiB. Full fine-tuning of the same model: 182 GiB on one GPU.
+# checkpointed activations 7.1 (210 KiB per token per layer; bf16 residual stream), output-layer chunks 0.5, vLLM 28.0
+# (0.35 × 80: its bf16 weights and KV cache), CUDA 1.5: peak 53 of 80 GiB. Full fine-tuning of it: 182 GiB on one GPU.
 #
 # Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and clip-higher
 # (ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip (--loss-aggregation

@@ -59,7 +59,9 @@ def load_policy(args, checkpoint: str | None, compute_dtype: torch.dtype = torch
                 f"warning: the adapter was trained on {trained_on}; resuming it on --model {args.model}",
                 file=sys.stderr,
             )
-        return PeftModel.from_pretrained(base, checkpoint, is_trainable=True)
+        policy = PeftModel.from_pretrained(base, checkpoint, is_trainable=True)
+        policy.peft_config[ADAPTER].base_model_name_or_path = args.model  # the base it now runs on (and is saved with)
+        return policy
     targets = list(args.lora_target_modules)
     config = LoraConfig(
         r=args.lora_rank,
@@ -69,12 +71,23 @@ def load_policy(args, checkpoint: str | None, compute_dtype: torch.dtype = torch
         bias="none",
     )
     try:
-        return get_peft_model(base, config)  # adapters in float32 over a bf16 base (autocast_adapter_dtype)
+        policy = get_peft_model(base, config)  # adapters in float32 over a bf16 base (autocast_adapter_dtype)
     except ValueError as error:  # peft: "Target modules {...} not found in the base model"
         raise BadInput(
             f"--lora-target-modules {' '.join(targets)}: {error}. The Linear layers of {args.model}'s decoder layers: "
             f"{' '.join(decoder_linear_layers(base))}"
         ) from None
+    # the engine push merges nn.Linear weights stored [out, in] (merged_weights): not an embedding, a GPT-2 Conv1D
+    # ([in, out], peft's fan_in_fan_out) or another layer type peft can adapt
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in policy.named_modules():
+        if isinstance(module, LoraLayer) and type(module.get_base_layer()) is not torch.nn.Linear:
+            layer = type(module.get_base_layer()).__name__
+            raise BadInput(
+                f"--lora-target-modules: {base_name(name)} is a {layer}; adapters go on nn.Linear layers only"
+            )
+    return policy
 
 
 def decoder_linear_layers(model) -> list[str]:
@@ -114,8 +127,8 @@ def base_name(name: str) -> str:
 def merged_weights(model, gather, dtype: torch.dtype | None = None):
     """(base name, tensor in `dtype`) for every weight of the adapted `model`, in state-dict order: an adapted
     layer's W + (α/r)·B·A, merged in float32; every other weight as it is. `gather(tensor, dtype)` makes a full
-    tensor of a state-dict entry (FSDP2: a collective, so every rank runs this to the end). A layer's W, A and B
-    are consecutive entries: one layer's parts are held at a time."""
+    tensor of a state-dict entry (FSDP2: a collective, so every rank runs this to the end). A layer's W, (bias,) A
+    and B are consecutive entries: one layer's parts are held at a time."""
     from peft.tuners.lora import LoraLayer
 
     scales = {n: m.scaling[ADAPTER] for n, m in model.named_modules() if isinstance(m, LoraLayer)}
@@ -125,11 +138,13 @@ def merged_weights(model, gather, dtype: torch.dtype | None = None):
         if module is None:
             yield base_name(name), gather(tensor, dtype)
             continue
-        parts.setdefault(module, {})[part] = gather(tensor, torch.float32)
+        parts.setdefault(module, {})[part] = gather(tensor, None).float()  # gathered in its own dtype
         if len(parts[module]) == 3:
             weight, a, b = (parts[module].pop(k) for k in "WAB")
             del parts[module]
             yield base_name(f"{module}.weight"), torch.addmm(weight, b, a, alpha=scales[module]).to(dtype)
+    if parts:  # an adapted layer whose W, A or B never came: its weight would be missing from the push
+        raise RuntimeError(f"LoRA push: {sorted(parts)[0]} has only {sorted(parts[sorted(parts)[0]])} of W, A and B")
 
 
 def has_trained(model) -> bool:

@@ -71,7 +71,9 @@ def save_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, d
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters.is_adapted(model))
     weights = get_model_state_dict(model, options=options)
     if dist.is_main:
-        model.save_pretrained(temporary, state_dict=weights)
+        # (peft: no look-up of the base model on the hub for resized embeddings, which adapters here never touch)
+        extra = {"save_embedding_layers": False} if adapters.is_adapted(model) else {}
+        model.save_pretrained(temporary, state_dict=weights, **extra)
         tokenizer.save_pretrained(temporary)
         torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
     del weights

@@ -617,7 +617,7 @@ def make_engine(
         dtype = vllm_dtype(dtype, compute_dtype, on_gpu=torch.cuda.is_available())
         adapted = model is not None and adapters.is_adapted(model)
         if adapted:  # LoRA: vLLM starts from the base weights; a resumed adapter is merged in by a push below
-            model_path = model.peft_config[adapters.ADAPTER].base_model_name_or_path
+            model_path = model.get_base_model().name_or_path  # the frozen weights' folder (or hub id)
         engine = VLLMEngine(
             model_path or model.name_or_path,
             dtype,

@@ -157,8 +157,8 @@ def lora_parameters(config, rank: int) -> int:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    linear = [m for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
-    return len(model.model.layers) * sum(rank * (m.in_features + m.out_features) for m in linear)
+    linear = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    return sum(rank * (m.in_features + m.out_features) for m in linear)
 
 
 def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
