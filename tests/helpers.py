@@ -182,6 +182,7 @@ def adapted_tiny(tiny_dir, rank=4, alpha=8.0, seed=0, scale=0.5, targets=("all-l
     from common.adapters import load_policy
 
     args = argparse.Namespace(model=tiny_dir, lora_rank=rank, lora_alpha=alpha, lora_target_modules=targets)
+    torch.manual_seed(seed)  # peft draws A from the global generator
     policy = load_policy(args, None)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -36,7 +36,7 @@ def _logprobs(model, ids):
 
 def test_a_merged_push_gives_the_engine_the_adapted_models_log_probs(tiny, tiny_dir):
     """An engine holding its own copy (several ranks, another dtype) receives W + (α/r)·B·A under the base names:
-    its log-probs equal those of the adapted model, which runs the adapters as peft does (<= 1e-6 in float64)."""
+    its log-probs equal those of the adapted model, which runs the adapters as peft does, to float32 rounding."""
     _, tokenizer = tiny
     policy = adapted_tiny(tiny_dir, scale=0.0)  # B = 0: the engine's copy starts as the base model
     engine = HFEngine(policy, tokenizer, share_weights=False)
@@ -49,10 +49,10 @@ def test_a_merged_push_gives_the_engine_the_adapted_models_log_probs(tiny, tiny_
     assert pushed.keys() == dict(engine.model.state_dict()).keys()  # the base model's names, nothing else
     engine.load_weights(pushed.items())
     after = (_logprobs(engine.model, ids) - _logprobs(adapted, ids)).abs().max().item()
-    # float32 forwards: x(W + sBA) and xW + s(xA)B round differently (3e-6 here); both run in float64, what is left
-    # is the pushed weights' own rounding to float32
+    # float32 forwards: x(W + sBA) and xW + s(xA)B round differently (2-7e-6 over seeds 0-4); both run in float64,
+    # what is left is the pushed weights' own rounding to float32 (0.6-1.4e-6)
     after_float64 = (_logprobs(engine.model.double(), ids) - _logprobs(adapted.double(), ids)).abs().max().item()
-    assert before > 1e-2 and after <= 1e-5 and after_float64 <= 1e-6, (before, after, after_float64)
+    assert before > 1e-2 and after <= 1e-5 and after_float64 <= 2e-6, (before, after, after_float64)
 
     # the merge itself against a hand-built one in float64, for one layer: W + (α/r)·B·A with α/r = 8/4
     layer = adapted.base_model.model.model.layers[0].self_attn.q_proj
