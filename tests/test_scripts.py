@@ -74,6 +74,25 @@ def test_two_steps_end_to_end(name, tmp_path, tiny_products_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ALGORITHMS)
+def test_lora_end_to_end(name, tmp_path):
+    """--lora-rank in every script, two updates per batch: no step is skipped, the engine generates with the adapted
+    model (no mismatch), and the checkpoint is the adapter alone, in peft's format, its B moved off zero."""
+    from safetensors.torch import load_file
+
+    flags = ["--lora-rank", 4, "--lr", 1e-2, "--num-minibatches", 2, "--steps", 2, "--output-dir", tmp_path]
+    run_script(f"algorithms/{name}.py", *flags, *SMALL)
+    run_dir = only_run_dir(tmp_path)
+    record = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[-1]
+    assert record["charts/skipped_steps"] == 0 and record["mismatch/max_abs_logprob_diff"] < 1e-4, record
+    checkpoint = os.path.join(run_dir, "checkpoints", "step_00000002")
+    adapter = load_file(os.path.join(checkpoint, "adapter_model.safetensors"))
+    assert adapter and all(".lora_" in key for key in adapter), sorted(adapter)[:3]
+    assert any(value.abs().max() > 0 for key, value in adapter.items() if ".lora_B." in key)  # B moved off zero
+    assert not any(f.startswith("model") and f.endswith(".safetensors") for f in os.listdir(checkpoint))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ALGORITHMS)
 def test_dapo_rollout_flags_end_to_end(name, tmp_path, readme_task_file):
     """Every script draws its rollouts with DAPO's flags (its `rollout` and common/rollouts.py, the same lines as
     grpo.py's): with dynamic sampling, a batch not short at the round cap holds no all-equal group. The task is the
