@@ -10,6 +10,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
 ALGORITHMS = ["grpo", "ema_kpo", "p3o", "gtpo", "isopo", "tis_icepop"]
 
+
+def one_process():
+    """The fsdp.Dist of a plain process on the CPU (world size 1), for tests that call an update directly."""
+    import torch
+
+    from common import fsdp
+
+    return fsdp.Dist(0, 1, 0, torch.device("cpu"))
+
+
 # what every script logs each step; a method's tests add its own metrics
 BASE_LOGGED = [
     "charts/reward",

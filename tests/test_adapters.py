@@ -14,6 +14,7 @@ from distributed_update import update_policy
 from helpers import (
     ALGORITHMS,
     adapted_tiny,
+    one_process,
     only_run_dir,
     read_jsonl,
     run_script,
@@ -24,7 +25,7 @@ from common import adapters, fsdp
 from common.engines import HFEngine
 from common.errors import BadInput
 
-ONE_PROCESS = fsdp.Dist(0, 1, 0, torch.device("cpu"))
+ONE_PROCESS = one_process()
 
 
 def _logprobs(model, ids):

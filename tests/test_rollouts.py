@@ -9,15 +9,14 @@ import os
 import pytest
 import torch
 from distributed_rollouts import ScriptedEngine, scripted_step
-from helpers import only_run_dir, read_jsonl, run_script, torchrun
+from helpers import one_process, only_run_dir, read_jsonl, run_script, torchrun
 
-from common import fsdp
 from common.rollouts import extra_round_indices
 from common.scoring import overlong_penalty
 from common.tasks import sample_batch
 from common.tracking import StepMetrics
 
-ONE_PROCESS = fsdp.Dist(0, 1, 0, torch.device("cpu"))
+ONE_PROCESS = one_process()
 LOCAL, G, STEP = 8, 4, 5  # prompts per step, completions per prompt, the step drawn
 
 

@@ -20,6 +20,7 @@ from helpers import (
     assert_weights_changed,
     assert_weights_unchanged,
     help_text,
+    one_process,
     only_run_dir,
     read_jsonl,
     run_script,
@@ -29,7 +30,7 @@ from helpers import (
 from common import fsdp
 from common.engines import Completion
 
-ONE_PROCESS = fsdp.Dist(0, 1, 0, torch.device("cpu"))
+ONE_PROCESS = one_process()
 SMALL = ["--prompts-per-step", 4, "--group-size", 4, "--eval-prompts", 16, "--eval-k", 2]
 
 
