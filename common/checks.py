@@ -57,6 +57,7 @@ def shared_flags(args) -> list[str]:
             if args.top_p == 1 and args.top_k == 0
             else []
         ),
+        *vllm_mask_problems(args.rollout_engine, args.top_p, args.top_k, args.keep_sampling_mask),
         *require(args.max_sampling_rounds >= 1, "--max-sampling-rounds", ">= 1"),
         *require(args.max_turns >= 1, "--max-turns", ">= 1"),
         *require(
@@ -96,6 +97,17 @@ def shared_flags(args) -> list[str]:
             else []
         ),
     ]
+
+
+def vllm_mask_problems(rollout_engine: str, top_p: float, top_k: int, keep_sampling_mask: bool) -> list[str]:
+    """vLLM returns a kept set of at most VLLM_MAX_MASK tokens per position, so a kept sampling mask needs a top-k in
+    that range there: refused here, before the model and vLLM load, rather than at the first rollout."""
+    from common.engines import VLLM_MAX_MASK, engine_kind, vllm_mask_problem
+
+    masked = keep_sampling_mask and (top_p < 1 or top_k > 0)
+    if masked and engine_kind(rollout_engine) == "vllm" and not 0 < top_k <= VLLM_MAX_MASK:
+        return [vllm_mask_problem()]
+    return []
 
 
 def unused(args, names: list[str], why: str) -> list[str]:

@@ -170,16 +170,20 @@ class HFEngine:
         self,
         prompt_ids: list[list[int]],
         n: int,
-        max_new_tokens: int,
+        max_new_tokens: int | list[int],
         temperature: float,
         top_p: float = 1.0,
         ignore_eos: bool = False,
         top_k: int = 0,
         stop: tuple[str, ...] = (),
+        sampling_mask: bool = True,
     ) -> list[Completion]:
-        """`ignore_eos`: always generate max_new_tokens tokens (for benchmarks). `top_p` < 1, `top_k` > 0: sample
-        from the truncated distribution, and return its sampling mask. `stop`: strings that end a completion as an
-        EOS does (a tool call's closing marker), the token that completes one included."""
+        """`max_new_tokens`: one budget for every prompt, or one per prompt (a multi-turn episode's next turn: each
+        episode has its own room left). `ignore_eos`: always generate the budget (for benchmarks). `top_p` < 1,
+        `top_k` > 0: sample from the truncated distribution, and return its sampling mask unless `sampling_mask` is
+        False. `stop`: strings that end a completion as an EOS does (a tool call's closing marker), the token that
+        completes one included."""
+        budgets = per_prompt_budgets(max_new_tokens, len(prompt_ids))
         if not (0 < top_p <= 1 and top_k >= 0):
             raise ValueError(f"top_p must be in (0, 1] and top_k >= 0, got {top_p} and {top_k}")
         if temperature < 0:
@@ -197,16 +201,19 @@ class HFEngine:
         )
         try:
             for start in range(0, len(prompt_ids), prompts_per_chunk):
-                chunk = prompt_ids[start : start + prompts_per_chunk]
+                chunk = slice(start, start + prompts_per_chunk)
                 completions += self._generate_chunk(
-                    chunk, n, max_new_tokens, temperature, ignore_eos, top_k, top_p, stop
+                    prompt_ids[chunk], n, budgets[chunk], temperature, ignore_eos, top_k, top_p, stop, sampling_mask
                 )
         finally:
             self.model.train(was_training)
             self.model.generation_config = model_config
         return completions
 
-    def _generate_chunk(self, prompt_ids, n, max_new_tokens, temperature, ignore_eos, top_k=0, top_p=1.0, stop=()):
+    def _generate_chunk(self, prompt_ids, n, budgets, temperature, ignore_eos, top_k, top_p, stop, sampling_mask):
+        """One generate call for prompts that may have different budgets: every row samples up to the largest, and
+        each completion is cut to its own prompt's budget afterwards. Rows are sampled independently, so a cut row
+        is what a call with its own budget would have given."""
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompt_ids], device=device)
@@ -224,8 +231,8 @@ class HFEngine:
                 attention_mask=attention_mask,
                 **sampling,
                 num_return_sequences=1 if greedy else n,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens if ignore_eos else 0,
+                max_new_tokens=max(budgets),
+                min_new_tokens=max(budgets) if ignore_eos else 0,
                 logits_processor=LogitsProcessorList([recorder]),
                 pad_token_id=self.pad_id,
                 eos_token_id=self.eos_ids,
@@ -236,7 +243,9 @@ class HFEngine:
         # the routing of every fed position [rows, width + steps − 1, L, k]: the prefill, then one per decoding step
         routing = self.routing.take(rows)[0].cpu() if self.routing else [None] * len(new_tokens)
         masks = [None] * len(new_tokens)
-        if recorder.kept:  # [rows, steps, K] kept ids of every step, padded with −1 to the widest step's K
+        if (
+            recorder.kept and sampling_mask
+        ):  # [rows, steps, K] kept ids of every step, padded with −1 to the widest step's K
             width = max(step.shape[1] for step in recorder.kept)
             steps = [torch.nn.functional.pad(step, (0, width - step.shape[1]), value=-1) for step in recorder.kept]
             masks = torch.stack(steps, dim=1).cpu()
@@ -244,12 +253,16 @@ class HFEngine:
             new_tokens, logprobs = new_tokens.repeat_interleave(n, dim=0), logprobs.repeat_interleave(n, dim=0)
             routing = routing.repeat_interleave(n, dim=0) if self.routing else [None] * len(new_tokens)
         paddings = [width - len(p) for p in prompt_ids for _ in range(n)]  # completions of prompt i: [iG, (i+1)G)
-        completions = zip(new_tokens.tolist(), logprobs.tolist(), routing, paddings, masks)
+        row_budgets = [budget for budget in budgets for _ in range(n)]
+        completions = zip(new_tokens.tolist(), logprobs.tolist(), routing, paddings, masks, row_budgets)
         return [self._trim(*completion, stop_strings=stop) for completion in completions]
 
-    def _trim(self, tokens, logprobs, routing=None, padding: int = 0, mask=None, stop_strings=()) -> Completion:
-        """The completion up to its first EOS (or `stop_strings`), and its routing without the prompt's left padding:
-        one row per token fed to the model, the prompt's and the completion's but the last."""
+    def _trim(self, tokens, logprobs, routing=None, padding=0, mask=None, budget=None, stop_strings=()) -> Completion:
+        """The completion up to its first EOS (or `stop_strings`) within its `budget`, and its routing without the
+        prompt's left padding: one row per token fed to the model, the prompt's and the completion's but the last."""
+        if routing is not None:
+            padded_prompt = routing.shape[0] - len(tokens) + 1
+        tokens, logprobs = tokens[:budget], logprobs[:budget]
         stop = next((position for position, token in enumerate(tokens) if token in self.eos_ids), None)
         stop = min(
             stop if stop is not None else len(tokens),
@@ -258,8 +271,7 @@ class HFEngine:
         stop = None if stop == len(tokens) else stop
         length = len(tokens) if stop is None else stop + 1
         if routing is not None:
-            width = routing.shape[0] - len(tokens) + 1  # the padded prompt's
-            routing = routing[padding : width + length - 1]
+            routing = routing[padding : padded_prompt + length - 1]
         if mask is not None:  # this completion's positions, the padding of its widest set only
             mask = mask[:length]
             mask = mask[:, : int((mask >= 0).sum(-1).max())]
@@ -425,40 +437,45 @@ class VLLMEngine:
         self,
         prompt_ids: list[list[int]],
         n: int,
-        max_new_tokens: int,
+        max_new_tokens: int | list[int],
         temperature: float,
         top_p: float = 1.0,
         ignore_eos: bool = False,
         top_k: int = 0,
         stop: tuple[str, ...] = (),
+        sampling_mask: bool = True,
     ) -> list[Completion]:
-        """As HFEngine.generate. The sampling mask comes from vLLM's processed log-probs of the top-k tokens (-inf
-        where top-p masked one): exact for top-k up to the engine's max_logprobs (VLLM_MAX_MASK); top-p alone keeps a
-        set vLLM cannot return whole, so it needs a top-k as well."""
-        truncated = top_p < 1.0 or top_k > 0
-        if truncated and not 0 < top_k <= VLLM_MAX_MASK:
-            raise BadInput(
-                f"the vLLM engine returns the kept tokens of at most {VLLM_MAX_MASK} per position (its top processed "
-                f"log-probs): with --top-p, set --top-k in [1, {VLLM_MAX_MASK}] too, or use --rollout-engine hf"
-            )
-        too_long = [len(p) for p in prompt_ids if len(p) + max_new_tokens > self.max_model_len]
+        """As HFEngine.generate. vLLM takes one SamplingParams per prompt, so each prompt gets its own budget and
+        is checked against the context with it (vLLM's rule: prompt + max_tokens <= max_model_len, per request).
+        The sampling mask comes from vLLM's processed log-probs of the top-k tokens (-inf where top-p masked one):
+        exact for top-k up to the engine's max_logprobs (VLLM_MAX_MASK). Top-p alone keeps a set vLLM cannot
+        return whole, so a kept mask needs a top-k as well; without the mask top-p alone samples as usual."""
+        budgets = per_prompt_budgets(max_new_tokens, len(prompt_ids))
+        masked = sampling_mask and (top_p < 1.0 or top_k > 0)
+        if masked and not 0 < top_k <= VLLM_MAX_MASK:
+            raise BadInput(vllm_mask_problem())
+        too_long = [(len(p), b) for p, b in zip(prompt_ids, budgets) if len(p) + b > self.max_model_len]
         if too_long:
             raise ValueError(
-                f"a prompt of {max(too_long)} tokens + {max_new_tokens} new tokens exceeds the "
+                f"a prompt of {too_long[0][0]} tokens + {too_long[0][1]} new tokens exceeds the "
                 f"engine's max_model_len {self.max_model_len}"
             )
-        params = self.sampling_params(
+        options = dict(
             n=n,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
-            max_tokens=max_new_tokens,
-            logprobs=top_k if truncated else 0,
+            logprobs=top_k if masked else 0,
             ignore_eos=ignore_eos,
             stop_token_ids=self.stop_token_ids,
             stop=list(stop) or None,
             include_stop_str_in_output=True,  # the call's closing marker belongs to the policy's tokens
+            # stop strings are matched on the decoded text: keep special tokens in it, so that a marker which is a
+            # special token of the tokenizer stops vLLM as it stops the transformers engine
+            skip_special_tokens=False,
         )
+        by_budget = {b: self.sampling_params(**options, max_tokens=b) for b in set(budgets)}
+        params = [by_budget[b] for b in budgets]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
         completions = []
         for output in outputs:  # in the order of the prompts
@@ -468,8 +485,10 @@ class VLLMEngine:
                 finish = "stop" if sample.finish_reason == "stop" else "length"
                 routing = None
                 if self.routing:  # [prompt + len − 1, layers, k], logical expert ids
-                    routing = torch.from_numpy(sample.routed_experts)[: len(output.prompt_token_ids) + len(tokens) - 1]
-                mask = _vllm_mask(sample.logprobs, tokens, top_k) if truncated else None
+                    rows = len(output.prompt_token_ids) + len(tokens) - 1
+                    # int16 as moe.Routing: vLLM returns uint16 beyond 256 experts, which torch cannot compute with
+                    routing = torch.from_numpy(sample.routed_experts[:rows].astype("int16"))
+                mask = _vllm_mask(sample.logprobs, tokens, top_k) if masked else None
                 completions.append(Completion(tokens, logprobs, finish, routing, mask))
         return completions
 
@@ -519,6 +538,23 @@ def sampling_masks(completions: list[Completion], width: int, device=None) -> to
 
 
 VLLM_MAX_MASK = 20  # vLLM's default max_logprobs: the largest top-k whose kept set it returns
+
+
+def vllm_mask_problem() -> str:
+    return (
+        f"the vLLM engine returns the kept tokens of at most {VLLM_MAX_MASK} per position (its top processed "
+        f"log-probs): to keep the sampling mask of --top-p / --top-k, set --top-k in [1, {VLLM_MAX_MASK}], or pass "
+        "--no-keep-sampling-mask (the full-vocabulary ratio), or use --rollout-engine hf"
+    )
+
+
+def per_prompt_budgets(max_new_tokens: int | list[int], prompts: int) -> list[int]:
+    """One new-token budget per prompt, from one for all or a list of them."""
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * prompts
+    if len(max_new_tokens) != prompts:
+        raise ValueError(f"{len(max_new_tokens)} budgets for {prompts} prompts")
+    return list(max_new_tokens)
 
 
 def _vllm_mask(steps, tokens: list[int], top_k: int) -> torch.Tensor:

@@ -89,6 +89,8 @@ def prepare_for_training(model, gradient_checkpointing: bool = False):
       checkpoint only in training mode, so without it --gradient-checkpointing silently does nothing.
     - Dropout off: the update scores the sampled tokens again and compares (ρ = π_θ / π_old), so π_θ must be a
       deterministic function of the weights (0 already in Llama / Qwen configs; not in every model's).
+    - Router jitter off: in training mode Mixtral's and MiniMax's routers multiply their input by random noise when
+      the config's router_jitter_noise > 0, which would make π_θ random too.
     - Checkpointing before sharding; non-reentrant, as FSDP2 requires."""
     model.train()
     for module in model.modules():
@@ -96,6 +98,8 @@ def prepare_for_training(model, gradient_checkpointing: bool = False):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):  # attention's functional dropout rate
             module.attention_dropout = 0.0
+        if isinstance(getattr(module, "jitter_noise", None), float):  # an MoE router's multiplicative noise
+            module.jitter_noise = 0.0
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -104,8 +108,11 @@ def prepare_for_training(model, gradient_checkpointing: bool = False):
 def shard(
     model, dist: Dist, cpu_offload: bool = False, compute_dtype: torch.dtype = torch.float32, float32_head: bool = False
 ):
-    """FSDP2: `fully_shard` each decoder layer, then the root, over all ranks. On one rank the model is
-    returned as it is. The shards stay float32 (the optimizer's weights).
+    """FSDP2: `fully_shard` each decoder layer, then the root, over all ranks, and onto the rank's device. On one
+    rank the model is moved to the device, whole. The shards stay float32 (the optimizer's weights).
+    Pass the model while it is still in CPU memory: `fully_shard` moves each unit's shard to the device as it
+    shards it, so a rank's GPU never holds the whole float32 model (beside an awake vLLM engine at start-up, that
+    would be the run's peak: 4 bytes per parameter on every GPU, 30 GiB for an 8B model).
     With a bfloat16 `compute_dtype`, each unit is gathered in bf16 and its gradients are reduced in float32
     (FSDP2's MixedPrecisionPolicy, as verl does). Why: under autocast alone every float32 weight gathered
     for the forward is cast again and autograd keeps the cast for the backward, a full-size bf16 copy of
@@ -118,7 +125,7 @@ def shard(
     output layer) is gathered in float32, not bf16."""
     logprobs.float32_output_layer(model, float32_head)
     if dist.world_size == 1:
-        return model
+        return model.to(dist.device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 

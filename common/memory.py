@@ -87,6 +87,9 @@ class Plan:
     """the scripts' --lora-rank (adapters on every Linear of the decoder layers; 0: full fine-tuning)"""
     full_logits: bool = False
     """full [B, T, vocabulary] logits in the update (isopo.py) instead of chunks"""
+    fp32_lm_head: bool = False
+    """the scripts' --fp32-lm-head: under FSDP2 the root unit (embedding, output layer) is gathered in float32, and a
+    bf16 output-layer weight (LoRA's frozen one) is upcast for each chunk of positions"""
 
 
 def load_config(model: str):
@@ -191,10 +194,14 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
     if plan.kl_coef > 0:
         parts["reference model (fp32)"] = 4 * counts["total"] / plan.gpus
     # weights in the compute dtype during the update
-    if sharded:  # gathered: the root stays, two layers in flight
-        parts["gathered weights"] = (counts["root"] + 2 * counts["layer"]) * (compute_bytes if mixed else 4)
-    elif compute != torch.float32 and not lora_bf16:  # autocast's casts, kept for the backward (bf16 ones need none)
-        kept_layers = 1 if plan.gradient_checkpointing else layers
+    kept_layers = 1 if plan.gradient_checkpointing else layers
+    if sharded:  # gathered: the root stays (in float32 with --fp32-lm-head), two layers in flight
+        root_bytes = 4 if plan.fp32_lm_head or not mixed else compute_bytes
+        parts["gathered weights"] = counts["root"] * root_bytes + 2 * counts["layer"] * (compute_bytes if mixed else 4)
+    if compute != torch.float32 and not mixed and not lora_bf16:
+        # autocast's casts of float32 weights (one process, or FSDP2 in float16), which autograd saves for the
+        # backward: every layer's, or with checkpointing the recomputed layer's. The scripts turn autocast's cast
+        # cache off, which would otherwise keep every layer's cast to the end of the forward, checkpointing or not
         parts["weight casts for the backward"] = (counts["root"] + kept_layers * counts["layer"]) * compute_bytes
     # activations of the longest micro-batch
     rows = min(plan.micro_batch_size, plan.prompts_per_step // plan.gpus * plan.group_size)  # a micro-batch's
@@ -209,6 +216,8 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
         parts["output layer (full logits)"] = full_logits_bytes(rows, plan.max_new_tokens, vocab)
     else:
         parts["output layer (chunks)"] = min(4 * CHUNK_BYTES, 4 * 4 * response_positions * vocab)
+    if plan.fp32_lm_head and lora_bf16:  # a float32 copy of the frozen bf16 output layer, one chunk at a time
+        parts["output layer (chunks)"] += 4 * vocab * hidden
     engine_training, generation = 0.0, {}
     if plan.rollout_engine == "vllm" and gpu:
         awake = plan.gpu_memory_utilization * plan.gpu_gib * GiB
@@ -235,7 +244,15 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
     # generation: weights and AdamW's moments (gradients are freed), the engine, but no activations
     resident = 12 * on_device + frozen + fixed + (engine_training if plan.rollout_engine != "vllm" or not gpu else 0.0)
     rollout = resident + sum(generation.values())
-    phases = {"update": update, "optimizer step": step, "generation": rollout}
+    # start-up: the float32 weights reach the GPU before the optimizer exists, beside an engine already awake (vLLM
+    # is built first, to size its KV cache). The scripts shard a model still in CPU memory, so a rank receives its
+    # shard one unit at a time (with one unit whole in flight), not the whole model
+    weights = (4 * trained + frozen_bytes * counts["total"] if plan.lora_rank else 4 * counts["total"]) / plan.gpus
+    weights *= 2 if plan.kl_coef > 0 else 1  # the reference model, set up the same way
+    in_flight = 4 * max(counts["root"], counts["layer"]) if sharded else 0.0
+    engine = generation.get("vllm engine (weights, KV cache)", engine_training)  # vLLM sleeps only once it trains
+    start = (0.0 if offloaded else weights) + in_flight + engine + fixed
+    phases = {"start-up": start, "update": update, "optimizer step": step, "generation": rollout}
     return {
         "parts": parts,
         "generation": generation,
@@ -301,7 +318,13 @@ def report(plan: Plan, result: dict) -> str:
     lines.append(row("= the optimizer step (state + AdamW's temporaries)", result["phases"]["optimizer step"]))
     lines += [row(name, value) for name, value in result["generation"].items()]
     lines.append(row("= generation (with weights, AdamW, context)", result["phases"]["generation"]))
+    lines.append(row("= start-up (weights onto the GPU, engine awake)", result["phases"]["start-up"]))
     peak = result["peak_bytes"]
+    if plan.device == "cuda" and result["phase"] == "update" and result["parts"]["activations"] > 0.3 * peak:
+        lines.append(
+            "  (activations set much of this peak; their per-token cost is measured with the CPU's attention, which "
+            "saves more than CUDA's fused kernels: an upper bound on a GPU, 31% high at a 0.5B width on an H100)"
+        )
     where = f"peak {peak / scale:.1f} {unit} per {'GPU' if plan.device == 'cuda' else 'process'}, in {result['phase']}"
     if budget is None:
         lines.append(where)

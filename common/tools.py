@@ -105,10 +105,11 @@ class ToolEngine:
     def __getattr__(self, name):  # load_weights, sleep, wake_up, close, dtype, ...
         return getattr(self.engine, name)
 
-    def generate(self, prompt_ids, n, max_new_tokens, temperature, top_p=1.0, ignore_eos=False, top_k=0):
-        sample = dict(
-            temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos, stop=tuple(self.closing)
-        )
+    def generate(
+        self, prompt_ids, n, max_new_tokens, temperature, top_p=1.0, ignore_eos=False, top_k=0, sampling_mask=True
+    ):
+        sample = dict(temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
+        sample |= dict(stop=tuple(self.closing), sampling_mask=sampling_mask)
         episodes = [Episode(prompt_ids[i // n]) for i in range(len(prompt_ids) * n)]
         turns = self.engine.generate(prompt_ids, n, max_new_tokens, **sample)
         active = episodes
@@ -125,7 +126,9 @@ class ToolEngine:
             if not active:
                 break
             contexts = [e.prompt + e.tokens for e in active]
-            turns = self.engine.generate(contexts, 1, max(budgets), **sample)
+            # each episode its own budget: another episode's larger one would take a long prompt's context past the
+            # engine's length (vLLM checks prompt + max_tokens per request)
+            turns = self.engine.generate(contexts, 1, [b for b in budgets if b > 0], **sample)
         return [self._completion(e) for e in episodes]
 
     def _room(self, episode: Episode, max_new_tokens: int) -> int:

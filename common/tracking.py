@@ -73,6 +73,19 @@ class StepMetrics:
         yield
         self.set(name, time.time() - start)
 
+    def gpu_memory(self, device) -> None:
+        """memory/peak_allocated_gib and memory/peak_reserved_gib: the most GPU memory this process's tensors held,
+        and the most its caching allocator held, since the previous call (the first call: since the start, so
+        the set-up's peak is in step 1), the largest rank's; then the peaks are reset. What the estimate of
+        `python -m common.memory` predicts, measured. Nothing on a CPU: absent, not zero."""
+        if device.type != "cuda":
+            return
+        import torch
+
+        self.max("memory/peak_allocated_gib", torch.cuda.max_memory_allocated(device) / 2**30)
+        self.max("memory/peak_reserved_gib", torch.cuda.max_memory_reserved(device) / 2**30)
+        torch.cuda.reset_peak_memory_stats(device)
+
     def reduce(self, dist=None) -> dict[str, float]:
         """{name: number} over all ranks (every rank calls this; one all_gather). A mean whose counts
         add up to 0 is NaN: nothing was measured."""

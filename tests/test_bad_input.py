@@ -41,6 +41,12 @@ SHARED_CASES = [
     ({"top_p": NAN}, "--top-p must be in (0, 1]"),
     ({"top_k": -1}, "--top-k must be >= 0"),
     ({"keep_sampling_mask": False}, "--keep-sampling-mask applies with --top-p < 1 or --top-k > 0 only"),
+    # vLLM returns at most 20 kept tokens per position: a kept mask needs a top-k there, refused before loading
+    (
+        {"rollout_engine": "vllm", "top_p": 0.9},
+        "to keep the sampling mask of --top-p / --top-k, set --top-k in [1, 20]",
+    ),
+    ({"rollout_engine": "vllm", "top_k": 50}, "to keep the sampling mask of --top-p / --top-k, set --top-k in [1, 20]"),
     ({"weight_decay": -0.1}, "--weight-decay must be >= 0 and finite"),
     ({"weight_decay": NAN}, "--weight-decay must be >= 0 and finite"),
     ({"group_size": 1}, "--group-size must be >= 2"),

@@ -64,6 +64,23 @@ def test_seeded_sampling_is_reproducible_and_grouped(tiny):
     assert [c.token_ids for c in engine.generate(_prompt_ids(tokenizer), 4, 6, 1.0)] != runs[0]
 
 
+def test_one_budget_per_prompt_cuts_each_prompts_completions(tiny):
+    """Budgets [3, 6] in one call: the first prompt's completions are those of a call with 6 for both (same seed),
+    cut at 3 tokens with their log-probs; the second prompt's are unchanged."""
+    model, tokenizer = tiny
+    engine, prompts = HFEngine(model, tokenizer), [tokenizer(p)["input_ids"] for p in ("Q: 37+48=", "Q: 5+6=")]
+    torch.manual_seed(0)
+    whole = engine.generate(prompts, 4, 6, 1.0, ignore_eos=True)
+    torch.manual_seed(0)
+    cut = engine.generate(prompts, 4, [3, 6], 1.0, ignore_eos=True)
+    for index, (a, b) in enumerate(zip(whole, cut)):
+        budget = 3 if index < 4 else 6
+        assert b.token_ids == a.token_ids[:budget] and b.logprobs == a.logprobs[:budget]
+        assert b.finish_reason == "length"
+    with pytest.raises(ValueError, match="2 budgets for 3 prompts"):
+        engine.generate(prompts + prompts[:1], 1, [3, 6], 1.0)
+
+
 def test_greedy_is_the_argmax(tiny):
     model, tokenizer = tiny
     prompts = _prompt_ids(tokenizer)

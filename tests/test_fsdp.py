@@ -15,6 +15,8 @@ import pytest
 import torch
 from helpers import OFFLINE, REPO, only_run_dir, read_jsonl, run_script, torchrun
 
+from common import fsdp
+
 pytestmark = pytest.mark.slow
 
 
@@ -276,3 +278,36 @@ def test_two_ranks_keep_no_bf16_copy_of_the_weights_for_the_backward(tmp_path):
     torchrun(2, "tests/distributed_forward_memory.py", tmp_path / "bf16.json", "bfloat16")
     measured = json.loads((tmp_path / "bf16.json").read_text())
     assert measured["saved_bytes"] < 0.1 * measured["layer_weight_bytes"], measured
+
+
+def test_one_rank_moves_the_model_to_its_device_when_it_shards_it(tiny_dir):
+    """The scripts pass fsdp.shard a model still in CPU memory (so that several ranks receive their shards one unit
+    at a time); on one rank shard moves it whole to the rank's device (here the meta device stands for a GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    dist = fsdp.Dist(0, 1, 0, torch.device("meta"))
+    model = fsdp.shard(fsdp.prepare_for_training(AutoModelForCausalLM.from_pretrained(tiny_dir)), dist)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+def test_training_mode_leaves_no_router_jitter():
+    """Mixtral's router multiplies its input by noise in training mode when router_jitter_noise > 0: the policy
+    the update scores would be random. prepare_for_training turns it off: two forwards agree exactly."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.5,
+    )
+    torch.manual_seed(0)
+    model, ids = MixtralForCausalLM(config).train(), torch.randint(3, 50, (2, 9))
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # the noise is there before
+    model = fsdp.prepare_for_training(model)
+    assert torch.equal(model(ids).logits, model(ids).logits)

@@ -144,3 +144,54 @@ def test_lora_leaves_out_the_gradients_and_optimizer_state_of_the_frozen_weights
     lora = peak_rss_of("algorithms/grpo.py", *flags, "--output-dir", tmp_path / "lora", "--lora-rank", 16)
     print(f"full fine-tuning {full / 1e9:.2f} GB, LoRA {lora / 1e9:.2f} GB, {parameters / 1e6:.1f} M parameters")
     assert full - lora > 0.75 * 12 * parameters, (full / 1e9, lora / 1e9)
+
+
+def _llama_8b():
+    """Llama-3.1-8B's shape (8.03 B parameters), counted on the meta device."""
+    config, _ = _llama_config(4096, 14336, 32, 128256, heads=32, kv_heads=8)
+    config.tie_word_embeddings = False
+    return config, memory.parameter_counts(config)
+
+
+def test_start_up_holds_a_shard_of_the_weights_beside_an_awake_engine():
+    """Start-up: vLLM is awake and the float32 weights reach the GPU. One GPU holds all of them; eight hold their
+    shard and one unit in flight (the scripts shard a model still in CPU memory), so gtpo.py's 8B command at
+    --gpu-memory-utilization 0.6 fits (the whole float32 model beside vLLM's 48 GiB would have been 79 GiB)."""
+    config, counts = _llama_8b()
+    awake, context = 0.6 * 80 * memory.GiB, memory.CUDA_CONTEXT
+    one = memory.Plan(model="8B", gpu_memory_utilization=0.6, vllm_sleep_mode=True, gradient_checkpointing=True)
+    result = memory.estimate(one, config, per_token=100 * 1024)
+    assert result["phases"]["start-up"] == pytest.approx(4 * counts["total"] + awake + context)
+    eight = memory.Plan(**{**one.__dict__, "gpus": 8, "micro_batch_size": 4, "max_new_tokens": 1024})
+    result = memory.estimate(eight, config, per_token=100 * 1024)
+    in_flight = 4 * max(counts["root"], counts["layer"])
+    assert result["phases"]["start-up"] == pytest.approx(4 * counts["total"] / 8 + in_flight + awake + context)
+    assert result["phases"]["start-up"] < 60 * memory.GiB and "fits in 80 GiB" in memory.report(eight, result)
+    with_reference = memory.estimate(memory.Plan(**{**eight.__dict__, "kl_coef": 0.1}), config, per_token=1)
+    assert with_reference["phases"]["start-up"] - result["phases"]["start-up"] == pytest.approx(4 * counts["total"] / 8)
+
+
+def test_float16_ranks_count_autocasts_casts_and_the_float32_head_its_root_and_copies():
+    """FSDP2 in float16 gathers float32 weights, which autocast casts and autograd keeps: 2 bytes per weight of
+    every layer (one layer with checkpointing). --fp32-lm-head gathers the root in float32 under bf16 ranks (2 more
+    bytes per root parameter) and upcasts a frozen bf16 output layer per chunk (4 × vocabulary × width)."""
+    config, counts = _llama_8b()
+    fp16 = memory.Plan(model="8B", gpus=8, dtype="float16")
+    parts = memory.estimate(fp16, config, per_token=1)["parts"]
+    assert parts["weight casts for the backward"] == 2 * (counts["root"] + 32 * counts["layer"])
+    fp16.gradient_checkpointing = True
+    parts = memory.estimate(fp16, config, per_token=1)["parts"]
+    assert parts["weight casts for the backward"] == 2 * (counts["root"] + counts["layer"])
+    bf16 = memory.Plan(model="8B", gpus=8)
+    plain, head = (
+        memory.estimate(memory.Plan(**{**bf16.__dict__, "fp32_lm_head": f}), config, per_token=1)["parts"]
+        for f in (False, True)
+    )
+    assert "weight casts for the backward" not in plain  # bf16 ranks gather bf16 weights: nothing to cast
+    assert head["gathered weights"] - plain["gathered weights"] == 2 * counts["root"]
+    lora = memory.Plan(model="8B", lora_rank=16)
+    plain, head = (
+        memory.estimate(memory.Plan(**{**lora.__dict__, "fp32_lm_head": f}), config, per_token=1)["parts"]
+        for f in (False, True)
+    )
+    assert head["output layer (chunks)"] - plain["output layer (chunks)"] == 4 * 128256 * 4096

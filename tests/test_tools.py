@@ -11,7 +11,7 @@ import torch
 from algorithms.ema_kpo import ema_filter
 from algorithms.gtpo import conflict_masks
 from common import tools
-from common.engines import Completion, HFEngine
+from common.engines import Completion, HFEngine, per_prompt_budgets
 from common.task_files import load_task_file
 from common.tools import ToolEngine, policy_first, restore_order
 from common.tracking import StepMetrics
@@ -47,14 +47,17 @@ def calculator(tmp_path):
 
 class ScriptedPolicy:
     """An engine whose next turn is `script(context text)`, with log-prob −0.5 per token; it records every context it
-    is given as token ids, and honours max_new_tokens and the stop strings as the real engines do."""
+    is given as token ids, and honours max_new_tokens (one, or one per context) and the stop strings as the real
+    engines do. With `max_model_len` it refuses a request as vLLM does: a context + its budget past the length."""
 
-    def __init__(self, tokenizer, script):
-        self.tokenizer, self.script, self.contexts = tokenizer, script, []
+    def __init__(self, tokenizer, script, max_model_len=None):
+        self.tokenizer, self.script, self.contexts, self.max_model_len = tokenizer, script, [], max_model_len
 
-    def generate(self, contexts, n, max_new_tokens, temperature, top_p=1.0, top_k=0, ignore_eos=False, stop=()):
-        turns = []
-        for context in contexts:
+    def generate(self, contexts, n, max_new_tokens, temperature, top_p=1.0, top_k=0, ignore_eos=False, stop=(), **_):
+        turns, budgets = [], per_prompt_budgets(max_new_tokens, len(contexts))
+        for context, max_new_tokens in zip(contexts, budgets):
+            if self.max_model_len and len(context) + max_new_tokens > self.max_model_len:
+                raise ValueError(f"{len(context)} + {max_new_tokens} tokens exceed max_model_len {self.max_model_len}")
             for _ in range(n):
                 self.contexts.append(list(context))
                 text = self.script(self.tokenizer.decode(context))
@@ -147,6 +150,26 @@ def test_the_limits_turns_policy_tokens_and_the_whole_episode(tiny, calculator):
     tools.record_tool_use(metrics, [last_turn_call, own_tokens, whole, cut_output], max_new_tokens=40)
     assert metrics.means["tools/turn_limit_rate"] == [1, 4] and metrics.means["tools/policy_limit_rate"] == [1, 4]
     assert metrics.means["tools/episode_limit_rate"] == [2, 4] and metrics.means["tools/calls_per_episode"] == [5, 4]
+
+
+def test_each_episode_asks_for_its_own_budget_within_the_engines_length(tiny, calculator):
+    """A long prompt whose episode is bound by --max-episode-tokens beside a short one with more room: the next turn
+    asks the engine for each episode's own budget, so an engine with vLLM's per-request rule (prompt + max_tokens
+    within max_model_len) serves both; with the largest budget for every context it refused the whole batch."""
+    _, tokenizer = tiny
+    calls = {True: "<calc>99*99</calc>", False: "<calc>2*3</calc>"}  # 18 and 16 tokens; outputs of 21 and 18
+    script = lambda context: calls["1+1" in context] if "<result>" not in context else "12$"
+    long_prompt, short_prompt = encode(tokenizer, "Q: " + "1+" * 18 + "1="), encode(tokenizer, "Q: 2*3=")
+    max_episode_tokens = 40  # after the output, the long prompt's episode has room for 1 more token, the other 6
+    policy = ScriptedPolicy(tokenizer, script, max_model_len=len(long_prompt) + max_episode_tokens)
+    engine = ToolEngine(policy, tokenizer, calculator, max_turns=4, max_episode_tokens=max_episode_tokens)
+    long_episode, short_episode = engine.generate([long_prompt, short_prompt], 1, 30, 1.0)
+    assert (long_episode.finish_reason, len(long_episode.token_ids)) == ("length", max_episode_tokens)
+    assert (short_episode.finish_reason, len(short_episode.token_ids)) == ("stop", 16 + 18 + 3)  # its answer, whole
+    assert policy.contexts[2:] == [
+        long_prompt + long_episode.token_ids[:39],
+        short_prompt + short_episode.token_ids[:34],
+    ]
 
 
 def test_a_call_without_its_opening_marker_is_an_error_and_the_sampling_mask_spans_the_episode(tiny, calculator):

@@ -47,6 +47,21 @@ def test_step_metrics_by_hand():
     assert all(math.isnan(v) for v in metrics.reduce().values())
 
 
+def test_gpu_memory_is_the_peak_since_the_last_step_and_absent_on_a_cpu(monkeypatch):
+    """On a GPU the allocator's peaks are recorded in GiB and then reset, so each step's figure is its own; on a CPU
+    nothing is recorded (a 0 would read as a measurement)."""
+    metrics = StepMetrics()
+    metrics.gpu_memory(torch.device("cpu"))
+    assert metrics.reduce() == {}
+    peaks, resets = {"allocated": 3 * 2**30, "reserved": 5 * 2**30}, []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: peaks["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: peaks["reserved"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: resets.append(device))
+    metrics.gpu_memory(torch.device("cuda", 0))
+    assert metrics.reduce() == {"memory/peak_allocated_gib": 3.0, "memory/peak_reserved_gib": 5.0}
+    assert resets == [torch.device("cuda", 0)]
+
+
 def test_tracker_drops_records_after_the_resumed_step(tmp_path):
     tracker = Tracker(str(tmp_path / "run"), {"lr": 1.0})
     for step in range(4):

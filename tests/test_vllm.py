@@ -233,8 +233,25 @@ def test_vllms_sampling_mask_is_its_processed_top_k(tiny, tiny_dir, engines):
             scores = model(input_ids=ids, logits_to_keep=len(completion.token_ids) + 1).logits[0, :-1, 0]
         worst = max(worst, (scores - torch.tensor(completion.logprobs)).abs().max().item())
     assert worst < 1e-4, worst
-    with pytest.raises(BadInput, match="set --top-k"):
+    with pytest.raises(BadInput, match="set --top-k in"):
         engine.generate(prompts, 1, 4, 1.0, top_p=0.8)
+    # without the mask, top-p alone is plain nucleus sampling, which vLLM does: no kept set is asked for
+    unmasked = engine.generate(prompts, 2, 4, 1.0, top_p=0.8, sampling_mask=False)
+    assert len(unmasked) == 8 and all(c.sampling_mask is None and len(c.logprobs) for c in unmasked)
+
+
+def test_each_prompt_has_its_own_budget_in_vllm(tiny, engines, tiny_dir):
+    """One budget per prompt (a multi-turn episode's next turn): a prompt that fills the context but for 3 tokens
+    beside one with room for 20, in one call; each gets exactly its own budget (EOS ignored)."""
+    _, tokenizer = tiny
+    engine = engines(tiny_dir)  # max_model_len 64
+    short = tokenizer(PROMPTS[0])["input_ids"]
+    long = (short * 64)[: 64 - 3]
+    completions = engine.generate([long, short], 2, [3, 20], 1.0, ignore_eos=True)
+    assert [len(c.token_ids) for c in completions] == [3, 3, 20, 20]
+    assert [c.finish_reason for c in completions] == ["length"] * 4
+    with pytest.raises(ValueError, match="a prompt of 61 tokens \\+ 4 new tokens exceeds"):
+        engine.generate([long, short], 1, [4, 20], 1.0)
 
 
 def test_vllm_on_a_cpu_refuses_to_record_routing(tiny_moe_dir):
