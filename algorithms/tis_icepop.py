@@ -69,7 +69,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
@@ -81,17 +81,18 @@ from tqdm import tqdm
 
 from common import checks, fsdp, moe
 from common.adapters import load_policy
-from common.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
+from common.checkpoint import StopSignals, load_checkpoint, run_folder, save_checkpoint, seed_everything
 from common.checks import require
-from common.engines import engine_kind, load_tokenizer, make_engine, sampling_masks
+from common.engines import engine_kind, load_tokenizer, make_training_engine, sampling_masks
 from common.errors import BadInput
 from common.evaluate import evaluate
+from common.flags import Evaluation, Group, Systems, TaskFormat, Tools, Tracking, flat
 from common.logprobs import output_layer_scores
 from common.rollouts import Groups, PromptSampler
 from common.scoring import overlong_penalty, score_completions
-from common.tasks import encode_prompts, load_train_and_eval
+from common.tasks import load_prompts
 from common.tiny import resolve_model
-from common.tools import episode_tokens, later_turns, record_tool_use, with_tools
+from common.tools import episode_tokens, later_turns, record_tool_use, record_turn_mismatch, with_tools
 from common.tracking import StepMetrics, Tracker
 
 
@@ -102,23 +103,11 @@ class Args:
     """the name of this experiment (part of the run folder's name)"""
     seed: int = 1
     """seed of the run: sampling, prompt order, minibatch order"""
-    track: bool = False
-    """log to Weights & Biases (set WANDB_MODE=offline to work without a network)"""
-    wandb_project_name: str = "clean-llm-rl"
-    """the wandb project"""
-    wandb_entity: str | None = None
-    """the wandb entity (team)"""
     model: str = "tiny"
     """`tiny` (the built-in offline model), a Hugging Face model id or a local folder"""
     task: str = "arith"
     """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math, math500, dapo_math,
     aime24, aime25, or a .jsonl/.json/.parquet file"""
-    question_column: str = "question"
-    """question column of a local task file"""
-    answer_column: str = "answer"
-    """answer column of a local task file"""
-    chat_template: bool = True
-    """wrap prompts in the tokenizer's chat template when it has one"""
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
@@ -152,11 +141,6 @@ class Args:
     """DAPO's soft overlong punishment: the reward falls linearly to -1 over this many last tokens (0: off)"""
     mask_truncated: bool = False
     """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
-    max_turns: int = 4
-    """a task with tools: the policy's turns per episode at most (a call on the last one is not run)"""
-    max_episode_tokens: int = 0
-    """a task with tools: an episode's tokens at most, the tools' outputs included (0: twice --max-new-tokens);
-    --max-new-tokens bounds the policy's own"""
 
     # the loss: this method's own arguments
     clip_low: float = 0.2
@@ -205,50 +189,19 @@ class Args:
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation; memory only, not the math)"""
 
-    # evaluation and checkpoints
-    eval_task: str | None = None
-    """held-out task (its test split); defaults to --task (a local file: a seeded 10% of it, held out)"""
-    eval_every: int = 10
-    """evaluate every this many steps (0: never)"""
-    eval_prompts: int = 256
-    """held-out prompts per evaluation"""
-    eval_k: int = 4
-    """samples per held-out prompt for avg@k and pass@k (0: greedy accuracy only)"""
+    # checkpoints
     save_every: int = 50
     """checkpoint every this many steps (and at the end; 0: only at the end)"""
     keep_checkpoints: int = 2
     """how many of the newest checkpoints to keep (0: all)"""
 
-    # the engine and the systems
-    rollout_engine: Literal["auto", "hf", "vllm"] = "auto"
-    """vllm (in-process vLLM), hf (transformers generate), or auto: vllm on a GPU when installed, else hf"""
-    engine_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "int8"] = "auto"
-    """engine weights' dtype; auto: hf the trainer's weights, vllm the trainer's compute dtype on GPU (another is a
-    train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""
-    gpu_memory_utilization: float = 0.3
-    """vllm: fraction of GPU memory for the engine (weights and KV cache); the trainer gets the rest"""
-    vllm_sleep_mode: bool = False
-    """vllm on GPU: free the engine's GPU memory while training (sleep level 1)"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """trainer compute dtype (weights stay float32); auto: bfloat16 on GPU, float32 on CPU; float16 scales the loss"""
-    fp32_lm_head: bool = False
-    """the output layer in float32 in the trainer (under bf16 / fp16 autocast) and in a bf16 / fp16 engine, as
-    MiniMax-M1 does (arXiv:2506.13585): the rounding of logits over a large vocabulary is mismatch. vLLM's head_dtype
-    multiplies its bf16 hidden states and weight into float32 logits; the trainer upcasts both first"""
-    cpu_offload: bool = False
-    """with several ranks (torchrun), keep sharded parameters and optimizer state in CPU memory"""
-    gradient_checkpointing: bool = False
-    """recompute each decoder layer's activations in the backward: less memory for long responses, more compute"""
-
-    # low-rank adapters (LoRA through peft; common/adapters.py)
-    lora_rank: int = 0
-    """r of the LoRA adapters trained beside the frozen weights (0: full fine-tuning; ~0.5% of an 8B model at 16).
-    vLLM generates from merged weights; the hf engine on one rank runs peft's unmerged adapters at every token,
-    about 3x slower (merging in place would round the frozen weights at every push)"""
-    lora_alpha: float = 32.0
-    """LoRA's α: an adapted layer computes with W + (α/r)·B·A"""
-    lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """the Linear layers given adapters, by name (e.g. q_proj v_proj); all-linear: every one but the output layer"""
+    # the groups a method never changes (common/flags.py), each under its own heading in --help; their flags keep
+    # their plain names (--lora-rank 16)
+    task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
+    tools: Group[Tools] = field(default_factory=Tools)
+    evaluation: Group[Evaluation] = field(default_factory=Evaluation)
+    tracking: Group[Tracking] = field(default_factory=Tracking)
+    systems: Group[Systems] = field(default_factory=Systems)
 
 
 # ALGO LOGIC: the mismatch corrections' weights, the clipped surrogate, advantages, and how token losses are averaged
@@ -372,7 +325,7 @@ def engine_records_routing(policy, args) -> bool:
     for the routing/* metrics. vLLM on a CPU cannot: r3 is refused there, with the reason; the metrics are left out."""
     if args.router_replay != "none" and not moe.is_moe(policy):
         raise BadInput(f"--router-replay {args.router_replay}: {args.model} is not a mixture-of-experts model")
-    can_record = engine_kind(args.rollout_engine) == "hf" or torch.cuda.is_available()
+    can_record = engine_kind(args.systems.rollout_engine) == "hf" or torch.cuda.is_available()
     return moe.is_moe(policy) and (can_record or args.router_replay == "r3")
 
 
@@ -519,20 +472,15 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
     return logprobs, (entropy if with_entropy else None)
 
 
-MISMATCH_INPUTS = (
-    "old_logprobs",
-    "sampler_logprobs",
-    "response_mask",
-    "later_turns",
-)  # record_mismatch's, from a batch
-
-
-def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask, later=None):
-    """The train-inference mismatch over response tokens, μ being the engine's log-probs:
-    mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ; mismatch/max_abs_logprob_diff."""
+def record_mismatch(metrics, batch, old_logprobs):
+    """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ being the
+    engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ, and
+    mismatch/max_abs_logprob_diff."""
+    sampler_logprobs, mask = batch["sampler_logprobs"], batch["response_mask"]
     # ALGO LOGIC: log ρ as the corrections see it: a NaN log-prob counts as matched (ρ = 1), clamped to ±20
     log_ratio, valid = safe_log_ratio(old_logprobs, sampler_logprobs, mask), mask.bool()
-    metrics.mean("mismatch/kl_k3", ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum(), mask.sum())
+    k3 = torch.exp(log_ratio) - 1 - log_ratio
+    metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
     metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
     metrics.mean("mismatch/kl_k1", -log_ratio.sum(), mask.sum())  # k1 KL(μ ‖ π_old): the mean of log μ − log π_old
     unscored = (torch.isnan(old_logprobs) | torch.isnan(sampler_logprobs)) & valid  # neutralized: counted as matched
@@ -541,10 +489,7 @@ def record_mismatch(metrics, old_logprobs, sampler_logprobs, mask, later=None):
         metrics.min("mismatch/ratio_min", torch.exp(log_ratio[valid].min()))
         metrics.max("mismatch/ratio_max", torch.exp(log_ratio[valid].max()))
     # END ALGO LOGIC
-    if later is not None:  # episodes with tools: the tokens of the first turn, and those after a tool's output
-        k3 = torch.exp(log_ratio) - 1 - log_ratio
-        for turn, part in (("first_turn", mask * (1 - later)), ("later_turns", mask * later)):
-            metrics.mean(f"mismatch/kl_k3_{turn}", (k3 * part).sum(), part.sum())
+    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))  # with tools: mismatch/kl_k3_*_turn(s)
 
 
 def record_rollouts(metrics, scores, completions, rewards):
@@ -597,7 +542,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
     if multiple_updates and not routing:
         batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old [B, T]
     if multiple_updates:
-        record_mismatch(metrics, *(batch.get(k) for k in MISMATCH_INPUTS))
+        record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
         batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref [B, T]
 
@@ -671,7 +616,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     for key, value in zip(weight_sums, (weights.sum(), (weights**2).sum(), tokens)):
                         weight_sums[key] += value.item()
                     if not multiple_updates:  # this single pass sees every rollout once, under π_old
-                        record_mismatch(metrics, old_logprobs, *(micro.get(k) for k in MISMATCH_INPUTS[1:]))
+                        record_mismatch(metrics, micro, old_logprobs)
                     if routing:  # ALGO LOGIC: routing/drift: how often π_θ's routers choose other experts than π_old's
                         used, own = routing.take(len(mask))
                         routing.replay(None)
@@ -737,61 +682,40 @@ def main(args: Args) -> None:
     # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16 compute)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
-    device = dist.device
-    compute_dtype = fsdp.compute_dtype(args.dtype, device)  # auto: bfloat16 on a GPU, float32 on the CPU
+    device, systems, evaluation = dist.device, args.systems, args.evaluation
+    compute_dtype = fsdp.compute_dtype(systems.dtype, device)  # auto: bfloat16 on a GPU, float32 on the CPU
     # no cast cache: autocast would keep the cast of every float32 weight until the forward ends, checkpointing or
     # not (a bf16 copy of the model); without it a cast lives as long as autograd needs it (one layer's, checkpointed)
     autocast = torch.autocast(device.type, compute_dtype, enabled=compute_dtype != torch.float32, cache_enabled=False)
     scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)  # float16's dynamic loss scale
-    run_prefix = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}__"
-    checkpoint = find_checkpoint(args.resume, args.output_dir, run_prefix) if args.resume else None
-    if checkpoint:  # <run_dir>/checkpoints/step_N, whose settings a resume keeps (checks.RESUME_MAY_CHANGE)
-        checks.check_resume(args, checkpoint, verbose=dist.is_main)
-        run_dir = os.path.dirname(os.path.dirname(checkpoint))
-    else:  # a new run folder, one name for all ranks
-        run_dir = os.path.join(args.output_dir, run_prefix + fsdp.broadcast(str(int(time.time())), dist))
-    # training rows, and held-out rows that never train (a local task file holds out a seeded 10% of itself)
-    eval_task = args.eval_task or args.task
-    train_rows, eval_rows = load_train_and_eval(
-        args.task, eval_task, args.question_column, args.answer_column, verbose=dist.is_main
-    )
+    # a new run folder, or with --resume the run's own, whose settings a resume keeps (checks.RESUME_MAY_CHANGE)
+    run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
+    run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
+    # training prompts, and held-out ones that never train (a local task file holds out a seeded 10% of itself)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
-    prompt_limit = checks.prompt_token_limit(args)  # --max-prompt-tokens, less where the model's context is short
-    train_rows, prompts = encode_prompts(
-        train_rows, tokenizer, args.task, args.chat_template, prompt_limit, dist.is_main
+    new_tokens = episode_tokens(args.task, args.max_new_tokens, args.tools)  # with tools, an episode's
+    prompt_limit = checks.prompt_token_limit(args.model, args.max_prompt_tokens, args.max_new_tokens, new_tokens)
+    eval_task = evaluation.eval_task or args.task
+    train_rows, prompts, eval_rows = load_prompts(
+        args.task, eval_task, args.task_format, tokenizer, prompt_limit, evaluation.eval_prompts, dist.is_main
     )
-    eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, args.chat_template, prompt_limit, dist.is_main)[0]
-    eval_rows = eval_rows[: args.eval_prompts]
 
-    # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts.
-    # One rank: the hf engine can share the trainer's module; several: it keeps a full copy per rank.
-    policy = load_policy(args, checkpoint, compute_dtype)  # float32; --lora-rank: a frozen base and peft's adapters
-    max_model_len = prompt_limit + episode_tokens(args)  # the tools' outputs too
-    engine = make_engine(
-        args.rollout_engine,
-        policy,
-        tokenizer,
-        dtype=args.engine_dtype,
-        device=device,
-        share_weights=dist.world_size == 1,
-        model_path=checkpoint or args.model,
-        max_model_len=max_model_len,
-        seed=args.seed + dist.rank,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        sleep_mode=args.vllm_sleep_mode,
-        compute_dtype=compute_dtype,
-        float32_head=args.fp32_lm_head,
-        routing=engine_records_routing(policy, args),  # ALGO LOGIC: MoE models, see --router-replay
+    # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
+    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # float32; LoRA: a frozen base and adapters
+    context = prompt_limit + new_tokens  # the engine's context: the longest prompt and episode
+    routing = engine_records_routing(policy, args)  # ALGO LOGIC: MoE models, see --router-replay
+    engine = make_training_engine(
+        systems, policy, tokenizer, dist, checkpoint or args.model, context, args.seed, routing=routing
     )
-    engine = with_tools(engine, tokenizer, args)  # a task with tools: multi-turn episodes (common/tools.py)
+    engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # tools: episodes
     # train mode, no dropout; sharded while in CPU memory, so each GPU receives its shard one unit at a time
-    policy = fsdp.prepare_for_training(policy, args.gradient_checkpointing)
-    policy = fsdp.shard(policy, dist, args.cpu_offload, compute_dtype, args.fp32_lm_head)  # and onto the device
+    policy = fsdp.prepare_for_training(policy, systems.gradient_checkpointing)
+    policy = fsdp.shard(policy, dist, systems.cpu_offload, compute_dtype, systems.fp32_lm_head)  # and onto the device
     reference = None
     if args.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        reference = fsdp.shard(reference, dist, args.cpu_offload, compute_dtype, args.fp32_lm_head)
+        reference = fsdp.shard(reference, dist, systems.cpu_offload, compute_dtype, systems.fp32_lm_head)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # --lora-rank: the adapters' A and B alone
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
@@ -801,29 +725,24 @@ def main(args: Args) -> None:
         scheduler.load_state_dict(state["scheduler"])
         start_step, skipped_steps = state["step"], state["skipped_steps"]
     tracker = Tracker(
-        run_dir,
-        asdict(args),
-        enabled=dist.is_main,
-        resume_step=start_step if checkpoint else None,
-        track=args.track,
-        project=args.wandb_project_name,
-        entity=args.wandb_entity,
+        run_dir, flat(args), args.tracking, enabled=dist.is_main, resume_step=start_step if checkpoint else None
     )
     eval_kwargs = dict(
         task=eval_task,
-        k=args.eval_k,
+        k=evaluation.eval_k,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
-        use_chat_template=args.chat_template,
+        use_chat_template=args.task_format.chat_template,
         dist=dist,
     )
-    if args.eval_every and start_step == 0:
+    if evaluation.eval_every and start_step == 0:
         tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
     # each rank takes whole groups of G completions (group statistics are one process's): its share of the
     # step's prompts, and with --dynamic-sampling of DAPO's extra rounds
     sampler = PromptSampler(prompts, train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds)
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
+    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed, then the run ends
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions of each of this rank's prompts, each scored against its row's gold answer
@@ -861,7 +780,7 @@ def main(args: Args) -> None:
         metrics.set("charts/skipped_steps", skipped_steps)  # optimizer steps skipped so far (not finite, no token)
         metrics.set("time/step", time.time() - step_start)  # evaluation excluded
         metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))  # all ranks
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+        if evaluation.eval_every and ((step + 1) % evaluation.eval_every == 0 or step + 1 == args.steps):
             with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k on held-out prompts
                 metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
@@ -869,21 +788,25 @@ def main(args: Args) -> None:
         tracker.log(logged, step=step + 1)
         watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, no answers at all
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
+        stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
+        if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
             trainer_state = {
                 "step": step + 1,
                 "skipped_steps": skipped_steps,
-                "args": asdict(args),
+                "args": flat(args),
                 "scheduler": scheduler.state_dict(),
             }
             save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist, args.keep_checkpoints)
+        if stopping:
+            break
 
-    plot = tracker.close(plot_keys=PLOTTED + [f"eval/avg@{args.eval_k}"])
+    plot = tracker.close(plot_keys=PLOTTED + [f"eval/avg@{evaluation.eval_k}"])
     if dist.is_main:
         print(f"run folder: {run_dir}" + (f" (plot: {plot})" if plot else ""))
     fsdp.barrier(dist)
     engine.close()
     fsdp.cleanup(dist)
+    stop.finish(run_dir, dist)  # after a signal: how to resume it, and exit code 128 + the signal's number
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """LoRA adapters through peft: `--lora-rank r` trains low-rank matrices beside frozen weights, in every script.
 
-    policy = load_policy(args, checkpoint, compute_dtype)    # float32 model, or frozen base + peft's adapters
+    policy = load_policy(model, checkpoint, systems, compute_dtype)  # float32 model, or frozen base + adapters
     for name, weight in merged_weights(policy, gather): ...  # the engine push: W + (α/r)·B·A, base names
     model = load_merged(path)                                # evaluate: a checkpoint's base + adapter, merged
 
@@ -40,32 +40,33 @@ def is_adapted(model) -> bool:
     return hasattr(model, "peft_config")
 
 
-def load_policy(args, checkpoint: str | None, compute_dtype: torch.dtype = torch.float32):
-    """The model to train. Full fine-tuning: the weights of `checkpoint` (a resume) or of --model, in float32.
-    --lora-rank r: --model's weights, frozen (bfloat16 when that is the compute dtype, else float32), with a
-    LoRA adapter on --lora-target-modules: new (B = 0), or the checkpoint's for a resume."""
+def load_policy(model: str, checkpoint: str | None, systems, compute_dtype: torch.dtype = torch.float32):
+    """The model to train. Full fine-tuning: the weights of `checkpoint` (a resume) or of `model`, in float32.
+    With --lora-rank r in `systems` (common.flags.Systems): `model`'s weights, frozen (bfloat16 when that is the
+    compute dtype, else float32), with a LoRA adapter on --lora-target-modules: new (B = 0), or the checkpoint's for a
+    resume."""
     from transformers import AutoModelForCausalLM
 
-    if not args.lora_rank:
-        return AutoModelForCausalLM.from_pretrained(checkpoint or args.model, dtype=torch.float32)
+    if not systems.lora_rank:
+        return AutoModelForCausalLM.from_pretrained(checkpoint or model, dtype=torch.float32)
     from peft import LoraConfig, PeftModel, get_peft_model
 
     frozen_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
-    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=frozen_dtype)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=frozen_dtype)
     if checkpoint:  # the run's adapter (its config was the run's flags: check_resume keeps them)
         trained_on = base_of(checkpoint)
-        if os.path.realpath(trained_on) != os.path.realpath(args.model):  # --model may move, but should be the same
+        if os.path.realpath(trained_on) != os.path.realpath(model):  # --model may move, but should be the same
             print(
-                f"warning: the adapter was trained on {trained_on}; resuming it on --model {args.model}",
+                f"warning: the adapter was trained on {trained_on}; resuming it on --model {model}",
                 file=sys.stderr,
             )
         policy = PeftModel.from_pretrained(base, checkpoint, is_trainable=True)
-        policy.peft_config[ADAPTER].base_model_name_or_path = args.model  # the base it now runs on (and is saved with)
+        policy.peft_config[ADAPTER].base_model_name_or_path = model  # the base it now runs on (and is saved with)
         return policy
-    targets = list(args.lora_target_modules)
+    targets = list(systems.lora_target_modules)
     config = LoraConfig(
-        r=args.lora_rank,
-        lora_alpha=args.lora_alpha,
+        r=systems.lora_rank,
+        lora_alpha=systems.lora_alpha,
         target_modules=decoder_linear_layers(base) if targets == ["all-linear"] else targets,
         lora_dropout=0.0,  # the ratio π_θ / π_old compares two passes: π_θ must be deterministic
         bias="none",
@@ -74,7 +75,7 @@ def load_policy(args, checkpoint: str | None, compute_dtype: torch.dtype = torch
         policy = get_peft_model(base, config)  # adapters in float32 over a bf16 base (autocast_adapter_dtype)
     except ValueError as error:  # peft: "Target modules {...} not found in the base model"
         raise BadInput(
-            f"--lora-target-modules {' '.join(targets)}: {error}. The Linear layers of {args.model}'s decoder layers: "
+            f"--lora-target-modules {' '.join(targets)}: {error}. The Linear layers of {model}'s decoder layers: "
             f"{' '.join(decoder_linear_layers(base))}"
         ) from None
     # the engine push merges nn.Linear weights stored [out, in] (merged_weights): not an embedding, a GPT-2 Conv1D

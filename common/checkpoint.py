@@ -21,13 +21,15 @@ import glob
 import os
 import random
 import shutil
+import sys
+import time
 import warnings
 
 import numpy as np
 import torch
 
 from common import adapters
-from common.checks import damaged, read_checkpoint_file
+from common.checks import check_resume, damaged, read_checkpoint_file
 from common.errors import BadInput
 from common.fsdp import Dist, barrier
 
@@ -118,6 +120,109 @@ def load_checkpoint(path: str, model, optimizer, dist: Dist) -> dict:
     if os.path.exists(os.path.join(path, f"rng_rank{dist.rank}.pt")):  # absent when resuming on more ranks
         set_rng_state(read_checkpoint_file(path, f"rng_rank{dist.rank}.pt"))
     return read_checkpoint_file(path, "trainer_state.pt")
+
+
+def run_folder(output_dir: str, resume: str | None, name: str, settings: dict, dist) -> tuple[str, str | None]:
+    """(the run folder, the checkpoint to resume or None), the folder locked by this run. A new run:
+    output_dir/<name>__<unix time>, created exclusively (a second run started in the same second, a sweep launched
+    in a shell loop, gets <name>__<time>-2), one name for all ranks. --resume: the checkpoint it names
+    (find_checkpoint) and its run's folder, after check_resume has compared `settings` (the command's flags,
+    flags.flat(args)) with the run's. Either way a lock held by rank 0 until the process ends keeps a second writer
+    out of the folder (two resumes of one run would interleave their metrics)."""
+    from common import fsdp
+
+    checkpoint = find_checkpoint(resume, output_dir, name + "__") if resume else None
+    if checkpoint:  # <run folder>/checkpoints/step_N
+        check_resume(settings, checkpoint, verbose=dist.is_main)
+        folder = os.path.dirname(os.path.dirname(checkpoint))
+    else:
+        stamp = f"{name}__{int(time.time())}"
+        folder = fsdp.broadcast(_create_exclusively(os.path.join(output_dir, stamp)) if dist.is_main else None, dist)
+    if dist.is_main:
+        _lock(folder)
+    return folder, checkpoint
+
+
+def _create_exclusively(path: str) -> str:
+    """`path`, or `path`-2, -3, ...: the first that this process creates (mkdir fails where another process did)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    for number in range(1, 10_000):
+        candidate = path if number == 1 else f"{path}-{number}"
+        try:
+            os.mkdir(candidate)
+            return candidate
+        except FileExistsError:
+            continue
+    raise BadInput(f"{path}: 10,000 run folders of this name already exist")
+
+
+_LOCKS = []  # the open lock files of this process's run folders (the lock lasts as long as the file is open)
+
+
+def _lock(folder: str) -> None:
+    """An exclusive lock on folder/run.lock, released by the system when the process ends, however it ends."""
+    import fcntl
+
+    handle = open(os.path.join(folder, "run.lock"), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "another process"
+        handle.close()
+        raise BadInput(
+            f"run folder {folder} is in use by {owner}: one run writes a folder at a time (wait for it to end, or "
+            "start a new run without --resume)"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"process {os.getpid()}\n")
+    handle.flush()
+    _LOCKS.append(handle)
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT) and a scheduler's SIGTERM (preemption) during training lose nothing: the step under way
+    finishes, the loop checkpoints it on every rank and ends, and `finish` exits with 128 + the signal's number after
+    saying how to resume. A second signal stops at once. Signals are caught only while training (in the main thread)."""
+
+    def __init__(self):
+        import signal
+        import threading
+
+        self.received = None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGINT, signal.SIGTERM):
+                self.previous[number] = signal.signal(number, self._handle)
+
+    def _handle(self, number, frame):
+        import signal
+
+        if self.received is not None:  # the second one: now
+            raise KeyboardInterrupt
+        self.received = number
+        name = signal.Signals(number).name
+        print(f"\n{name}: the step under way finishes and is checkpointed, then the run stops ({name} again: now)",
+              file=sys.stderr)  # fmt: skip
+
+    def requested(self, dist) -> bool:
+        """Whether any rank received a signal: a collective, so every rank stops after the same step."""
+        from common import fsdp
+
+        return fsdp.all_reduce(float(self.received is not None), dist) > 0
+
+    def finish(self, run_dir: str, dist) -> None:
+        """Restore the handlers; after a signal, say how to resume and exit with 128 + its number."""
+        import signal
+
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        if self.received is None:
+            return
+        if dist.is_main:
+            print(f"stopped by {signal.Signals(self.received).name}: continue with --resume {run_dir}", file=sys.stderr)
+        raise SystemExit(128 + self.received)
 
 
 def find_checkpoint(resume: str, output_dir: str, run_prefix: str) -> str:

@@ -19,8 +19,9 @@ import pickle
 import sys
 
 from common.errors import BadInput, clear_errors  # noqa: F401 (the scripts use checks.clear_errors)
+from common.flags import flat
 from common.tasks import MIN_NEW_TOKENS
-from common.tools import episode_tokens, toolbox_of
+from common.tools import toolbox_of
 
 INFINITY = math.inf
 
@@ -36,67 +37,87 @@ def world_size() -> int:
 
 
 def shared_flags(args) -> list[str]:
-    """The problems with the flags every script shares: the experiment, rollouts and rewards, optimization,
-    evaluation and checkpoints, the engine and the systems."""
-    rollouts = args.prompts_per_step * args.group_size
-    min_new_tokens = MIN_NEW_TOKENS.get(args.task, 1)
-    return [
-        *require(args.exp_name != "" and os.sep not in args.exp_name, "--exp-name", "a name without '/'"),
-        *output_dir_problems(args.output_dir),
-        *require(args.steps >= 1, "--steps", ">= 1"),
-        *require(args.prompts_per_step >= 1, "--prompts-per-step", ">= 1"),
-        *require(args.prompts_per_step % world_size() == 0, "--prompts-per-step", f"divisible by {world_size()} ranks"),
-        *require(args.group_size >= 2, "--group-size", ">= 2 (advantages compare completions of one prompt)"),
-        *require(args.max_prompt_tokens >= 1, "--max-prompt-tokens", ">= 1"),
-        *require(args.max_new_tokens >= min_new_tokens, "--max-new-tokens", f">= {min_new_tokens} for {args.task}"),
-        *require(0 < args.temperature < INFINITY, "--temperature", "> 0 and finite"),
-        *require(0 < args.top_p <= 1, "--top-p", "in (0, 1] (1: off)"),
-        *require(args.top_k >= 0, "--top-k", ">= 0 (0: off)"),
-        *(
-            unused(args, ["keep_sampling_mask"], "applies with --top-p < 1 or --top-k > 0 only")
-            if args.top_p == 1 and args.top_k == 0
-            else []
-        ),
-        *vllm_mask_problems(args.rollout_engine, args.top_p, args.top_k, args.keep_sampling_mask),
-        *require(args.max_sampling_rounds >= 1, "--max-sampling-rounds", ">= 1"),
-        *require(args.max_turns >= 1, "--max-turns", ">= 1"),
-        *require(
-            args.max_episode_tokens == 0 or args.max_episode_tokens >= args.max_new_tokens,
-            "--max-episode-tokens",
-            "0 (twice --max-new-tokens) or >= --max-new-tokens",
-        ),
-        *(
-            unused(args, ["max_turns", "max_episode_tokens"], "applies to a task with tools only (a task file's TOOLS)")
-            if toolbox_of(args.task) is None
-            else []
-        ),
-        *require(0 <= args.overlong_buffer < args.max_new_tokens, "--overlong-buffer", "in [0, --max-new-tokens)"),
-        *require(0 < args.lr <= 1, "--lr", "in (0, 1] (an AdamW learning rate; 1e-6 to 1e-4 is usual)"),
-        *require(args.warmup_steps >= 0, "--warmup-steps", ">= 0 (0: no warm-up)"),
-        *require(0 <= args.weight_decay < INFINITY, "--weight-decay", ">= 0 and finite"),
-        *require(0 < args.max_grad_norm < INFINITY, "--max-grad-norm", "> 0 and finite (1e9: no clipping)"),
-        *require(1 <= args.num_minibatches <= rollouts, "--num-minibatches", f"in [1, {rollouts}] (the rollouts)"),
-        *require(args.update_epochs >= 1, "--update-epochs", ">= 1"),
-        *require(args.micro_batch_size >= 1, "--micro-batch-size", ">= 1"),
-        *require(args.eval_every >= 0, "--eval-every", ">= 0 (0: never)"),
-        *require(args.eval_prompts >= 1, "--eval-prompts", ">= 1"),
-        *require(args.eval_k >= 0, "--eval-k", ">= 0 (0: greedy accuracy only)"),
-        *require(args.save_every >= 0, "--save-every", ">= 0 (0: only at the end)"),
-        *require(args.keep_checkpoints >= 0, "--keep-checkpoints", ">= 0 (0: keep them all)"),
-        *require(0 < args.gpu_memory_utilization < 1, "--gpu-memory-utilization", "in (0, 1)"),
-        *require(args.lora_rank >= 0, "--lora-rank", ">= 0 (0: full fine-tuning)"),
-        *require(0 < args.lora_alpha < INFINITY, "--lora-alpha", "> 0 and finite"),
-        *require(
-            len(args.lora_target_modules) > 0 and all(args.lora_target_modules),
-            "--lora-target-modules",
-            "one or more module names (all-linear: every Linear but the output layer)",
-        ),
-        *(
-            unused(args, ["lora_alpha", "lora_target_modules"], "applies with --lora-rank > 0 only")
-            if not args.lora_rank
-            else []
-        ),
-    ]
+    """The problems with the flags common/ knows: those of the shared groups (common/flags.py), and the usual ones of
+    an RL script (the experiment, rollouts and rewards, optimization, checkpoints), each checked only where the script
+    has it: a fork that deletes a flag loses its check and nothing else."""
+    v, defaults = flat(args), flat(type(args)())
+    has = lambda *names: all(name in v for name in names)  # noqa: E731
+    changed = lambda *names: [n for n in names if n in v and v[n] != defaults[n]]  # noqa: E731
+    ignored = lambda names, why: [f"--{n.replace('_', '-')} {why}" for n in changed(*names)]  # noqa: E731
+    problems = []
+    if has("exp_name"):
+        problems += require(v["exp_name"] != "" and os.sep not in v["exp_name"], "--exp-name", "a name without '/'")
+    if has("output_dir"):
+        problems += output_dir_problems(v["output_dir"])
+    for name in ("steps", "prompts_per_step", "max_prompt_tokens", "max_sampling_rounds", "update_epochs"):
+        problems += require(v.get(name, 1) >= 1, f"--{name.replace('_', '-')}", ">= 1")
+    if has("prompts_per_step"):
+        ranks = world_size()
+        problems += require(v["prompts_per_step"] % ranks == 0, "--prompts-per-step", f"divisible by {ranks} ranks")
+    if has("group_size"):
+        problems += require(v["group_size"] >= 2, "--group-size", ">= 2 (advantages compare completions of one prompt)")
+    if has("max_new_tokens", "task"):
+        least = MIN_NEW_TOKENS.get(v["task"], 1)
+        problems += require(v["max_new_tokens"] >= least, "--max-new-tokens", f">= {least} for {v['task']}")
+    if has("temperature"):
+        problems += require(0 < v["temperature"] < INFINITY, "--temperature", "> 0 and finite")
+    if has("top_p"):
+        problems += require(0 < v["top_p"] <= 1, "--top-p", "in (0, 1] (1: off)")
+    if has("top_k"):
+        problems += require(v["top_k"] >= 0, "--top-k", ">= 0 (0: off)")
+    if has("top_p", "top_k") and v["top_p"] == 1 and v["top_k"] == 0:
+        problems += ignored(["keep_sampling_mask"], "applies with --top-p < 1 or --top-k > 0 only")
+    if has("rollout_engine", "top_p", "top_k", "keep_sampling_mask"):
+        problems += vllm_mask_problems(v["rollout_engine"], v["top_p"], v["top_k"], v["keep_sampling_mask"])
+    if has("max_turns"):
+        problems += require(v["max_turns"] >= 1, "--max-turns", ">= 1")
+    if has("max_episode_tokens", "max_new_tokens"):
+        episode, new_tokens = v["max_episode_tokens"], v["max_new_tokens"]
+        rule = "0 (twice --max-new-tokens) or >= --max-new-tokens"
+        problems += require(episode == 0 or episode >= new_tokens, "--max-episode-tokens", rule)
+    if has("task") and toolbox_of(v["task"]) is None:
+        problems += ignored(
+            ["max_turns", "max_episode_tokens"], "applies to a task with tools only (a task file's TOOLS)"
+        )
+    if has("overlong_buffer", "max_new_tokens"):
+        problems += require(
+            0 <= v["overlong_buffer"] < v["max_new_tokens"], "--overlong-buffer", "in [0, --max-new-tokens)"
+        )
+    if has("lr"):
+        problems += require(0 < v["lr"] <= 1, "--lr", "in (0, 1] (an AdamW learning rate; 1e-6 to 1e-4 is usual)")
+    if has("warmup_steps"):
+        problems += require(v["warmup_steps"] >= 0, "--warmup-steps", ">= 0 (0: no warm-up)")
+    if has("weight_decay"):
+        problems += require(0 <= v["weight_decay"] < INFINITY, "--weight-decay", ">= 0 and finite")
+    if has("max_grad_norm"):
+        problems += require(0 < v["max_grad_norm"] < INFINITY, "--max-grad-norm", "> 0 and finite (1e9: no clipping)")
+    if has("num_minibatches", "prompts_per_step", "group_size"):
+        rollouts = v["prompts_per_step"] * v["group_size"]
+        rule = f"in [1, {rollouts}] (the rollouts)"
+        problems += require(1 <= v["num_minibatches"] <= rollouts, "--num-minibatches", rule)
+    if has("micro_batch_size"):
+        problems += require(v["micro_batch_size"] >= 1, "--micro-batch-size", ">= 1")
+    if has("eval_every"):
+        problems += require(v["eval_every"] >= 0, "--eval-every", ">= 0 (0: never)")
+    if has("eval_prompts"):
+        problems += require(v["eval_prompts"] >= 1, "--eval-prompts", ">= 1")
+    if has("eval_k"):
+        problems += require(v["eval_k"] >= 0, "--eval-k", ">= 0 (0: greedy accuracy only)")
+    if has("save_every"):
+        problems += require(v["save_every"] >= 0, "--save-every", ">= 0 (0: only at the end)")
+    if has("keep_checkpoints"):
+        problems += require(v["keep_checkpoints"] >= 0, "--keep-checkpoints", ">= 0 (0: keep them all)")
+    if has("gpu_memory_utilization"):
+        problems += require(0 < v["gpu_memory_utilization"] < 1, "--gpu-memory-utilization", "in (0, 1)")
+    if has("lora_rank", "lora_alpha", "lora_target_modules"):
+        problems += require(v["lora_rank"] >= 0, "--lora-rank", ">= 0 (0: full fine-tuning)")
+        problems += require(0 < v["lora_alpha"] < INFINITY, "--lora-alpha", "> 0 and finite")
+        targets = v["lora_target_modules"]
+        rule = "one or more module names (all-linear: every Linear but the output layer)"
+        problems += require(len(targets) > 0 and all(targets), "--lora-target-modules", rule)
+        if not v["lora_rank"]:
+            problems += ignored(["lora_alpha", "lora_target_modules"], "applies with --lora-rank > 0 only")
+    return problems
 
 
 def vllm_mask_problems(rollout_engine: str, top_p: float, top_k: int, keep_sampling_mask: bool) -> list[str]:
@@ -137,22 +158,22 @@ def refuse(problems: list[str]) -> None:
         raise BadInput("invalid arguments:\n  " + "\n  ".join(problems))
 
 
-def prompt_token_limit(args) -> int:
-    """The longest prompt that leaves room for --max-new-tokens in the model's context (max_position_embeddings
-    of --model's config): --max-prompt-tokens, or less when the two do not fit together."""
+def prompt_token_limit(model: str, max_prompt_tokens: int, max_new_tokens: int, episode_tokens: int) -> int:
+    """The longest prompt that leaves room for the new tokens (`episode_tokens`: --max-new-tokens, or a whole episode's
+    with tools) in the model's context (max_position_embeddings of `model`'s config): --max-prompt-tokens, or less
+    when the two do not fit together."""
     from transformers import AutoConfig
 
-    context = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None) or INFINITY
-    new_tokens = episode_tokens(args)  # --max-new-tokens, or a whole episode's with tools
-    if new_tokens >= context:
-        what = f"--max-new-tokens {args.max_new_tokens}"
-        if new_tokens != args.max_new_tokens:
-            what = f"an episode of {new_tokens} tokens (--max-episode-tokens)"
+    context = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None) or INFINITY
+    if episode_tokens >= context:
+        what = f"--max-new-tokens {max_new_tokens}"
+        if episode_tokens != max_new_tokens:
+            what = f"an episode of {episode_tokens} tokens (--max-episode-tokens)"
         raise BadInput(
-            f"{what} does not fit in the context of {args.model} ({context} tokens, prompt included): lower it below "
+            f"{what} does not fit in the context of {model} ({context} tokens, prompt included): lower it below "
             f"{context}"
         )
-    return min(args.max_prompt_tokens, context - new_tokens)  # prompts left out are counted where encoded
+    return min(max_prompt_tokens, context - episode_tokens)  # prompts left out are counted where encoded
 
 
 class Watch:
@@ -207,26 +228,31 @@ RESUME_MAY_CHANGE = {
 }
 
 
-def check_resume(args, checkpoint: str, verbose: bool = True) -> None:
-    """A resumed run continues with its own settings: refuse flags that differ from the run's where they would
-    change its math (the list names each difference), check that the checkpoint's files are whole, and say what
-    is resumed."""
+def check_resume(settings: dict, checkpoint: str, verbose: bool = True) -> None:
+    """A resumed run continues with its own settings (`settings`: this command's, flags.flat(args)): refuse flags that
+    differ from the run's where they would change its math (the list names each difference), check that the
+    checkpoint's files are whole, and say what is resumed."""
     saved = read_checkpoint_file(checkpoint, "trainer_state.pt")["args"]
     differences = [
         f"--{name.replace('_', '-')} {saved[name]} in the run, {value} now"
-        for name, value in vars(args).items()
+        for name, value in settings.items()
         if name not in RESUME_MAY_CHANGE and name in saved and value != saved[name]
     ]
     if differences:
         raise BadInput(
-            f"--resume {args.resume}: the run was made with other settings, and a resumed run keeps its own "
+            f"--resume {settings['resume']}: the run was made with other settings, and a resumed run keeps its own "
             f"({os.path.dirname(os.path.dirname(checkpoint))}/config.json): " + "; ".join(differences) + ". Resume "
             "with the run's values, or start a new run. A resume may change: "
             + ", ".join(f"--{n.replace('_', '-')}" for n in sorted(RESUME_MAY_CHANGE - {"resume"}))
         )
+    step = int(os.path.basename(checkpoint).split("_")[-1])
+    if settings.get("steps", step) < step:  # it would do nothing, and rewrite the run's config.json
+        raise BadInput(
+            f"--resume {settings['resume']}: the run is at step {step} already, past --steps {settings['steps']}: "
+            f"pass --steps {step + 1} or more to continue it"
+        )
     check_checkpoint_files(checkpoint)
     if verbose:
-        step = int(os.path.basename(checkpoint).split("_")[-1])
         print(f"resuming {os.path.dirname(os.path.dirname(checkpoint))} at step {step} ({checkpoint})", file=sys.stderr)
 
 

@@ -13,10 +13,11 @@ report) and the unbiased pass@j for j = 1, 2, 4, ... up to k, as one JSON object
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import comb
 from typing import Literal
 
+from common.flags import Group, Tools
 from common.scoring import score_completions
 from common.tasks import encode_prompt
 
@@ -76,10 +77,6 @@ class EvalArgs:
     """score only the first this many prompts (0: all)"""
     max_new_tokens: int = 16
     """maximum completion length (a task with tools: the policy's own tokens of an episode)"""
-    max_turns: int = 4
-    """a task with tools: the policy's turns per episode at most, as in the training scripts"""
-    max_episode_tokens: int = 0
-    """a task with tools: an episode's tokens at most, the tools' outputs included (0: twice --max-new-tokens)"""
     temperature: float = 1.0
     """sampling temperature for the k samples (greedy accuracy is always computed)"""
     engine: Literal["auto", "hf", "vllm"] = "auto"
@@ -92,6 +89,7 @@ class EvalArgs:
     """answer column of a local task file"""
     seed: int = 0
     """sampling seed"""
+    tools: Group[Tools] = field(default_factory=Tools)
 
 
 def main() -> None:
@@ -120,8 +118,8 @@ def main() -> None:
         args.max_new_tokens >= min_new_tokens, "--max-new-tokens", f">= {min_new_tokens} for {args.task}"
     )
     problems += require(0 < args.temperature < math.inf, "--temperature", "> 0 and finite")
-    problems += require(args.max_turns >= 1, "--max-turns", ">= 1")
-    problems += require(args.max_episode_tokens >= 0, "--max-episode-tokens", ">= 0")
+    problems += require(args.tools.max_turns >= 1, "--max-turns", ">= 1")
+    problems += require(args.tools.max_episode_tokens >= 0, "--max-episode-tokens", ">= 0")
     refuse(problems)
     torch.manual_seed(args.seed)
     rows = load_task(args.task, "test", args.question_column, args.answer_column)[: args.prompts or None]
@@ -134,7 +132,7 @@ def main() -> None:
     longest = max(len(encode_prompt(row.question, tokenizer, args.task, args.chat_template)) for row in rows)
     adapter = adapters.is_adapter_folder(path)  # a --lora-rank checkpoint: its base model and the adapter, merged
     config = AutoConfig.from_pretrained(adapters.base_of(path) if adapter else path)
-    model_limit, new_tokens = config.max_position_embeddings, episode_tokens(args)
+    model_limit, new_tokens = config.max_position_embeddings, episode_tokens(args.task, args.max_new_tokens, args.tools)
     if longest + new_tokens > model_limit:
         what = f"--max-new-tokens {args.max_new_tokens}"
         what += f" ({new_tokens} tokens an episode with tools)" if new_tokens != args.max_new_tokens else ""
@@ -155,7 +153,9 @@ def main() -> None:
     )
     if adapter and kind == "vllm":  # vLLM starts from the base model: the merged weights are pushed
         engine.load_weights(model.state_dict().items())
-    engine = with_tools(engine, tokenizer, args)  # a task with tools: multi-turn episodes (common/tools.py)
+    engine = with_tools(
+        engine, tokenizer, args.task, args.tools, args.max_new_tokens
+    )  # a task with tools: multi-turn episodes (common/tools.py)
     metrics = evaluate(
         engine, tokenizer, rows, args.task, args.k, args.max_new_tokens, args.temperature, args.chat_template
     )

@@ -357,3 +357,15 @@ def encode_prompts(rows, tokenizer, task, use_chat_template=True, max_tokens=Non
             file=sys.stderr,
         )
     return [rows[i] for i in keep], [prompts[i] for i in keep]
+
+
+def load_prompts(task: str, eval_task: str, task_format, tokenizer, prompt_limit: int, eval_prompts: int, verbose=True):
+    """(training rows, their prompts as token ids, held-out rows) of a run: load_train_and_eval with the columns of
+    `task_format` (common.flags.TaskFormat), then encode_prompts with its chat-template setting; prompts longer than
+    `prompt_limit` are left out (and counted), and `eval_prompts` held-out rows at most are kept."""
+    columns = (task_format.question_column, task_format.answer_column)
+    train_rows, eval_rows = load_train_and_eval(task, eval_task, *columns, verbose=verbose)
+    template = task_format.chat_template
+    train_rows, prompts = encode_prompts(train_rows, tokenizer, task, template, prompt_limit, verbose)
+    eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, template, prompt_limit, verbose)[0]
+    return train_rows, prompts, eval_rows[:eval_prompts]

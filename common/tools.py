@@ -13,7 +13,7 @@ A chat model is told about its tools by the task's SYSTEM_PROMPT, and its TOOL_R
 markers around the output (for Qwen: `<|im_end|>\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n
 <|im_start|>assistant\n`), so that the episode's tokens are what the template would have written.
 
-    engine = with_tools(make_engine(...), tokenizer, args)   # the engine itself when the task has no tools
+    engine = with_tools(make_engine(...), tokenizer, task, tools, max_new_tokens)  # itself for a task without
     completions = engine.generate(prompt_ids, n=8, max_new_tokens=64, temperature=1.0)
 
 An episode: the engine samples until an EOS or a call's closing marker (`</calc>`); the text between the call's
@@ -50,24 +50,24 @@ def toolbox_of(task: str) -> TaskFile | None:
     return task_file if task_file.tools else None
 
 
-def episode_tokens(args) -> int:
-    """Tokens after the prompt an episode may hold: --max-new-tokens without tools, --max-episode-tokens (0: twice
-    --max-new-tokens) with them. What the engine's context must fit beside the prompt."""
-    if toolbox_of(args.task) is None:
-        return args.max_new_tokens
-    return args.max_episode_tokens or 2 * args.max_new_tokens
+def episode_tokens(task: str, max_new_tokens: int, tools) -> int:
+    """Tokens after the prompt an episode may hold: --max-new-tokens without tools, --max-episode-tokens of `tools`
+    (common.flags.Tools; 0: twice --max-new-tokens) with them. What the engine's context must fit beside the prompt."""
+    if toolbox_of(task) is None:
+        return max_new_tokens
+    return tools.max_episode_tokens or 2 * max_new_tokens
 
 
-def with_tools(engine, tokenizer, args):
+def with_tools(engine, tokenizer, task: str, tools, max_new_tokens: int):
     """`engine`, or, for a task with tools, an engine that generates multi-turn episodes (this module's docstring)."""
-    toolbox = toolbox_of(args.task)
+    toolbox = toolbox_of(task)
     if toolbox is None:
         return engine
     if getattr(engine, "routing", None):
         raise BadInput(
             "routing replay (--router-replay) is not supported with tools yet: the episodes' routing is not kept"
         )
-    return ToolEngine(engine, tokenizer, toolbox, args.max_turns, episode_tokens(args))
+    return ToolEngine(engine, tokenizer, toolbox, tools.max_turns, episode_tokens(task, max_new_tokens, tools))
 
 
 @dataclass
@@ -252,6 +252,16 @@ def record_tool_use(metrics, completions: list[Completion], max_new_tokens: int)
     episode_limit = sum(c.finish_reason == "length" for c in completions) - policy_limit
     metrics.mean("tools/episode_limit_rate", episode_limit, episodes)  # --max-episode-tokens
     metrics.mean("tools/turn_limit_rate", sum(c.finish_reason == "turns" for c in completions), episodes)
+
+
+def record_turn_mismatch(metrics, k3: torch.Tensor, mask: torch.Tensor, later: torch.Tensor | None) -> None:
+    """Episodes with tools: the train-inference mismatch (k3 per token, [B, T]) of the first turn's response tokens,
+    mismatch/kl_k3_first_turn, and of those after a tool's output (`later`: 1 there), mismatch/kl_k3_later_turns:
+    a later turn continues from context the engine did not sample itself. Nothing without tools (`later` None)."""
+    if later is None:
+        return
+    for turn, part in (("first_turn", mask * (1 - later)), ("later_turns", mask * later)):
+        metrics.mean(f"mismatch/kl_k3_{turn}", (k3 * part).sum(), part.sum())
 
 
 def policy_first(mask: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ in the run folder always, to wandb with --track, and drawn as a PNG of the curve
     metrics.mean("charts/entropy", entropy_sum, token_count)   # Σ sums / Σ counts, over every call and rank
     metrics.max("losses/ratio_max", ratio)                     # the largest number (or tensor element) seen
     with metrics.timer("time/train"): ...                      # seconds, this rank's
-    tracker = Tracker(run_dir, config=vars(args), track=args.track, ...)
+    tracker = Tracker(run_dir, config=flat(args), tracking=args.tracking)
     tracker.log(metrics.reduce(dist), step)                    # one collective for the whole step
     tracker.close(plot_keys=[...])                             # writes curves.png
 
@@ -123,12 +123,12 @@ class Tracker:
         self,
         run_dir,
         config,
-        track=False,
-        project="clean-llm-rl",
-        entity=None,
+        tracking=None,
         enabled=True,
         resume_step: int | None = None,
     ):
+        """`config`: the run's settings (config.json); `tracking`: common.flags.Tracking (None: no wandb)."""
+        track = tracking is not None and tracking.track
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.run_dir = run_dir
@@ -147,8 +147,8 @@ class Tracker:
 
             run_name = os.path.basename(os.path.normpath(run_dir))
             self.wandb = wandb.init(
-                project=project,
-                entity=entity,
+                project=tracking.wandb_project_name,
+                entity=tracking.wandb_entity,
                 name=run_name,
                 config=config,
                 dir=run_dir,

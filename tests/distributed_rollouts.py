@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from functools import partial
 
 from algorithms import grpo
-from common import fsdp
+from common import flags, fsdp
 from common.engines import Completion
 from common.rollouts import PromptSampler
 from common.tasks import Row
@@ -59,7 +59,7 @@ def scripted_step(engine, dist, step, metrics, num_rows=100, prompts_per_step=8,
     """Step `step`'s groups over `num_rows` prompts [i] whose gold answer is "7", drawn as grpo.py's main() draws
     them; `options`: grpo.Args' dynamic_sampling, max_sampling_rounds, overlong_buffer, mask_truncated."""
     rows = [Row(f"question {i}", "7") for i in range(num_rows)]
-    args = grpo.Args(group_size=group_size, max_new_tokens=8, temperature=1.0, task="arith", **options)
+    args = flags.make(grpo.Args, group_size=group_size, max_new_tokens=8, temperature=1.0, task="arith", **options)
     sampler = PromptSampler([[i] for i in range(num_rows)], rows, dist, prompts_per_step, 3, args.max_sampling_rounds)
     prompt_ids, rows = sampler.step_prompts(step)
     groups = grpo.rollout(engine, DigitTokenizer(), prompt_ids, rows, args, metrics)

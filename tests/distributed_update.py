@@ -13,7 +13,6 @@ The global batch is 4 prompts x 4 completions (group_size 4) of very different l
 [r*4/N, (r+1)*4/N), as the scripts' main() does, so batch-level means must be normalized across ranks
 to match. SGD (linear in the gradient) makes equal weights mean equal gradients."""
 
-import dataclasses
 import importlib
 import inspect
 import json
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from helpers import adapted_tiny, compute_dtype, precision
 
-from common import fsdp, logprobs, moe
+from common import flags, fsdp, logprobs, moe
 from common.engines import Completion
 from common.tiny import load, tiny_model_dir
 from common.tracking import StepMetrics
@@ -50,13 +49,13 @@ EXTRAS = {
 
 def update_policy(algorithm, policy, batch, args, dist, optimizer=None):
     """algorithm.update_policy on `batch` with SGD at args.lr, no reference model, bf16 / fp16 autocast (and
-    fp16's loss scale) as args.dtype says, and whatever extra inputs the method's update_policy takes. Returns the
+    fp16's loss scale) as --dtype says, and whatever extra inputs the method's update_policy takes. Returns the
     metrics it recorded, reduced over ranks (collectives), with "skipped" (the optimizer steps it skipped) and
     "tokens_seen" (the response tokens its updates saw, over ranks and epochs)."""
     optimizer = optimizer or torch.optim.SGD(policy.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     metrics = StepMetrics()
-    autocast, scaler = precision(args.dtype)
+    autocast, scaler = precision(args.systems.dtype)
     available = {
         "policy": policy,
         "reference": None,
@@ -162,18 +161,20 @@ def main(out_path, algorithm_name="grpo", args_json="{}", chunk_bytes=None):
         dist.device,
     )
     batch["advantages"] = advantages[mine.start * 4 : mine.stop * 4]
-    fields = {f.name for f in dataclasses.fields(algorithm.Args)}  # e.g. P3O has no clip range
-    args = algorithm.Args(**{k: v for k, v in settings.items() if k in fields})
-    if args.lora_rank:  # LoRA adapters as the scripts make them, B drawn at random (the same on every rank)
-        model = adapted_tiny(tiny_model_dir(), args.lora_rank, args.lora_alpha)
+    fields = flags.names(algorithm.Args)  # e.g. P3O has no clip range
+    args = flags.make(algorithm.Args, **{k: v for k, v in settings.items() if k in fields})
+    if args.systems.lora_rank:  # LoRA adapters as the scripts make them, B drawn at random (the same on every rank)
+        model = adapted_tiny(tiny_model_dir(), args.systems.lora_rank, args.systems.lora_alpha)
     if getattr(args, "router_replay", "none") == "r3":
         batch["engine_routing"] = synthetic_routing(batch, moe.Routing(model))
     float32_head = getattr(args, "fp32_lm_head", False)
-    policy = fsdp.shard(model, dist, compute_dtype=compute_dtype(args.dtype), float32_head=float32_head)  # as scripts
-    if dist.world_size == 1 and args.dtype == "bfloat16":
+    policy = fsdp.shard(
+        model, dist, compute_dtype=compute_dtype(args.systems.dtype), float32_head=float32_head
+    )  # as scripts
+    if dist.world_size == 1 and args.systems.dtype == "bfloat16":
         in_bfloat16(policy, float32_root=float32_head)  # what FSDP2 ranks compute in bf16
     logged = update_policy(algorithm, policy, batch, args, dist)
-    if dist.world_size == 1 and args.dtype == "bfloat16":
+    if dist.world_size == 1 and args.systems.dtype == "bfloat16":
         in_bfloat16(policy, undo=True, float32_root=float32_head)
     weights = dict(fsdp.named_full_tensors(policy, dist.device))
     if dist.is_main:

@@ -46,6 +46,13 @@ BASE_LOGGED = [
 ]
 CLIP_LOGGED = ["losses/clip_fraction", "losses/ratio_min", "losses/ratio_max"]  # scripts with a ratio
 
+# Reward signal in end-to-end runs. An update moves the policy only if a group in its minibatch, or in an earlier one
+# (Adam's momentum carries a step on), has rewards that differ. At temperature 1 a group of 4 completions has equal
+# rewards for 48% of the built-in arith model's training prompts (products 43%, sums 36%, tiny-moe 29%; measured on
+# 256-512 prompts). A model built on another processor is another sample of the same warm start and samples other
+# completions, so a test that needs a signal within its first n groups fails on about 0.48^n of machines: such tests
+# draw enough groups for that to stay under 1e-4 (n >= 13), each saying how many it draws beside what it asserts.
+
 
 def compute_dtype(dtype="float32"):
     """The scripts' compute dtype for --dtype on the CPU (auto: float32)."""
@@ -124,12 +131,12 @@ def assert_two_ranks_update_like_one(tmp_path, *script_args, tokens_seen=2 * 49,
 
 def help_text(script, args_class, count_defaults=True):
     """`<script> --help`, checked to document every field of `args_class` as a flag; returns the text."""
-    import dataclasses
+    from common.flags import names
 
     text = run_script(script, "--help").stdout
-    fields = dataclasses.fields(args_class)
+    fields = names(args_class)
     for field in fields:
-        assert "--" + field.name.replace("_", "-") in text, field.name
+        assert "--" + field.replace("_", "-") in text, field
     if count_defaults:
         assert text.count("(default") >= len(fields) - 2
     return text
@@ -185,15 +192,14 @@ def two_group_rollouts(tokenizer, responses=("3$", "12", "4$", "396", "96$", "9"
 def adapted_tiny(tiny_dir, rank=4, alpha=8.0, seed=0, scale=0.5, targets=("all-linear",)):
     """The built-in model with LoRA adapters as the scripts make them (common.adapters.load_policy, float32), each B
     drawn at random (`scale` × its A's std) so that the adapters change the model and A gets a gradient too."""
-    import argparse
-
     import torch
 
     from common.adapters import load_policy
+    from common.flags import Systems
 
-    args = argparse.Namespace(model=tiny_dir, lora_rank=rank, lora_alpha=alpha, lora_target_modules=targets)
+    systems = Systems(lora_rank=rank, lora_alpha=alpha, lora_target_modules=targets)
     torch.manual_seed(seed)  # peft draws A from the global generator
-    policy = load_policy(args, None)
+    policy = load_policy(tiny_dir, None, systems)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in policy.named_parameters():
@@ -219,3 +225,30 @@ def peak_rss_of(script, *flags, timeout=900):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return int(result.stdout.split()[-1])
+
+
+def tie_routers(model, epsilon=1e-5, seed=0):
+    """Make every router of an MoE model (8 experts, 2 per token, as tiny-moe) choose its second expert between two
+    whose rows are equal in bfloat16 and differ in float32 by `epsilon` relative noise, for every token; returns the
+    model. A bf16 engine and a float32 trainer then disagree on about half the token-layers (bf16 sees a tie, float32
+    sees the noise), so a test that needs routing flips has them on any machine instead of waiting for a rare one.
+
+    The rows are multiples of one row w (exact in bf16): [2w, -2w, w, w', -w, -w', w/2, -w/2], w' = w · (1 + ε·N(0, 1)).
+    With z = w·h > 0 the top expert is 0 (2z) and the second is 2 or 3 (z, z + ε-noise), above 6 (z/2); with z < 0 the
+    top is 1 (2|z|) and the second 4 or 5. Float32 picks the second by the sign of the noise's product with h; bf16,
+    where w' rounds to w, by its top-k's tie-break: independent choices. ε = 1e-5 is far below bf16's resolution (2^-9
+    relative) and far above float32's (6e-8), and stays below bf16's through a few Adam steps at a learning rate up to
+    1e-5 (each moves a row element of about 0.02 by about lr), but not at 1e-3."""
+    import torch
+
+    from common import moe
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, router in moe.routers(model):
+            assert (router.num_experts, router.top_k) == (8, 2), "tie_routers is made for 8 experts, 2 per token"
+            w = router.weight[0].to(torch.bfloat16).float()
+            near = [w * (1 + epsilon * torch.randn(w.shape, generator=generator)) for _ in range(2)]
+            router.weight.copy_(torch.stack([2 * w, -2 * w, w, near[0], -w, -near[1], w / 2, -w / 2]))
+            assert torch.equal(near[0].bfloat16(), w.bfloat16()) and torch.equal(near[1].bfloat16(), w.bfloat16())
+    return model

@@ -2,8 +2,6 @@
 
 Memory is measured in test_memory.py, 1 vs 2 ranks in test_scripts.py, the vLLM push in test_vllm.py."""
 
-import argparse
-import dataclasses
 import importlib
 import json
 import os
@@ -21,9 +19,10 @@ from helpers import (
     two_group_rollouts,
 )
 
-from common import adapters, fsdp
+from common import adapters, flags, fsdp
 from common.engines import HFEngine
 from common.errors import BadInput
+from common.flags import Systems
 
 ONE_PROCESS = one_process()
 
@@ -91,9 +90,9 @@ def test_only_the_adapters_train(name, tiny, tiny_dir):
     prompts, completions = two_group_rollouts(tokenizer)
     batch = algorithm.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
     batch["advantages"] = algorithm.compute_advantages(torch.tensor([[1.0, 0, 1, 0], [0, 1, 1, 0]])).flatten()
-    fields = {f.name for f in dataclasses.fields(algorithm.Args)}
+    fields = flags.names(algorithm.Args)
     settings = {"group_size": 4, "lr": 1e-2, "micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8.0}
-    args = algorithm.Args(**{k: v for k, v in settings.items() if k in fields})
+    args = flags.make(algorithm.Args, **{k: v for k, v in settings.items() if k in fields})
     logged = update_policy(algorithm, policy, batch, args, ONE_PROCESS, torch.optim.AdamW(trainable, lr=args.lr))
     assert logged["skipped"] == 0
     for n, p in policy.named_parameters():
@@ -102,12 +101,12 @@ def test_only_the_adapters_train(name, tiny, tiny_dir):
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # peft, about the embedding it adapts
 def test_bad_target_modules_are_named_with_the_models_layers(tiny_dir):
-    args = argparse.Namespace(model=tiny_dir, lora_rank=4, lora_alpha=8.0, lora_target_modules=("qproj",))
+    systems = Systems(lora_rank=4, lora_alpha=8.0, lora_target_modules=("qproj",))
     with pytest.raises(BadInput, match=r"--lora-target-modules qproj: .*down_proj gate_proj k_proj o_proj q_proj"):
-        adapters.load_policy(args, None)
-    args.lora_target_modules = ("q_proj", "embed_tokens")  # peft adapts embeddings too; the push merges Linear only
+        adapters.load_policy(tiny_dir, None, systems)
+    systems.lora_target_modules = ("q_proj", "embed_tokens")  # peft adapts embeddings too; the push merges Linear only
     with pytest.raises(BadInput, match="model.embed_tokens is a Embedding; adapters go on nn.Linear layers only"):
-        adapters.load_policy(args, None)
+        adapters.load_policy(tiny_dir, None, systems)
 
 
 def test_an_adapter_is_not_a_model_to_train_from(tmp_path):

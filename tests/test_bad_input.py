@@ -8,13 +8,12 @@ import json
 import math
 import os
 import shutil
-from dataclasses import asdict
 
 import pytest
 import torch
 from helpers import ALGORITHMS, only_run_dir, run_script
 
-from common import checks, tasks
+from common import checks, flags, tasks
 from common.errors import BadInput
 from common.tiny import resolve_model
 
@@ -139,7 +138,7 @@ CASES = [
 
 def _args(name, **overrides):
     module = importlib.import_module(f"algorithms.{name}")
-    return module, module.Args(**{**SMALL, **overrides})
+    return module, flags.make(module.Args, **{**SMALL, **overrides})
 
 
 @pytest.mark.parametrize("name, flags, message", CASES)
@@ -238,10 +237,11 @@ def test_prompts_left_out_by_the_length_limit_are_counted(tiny, capsys):
 
 
 def test_a_generation_longer_than_the_context_is_refused(tiny_dir):
-    args = dataclasses.replace(importlib.import_module("algorithms.grpo").Args(), model=tiny_dir)
     with pytest.raises(BadInput, match="--max-new-tokens 100000 does not fit in the context"):
-        checks.prompt_token_limit(dataclasses.replace(args, max_new_tokens=100_000))
-    assert checks.prompt_token_limit(dataclasses.replace(args, max_prompt_tokens=512, max_new_tokens=56)) == 200
+        checks.prompt_token_limit(tiny_dir, 512, 100_000, 100_000)
+    assert checks.prompt_token_limit(tiny_dir, 512, 56, 56) == 200
+    with pytest.raises(BadInput, match="an episode of 300 tokens .--max-episode-tokens. does not fit"):
+        checks.prompt_token_limit(tiny_dir, 512, 56, 300)
 
 
 def test_models_that_are_not_there_are_named(tmp_path, monkeypatch):
@@ -265,17 +265,17 @@ def test_models_that_are_not_there_are_named(tmp_path, monkeypatch):
 def _fake_checkpoint(tmp_path, args):
     folder = tmp_path / "run" / "checkpoints" / "step_00000003"
     folder.mkdir(parents=True)
-    torch.save({"args": asdict(args), "step": 3}, folder / "trainer_state.pt")
+    torch.save({"args": flags.flat(args), "step": 3}, folder / "trainer_state.pt")
     return str(folder)
 
 
 def test_a_resume_that_would_change_the_math_is_refused_with_the_differences(tmp_path):
     grpo = importlib.import_module("algorithms.grpo")
-    saved = grpo.Args(lr=1e-4, seed=1)
+    saved = flags.make(grpo.Args, lr=1e-4, seed=1)
     checkpoint = _fake_checkpoint(tmp_path, saved)
-    changed = dataclasses.replace(saved, lr=3e-4, clip_high=0.2, steps=100, eval_every=5, resume=checkpoint)
+    changed = flags.replace(saved, lr=3e-4, clip_high=0.2, steps=100, eval_every=5, resume=checkpoint)
     with pytest.raises(BadInput) as error:
-        checks.check_resume(changed, checkpoint)
+        checks.check_resume(flags.flat(changed), checkpoint)
     message = str(error.value)
     assert "--lr 0.0001 in the run, 0.0003 now" in message and "--clip-high 0.28 in the run, 0.2 now" in message
     assert "--steps" not in message.split("A resume may change")[0]  # longer runs and other evaluations are fine
@@ -363,3 +363,11 @@ def test_watch_warns_once_after_three_steps_of_a_stuck_uniform_or_answerless_run
     assert err.count("warning (step 6)") == 3  # each of the three after 3 steps in a row, once
     assert "every optimizer step was skipped" in err and "near its maximum, log(vocabulary) = 3.95" in err
     assert "no completion had an answer to score" in err
+
+
+def test_a_resume_with_fewer_steps_than_the_run_has_is_refused(tmp_path):
+    """--resume RUN --steps 1 on a run at step 3 would do nothing and rewrite the run's config.json to steps: 1."""
+    grpo = importlib.import_module("algorithms.grpo")
+    checkpoint = _fake_checkpoint(tmp_path, grpo.Args())
+    with pytest.raises(BadInput, match="the run is at step 3 already, past --steps 1: pass --steps 4 or more"):
+        checks.check_resume(flags.flat(flags.make(grpo.Args, steps=1, resume=checkpoint)), checkpoint)

@@ -140,7 +140,9 @@ def test_lora_on_two_ranks_with_offload_checkpointing_and_bf16(tmp_path):
     """--lora-rank on 2 FSDP2 ranks with --cpu-offload and --gradient-checkpointing: each rank's engine copy receives
     the merged weights (its log-probs match π_old to float32 rounding after the adapters moved), the checkpoint is
     the adapter; then in bf16, where the frozen weights are bf16 and the adapters float32 in the same FSDP2 units."""
-    flags = ["--lora-rank", 4, "--lr", 1e-2, "--prompts-per-step", 4, "--group-size", 4, "--num-minibatches", 2]
+    # 8 prompts: the third step's second minibatch sees moved adapters unless all 20 groups before it had equal
+    # rewards, on 0.48^20 < 1e-6 of machines (helpers.py, reward signal; with 4 prompts 10 groups, 6e-4)
+    flags = ["--lora-rank", 4, "--lr", 1e-2, "--prompts-per-step", 8, "--group-size", 4, "--num-minibatches", 2]
     flags += ["--eval-every", 0, "--cpu-offload", "--gradient-checkpointing"]
     torchrun(2, "algorithms/grpo.py", "--steps", 3, "--output-dir", tmp_path / "fp32", *flags)
     run_dir = only_run_dir(tmp_path / "fp32")
@@ -239,6 +241,61 @@ def test_sigkill_in_training_and_during_a_checkpoint_write_then_resume(tmp_path)
     )
     _assert_same_run(straight, read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
     assert not any(d.endswith(".tmp") for d in os.listdir(os.path.join(run_dir, "checkpoints")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_checkpoints_the_step_then_resume_continues_exactly(tmp_path, stop):
+    """--save-every 0 (a checkpoint only at the end), and a signal once step 2 is logged: the step under way
+    finishes and is checkpointed, the run exits with 128 + the signal's number saying how to resume (no traceback),
+    and --resume then ends where an uninterrupted run does, every metric equal."""
+    run_script("algorithms/grpo.py", "--steps", 5, "--save-every", 0, "--output-dir", tmp_path / "straight", *FLAGS)
+    straight = read_jsonl(os.path.join(only_run_dir(tmp_path / "straight"), "metrics.jsonl"))
+    stopped = tmp_path / "stopped"
+    process = _start(stopped, 5, "--save-every", 0)
+    _wait_until(lambda: _steps_logged(stopped) >= 2, process)
+    process.send_signal(stop)
+    stderr = process.communicate(timeout=300)[1]
+    run_dir = only_run_dir(stopped)
+    assert process.returncode == 128 + stop and "Traceback" not in stderr, stderr[-3000:]
+    assert f"continue with --resume {run_dir}" in stderr
+    done = _steps_logged(stopped)  # the steps logged: 2, or 3 when the signal came during step 3
+    assert done in (2, 3) and os.listdir(os.path.join(run_dir, "checkpoints")) == [f"step_{done:08d}"]
+    run_script("algorithms/grpo.py", "--steps", 5, "--output-dir", stopped, "--resume", "auto", *FLAGS)
+    _assert_same_run(straight, read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders_and_a_run_has_one_writer(tmp_path, monkeypatch):
+    """Two runs of one name in the same second (a sweep in a shell loop): two folders, created exclusively. A run
+    folder is locked while its run lives: a second process resuming it is refused, naming the holder."""
+    from helpers import one_process
+
+    from common.checkpoint import run_folder
+    from common.errors import BadInput
+
+    monkeypatch.setattr(time, "time", lambda: 1_800_000_000.0)
+    first, _ = run_folder(str(tmp_path), None, "arith__grpo__1", {}, one_process())
+    second, _ = run_folder(str(tmp_path), None, "arith__grpo__1", {}, one_process())
+    assert os.path.basename(first) == "arith__grpo__1__1800000000" and second == first + "-2"
+    holder = (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); f.write('process X'); "
+        "f.flush(); print('held', flush=True); time.sleep(60)"
+    )
+    third = tmp_path / "held"
+    third.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-c", holder, str(third / "run.lock")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout.readline().strip() == "held"
+        from common.checkpoint import _lock
+
+        with pytest.raises(BadInput, match=f"run folder {third} is in use by process X"):
+            _lock(str(third))
+    finally:
+        process.kill()
+        process.wait()
+    _lock(str(third))  # the holder is gone: the system released its lock
 
 
 def _assert_same_run(expected, actual):

@@ -3,7 +3,6 @@ non-finite step, two ranks against one, and empty completions. A method's own ma
 test_<method>.py."""
 
 import copy
-import dataclasses
 import importlib
 import os
 import re
@@ -27,15 +26,14 @@ from helpers import (
     two_group_rollouts,
 )
 
-from common import fsdp
+from common import flags, fsdp
 from common.engines import Completion
 
 ONE_PROCESS = one_process()
 # 8 prompts, so that what the end-to-end runs assert of their 2 steps does not wait for a rare batch (helpers.py,
 # reward signal): the weights (LoRA's B) train unless all 16 groups had equal rewards (0.48^16 < 1e-5 of machines;
-# products 0.43^16); dynamic sampling draws a second round unless none of them did (0.52^16 < 1e-4). With 4 prompts
-# these were 0.3% and 0.5% per script. In float16 the first step usually overflows the initial loss scale and is
-# skipped, so the second step's 8 groups alone must train the sums model: 0.36^8 = 3e-4 (with 4 prompts, 1.7%).
+# products 0.43^16, sums 0.36^16); dynamic sampling draws a second round unless every group of the first rounds has a
+# reward spread (0.52^16 < 1e-4). With 4 prompts these were 0.3% and 0.5% of machines per script.
 SMALL = ["--prompts-per-step", 8, "--group-size", 4, "--eval-prompts", 16, "--eval-k", 2]
 
 
@@ -191,7 +189,7 @@ def test_a_non_finite_step_leaves_the_weights_untouched(name, tmp_path, monkeypa
         return logprobs * float("nan"), entropy
 
     monkeypatch.setattr(algorithm, "token_logprobs", nan_logprobs)
-    fields = {f.name for f in dataclasses.fields(algorithm.Args)}
+    fields = flags.names(algorithm.Args)
     overrides = {
         "steps": 2,
         "eval_every": 0,
@@ -200,7 +198,7 @@ def test_a_non_finite_step_leaves_the_weights_untouched(name, tmp_path, monkeypa
         "group_size": 4,
         "num_minibatches": 2 if name == "ema_kpo" else 1,  # EMA-KPO needs more than one update per batch
     }
-    algorithm.main(algorithm.Args(**{k: v for k, v in overrides.items() if k in fields}))
+    algorithm.main(flags.make(algorithm.Args, **{k: v for k, v in overrides.items() if k in fields}))
     run_dir = only_run_dir(tmp_path)
     updates = overrides["num_minibatches"]
     skipped = [r["charts/skipped_steps"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
@@ -231,7 +229,7 @@ def test_two_ranks_update_exactly_like_one(name, tmp_path):
 def _args(algorithm, micro_batch_size=16, **overrides):
     """The script's Args with sequence-mean aggregation where the script has the choice (ISOPO's loss is
     always a mean over sequences), one update and no gradient clipping."""
-    fields = {f.name for f in dataclasses.fields(algorithm.Args)}
+    fields = flags.names(algorithm.Args)
     values = {
         "group_size": 4,
         "lr": 0.5,
@@ -242,7 +240,7 @@ def _args(algorithm, micro_batch_size=16, **overrides):
         "max_grad_norm": 1e9,
         **overrides,
     }  # no clipping: it hides scale
-    return algorithm.Args(**{k: v for k, v in values.items() if k in fields})
+    return flags.make(algorithm.Args, **{k: v for k, v in values.items() if k in fields})
 
 
 def _updated(algorithm, model, tokenizer, prompts, completions, rewards, args, mask_truncated=False):
@@ -374,7 +372,7 @@ def test_gradient_checkpointing_recomputes_every_layer(name, lora_rank, tmp_path
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM
 
     algorithm = importlib.import_module(f"algorithms.{name}")
-    fields = {f.name for f in dataclasses.fields(algorithm.Args)}
+    fields = flags.names(algorithm.Args)
     counts = {}
     for cls, key in ((LlamaDecoderLayer, "layer"), (LlamaForCausalLM, "model")):
 
@@ -396,7 +394,7 @@ def test_gradient_checkpointing_recomputes_every_layer(name, lora_rank, tmp_path
             "gradient_checkpointing": checkpointing,
             "lora_rank": lora_rank,
         }
-        algorithm.main(algorithm.Args(**{k: v for k, v in overrides.items() if k in fields}))
+        algorithm.main(flags.make(algorithm.Args, **{k: v for k, v in overrides.items() if k in fields}))
         layers = 4  # the built-in model's
         assert counts["model"] >= 2, counts  # a training forward per micro-batch
         assert counts["layer"] == layers * counts["model"] * (2 if checkpointing else 1), (checkpointing, counts)
@@ -422,3 +420,49 @@ def test_a_gpu_that_torch_cannot_use_stops_the_run(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert fsdp.setup().device == torch.device("cpu")
+
+
+def _delete(source, text):
+    """`source` without `text`, which must be there (a deletion that finds nothing would test nothing)."""
+    assert text in source, text
+    return source.replace(text, "")
+
+
+def _delete_field(source, name):
+    """`source` without the Args field `name` and its docstring."""
+    match = re.search(rf'\n    {name}: [^\n]*\n    """.*?"""\n', source, re.S)
+    assert match, name
+    return source.replace(match.group(0), "\n")
+
+
+@pytest.mark.slow
+def test_a_fork_without_the_optional_features_runs(tmp_path):
+    """A fork of grpo.py that deletes three optional features (top-p / top-k and the kept sampling mask, DAPO's
+    dynamic sampling, the tool-turn mismatch split): its flags, their lines, nothing in common/. Its checks pass and
+    it trains, because common/ receives groups and plain values, never a script's fields by name."""
+    source = open(os.path.join(REPO, "algorithms", "grpo.py")).read()
+    for name in ("top_p", "top_k", "keep_sampling_mask", "dynamic_sampling", "max_sampling_rounds"):
+        source = _delete_field(source, name)
+    for text in (
+        "        top_p=args.top_p,\n        top_k=args.top_k,\n        sampling_mask=args.keep_sampling_mask,\n",
+        "    kept = sampling_masks(completions, response_width, device)",
+        '    return batch | ({"sampling_mask": kept} if kept is not None else {})',
+        ", args.max_sampling_rounds)",
+        "        turns.append(later_turns(completion) + [0] * right)\n",
+        '        batch["later_turns"] = torch.tensor(turns, device=device).float()\n',
+    ):
+        source = _delete(source, text)
+    source = re.sub(r"  # top-p / top-k: the ids kept per position \[B, T, K\]\n", "\n    return batch\n", source)
+    source = source.replace("args.seed)\n", "args.seed)\n", 1)
+    source = re.sub(r"            if args\.dynamic_sampling:.*?\n(                .*\n)+", "", source)
+    source = re.sub(r"    if any\(c\.tool_mask is not None for c in completions\):.*\n", "", source)
+    fork = tmp_path / "algorithms" / "fork.py"
+    fork.parent.mkdir()
+    fork.write_text(source)
+    options = ["--steps", 2, "--eval-every", 0, "--output-dir", tmp_path / "runs", *SMALL]
+    result = run_script(str(fork), *options, env={"PYTHONPATH": REPO}, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_jsonl(os.path.join(only_run_dir(tmp_path / "runs"), "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2] and all(r["charts/skipped_steps"] == 0 for r in records)
+    result = run_script(str(fork), "--top-p", 0.9, env={"PYTHONPATH": REPO}, check=False)
+    assert result.returncode == 2 and "--top-p" in result.stderr  # the flag is gone from the fork

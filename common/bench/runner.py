@@ -9,6 +9,7 @@
     ./run.sh bench stress          # each method in the stress setting of its claim, beside GRPO there
     ./run.sh bench fp16            # the train-inference mismatch of fp32 / bf16 / fp16 trainers and engines
     ./run.sh bench lora            # GRPO with LoRA adapters against full fine-tuning
+    ./run.sh bench long            # the cost of a step of every method at long responses (4 x 512 tokens)
 (`./run.sh bench ARGS` is `python -m common.bench ARGS`; `python -m common.bench.engines` times the
 rollout engines.)
 
@@ -46,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import tyro
@@ -90,6 +92,9 @@ class Suite:
     reference: str | None = None
     columns: tuple[tuple[str, str], ...] = ()  # (metric, header): its mean over every training step, extra columns
     extra_figures: dict[str, list[Panel]] = field(default_factory=dict)
+    accuracy: bool = True  # the table's held-out accuracy columns (False: a cost table, the model learns nothing)
+    checkpoints: int = 3  # per run at most, the last at the end (the KL-drift points; each a point to resume from)
+    prepare: Callable[[], object] | None = None  # builds what the runs need (a model) before they start
 
 
 ACCURACY = Panel("eval/greedy_accuracy", "held-out greedy accuracy")
@@ -522,6 +527,81 @@ SUITES["lora"] = Suite(
     ],
     [ACCURACY, AVG_AT_4, Panel("charts/reward", "training reward"), ENTROPY],
 )
+# The cost of a step at long responses. The built-in task's answers are 3-5 tokens, where a cost that grows with the
+# response length does not show (GTPO's ⟨H⟩_ini forward once held 64 rows' [T, T] attention scores at once). Every
+# method with its defaults (DAPO left out: with no reward at all, dynamic sampling redraws every group 8 times) on a
+# randomly initialized model of real width: Qwen2.5-0.5B's, 4 layers, a 32,000-token vocabulary, so a response
+# almost never ends before --max-new-tokens. One prompt × 4 completions × 512 new tokens, gradient checkpointing.
+# The model learns nothing here: the table shows the seconds per step (a method's one-time cost before its first
+# step, such as GTPO's ⟨H⟩_ini, is not in them), the response length that makes them long, and the GPU's peak
+# memory (— on a CPU). One checkpoint per run (about 1 GB each). Fixed before any run.
+LONG_MODEL_SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=4,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
+LONG_MODEL = os.path.join(REPO, ".cache", "long_responses_model")
+LONG_RESPONSES = (
+    *("--model", LONG_MODEL, "--prompts-per-step", "1", "--group-size", "4", "--max-new-tokens", "512"),
+    *("--max-prompt-tokens", "64", "--gradient-checkpointing", "--eval-prompts", "1", "--eval-k", "0"),
+)
+
+
+def build_long_model(path: str = LONG_MODEL, shape: dict | None = None) -> str:
+    """The long-response suite's model at `path` (a Llama of LONG_MODEL_SHAPE, or `shape`, randomly initialized from
+    seed 0, with the built-in character tokenizer), built unless it is there. Written to a temporary folder and
+    renamed: a build killed half-way leaves no model that looks whole."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(**(shape or LONG_MODEL_SHAPE), **ids, pad_token_id=tokenizer.pad_token_id)
+    config.tie_word_embeddings = True
+    building = f"{path}.building"
+    shutil.rmtree(building, ignore_errors=True)
+    with torch.random.fork_rng():  # the bench's own random numbers stay as they were
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(building)
+    tokenizer.save_pretrained(building)
+    os.replace(building, path)
+    return path
+
+
+SUITES["long"] = Suite(
+    "long",
+    "The cost of a step of every method at long responses: 4 × 512 new tokens, a 32,000-token vocabulary",
+    [
+        Config("GRPO", "grpo"),
+        Config("EMA-KPO", "ema_kpo"),
+        Config("P3O", "p3o"),
+        Config("GTPO", "gtpo"),
+        Config("ISOPO", "isopo"),
+        Config("TIS (bf16 engine)", "tis_icepop", ("--engine-dtype", "bfloat16", "--correction", "tis")),
+    ],
+    [
+        Panel("time/step", "seconds per step"),
+        Panel("time/train", "training seconds per step"),
+        Panel("charts/response_length_mean", "response length (tokens)"),
+    ],
+    steps=3,
+    flags=LONG_RESPONSES,
+    columns=(
+        ("charts/response_length_mean", "response tokens"),
+        ("memory/peak_allocated_gib", "peak GPU GiB"),
+    ),
+    accuracy=False,
+    checkpoints=1,
+    prepare=build_long_model,
+)
 QUICK = dict(steps=8, seeds=(1,), flags=("--eval-every", "4", "--eval-prompts", "64"))
 
 
@@ -538,6 +618,7 @@ class Run:
     steps: int
     flags: tuple[str, ...]  # the config's and the suite's: what makes the run what it is
     output_dir: str
+    checkpoints: int = 3  # at most, the last at the end (the suite's)
 
     @property
     def exp_name(self) -> str:
@@ -573,7 +654,7 @@ class Run:
         if not resume:  # nothing to continue from: start clean
             for folder in self.folders():
                 shutil.rmtree(folder)
-        save_every = math.ceil(self.steps / 3)  # at most 3 checkpoints, the last at the end: the KL-drift points
+        save_every = math.ceil(self.steps / self.checkpoints)  # the last at the end: the KL-drift points
         return [
             sys.executable,
             os.path.join(REPO, "algorithms", self.config.script + ".py"),
@@ -589,7 +670,7 @@ class Run:
             "--save-every",
             str(save_every),
             "--keep-checkpoints",
-            "3",
+            str(self.checkpoints),
             *(["--resume", "auto"] if resume else []),
         ]
 
@@ -871,20 +952,25 @@ def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, 
     when it has them (a suite's page: its write-up around the table), else as the whole file. A config with
     fewer finished seeds than asked for shows its count."""
     threads = max(1, (os.cpu_count() or 1) // jobs)
+    what = (
+        f"mean ± std over seeds at the last step (held-out greedy accuracy at step 0: {rows[0]['greedy_at_0']:.3f})"
+        if suite.accuracy
+        else "means over seeds and steps, no accuracy (the model learns nothing here)"
+    )
     lines = [
         f"**{suite.title}** — built-in task {task_of(suite.flags)}, {suite.steps} steps, "
-        f"seeds {', '.join(map(str, seeds))}; "
-        f"mean ± std over seeds at the last step (held-out greedy accuracy at step 0: "
-        f"{rows[0]['greedy_at_0']:.3f}). Seconds per step exclude evaluations; {jobs} runs at a time, "
+        f"seeds {', '.join(map(str, seeds))}; {what}. Seconds per step exclude evaluations; {jobs} runs at a time, "
         f"{threads} thread(s) each.",
         "",
-        "| method | flags | greedy acc. | avg@4 | pass@4 |"
+        "| method | flags |"
+        + (" greedy acc. | avg@4 | pass@4 |" if suite.accuracy else "")
         + (" KL(π‖π₀) |" if suite.kl_drift else "")
         + (" entropy | fails vs. baseline |" if suite.baseline else "")
         + (" verdict |" if suite.reference else "")
         + "".join(f" {h} |" for _, h in suite.columns)
         + " s/step | rollout s | train s | rollouts/step |",
-        "|---|---|---|---|---|"
+        "|---|---|"
+        + ("---|---|---|" if suite.accuracy else "")
         + ("---|" if suite.kl_drift else "")
         + ("---|---|" if suite.baseline else "")
         + ("---|" if suite.reference else "")
@@ -900,9 +986,14 @@ def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, 
             extra += f" {row.get('verdict', '')} |"
         extra += "".join(f" {_cell(row[key], row[key + '_std'])} |" for key, _ in suite.columns)
         label = row["label"] + (f" (n = {row['seeds']})" if row["seeds"] < len(seeds) else "")
+        scores = (
+            f" {row['greedy']:.3f} ± {row['greedy_std']:.3f} | {row['avg@4']:.3f} ± {row['avg@4_std']:.3f} "
+            f"| {row['pass@4']:.3f} ± {row['pass@4_std']:.3f} |"
+            if suite.accuracy
+            else ""
+        )
         lines.append(
-            f"| {label} | `{row['flags'] or 'defaults'}` | {row['greedy']:.3f} ± {row['greedy_std']:.3f} "
-            f"| {row['avg@4']:.3f} ± {row['avg@4_std']:.3f} | {row['pass@4']:.3f} ± {row['pass@4_std']:.3f} |"
+            f"| {label} | `{row['flags'] or 'defaults'}` |{scores}"
             f"{extra} {row['s_per_step']:.2f} | {row['rollout_s']:.2f} | {row['train_s']:.2f} "
             f"| {row['rollouts_per_step']:.0f} |"
         )
@@ -1014,7 +1105,8 @@ class BenchArgs:
     suites: tyro.conf.Positional[tuple[str, ...]] = ("bench",)
     """what to run: bench (every method), ema_kpo, p3o, tis_icepop, gtpo, isopo (the claims on the built-in
     task), stress_search, stress, fp16, fp32_head, sampling_mask, mismatch_fixes_training, moe_mismatch, moe (on the
-    reasoning task; the last two: mixture of experts), tools (the tool task), lora (adapters), or all"""
+    reasoning task; the last two: mixture of experts), tools (the tool task), lora (adapters), long (the cost of a
+    step at 4 x 512 new tokens), or all"""
     quick: bool = False
     """a few minutes: 1 seed, 8 steps, smaller evaluations (results under --output-dir)"""
     seeds: int | None = None
@@ -1060,7 +1152,9 @@ def main(args: BenchArgs) -> int:
         if configs:
             steps = args.steps or (QUICK["steps"] if args.quick else suite.steps)
             flags = suite.flags + (QUICK["flags"] if args.quick else ())
-            planned[name] = [Run(c, s, steps, c.flags + flags, output_dir) for s in seeds for c in configs]
+            planned[name] = [
+                Run(c, s, steps, c.flags + flags, output_dir, suite.checkpoints) for s in seeds for c in configs
+            ]
     if not planned:
         raise SystemExit(
             f"--only {' '.join(args.only)}: no such config in {', '.join(names)} (labels: "
@@ -1068,6 +1162,9 @@ def main(args: BenchArgs) -> int:
         )
     failures = []
     if not args.plot_only:
+        for name in planned:  # what a suite's runs need, before any starts (the long-response suite's model)
+            if SUITES[name].prepare:
+                SUITES[name].prepare()
         unique = {}  # a run two suites share runs once (under the first suite's label)
         for run in (r for runs in planned.values() for r in runs):
             unique.setdefault((run.exp_name, run.seed), run)
