@@ -818,15 +818,19 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
                     if not multiple_updates:  # this single pass sees every rollout once, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # TRY NOT TO MODIFY: clip to --max-grad-norm, then step; a step whose loss or gradient norm is not
-            # finite is skipped (counted in charts/skipped_steps), so weights never become NaN
-            stepped, minibatch_loss, grad_norm = fsdp.optimizer_step(
-                policy, optimizer, scheduler, scaler, minibatch_loss, args.max_grad_norm, dist
-            )
-            skipped += not stepped
-            isopo.end_minibatch(commit=stepped)  # ALGO LOGIC: a step's minibatch joins the regularization's EMA
-            # the loss of all ranks and the global norm (before clipping): the same numbers on every rank
-            metrics.mean("losses/policy_loss", minibatch_loss, 1)
+            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss or gradient norm
+            # is not finite is skipped (counted in charts/skipped_steps), so weights never become NaN
+            scaler.unscale_(optimizer)  # float16: the gradients divided by the loss scale, before clipping
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)  # the norm before clipping
+            minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
+            if torch.isfinite(grad_norm) and math.isfinite(minibatch_loss):
+                scaler.step(optimizer)  # optimizer.step() (float16: after the scaler's own overflow check)
+                scheduler.step()
+            else:
+                skipped += 1
+            scaler.update()  # float16: the scale halves after an overflow (any rank), doubles after 2000 clean steps
+            optimizer.zero_grad(set_to_none=True)
+            metrics.mean("losses/policy_loss", minibatch_loss, 1)  # the same numbers on every rank
             metrics.mean("losses/grad_norm", grad_norm, 1)
     isopo.record(metrics)  # isopo/<group>/...: the per-layer statistics of the step
     return skipped

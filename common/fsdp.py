@@ -12,7 +12,6 @@ on CPUs).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -172,22 +171,6 @@ def clip_grad_norm(model, max_norm: float, device: torch.device) -> torch.Tensor
     norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).to(device)
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm
-
-
-def optimizer_step(model, optimizer, scheduler, scaler, loss: float, max_grad_norm: float, dist: Dist):
-    """One optimizer step on the accumulated gradients: unscaled (float16's loss scale), clipped to `max_grad_norm`,
-    then applied unless the loss (summed over ranks) or the gradient norm is not finite, so weights never become
-    NaN. Returns (stepped, the loss over ranks, the norm before clipping): the same numbers on every rank."""
-    scaler.unscale_(optimizer)  # float16: the gradients divided by the loss scale, before clipping
-    grad_norm = clip_grad_norm(model, max_grad_norm, dist.device)
-    loss = all_reduce(loss, dist)
-    stepped = bool(torch.isfinite(grad_norm)) and math.isfinite(loss)
-    if stepped:
-        scaler.step(optimizer)  # optimizer.step() (float16: after the scaler's own overflow check)
-        scheduler.step()
-    scaler.update()  # float16: halve the scale after an overflow (any rank), double it after 2000 clean steps
-    optimizer.zero_grad(set_to_none=True)
-    return stepped, loss, grad_norm
 
 
 def all_reduce(value: float, dist: Dist) -> float:
