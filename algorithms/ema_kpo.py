@@ -65,7 +65,7 @@ from common.rollouts import Groups, PromptSampler
 from common.scoring import overlong_penalty, score_completions
 from common.tasks import load_prompts
 from common.tiny import resolve_model
-from common.tools import (
+from common.tools import (  # the method runs along the policy's own tokens
     episode_tokens,
     later_turns,
     policy_first,

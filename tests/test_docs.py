@@ -19,7 +19,9 @@ SCRIPTS = sorted(glob.glob(os.path.join(REPO, "algorithms", "[!_]*.py")))  # a n
 # ISOPO's method includes the backward it builds (IsopoLinear and the forwards of every module with parameters)
 # code lines, closing notes apart; tis_icepop.py also carries routing replay for mixture-of-experts models (R2, R3).
 # Each docstring says how its method treats a tool's output (EMA-KPO's filter and GTPO's spans skip it: 4 lines)
-MAX_DIFF = {"ema_kpo": 230, "p3o": 255, "gtpo": 250, "tis_icepop": 356, "isopo": 666}
+# EMA-KPO and GTPO import two more names from common/tools.py (policy_first, restore_order): the formatter then
+# writes that import one name per line (8 lines)
+MAX_DIFF = {"ema_kpo": 237, "p3o": 255, "gtpo": 264, "tis_icepop": 357, "isopo": 666}
 
 
 def _read(path):
