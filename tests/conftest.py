@@ -41,6 +41,22 @@ def tiny_moe_dir(tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def tied_moe_dir(tiny_moe_dir, tmp_path_factory):
+    """The built-in mixture-of-experts model with routers whose second choice is a bf16 tie decided in float32 by
+    noise (helpers.tie_routers): a bf16 engine routes about half its token-layers otherwise than a float32 trainer,
+    whatever machine built the model. The tokenizer is the built-in one."""
+    from helpers import tie_routers
+
+    from common.tiny import load
+
+    model, tokenizer = load(tiny_moe_dir)
+    path = tmp_path_factory.mktemp("tied_moe")
+    tie_routers(model).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny(tiny_dir):
     """(model, tokenizer) of the built-in model, float32, eval mode. Tests must not modify the model."""
     from common.tiny import load

@@ -233,12 +233,13 @@ def tie_routers(model, epsilon=1e-5, seed=0):
     model. A bf16 engine and a float32 trainer then disagree on about half the token-layers (bf16 sees a tie, float32
     sees the noise), so a test that needs routing flips has them on any machine instead of waiting for a rare one.
 
-    The rows are multiples of one row w (exact in bf16): [2w, -2w, w, w', -w, -w', w/2, -w/2], w' = w · (1 + ε·N(0, 1)).
-    With z = w·h > 0 the top expert is 0 (2z) and the second is 2 or 3 (z, z + ε-noise), above 6 (z/2); with z < 0 the
-    top is 1 (2|z|) and the second 4 or 5. Float32 picks the second by the sign of the noise's product with h; bf16,
-    where w' rounds to w, by its top-k's tie-break: independent choices. ε = 1e-5 is far below bf16's resolution (2^-9
-    relative) and far above float32's (6e-8), and stays below bf16's through a few Adam steps at a learning rate up to
-    1e-5 (each moves a row element of about 0.02 by about lr), but not at 1e-3."""
+    The rows are multiples of one seeded row w ~ N(0, 0.02²) (the upcycled router's scale, rounded to bf16), whatever
+    the model's own routers were: [2w, -2w, w, w', -w, -w', w/2, -w/2], w' = w · (1 + ε·N(0, 1)). With z = w·h > 0 the
+    top expert is 0 (2z) and the second is 2 or 3 (z, z + ε-noise), above 6 (z/2); with z < 0 the top is 1 (2|z|) and
+    the second 4 or 5. Float32 picks the second by the sign of the noise's product with h; bf16, where w' rounds to w,
+    by its top-k's tie-break: independent choices. ε = 1e-5 is far below bf16's resolution (2^-9 relative) and far
+    above float32's (6e-8), and the ties outlast a few Adam steps at a learning rate up to 1e-5 (each moves a row
+    element of about 0.02 by about lr), but not at 1e-3."""
     import torch
 
     from common import moe
@@ -247,7 +248,7 @@ def tie_routers(model, epsilon=1e-5, seed=0):
     with torch.no_grad():
         for _, router in moe.routers(model):
             assert (router.num_experts, router.top_k) == (8, 2), "tie_routers is made for 8 experts, 2 per token"
-            w = router.weight[0].to(torch.bfloat16).float()
+            w = (0.02 * torch.randn(router.weight.shape[1], generator=generator)).bfloat16().float()
             near = [w * (1 + epsilon * torch.randn(w.shape, generator=generator)) for _ in range(2)]
             router.weight.copy_(torch.stack([2 * w, -2 * w, w, near[0], -w, -near[1], w / 2, -w / 2]))
             assert torch.equal(near[0].bfloat16(), w.bfloat16()) and torch.equal(near[1].bfloat16(), w.bfloat16())

@@ -9,7 +9,7 @@ import torch
 from helpers import ALGORITHMS, assert_two_ranks_update_like_one, only_run_dir, read_jsonl, run_script
 
 import algorithms.tis_icepop as tim
-from common import fsdp, moe
+from common import flags, fsdp, moe
 from common.engines import HFEngine
 from common.errors import BadInput
 
@@ -207,13 +207,17 @@ def test_engine_routing_then_r3_reproduces_the_engines_logprobs(tiny_moe):
     assert (logprobs - batch["sampler_logprobs"])[mask].abs().max() <= 5e-6
 
 
-def test_a_bfloat16_engine_routes_otherwise_and_r3_restores_it(tiny_moe):
+def test_a_bfloat16_engine_routes_otherwise_and_r3_restores_it(tied_moe_dir):
     """bf16 engine, float32 trainer: some tokens go to other experts (agreement < 1); the trainer replaying the
-    engine's routing uses exactly its experts (agreement 1), while its own routers would still choose otherwise."""
-    model, tokenizer = tiny_moe
-    prompts, completions, batch = _rollout_batch(model, tokenizer, torch.bfloat16, n=8, prompts=12)
-    batch["engine_routing"] = moe.batch_routing(prompts, completions, 8, batch)
-    positions, layers = moe.scored_positions(batch), [0, 1, 2, 3]
+    engine's routing uses exactly its experts (agreement 1), while its own routers would still choose otherwise.
+    The routers are tied (helpers.tie_routers): bf16 flips a choice in 36% of the token-layers of 104 arithmetic
+    lines (measured), where the built-in model's routers flip 0.6% of them: on some machines none of a small batch."""
+    from common.tiny import load
+
+    model, tokenizer = load(tied_moe_dir)
+    prompts, completions, batch = _rollout_batch(model, tokenizer, torch.bfloat16, n=4, prompts=4)
+    batch["engine_routing"] = moe.batch_routing(prompts, completions, 4, batch)
+    positions = moe.scored_positions(batch)
     results = {}
     for replayed in (None, batch["engine_routing"]):
         routing = moe.routing_of(model)
@@ -225,28 +229,36 @@ def test_a_bfloat16_engine_routes_otherwise_and_r3_restores_it(tiny_moe):
         results[replayed is not None] = moe.agreement(batch["engine_routing"], used, positions)["same_set"].mean()
         results["own"] = moe.agreement(batch["engine_routing"], own, positions)["same_set"].mean()
     assert results[False] < 1 and results[True] == 1 and results["own"] < 1
-    assert layers  # the tiny-moe model routes in all 4 layers
 
 
 # --- tis_icepop.py --router-replay -----------------------------------------------------------------------------------
 
-TINY_MOE = ["--model", "tiny-moe", "--steps", 2, "--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0]
-
-
-def _run(tmp_path, *flags):
-    run_script("algorithms/tis_icepop.py", "--output-dir", tmp_path, *TINY_MOE, *flags)
-    return read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+# 8 prompts: one step of a script moves the routers and experts unless its 8 groups all had equal rewards, on 0.29^8
+# < 1e-4 of machines (helpers.py, reward signal; with 4 prompts on 0.7% of them)
+TINY_MOE = ["--model", "tiny-moe", "--steps", 2, "--prompts-per-step", 8, "--group-size", 4, "--eval-every", 0]
 
 
 @pytest.mark.parametrize("replay", ["none", "r2", "r3"])
-def test_router_replay_with_a_bfloat16_engine(tmp_path, replay):
+def test_router_replay_with_a_bfloat16_engine(tmp_path, tied_moe_dir, replay):
     """The done-when command of the feature: R3 logs routing agreement 1, no replay below 1; R2 (two minibatches)
-    records π_old's routing and logs the drift of π_θ's routers."""
-    flags = ["--engine-dtype", "bfloat16", "--router-replay", replay, "--num-minibatches", 2, "--lr", 1e-3]
-    records = _run(tmp_path, *flags)
+    records π_old's routing and logs the drift of π_θ's routers.
+
+    The model is tiny-moe with tied routers (helpers.tie_routers), so that the bf16 engine routes otherwise than the
+    float32 trainer in every step: the built-in model's routers flip 0.6% of the token-layers, none at all in the
+    2 × 16 short completions the test used to sample on some machines. Over run seeds 1-3 here: own agreement
+    0.35-0.43 and 0.62-0.77 in steps 1 and 2, 57-100% of the tokens differing without R3, drift 0.03-0.31. The
+    learning rate is 1e-5, not 1e-3: a step at 1e-3 moves a router row element (about 0.02) by about 5%, undoing the
+    bf16 ties by step 2 (own agreement 1 again, measured)."""
+    # π_θ's routers drift only once an update has moved it, which needs a reward spread in a group before the last
+    # update: 6 prompts in 2 minibatches put 9 groups there, all equal on 0.29^9 < 1e-4 of machines (helpers.py,
+    # reward signal; 4 prompts put 6 there: 6e-4)
+    flags = ["--model", tied_moe_dir, "--steps", 2, "--prompts-per-step", 6, *TINY_MOE[6:]]
+    flags += ["--engine-dtype", "bfloat16", "--router-replay", replay]
+    run_script("algorithms/tis_icepop.py", *flags, "--num-minibatches", 2, "--lr", 1e-5, "--output-dir", tmp_path)
+    records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     for record in records:
-        assert 0 < record["routing/own_agreement"] < 1 and 0 < record["routing/tokens_differing"] or replay == "r3"
-        assert (record["routing/agreement"] == 1) == (replay == "r3")
+        assert 0 < record["routing/own_agreement"] < 1  # the trainer's routers disagree with bf16's, R3 or not
+        assert (record["routing/agreement"] == 1) == (replay == "r3") == (record["routing/tokens_differing"] == 0)
         assert 0 <= record["routing/drift"] <= 1
     assert any(record["routing/drift"] > 0 for record in records)  # π_θ's routers move within a batch
 
@@ -292,6 +304,18 @@ def test_every_script_trains_a_mixture_of_experts_model(name, tmp_path, tiny_moe
         assert not torch.equal(trained.get_parameter(parameter), initial.get_parameter(parameter)), parameter
 
 
+HASHED_REWARD_TASK = """import zlib
+
+
+def rows(split):
+    return [{"question": f"Q: {a}+{b}="} for a in range(40) for b in range(40)]
+
+
+def score(completion, row):
+    return zlib.crc32(completion.encode()) % 1000 / 1000
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3", "olmoe"])
 def test_qwen3_moe_and_olmoe_checkpoints_train_with_replay(kind, tmp_path, tiny):
@@ -305,8 +329,11 @@ def test_qwen3_moe_and_olmoe_checkpoints_train_with_replay(kind, tmp_path, tiny)
     model.save_pretrained(tmp_path / "model")
     tiny[1].save_pretrained(tmp_path / "model")
     flags = ["--model", tmp_path / "model", "--steps", 1, *TINY_MOE[4:], "--output-dir", tmp_path / "runs"]
-    # a random model answers nothing: DAPO's length penalty gives the rewards a spread, so the routers get gradients
-    flags += ["--overlong-buffer", 12]
+    # a random model answers nothing and runs to the length limit in about 94% of its completions, so DAPO's length
+    # penalty left every group without a reward spread on about a third of machines; a reward that hashes the text
+    # differs between the distinct completions of a group, so the routers get gradients on every machine
+    (tmp_path / "hashed.py").write_text(HASHED_REWARD_TASK)
+    flags += ["--task", tmp_path / "hashed.py"]
     run_script("algorithms/tis_icepop.py", *flags, "--router-replay", "r3", "--engine-dtype", "bfloat16")
     assert read_jsonl(os.path.join(only_run_dir(tmp_path / "runs"), "metrics.jsonl"))[-1]["routing/agreement"] == 1
     trained = AutoModelForCausalLM.from_pretrained(
@@ -320,10 +347,10 @@ def test_qwen3_moe_and_olmoe_checkpoints_train_with_replay(kind, tmp_path, tiny)
 
 def test_router_replay_refusals(tiny):
     with pytest.raises(BadInput, match="--router-replay r2 must be used with several updates"):
-        tim.check_args(tim.Args(router_replay="r2"))  # one update per batch: nothing to replay
-    tim.check_args(tim.Args(router_replay="r2", num_minibatches=2))
+        tim.check_args(flags.make(tim.Args, router_replay="r2"))  # one update per batch: nothing to replay
+    tim.check_args(flags.make(tim.Args, router_replay="r2", num_minibatches=2))
     with pytest.raises(BadInput, match="not a mixture-of-experts model"):
-        tim.engine_records_routing(tiny[0], tim.Args(router_replay="r3"))
+        tim.engine_records_routing(tiny[0], flags.make(tim.Args, router_replay="r3"))
     assert not tim.engine_records_routing(tiny[0], tim.Args())  # a dense model: no routing to record
 
 
