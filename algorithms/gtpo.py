@@ -242,10 +242,10 @@ def measure_initial_entropy(policy, engine, prompt_ids, args, dist, autocast, pa
         completions = engine.generate(prompts, 1, args.max_new_tokens, args.temperature)
         batch = make_batch(prompts, completions, 1, pad_id, dist.device)
         counts, total = (positions < len(prompt_ids)).float().to(dist.device), 0.0  # wrapped repeats do not count
-        # no more rows per forward than an update's micro-batch holds (of one minibatch of this rank's rollouts):
-        # with --micro-batch-size rows, the 100 completions would go 64 at a time, whose attention scores
-        # [rows, heads, T, T] and MLP activations set the run's peak memory once responses are long (3.3 GB at
-        # 512 tokens where the 4-row update needs 2.2). ⟨H⟩_i is per row: the grouping does not change the sum
+        # ⟨H⟩_i is per completion, so the grouping of rows does not change the sum. They go at most as many at a
+        # time as an update's micro-batch holds (of one minibatch of this rank's rollouts), not --micro-batch-size:
+        # 64 of the 100 completions at once hold [rows, heads, T, T] attention scores and MLP activations that set
+        # the run's peak memory once responses are long (2.8 GB at 512 tokens; 4 rows, the update's there: 1.0)
         update_rows = -(-(args.prompts_per_step // dist.world_size) * args.group_size // args.num_minibatches)
         rows_per_forward = max(1, min(args.micro_batch_size, update_rows))
         with torch.no_grad(), autocast:

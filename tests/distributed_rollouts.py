@@ -41,7 +41,7 @@ class ScriptedEngine:
     def __init__(self, informative, length=lambda call, prompt, j: 1):
         self.informative, self.length, self.calls = informative, length, []
 
-    def generate(self, prompt_ids, n, max_new_tokens, temperature, top_p=1.0, top_k=0):
+    def generate(self, prompt_ids, n, max_new_tokens, temperature, top_p=1.0, top_k=0, sampling_mask=True):
         call = len(self.calls)
         self.calls.append([p[0] for p in prompt_ids])
         completions = []

@@ -319,10 +319,14 @@ def test_every_suite_gives_its_scripts_flags_they_accept(name, quick, tmp_path):
     """A typo in a suite would only show after a long bench: parse each run's whole command line as its
     script would (the bench's own --exp-name, --save-every, --keep-checkpoints, --output-dir included)."""
     import tyro
+    from transformers import LlamaConfig
 
     suite = bench.SUITES[name]
+    # the long-response suite's model is built when the bench starts; a script's checks read its config alone
+    LlamaConfig(**bench.LONG_MODEL_SHAPE).save_pretrained(tmp_path / "long_model")
     for config in suite.configs:
         flags = config.flags + suite.flags + (bench.QUICK["flags"] if quick else ())
+        flags = tuple(str(tmp_path / "long_model") if flag == bench.LONG_MODEL else flag for flag in flags)
         run = bench.Run(config, 1, bench.QUICK["steps"] if quick else suite.steps, flags, str(tmp_path))
         script, *command = run.command()[1:]
         assert script.endswith(f"algorithms/{config.script}.py")
@@ -417,3 +421,89 @@ def test_readme_table_is_replaced_between_its_markers_only(tmp_path):
     readme.write_text("<!-- /bench:demo -->\nx\n<!-- bench:demo -->\n")  # reversed: refused, file untouched
     assert not bench.replace_between_markers(str(readme), "demo", "t")
     assert readme.read_text() == "<!-- /bench:demo -->\nx\n<!-- bench:demo -->\n"
+
+
+# --- the long-response cost suite ----------------------------------------------------------------------------------
+
+TINY_LONG_SHAPE = dict(
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)  # the suite's model at a width a test can build in a second (the vocabulary still far past the tokenizer's)
+
+
+def test_the_long_suite_is_a_cost_table_without_accuracy(tmp_path):
+    """One row per method: its response length and the seconds of a step; no accuracy column (a random model)."""
+    suite = bench.SUITES["long"]
+    scripts = {c.script for c in suite.configs}
+    assert not suite.accuracy and scripts == {"grpo", "ema_kpo", "p3o", "gtpo", "isopo", "tis_icepop"}
+
+    def value(flag):
+        return suite.flags[suite.flags.index(flag) + 1]
+
+    assert (value("--max-new-tokens"), value("--group-size"), value("--prompts-per-step")) == ("512", "4", "1")
+    assert value("--model") == bench.LONG_MODEL and "--gradient-checkpointing" in suite.flags
+    runs = [bench.Run(c, 1, suite.steps, c.flags + suite.flags, str(tmp_path), 1) for c in suite.configs]
+    for run in runs[:2]:
+        run_records = records(suite.steps, 0.0, seconds=10.0)
+        for record in run_records[1:]:
+            record.update({"charts/response_length_mean": 512.0, "sampling/rollouts": 4})
+        write_run(run, run_records)
+    rows = bench.summarise(suite, runs)
+    table = bench.write_table(suite, rows, (1,), 2, "./run.sh bench long", str(tmp_path / "long.md"), "2026-01-02")
+    lines = table.splitlines()
+    header = "| method | flags | response tokens | peak GPU GiB | s/step | rollout s | train s | rollouts/step |"
+    assert lines[2] == header
+    assert lines[4] == "| GRPO | `defaults` | 512 ± 0 | — | 10.00 | 2.50 | 7.50 | 4 |"
+    assert len(lines[3].split("|")) == len(header.split("|")) == len(lines[5].split("|"))
+    assert "greedy" not in table and "no accuracy" in lines[0]
+
+
+def test_a_suite_keeps_as_many_checkpoints_as_it_says(tmp_path):
+    """The long suite's runs keep one checkpoint, at the end (each about 1 GB); the others up to 3 (KL drift)."""
+    for checkpoints, save_every in [(1, "6"), (3, "2")]:
+        command = bench.Run(GRPO, 1, 6, (), str(tmp_path), checkpoints).command()
+        assert command[command.index("--save-every") + 1] == save_every
+        assert command[command.index("--keep-checkpoints") + 1] == str(checkpoints)
+    assert bench.SUITES["long"].checkpoints == 1 and bench.SUITES["bench"].checkpoints == 3
+    assert make_run(tmp_path).checkpoints == 3  # the default: as before
+
+
+def test_the_long_model_is_built_once_and_whole(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(tmp_path / "model")
+    os.makedirs(path + ".building")  # a build killed half-way: started over
+    assert bench.build_long_model(path, TINY_LONG_SHAPE) == path and not os.path.exists(path + ".building")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    assert model.config.vocab_size == 300 > len(tokenizer) and model.config.tie_word_embeddings
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    built = os.path.getmtime(os.path.join(path, "config.json"))
+    random_state = torch.random.get_rng_state()
+    assert bench.build_long_model(path, TINY_LONG_SHAPE) == path  # there already: not built again
+    assert os.path.getmtime(os.path.join(path, "config.json")) == built
+    assert torch.equal(torch.random.get_rng_state(), random_state)
+    other = bench.build_long_model(str(tmp_path / "other"), TINY_LONG_SHAPE)  # seeded: the same weights
+    again = AutoModelForCausalLM.from_pretrained(other)
+    for (name, a), b in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_a_long_run_generates_its_whole_budget_and_finishes(tmp_path):
+    """The suite's flags on its kind of model (built small here): every response runs to --max-new-tokens, and the
+    run ends with the evaluation that marks a bench run finished."""
+    model = bench.build_long_model(str(tmp_path / "model"), TINY_LONG_SHAPE)
+    flags = list(bench.SUITES["long"].flags)
+    flags[flags.index("--model") + 1] = model
+    flags[flags.index("--max-new-tokens") + 1] = "12"
+    run = bench.Run(bench.Config("GTPO", "gtpo"), 1, 1, (*flags, "--entropy-ini-prompts", "2"), str(tmp_path), 1)
+    run_script(*run.command()[1:])
+    folder = run.finished_folder()
+    assert folder is not None
+    last = bench.read_metrics(os.path.join(folder, "metrics.jsonl"))[-1]
+    assert last["charts/response_length_mean"] == 12.0 and last["sampling/rollouts"] == 4

@@ -4,8 +4,10 @@ import os
 
 import pytest
 import torch
+from helpers import one_process
 
-from common.engines import HFEngine, make_engine
+from common import flags
+from common.engines import HFEngine, make_engine, make_training_engine
 
 PROMPTS = ["Q: 12+30=", "Q: 7+5=", "Q: 99+99="]
 
@@ -321,11 +323,11 @@ def test_vllms_auto_dtype_follows_the_trainers_compute_dtype(tiny, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     model, tokenizer = tiny
     make_engine("vllm", model, tokenizer, compute_dtype=torch.float16)
+    assert made.pop("dtype") == "float16"
+    # what every script calls: --dtype float16 reaches vLLM as the trainer's compute dtype
+    systems = flags.Systems(rollout_engine="vllm", dtype="float16")
+    make_training_engine(systems, model, tokenizer, one_process(), "unused", 64, 0)
     assert made["dtype"] == "float16"
-    for name in ("grpo", "ema_kpo", "p3o", "gtpo", "isopo", "tis_icepop"):
-        source = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "algorithms", f"{name}.py")).read()
-        call = source[source.index("engine = make_engine(") :].split(")\n")[0]
-        assert "compute_dtype=compute_dtype" in call, name
 
 
 def test_truncation_keeps_what_top_k_then_top_p_keep():

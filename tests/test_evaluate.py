@@ -23,6 +23,8 @@ def test_evaluate_command_on_the_tiny_model():
     assert metrics["prompts"] == 32
     assert metrics["eval/pass@1"] == pytest.approx(metrics["eval/avg@4"])  # pass@1 is the mean accuracy
     assert metrics["eval/pass@1"] <= metrics["eval/pass@2"] <= metrics["eval/pass@4"]
+    # greedy answers do not depend on a sample: 8 of the 32 right on one build (0.25); a build that reached the warm
+    # start's 20% sampled accuracy is far from getting none or all of them
     assert 0 < metrics["eval/greedy_accuracy"] < 1
 
 

@@ -155,7 +155,9 @@ def test_a_resumed_run_draws_what_an_uninterrupted_one_draws(tmp_path):
         read_jsonl(os.path.join(only_run_dir(tmp_path / d), "metrics.jsonl")) for d in ("straight", "split")
     )
     assert [r["step"] for r in split] == [1, 2, 3, 4]
-    assert any(r["sampling/rounds"] > 1 for r in straight)  # dynamic sampling did draw more
+    # dynamic sampling draws more unless all 16 first-round groups of the 4 steps had a reward spread: 52% of groups
+    # do (helpers.py, reward signal), all 16 on 0.52^16 < 1e-4 of machines
+    assert any(r["sampling/rounds"] > 1 for r in straight)
     for a, b in zip(straight, split, strict=True):
         for key in a:
             if not key.startswith("time/") and key != "charts/tokens_per_second":

@@ -140,6 +140,7 @@ def test_top_k_top_p_with_and_without_the_sampling_mask(name, tmp_path):
         run_script(f"algorithms/{name}.py", *flags, keep)
         worst[keep] = read_jsonl(os.path.join(only_run_dir(tmp_path / keep), "metrics.jsonl"))[-1]
     assert worst["--keep-sampling-mask"]["mismatch/max_abs_logprob_diff"] < 1e-4
+    # no reward needed: every truncated position drops mass; over run seeds 1-3 (grpo) 0.14-0.30 and k3 0.0021-0.0064
     assert worst["--no-keep-sampling-mask"]["mismatch/max_abs_logprob_diff"] > 1e-2
     assert worst["--no-keep-sampling-mask"]["mismatch/kl_k3"] > 1e-4
 
@@ -171,6 +172,7 @@ def test_the_reasoning_task_in_float16_end_to_end(name, tmp_path, tiny_sums_dir)
     assert os.path.basename(run_dir).startswith("sums__")
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2]
+    # grpo at run seeds 1-2: responses of 31 tokens on average, every one with an answer, 31-34% right, no skipped step
     assert all(r["charts/response_length_mean"] > 20 and r["charts/no_answer_rate"] < 0.5 for r in records[1:])
     assert max(r["charts/accuracy"] for r in records[1:]) > 0 and "eval/greedy_accuracy" in records[-1]
     assert records[-1]["charts/skipped_steps"] <= 1  # float16: at most the first step overflows the initial scale

@@ -35,7 +35,10 @@ def test_warm_start_leaves_room_for_rl(tiny_dir):
     with open(os.path.join(tiny_dir, "build_info.json")) as f:
         info = json.load(f)
     assert info["version"] == tiny_module.VERSION
-    assert 0.10 <= info["test_sampled_accuracy"] <= 0.50, info
+    # builds seen at 0.23 and 0.46: the warm start stops at its first check (every 25 steps) at or above 20% on
+    # training prompts, and one stride can overshoot; 256 held-out samples of one model spread 0.21-0.25 over 5
+    # sampling seeds. 0.55 leaves RL room and is no longer within noise of a build seen (0.50 was, of 0.46).
+    assert 0.10 <= info["test_sampled_accuracy"] <= 0.55, info
 
 
 def test_warm_start_accuracy_is_what_build_info_says(tiny):
@@ -44,7 +47,7 @@ def test_warm_start_accuracy_is_what_build_info_says(tiny):
 
     torch.manual_seed(0)
     accuracy = tiny_module.sampled_accuracy(model, tokenizer, arith_rows("test")[:256])
-    assert 0.08 <= accuracy <= 0.55  # the same policy, re-sampled: the build's 20-45% up to noise
+    assert 0.08 <= accuracy <= 0.55  # the same policy re-sampled: builds of 0.23-0.46, 5 seeds of one within ±0.02
 
 
 def test_sums_warm_start_leaves_room_for_rl(tiny_sums_dir, tiny_dir):
@@ -56,8 +59,9 @@ def test_sums_warm_start_leaves_room_for_rl(tiny_sums_dir, tiny_dir):
     with open(os.path.join(tiny_sums_dir, "build_info.json")) as f:
         info = json.load(f)
     assert info["version"] == tiny_module.WARM_STARTS["sums"].version and info["task"] == "sums"
-    # the build stops at 25% on 256 training prompts; 256 held-out samples add about ±3% (this machine: 34%)
-    assert 0.15 <= info["test_sampled_accuracy"] <= 0.40, info
+    # the build stops at 25% on 256 training prompts (two builds: 34% held out on both); 256 held-out samples of one
+    # model spread 0.29-0.35 over 5 sampling seeds, so 0.40 was two spreads from a build seen, 0.45 is four
+    assert 0.15 <= info["test_sampled_accuracy"] <= 0.45, info
     model, tokenizer = tiny_module.load(tiny_sums_dir)
     rows = load_task("sums", "test")[:256]
     torch.manual_seed(0)
@@ -137,7 +141,7 @@ def test_the_moe_model_is_built_offline_and_leaves_room_for_rl(tiny_moe_dir):
     with open(os.path.join(tiny_moe_dir, "build_info.json")) as f:
         info = json.load(f)
     assert info["version"] == tiny_module.MOE_WARM_STARTS["arith"].version and info["experts"] == 8
-    assert 0.10 <= info["test_sampled_accuracy"] <= 0.85, info  # this machine: 0.71 (the dense model: 0.46)
+    assert 0.10 <= info["test_sampled_accuracy"] <= 0.85, info  # builds seen: 0.71 and 0.49 (dense: 0.46, 0.23)
     model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)
     assert model.config.model_type == "mixtral" and not model.config.output_router_logits
     assert model.config.hidden_size == 256 and 19e6 < sum(p.numel() for p in model.parameters()) < 20e6
