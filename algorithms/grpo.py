@@ -60,14 +60,14 @@ from common.adapters import load_policy
 from common.checkpoint import StopSignals, load_checkpoint, run_folder, save_checkpoint, seed_everything
 from common.checks import require
 from common.engines import load_tokenizer, make_training_engine, sampling_masks
-from common.evaluate import evaluate
+from common.evaluate import Evaluator
 from common.flags import Evaluation, Group, Systems, TaskFormat, Tools, Tracking, flat
 from common.logprobs import output_layer_scores
 from common.rollouts import Groups, PromptSampler
 from common.scoring import overlong_penalty, score_completions
 from common.tasks import load_prompts
 from common.tiny import resolve_model
-from common.tools import episode_tokens, later_turns, record_tool_use, record_turn_mismatch, with_tools
+from common.tools import later_turns, record_tool_use, record_turn_mismatch, with_tools
 from common.tracking import StepMetrics, Tracker
 
 
@@ -455,69 +455,45 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    from transformers import AutoModelForCausalLM
-    from transformers.utils.logging import disable_progress_bar
-
-    disable_progress_bar()  # no "Loading weights" bars: the training bar is the one to watch
-
     # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16 compute)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
-    device, systems, evaluation = dist.device, args.systems, args.evaluation
-    compute_dtype = fsdp.compute_dtype(systems.dtype, device)  # auto: bfloat16 on a GPU, float32 on the CPU
-    # no cast cache: autocast would keep the cast of every float32 weight until the forward ends, checkpointing or
-    # not (a bf16 copy of the model); without it a cast lives as long as autograd needs it (one layer's, checkpointed)
-    autocast = torch.autocast(device.type, compute_dtype, enabled=compute_dtype != torch.float32, cache_enabled=False)
-    scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)  # float16's dynamic loss scale
+    device, systems = dist.device, args.systems
+    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # auto: bf16 on a GPU
     # a new run folder, or with --resume the run's own, whose settings a resume keeps (checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
     # training prompts, and held-out ones that never train (a local task file holds out a seeded 10% of itself)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
-    new_tokens = episode_tokens(args.task, args.max_new_tokens, args.tools)  # with tools, an episode's
-    prompt_limit = checks.prompt_token_limit(args.model, args.max_prompt_tokens, args.max_new_tokens, new_tokens)
-    eval_task = evaluation.eval_task or args.task
-    train_rows, prompts, eval_rows = load_prompts(
-        args.task, eval_task, args.task_format, tokenizer, prompt_limit, evaluation.eval_prompts, dist.is_main
-    )
+    data = load_prompts(
+        args.model, tokenizer, args.task, args.max_prompt_tokens, args.max_new_tokens,
+        args.task_format, args.tools, args.evaluation, dist.is_main,
+    )  # fmt: skip
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
     policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # float32; LoRA: a frozen base and adapters
-    context = prompt_limit + new_tokens  # the engine's context: the longest prompt and episode
-    engine = make_training_engine(systems, policy, tokenizer, dist, checkpoint or args.model, context, args.seed)
+    engine = make_training_engine(systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed)
     engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # tools: episodes
     # train mode, no dropout; sharded while in CPU memory, so each GPU receives its shard one unit at a time
-    policy = fsdp.prepare_for_training(policy, systems.gradient_checkpointing)
-    policy = fsdp.shard(policy, dist, systems.cpu_offload, compute_dtype, systems.fp32_lm_head)  # and onto the device
-    reference = None
-    if args.kl_coef > 0:
-        reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        reference = fsdp.shard(reference, dist, systems.cpu_offload, compute_dtype, systems.fp32_lm_head)
+    policy = fsdp.shard_for_training(policy, dist, systems, compute_dtype)
+    reference = fsdp.load_reference(args.model, dist, systems, compute_dtype) if args.kl_coef > 0 else None
     trainable = [p for p in policy.parameters() if p.requires_grad]  # --lora-rank: the adapters' A and B alone
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    start_step, skipped_steps = 0, 0
+    state = {"step": 0, "skipped_steps": 0}
     if checkpoint:
-        state = load_checkpoint(checkpoint, policy, optimizer, dist)
-        scheduler.load_state_dict(state["scheduler"])
-        start_step, skipped_steps = state["step"], state["skipped_steps"]
-    tracker = Tracker(
-        run_dir, flat(args), args.tracking, enabled=dist.is_main, resume_step=start_step if checkpoint else None
-    )
-    eval_kwargs = dict(
-        task=eval_task,
-        k=evaluation.eval_k,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        use_chat_template=args.task_format.chat_template,
-        dist=dist,
-    )
-    if evaluation.eval_every and start_step == 0:
-        tracker.log(evaluate(engine, tokenizer, eval_rows, **eval_kwargs), step=0)
+        state = load_checkpoint(checkpoint, policy, optimizer, scheduler, dist)
+    start_step, skipped_steps = state["step"], state["skipped_steps"]
+    tracker = Tracker(run_dir, flat(args), args.tracking, dist.is_main, resume_step=start_step if checkpoint else None)
+    evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
+    if start_step == 0 and evaluator.due(0, args.steps):
+        tracker.log(evaluator(), step=0)
     # each rank takes whole groups of G completions (group statistics are one process's): its share of the
     # step's prompts, and with --dynamic-sampling of DAPO's extra rounds
-    sampler = PromptSampler(prompts, train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds)
+    sampler = PromptSampler(
+        data.prompts, data.train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds
+    )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed, then the run ends
@@ -556,9 +532,9 @@ def main(args: Args) -> None:
         metrics.set("charts/skipped_steps", skipped_steps)  # optimizer steps skipped so far (not finite, no token)
         metrics.set("time/step", time.time() - step_start)  # evaluation excluded
         metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))  # all ranks
-        if evaluation.eval_every and ((step + 1) % evaluation.eval_every == 0 or step + 1 == args.steps):
+        if evaluator.due(step + 1, args.steps):
             with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k on held-out prompts
-                metrics.update(evaluate(engine, tokenizer, eval_rows, **eval_kwargs))
+                metrics.update(evaluator())
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
@@ -566,20 +542,14 @@ def main(args: Args) -> None:
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
-            trainer_state = {
-                "step": step + 1,
-                "skipped_steps": skipped_steps,
-                "args": flat(args),
-                "scheduler": scheduler.state_dict(),
-            }
-            save_checkpoint(run_dir, step + 1, policy, tokenizer, optimizer, trainer_state, dist, args.keep_checkpoints)
+            trainer_state = {"skipped_steps": skipped_steps, "args": flat(args)}
+            save_checkpoint(
+                run_dir, step + 1, policy, tokenizer, optimizer, scheduler, trainer_state, dist, args.keep_checkpoints
+            )
         if stopping:
             break
 
-    plot = tracker.close(plot_keys=PLOTTED + [f"eval/avg@{evaluation.eval_k}"])
-    if dist.is_main:
-        print(f"run folder: {run_dir}" + (f" (plot: {plot})" if plot else ""))
-    fsdp.barrier(dist)
+    tracker.close(plot_keys=PLOTTED + [f"eval/avg@{evaluator.k}"])  # curves.png
     engine.close()
     fsdp.cleanup(dist)
     stop.finish(run_dir, dist)  # after a signal: how to resume it, and exit code 128 + the signal's number

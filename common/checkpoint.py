@@ -1,9 +1,9 @@
 """Checkpoints and seeding: a killed run resumes from its last checkpoint with nothing lost.
 
     seed_everything(seed)                                   # python, numpy and torch generators
-    save_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist, keep=2)
+    save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, trainer_state, dist, keep=2)
     path = find_checkpoint("auto", output_dir, run_prefix)  # --resume: the newest complete checkpoint
-    trainer_state = load_checkpoint(path, model, optimizer, dist)
+    trainer_state = load_checkpoint(path, model, optimizer, scheduler, dist)
 
 A checkpoint is a folder `checkpoints/step_00000050/` holding the policy in Hugging Face format
 (`save_pretrained`: loadable by transformers and vLLM, float32 master weights; with --lora-rank the adapter in
@@ -56,8 +56,11 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])  # a list (all devices) is from an older checkpoint: skipped
 
 
-def save_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist: Dist, keep: int) -> str:
-    """Write checkpoints/step_{step:08d} atomically (every rank calls this) and keep the newest `keep`."""
+def save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, trainer_state, dist: Dist, keep) -> str:
+    """Write checkpoints/step_{step:08d} atomically (every rank calls this) and keep the newest `keep`.
+    `trainer_state`: what the script needs to continue (skipped steps, its settings, ...); the step and the
+    scheduler's state are added to it."""
+    trainer_state = {"step": step, **trainer_state, "scheduler": scheduler.state_dict()}
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
@@ -103,9 +106,9 @@ def _single_process_is_intended():
         yield
 
 
-def load_checkpoint(path: str, model, optimizer, dist: Dist) -> dict:
-    """Restore the optimizer and this rank's RNG (the weights were loaded with from_pretrained);
-    returns the trainer state (step, scheduler, ...)."""
+def load_checkpoint(path: str, model, optimizer, scheduler, dist: Dist) -> dict:
+    """Restore the optimizer, the scheduler and this rank's RNG (the weights were loaded with from_pretrained);
+    returns the trainer state (step, and what the script saved)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -119,7 +122,9 @@ def load_checkpoint(path: str, model, optimizer, dist: Dist) -> dict:
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     if os.path.exists(os.path.join(path, f"rng_rank{dist.rank}.pt")):  # absent when resuming on more ranks
         set_rng_state(read_checkpoint_file(path, f"rng_rank{dist.rank}.pt"))
-    return read_checkpoint_file(path, "trainer_state.pt")
+    trainer_state = read_checkpoint_file(path, "trainer_state.pt")
+    scheduler.load_state_dict(trainer_state["scheduler"])
+    return trainer_state
 
 
 def run_folder(output_dir: str, resume: str | None, name: str, settings: dict, dist) -> tuple[str, str | None]:

@@ -158,24 +158,6 @@ def refuse(problems: list[str]) -> None:
         raise BadInput("invalid arguments:\n  " + "\n  ".join(problems))
 
 
-def prompt_token_limit(model: str, max_prompt_tokens: int, max_new_tokens: int, episode_tokens: int) -> int:
-    """The longest prompt that leaves room for the new tokens (`episode_tokens`: --max-new-tokens, or a whole episode's
-    with tools) in the model's context (max_position_embeddings of `model`'s config): --max-prompt-tokens, or less
-    when the two do not fit together."""
-    from transformers import AutoConfig
-
-    context = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None) or INFINITY
-    if episode_tokens >= context:
-        what = f"--max-new-tokens {max_new_tokens}"
-        if episode_tokens != max_new_tokens:
-            what = f"an episode of {episode_tokens} tokens (--max-episode-tokens)"
-        raise BadInput(
-            f"{what} does not fit in the context of {model} ({context} tokens, prompt included): lower it below "
-            f"{context}"
-        )
-    return min(max_prompt_tokens, context - episode_tokens)  # prompts left out are counted where encoded
-
-
 class Watch:
     """Warnings from a running job's metrics: steps that changed nothing, a policy that became uniform, a task
     whose answers are never found. Each warns once, after `patience` training steps in a row."""

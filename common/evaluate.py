@@ -65,6 +65,35 @@ def evaluate(
     return metrics
 
 
+class Evaluator:
+    """A training run's held-out evaluation: `evaluate` on the run's held-out rows (common.tasks.RunPrompts) with
+    its settings, every --eval-every steps (common.flags.Evaluation; 0: never) and at the last step."""
+
+    def __init__(self, engine, tokenizer, prompts, evaluation, max_new_tokens: int, temperature: float, dist):
+        self.engine, self.tokenizer, self.rows, self.dist = engine, tokenizer, prompts.eval_rows, dist
+        self.task, self.use_chat_template = prompts.eval_task, prompts.use_chat_template
+        self.every, self.k = evaluation.eval_every, evaluation.eval_k
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether to evaluate after `step` (0: before training)."""
+        return bool(self.every) and (step % self.every == 0 or step == last_step)
+
+    def __call__(self) -> dict[str, float]:
+        """eval/greedy_accuracy, eval/avg@k and eval/pass@k on the held-out rows (evaluate)."""
+        return evaluate(
+            self.engine,
+            self.tokenizer,
+            self.rows,
+            self.task,
+            self.k,
+            self.max_new_tokens,
+            self.temperature,
+            self.use_chat_template,
+            self.dist,
+        )
+
+
 @dataclass
 class EvalArgs:
     model: str = "tiny"

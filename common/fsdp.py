@@ -40,8 +40,22 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def mixed_precision(name: str, device: torch.device):
+    """(compute dtype, autocast context, gradient scaler) of --dtype `name`. bf16 / fp16 compute over float32
+    weights; the scaler is float16's dynamic loss scale and does nothing otherwise. The autocast keeps no cast
+    cache: with one, the cast of every float32 weight would live until the forward ends, checkpointing or not
+    (a bf16 copy of the model); without it a cast lives as long as autograd needs it (one layer's, checkpointed)."""
+    dtype = compute_dtype(name, device)
+    autocast = torch.autocast(device.type, dtype, enabled=dtype != torch.float32, cache_enabled=False)
+    return dtype, autocast, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+
 def setup() -> Dist:
-    """Process group from torchrun's environment variables (nccl on GPUs, gloo on CPUs)."""
+    """Process group from torchrun's environment variables (nccl on GPUs, gloo on CPUs). Also turns off
+    transformers' progress bars ("Loading weights"): the run's own bar is the one to watch."""
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -141,6 +155,22 @@ def shard(
         fully_shard(layer, **options)
     fully_shard(model, **({k: v for k, v in options.items() if k != "mp_policy"} if float32_head else options))
     return model
+
+
+def shard_for_training(policy, dist: Dist, systems, compute_dtype: torch.dtype):
+    """prepare_for_training, then shard, as `systems` (common.flags.Systems) asks: --gradient-checkpointing,
+    --cpu-offload, --fp32-lm-head. Pass the policy while it is still in CPU memory (see shard)."""
+    policy = prepare_for_training(policy, systems.gradient_checkpointing)
+    return shard(policy, dist, systems.cpu_offload, compute_dtype, systems.fp32_lm_head)
+
+
+def load_reference(model: str, dist: Dist, systems, compute_dtype: torch.dtype):
+    """The frozen reference policy π_ref of a KL penalty: `model`'s weights in float32, in eval mode, sharded
+    like the policy."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    return shard(reference, dist, systems.cpu_offload, compute_dtype, systems.fp32_lm_head)
 
 
 def named_full_tensors(model, device: torch.device, dtype: torch.dtype | None = None):

@@ -15,6 +15,7 @@ common/task_files.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import sys
@@ -359,13 +360,50 @@ def encode_prompts(rows, tokenizer, task, use_chat_template=True, max_tokens=Non
     return [rows[i] for i in keep], [prompts[i] for i in keep]
 
 
-def load_prompts(task: str, eval_task: str, task_format, tokenizer, prompt_limit: int, eval_prompts: int, verbose=True):
-    """(training rows, their prompts as token ids, held-out rows) of a run: load_train_and_eval with the columns of
-    `task_format` (common.flags.TaskFormat), then encode_prompts with its chat-template setting; prompts longer than
-    `prompt_limit` are left out (and counted), and `eval_prompts` held-out rows at most are kept."""
-    columns = (task_format.question_column, task_format.answer_column)
+def prompt_token_limit(model: str, max_prompt_tokens: int, max_new_tokens: int, episode_tokens: int) -> int:
+    """The longest prompt that leaves room for the new tokens (`episode_tokens`: --max-new-tokens, or a whole episode's
+    with tools) in the model's context (max_position_embeddings of `model`'s config): --max-prompt-tokens, or less
+    when the two do not fit together."""
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None) or math.inf
+    if episode_tokens >= context:
+        what = f"--max-new-tokens {max_new_tokens}"
+        if episode_tokens != max_new_tokens:
+            what = f"an episode of {episode_tokens} tokens (--max-episode-tokens)"
+        raise BadInput(
+            f"{what} does not fit in the context of {model} ({context} tokens, prompt included): lower it below "
+            f"{context}"
+        )
+    return min(max_prompt_tokens, context - episode_tokens)  # prompts left out are counted where encoded
+
+
+@dataclass
+class RunPrompts:
+    """A training run's prompts: its training rows with their prompts, and the held-out rows it evaluates on."""
+
+    train_rows: list[Row]
+    prompts: list[list[int]]  # token ids of each training row's prompt, instruction and chat template included
+    eval_rows: list[Row]
+    eval_task: str
+    use_chat_template: bool
+    context: int  # the tokens the engine's context must hold: the longest prompt and a whole episode
+
+
+def load_prompts(model, tokenizer, task, max_prompt_tokens, max_new_tokens, task_format, tools, evaluation, verbose):
+    """The prompts of a run on `task` (RunPrompts). `task_format`, `tools`, `evaluation`: the groups of
+    common.flags. The training rows and the held-out ones of load_train_and_eval are encoded with the chat-template
+    setting; a prompt is left out (and counted) when it is longer than --max-prompt-tokens or than what the model's
+    context leaves beside the new tokens (with tools, a whole episode's); --eval-prompts held-out rows at most."""
+    from common.tools import episode_tokens
+
+    new_tokens = episode_tokens(task, max_new_tokens, tools)
+    prompt_limit = prompt_token_limit(model, max_prompt_tokens, max_new_tokens, new_tokens)
+    columns, template = (task_format.question_column, task_format.answer_column), task_format.chat_template
+    eval_task = evaluation.eval_task or task
     train_rows, eval_rows = load_train_and_eval(task, eval_task, *columns, verbose=verbose)
-    template = task_format.chat_template
     train_rows, prompts = encode_prompts(train_rows, tokenizer, task, template, prompt_limit, verbose)
     eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, template, prompt_limit, verbose)[0]
-    return train_rows, prompts, eval_rows[:eval_prompts]
+    return RunPrompts(
+        train_rows, prompts, eval_rows[: evaluation.eval_prompts], eval_task, template, prompt_limit + new_tokens
+    )

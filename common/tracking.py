@@ -167,11 +167,14 @@ class Tracker:
             self.wandb.log(metrics, step=step)
 
     def close(self, plot_keys: list[str]) -> str | None:
+        """Finish wandb, plot `plot_keys` to curves.png, and say where the run folder and its plot are."""
         if not self.enabled:
             return None
         if self.wandb is not None:
             self.wandb.finish()
-        return plot_curves(self.path, os.path.join(self.run_dir, "curves.png"), plot_keys)
+        plot = plot_curves(self.path, os.path.join(self.run_dir, "curves.png"), plot_keys)
+        print(f"run folder: {self.run_dir}" + (f" (plot: {plot})" if plot else ""))
+        return plot
 
 
 def _plain(value):

@@ -109,6 +109,7 @@ METHOD_CASES = {
         ({"variant": "interacting", "p": -2.0}, "--p applies to --variant non-interacting only"),
         ({"ntk_reg_coef": 2.0}, "--ntk-reg-coef applies to --variant interacting only"),
         ({"micro_batch_size": 12}, "--micro-batch-size must be a multiple of --block-size"),
+        ({"block_size": 0}, "--block-size must be >= 1"),  # was a ZeroDivisionError in the checks
         ({"n_overlap": 0}, "--n-overlap must be >= 1"),
         ({"variant": "interacting", "ntk_reg_coef": 0.0}, "--ntk-reg-coef must be > 0"),
         ({"ema_decay": 1.0}, "--ema-decay must be in [0, 1)"),
@@ -126,7 +127,8 @@ METHOD_CASES = {
         ({"correction": "icepop", "icepop_alpha": 6.0}, "--icepop-alpha must be in [0, --icepop-beta]"),
         ({"correction": "icepop", "icepop_beta": NAN}, "--icepop-beta must be > 0"),
         ({"correction": "kpop", "kpop_phi": -1.0}, "--kpop-phi must be >= 0"),
-        ({"correction": "seq-mask", "seq_mask_delta": math.inf}, "--seq-mask-delta must be a finite number"),
+        ({"correction": "seq-mask", "seq_mask_delta": math.inf}, "--seq-mask-delta must be >= 0 and finite"),
+        ({"correction": "seq-mask", "seq_mask_delta": -1.0}, "--seq-mask-delta must be >= 0"),  # dropped every A < 0
     ],
 }
 CASES = [
@@ -238,10 +240,10 @@ def test_prompts_left_out_by_the_length_limit_are_counted(tiny, capsys):
 
 def test_a_generation_longer_than_the_context_is_refused(tiny_dir):
     with pytest.raises(BadInput, match="--max-new-tokens 100000 does not fit in the context"):
-        checks.prompt_token_limit(tiny_dir, 512, 100_000, 100_000)
-    assert checks.prompt_token_limit(tiny_dir, 512, 56, 56) == 200
+        tasks.prompt_token_limit(tiny_dir, 512, 100_000, 100_000)
+    assert tasks.prompt_token_limit(tiny_dir, 512, 56, 56) == 200
     with pytest.raises(BadInput, match="an episode of 300 tokens .--max-episode-tokens. does not fit"):
-        checks.prompt_token_limit(tiny_dir, 512, 56, 300)
+        tasks.prompt_token_limit(tiny_dir, 512, 56, 300)
 
 
 def test_models_that_are_not_there_are_named(tmp_path, monkeypatch):
