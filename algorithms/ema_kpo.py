@@ -1,35 +1,38 @@
-"""EMA-KPO: KPO's causal filter of token log-ratios as a scheduled EMA, with the Kalman filter it simplifies.
+"""EMA-KPO: KPO's causal filter of token log-ratios as a scheduled EMA, beside the Kalman filter.
 
-Papers: EMA-KPO, "Simplifying Kalman Policy Optimization with Fixed-Gain Exponential Smoothing" (FARS, 2026;
-no arXiv id, code gitlab.com/fars-a/kpo-simple-smoothing); KPO, "Online Causal Kalman Filtering for Stable
-and Effective Policy Optimization" (He et al., 2026, arXiv:2602.10609); GRPO (arXiv:2402.03300).
+Papers: EMA-KPO, "Simplifying Kalman Policy Optimization with Fixed-Gain Exponential Smoothing"
+(FARS, 2026; no arXiv id, code gitlab.com/fars-a/kpo-simple-smoothing); KPO, "Online Causal
+Kalman Filtering for Stable and Effective Policy Optimization" (He et al., 2026,
+arXiv:2602.10609); GRPO (arXiv:2402.03300).
 
-Objective. GRPO's, with each token's ratio replaced by a causal low-pass filter of the token log-ratios
-along its response (equation numbers are the EMA-KPO paper's; A_i: GRPO's group-normalized advantages):
+Objective. GRPO's, with each token's ratio replaced by a causal low-pass filter of the
+token log-ratios along its response (equation numbers are the EMA-KPO paper's; A_i:
+GRPO's group-normalized advantages):
 
     z_t   = log π_θ(o_t | q, o_<t) − log π_old(o_t | q, o_<t)                   (Eq. 1; detached)
     ρ̂_t   = (1 − α_t) ρ̂_t−1 + α_t z_t,  ρ̂_0 = 0,  α_t = K_t, the Kalman gains of Eqs. 4, 5, 7   (Eqs. 6, 9)
     r̃_t   = exp( log π_θ(o_t) − sg(log π_θ(o_t)) + sg(ρ̂_t) )     value exp(ρ̂_t), gradient exp(ρ̂_t)·∇log π_θ(o_t)
     J(θ)  = 1/N Σ_i 1/|o_i| Σ_t min( r̃_it A_i , clip(r̃_it, 1 − ε_low, 1 + ε_high) A_i )   (the paper's ε−, ε+)
 
-The model behind it: a random walk ρ_t = ρ_t−1 + η (variance Q = 1e-6) observed as z_t = ρ_t + ε (variance
-V = 1) (Eqs. 2-3). The covariance recursion never sees z, so the gains K_t depend only on the position t:
-the Kalman filter IS an EMA with a schedule fixed before training (Eq. 9), which EMA-KPO runs.
+The model behind it: a random walk ρ_t = ρ_t−1 + η (variance Q = 1e-6) observed as z_t = ρ_t
++ ε (variance V = 1) (Eqs. 2-3). The covariance recursion never sees z, so the gains K_t
+depend only on the position t: the Kalman filter IS an EMA with a schedule fixed before
+training (Eq. 9), which EMA-KPO runs.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
-score them and compute advantages, update the policy on minibatches, push the new weights to the
-rollout engine, then log, evaluate and checkpoint. The method lives between `# ALGO LOGIC` and
-`# END ALGO LOGIC`; `# TRY NOT TO MODIFY` marks the plumbing every fork keeps as it is. Implementation
-details are comments at the code they explain, each metric is defined where it is recorded, and the
-paper-scale command and the differences from the papers' settings close the file.
+score them, compute advantages, update the policy on minibatches, push new weights to the engine,
+log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
+the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
+are defined where recorded; the paper-scale command and the papers' differences close the file.
 
-What this file changes relative to grpo.py: the filtered ratio (the filter, its gains and their flags) and
-the defaults ε_low = 3e-4, ε_high = 4e-4, --num-minibatches 4 and --loss-aggregation sequence-mean (KPO's
-seq-mean-token-mean).
+What this file changes relative to grpo.py: the filtered ratio (the filter, its gains and their
+flags) and the defaults ε_low = 3e-4, ε_high = 4e-4, --num-minibatches 4 and --loss-aggregation
+sequence-mean (KPO's seq-mean-token-mean).
 
-Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output inside it is
-context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own tokens. The filter of Eq. 9
-runs along the policy's own tokens, skipping an output as if it were absent (α_t indexed by the policy's tokens).
+Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
+inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
+tokens. The filter of Eq. 9 runs along the policy's own tokens, skipping an output as if it were
+absent (α_t indexed by the policy's tokens).
 
 Run it
   python algorithms/ema_kpo.py                               # the built-in task on a CPU, a few minutes
@@ -79,12 +82,13 @@ class Args:
     model: str = "tiny"
     """`tiny` (the built-in offline model), a Hugging Face model id or a local folder"""
     task: str = "arith"
-    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math, math500, dapo_math,
-    aime24, aime25, or a .jsonl/.json/.parquet file"""
+    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math,
+    math500, dapo_math, aime24, aime25, or a .jsonl/.json/.parquet file"""
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
-    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this exp/task/seed)"""
+    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this
+    exp/task/seed)"""
     steps: int = 60
     """training steps (one rollout batch each)"""
 
@@ -94,39 +98,47 @@ class Args:
     group_size: int = 8
     """completions per prompt (G)"""
     max_prompt_tokens: int = 512
-    """prompts longer than this (instruction and chat template included) are left out, and counted"""
+    """longer prompts (instruction and chat template included) are left out, and counted"""
     max_new_tokens: int = 16
     """maximum completion length"""
     temperature: float = 1.0
     """sampling temperature (the trainer divides its logits by it too)"""
     top_p: float = 1.0
-    """nucleus sampling: each token from the most likely ones whose probability reaches top_p (1: off)"""
+    """nucleus sampling: each token from the most likely ones whose
+    probability reaches top_p (1: off)"""
     top_k: int = 0
-    """each token from the k most likely (0: off); vLLM returns at most 20 kept tokens, so --top-p needs it there"""
+    """each token from the k most likely (0: off); vLLM returns at most 20 kept
+    tokens, so --top-p needs it there"""
     keep_sampling_mask: bool = True
-    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the tokens the engine kept
-    (DeepSeek-V3.2); --no-keep-sampling-mask scores the full vocabulary: the naive mismatch"""
+    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the
+    tokens the engine kept (DeepSeek-V3.2); --no-keep-sampling-mask scores the full
+    vocabulary: the naive mismatch"""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are replaced by newly drawn prompts"""
+    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are
+    replaced by newly drawn prompts"""
     max_sampling_rounds: int = 8
-    """dynamic sampling: rounds of drawing per step at most; then the batch is completed with all-equal groups"""
+    """dynamic sampling: rounds of drawing per step at most; then the batch is
+    completed with all-equal groups"""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: the reward falls linearly to -1 over this many last tokens (0: off)"""
+    """DAPO's soft overlong punishment: the reward falls linearly to -1 over
+    this many last tokens (0: off)"""
     mask_truncated: bool = False
     """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
 
     # the loss: this method's own arguments
     smoother: Literal["ema", "kalman", "fixed"] = "ema"
-    """ema: EMA with precomputed α_t = K_t (EMA-KPO, Eq. 9); kalman: Kalman filter, token by token (KPO, Eqs. 4-7);
-    fixed: α_t = --alpha"""
+    """ema: EMA with precomputed α_t = K_t (EMA-KPO, Eq. 9); kalman: Kalman filter, token by
+    token (KPO, Eqs. 4-7); fixed: α_t = --alpha"""
     kalman_q: float = 1e-6
     """Q: variance of the random walk of the latent log-ratio (Eq. 2)"""
     kalman_v: float = 1.0
     """V: variance of the observation noise on each token's log-ratio (Eq. 3)"""
     p0: float = 1.0
-    """P_0|0, prior variance of the latent log-ratio: 1 = EMA-KPO paper (first gain ≈ 0.5), 0 = KPO code (≈ Q)"""
+    """P_0|0, prior variance of the latent log-ratio: 1 = EMA-KPO paper (first
+    gain ≈ 0.5), 0 = KPO code (≈ Q)"""
     alpha: float | None = None
-    """the constant gain of --smoother fixed (the paper's ablation: 1e-4 collapses, 1e-2 trails the schedule)"""
+    """the constant gain of --smoother fixed (the paper's ablation: 1e-4
+    collapses, 1e-2 trails the schedule)"""
     clip_low: float = 3e-4
     """ε_low: lower clip range of the ratio"""
     clip_high: float = 4e-4
@@ -148,7 +160,8 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping threshold on the global norm (1e9: no clipping)"""
     num_minibatches: int = 4
-    """optimizer steps per rollout batch and epoch (EMA-KPO needs > 1: with one update r̃ ≡ 1; 4: the KPO script's)"""
+    """optimizer steps per rollout batch and epoch (EMA-KPO needs > 1: with one
+    update r̃ ≡ 1; 4: the KPO script's)"""
     update_epochs: int = 1
     """passes over each rollout batch"""
     micro_batch_size: int = 64
@@ -160,8 +173,8 @@ class Args:
     keep_checkpoints: int = 2
     """how many of the newest checkpoints to keep (0: all)"""
 
-    # the groups a method never changes (common/flags.py), each under its own heading in --help; their flags keep
-    # their plain names (--lora-rank 16)
+    # the groups a method never changes (common/flags.py), each under its own heading in --help;
+    # their flags keep their plain names (--lora-rank 16)
     task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
     tools: Group[Tools] = field(default_factory=Tools)
     evaluation: Group[Evaluation] = field(default_factory=Evaluation)
@@ -169,13 +182,16 @@ class Args:
     systems: Group[Systems] = field(default_factory=Systems)
 
 
-# ALGO LOGIC: the filter of the token log-ratios and its ratio, the clipped surrogate, advantages, loss averaging
+# ALGO LOGIC: the filter of the token log-ratios and its ratio, the clipped
+# surrogate, advantages, loss averaging
 def kalman_gains(length: int, q: float = 1e-6, v: float = 1.0, p0: float = 1.0) -> torch.Tensor:
-    """Gains K_1..K_length (float64) of the Kalman filter of Eqs. 2-3 from P_0|0 = p0: a schedule of the position.
-    p0 = 1 (the EMA-KPO paper): K_1 = (P0 + Q)/(P0 + Q + V) ≈ 0.5, then K_t ≈ 1/(t + 1) for t ≪ 1/√Q = 1000, so
-    ρ̂_t ≈ the causal prefix mean of z (a constant z is followed to 50% at t = 1, 99% at t = 100). p0 = 0 (the KPO
-    code): K grows from Q/(Q + V) ≈ 1e-6 by about Q per token: r̃ ≈ 1, never clipped, for hundreds of tokens (0.5%
-    of a constant z at t = 100, 11% at 500, 35% at 1000). Both reach K_∞ ≈ 9.995e-4 (Eq. 8), within 1% at t ≈ 2650."""
+    """Gains K_1..K_length (float64) of the Kalman filter of Eqs. 2-3 from P_0|0 = p0: a
+    schedule of the position. p0 = 1 (the EMA-KPO paper): K_1 = (P0 + Q)/(P0 + Q + V) ≈ 0.5,
+    then K_t ≈ 1/(t + 1) for t ≪ 1/√Q = 1000, so ρ̂_t ≈ the causal prefix mean of z (a
+    constant z is followed to 50% at t = 1, 99% at t = 100). p0 = 0 (the KPO code): K grows
+    from Q/(Q + V) ≈ 1e-6 by about Q per token: r̃ ≈ 1, never clipped, for hundreds of tokens
+    (0.5% of a constant z at t = 100, 11% at 500, 35% at 1000). Both reach K_∞ ≈ 9.995e-4
+    (Eq. 8), within 1% at t ≈ 2650."""
     gains, posterior = [], p0
     for _ in range(length):
         prior = posterior + q  # P_t|t−1 = P_t−1|t−1 + Q             (Eq. 4)
@@ -186,44 +202,51 @@ def kalman_gains(length: int, q: float = 1e-6, v: float = 1.0, p0: float = 1.0) 
 
 
 def gain_schedule(args, length: int) -> torch.Tensor:
-    """α_1..α_length of the EMA (Eq. 9): the Kalman gains, or --alpha. They depend on the position alone, so
-    the filter needs no covariance state (update_policy computes them per rollout batch: 1 ms at 8k tokens)."""
+    """α_1..α_length of the EMA (Eq. 9): the Kalman gains, or --alpha. They depend on the
+    position alone, so the filter needs no covariance state (update_policy computes them per
+    rollout batch: 1 ms at 8k tokens)."""
     if args.smoother == "fixed":
         return torch.full((length,), args.alpha, dtype=torch.float64)
     return kalman_gains(length, args.kalman_q, args.kalman_v, args.p0)
 
 
 def ema_filter(z: torch.Tensor, alphas: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """ρ̂_t = (1 − α_t) ρ̂_t−1 + α_t z_t with ρ̂_0 = 0 (Eq. 9) along each row of z [B, T], no loop over tokens.
-    alphas: at least T gains in [0, 1), shared by the rows. Unrolled, ρ̂_t = Σ_i≤t α_i exp(L_t − L_i) z_i
-    with L_t = Σ_j≤t log(1 − α_j), a matrix product within blocks of `block` tokens, then across them. Every
-    exponent is ≤ 0: nothing overflows. Float64 inside: relative error < 1e-7 against a loop at 8192 tokens."""
+    """ρ̂_t = (1 − α_t) ρ̂_t−1 + α_t z_t with ρ̂_0 = 0 (Eq. 9) along each row of z [B, T], no
+    loop over tokens. alphas: at least T gains in [0, 1), shared by the rows. Unrolled, ρ̂_t =
+    Σ_i≤t α_i exp(L_t − L_i) z_i with L_t = Σ_j≤t log(1 − α_j), a matrix product within blocks of
+    `block` tokens, then across them. Every exponent is ≤ 0: nothing overflows. Float64 inside:
+    relative error < 1e-7 against a loop at 8192 tokens."""
     rows, length = z.shape
     if len(alphas) < length:
         raise ValueError(f"ema_filter: {len(alphas)} gains for {length} tokens")
     blocks = -(-length // block)
-    alpha = torch.zeros(blocks, block, dtype=torch.float64, device=z.device)  # α = 0 and z = 0 past the end
+    # α = 0 and z = 0 past the end
+    alpha = torch.zeros(blocks, block, dtype=torch.float64, device=z.device)
     alpha.view(-1)[:length] = alphas[:length]
     x = torch.nn.functional.pad(z.double(), (0, blocks * block - length)).view(rows, blocks, block)
     # L_t from the start of each block (the clamp only acts where α rounds to 1: log 0 = −inf)
     log_decay = torch.log1p(-alpha).clamp(min=-50).cumsum(1)
     causal = torch.ones(block, block, dtype=torch.bool, device=z.device).tril()
     exponent = (log_decay[:, :, None] - log_decay[:, None, :]).masked_fill(~causal, float("-inf"))
-    weights = alpha[:, None, :] * torch.exp(exponent)  # W[b, t, i] = α_i exp(L_t − L_i), 0 for i > t
+    # W[b, t, i] = α_i exp(L_t − L_i), 0 for i > t
+    weights = alpha[:, None, :] * torch.exp(exponent)
     inner = torch.einsum("rbi,bti->rbt", x, weights)  # each block as if ρ̂ were 0 just before it
-    # the value at each block's end: e_b = inner_b,end + exp(L_b,end) e_b−1, unrolled the same way over blocks
+    # the value at each block's end: e_b = inner_b,end + exp(L_b,end) e_b−1,
+    # unrolled the same way over blocks
     block_log_decay = log_decay[:, -1].cumsum(0)
     causal = torch.ones(blocks, blocks, dtype=torch.bool, device=z.device).tril()
     exponent = (block_log_decay[:, None] - block_log_decay[None, :]).masked_fill(~causal, float("-inf"))
     ends = inner[:, :, -1] @ torch.exp(exponent).T
-    carry = torch.nn.functional.pad(ends[:, :-1], (1, 0))  # ρ̂ just before each block (0 before the first)
+    # ρ̂ just before each block (0 before the first)
+    carry = torch.nn.functional.pad(ends[:, :-1], (1, 0))
     filtered = inner + torch.exp(log_decay) * carry[:, :, None]
     return filtered.reshape(rows, blocks * block)[:, :length].to(z.dtype)
 
 
 def kalman_filter(z: torch.Tensor, q: float, v: float, p0: float) -> torch.Tensor:
-    """KPO's filter as written (Eqs. 4-7): token by token, with each row's posterior variance as state.
-    z [B, T] -> ρ̂ [B, T]. The same numbers as ema_filter with kalman_gains, in T sequential steps."""
+    """KPO's filter as written (Eqs. 4-7): token by token, with each row's posterior
+    variance as state. z [B, T] -> ρ̂ [B, T]. The same numbers as ema_filter with
+    kalman_gains, in T sequential steps."""
     estimate = torch.zeros(z.shape[0], dtype=torch.float64, device=z.device)  # ρ̂_0 = 0
     variance = torch.full_like(estimate, p0)  # P_0|0
     filtered = torch.empty(z.shape, dtype=torch.float64, device=z.device)
@@ -237,15 +260,17 @@ def kalman_filter(z: torch.Tensor, q: float, v: float, p0: float) -> torch.Tenso
 
 
 def filtered_ratio(logprobs: torch.Tensor, rho_hat: torch.Tensor, max_log_ratio: float = 10.0) -> torch.Tensor:
-    """r̃ = exp(log π − sg(log π) + sg(ρ̂)): value exp(ρ̂), gradient exp(ρ̂)·∇log π; no gradient through the
-    filter (KPO's construction, as GSPO-token's). log r̃ is clamped at `max_log_ratio`, as in the KPO code."""
+    """r̃ = exp(log π − sg(log π) + sg(ρ̂)): value exp(ρ̂), gradient exp(ρ̂)·∇log π; no gradient
+    through the filter (KPO's construction, as GSPO-token's). log r̃ is clamped at
+    `max_log_ratio`, as in the KPO code."""
     return torch.exp(torch.clamp(logprobs - logprobs.detach() + rho_hat.detach(), max=max_log_ratio))
 
 
 def clipped_surrogate_loss(ratio, advantages, clip_low, clip_high):
-    """Per-token −min(r̃A, clip(r̃, 1−ε_low, 1+ε_high)A), and where the clip is active (no gradient).
-    ratio: [B, T], the filtered r̃; advantages: [B] (one per completion). With the tiny default range, a token
-    stops contributing once ρ̂ passes log(1 + ε_high) (A > 0) or log(1 − ε_low) (A < 0): a trust region on ρ̂."""
+    """Per-token −min(r̃A, clip(r̃, 1−ε_low, 1+ε_high)A), and where the clip is active (no
+    gradient). ratio: [B, T], the filtered r̃; advantages: [B] (one per completion). With the
+    tiny default range, a token stops contributing once ρ̂ passes log(1 + ε_high) (A > 0) or
+    log(1 − ε_low) (A < 0): a trust region on ρ̂."""
     advantages = advantages[:, None]
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
@@ -260,9 +285,11 @@ def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1
 
 
 def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
-    """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to the mean).
+    """This micro-batch's share of the minibatch loss (the shares of its
+    micro-batches add up to the mean).
     token-mean (DAPO): every response token of the minibatch, on all ranks, weighs the same.
-    sequence-mean (GRPO): a mean over each completion, then over the completions that have a token."""
+    sequence-mean (GRPO): a mean over each completion, then over the
+    completions that have a token."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / minibatch_tokens
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
@@ -274,19 +301,22 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
 
 # TRY NOT TO MODIFY: log-probs, rollout batches, micro-batches and the train-inference mismatch
 def token_logprobs(model, micro, temperature, with_entropy=False):
-    """log π(o_t | q, o_<t) [B, T] of each response token under `model` at `temperature`, and the entropy of π at
-    each of those positions (no gradient; None unless `with_entropy`). The logits are divided by the sampling
-    temperature, so the trainer scores the very distribution the engine sampled from."""
+    """log π(o_t | q, o_<t) [B, T] of each response token under `model` at `temperature`, and
+    the entropy of π at each of those positions (no gradient; None unless `with_entropy`). The
+    logits are divided by the sampling temperature, so the trainer scores the very
+    distribution the engine sampled from."""
     response_ids = micro["response_ids"]  # [B, T]
-    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the logits at the
-    # position before o_t. Inside the context the output layer returns these two numbers per position instead of
-    # the logits, a chunk of positions at a time: no [B, T, vocabulary] tensor (common/logprobs.py)
+    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
+    # logits at the position before o_t. Inside the context the output layer returns these two
+    # numbers per position instead of the logits, a chunk of positions at a time: no [B, T,
+    # vocabulary] tensor (common/logprobs.py)
     with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
         scores = model(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],
             position_ids=micro["position_ids"],
-            logits_to_keep=response_ids.shape[1] + 1,  # the output layer runs only where a response token is predicted
+            # the output layer runs only where a response token is predicted
+            logits_to_keep=response_ids.shape[1] + 1,
             use_cache=False,
         ).logits[:, :-1]  # [B, T, 2]; the last position predicts past the end
     logprobs, entropy = scores.unbind(-1)
@@ -294,9 +324,11 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
 
 
 def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
-    """G completions of each prompt from the engine, with the engine's log-prob μ of each sampled token, each
-    scored against its row's gold answer: reward 1 for a correct answer, else 0, plus DAPO's overlong penalty."""
-    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is the naive full-vocabulary one
+    """G completions of each prompt from the engine, with the engine's log-prob μ of each
+    sampled token, each scored against its row's gold answer: reward 1 for a correct answer,
+    else 0, plus DAPO's overlong penalty."""
+    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is
+    # the naive full-vocabulary one
     completions = engine.generate(
         prompt_ids,
         args.group_size,
@@ -306,24 +338,29 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
         top_k=args.top_k,
         sampling_mask=args.keep_sampling_mask,
     )
-    scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)  # prompt i: [iG, (i+1)G)
-    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens, then down to −1 at the limit
+    # prompt i: [iG, (i+1)G)
+    scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)
+    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens,
+    # then down to −1 at the limit
     rewards = [
         score.reward + overlong_penalty(completion.policy_length, args.max_new_tokens, args.overlong_buffer)
         for score, completion in zip(scores, completions)
     ]
-    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the length limit gets no gradient
+    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
+    # length limit gets no gradient
     trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
-    metrics.sum("sampling/rollouts", len(completions))  # completions generated, all ranks (and rounds)
+    # completions generated, all ranks (and rounds)
+    metrics.sum("sampling/rollouts", len(completions))
     return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
 
 
 def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None):
-    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding. The
-    response mask marks the tokens that train: the policy's own (not a tool's output), of every completion or of
-    those whose `trains` entry is True (the sampler's: not a completion cut off with --mask-truncated, nor a filler
-    group of a batch left short by dynamic sampling)."""
+    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids
+    skip padding. The response mask marks the tokens that train: the policy's own (not a
+    tool's output), of every completion or of those whose `trains` entry is True (the
+    sampler's: not a completion cut off with --mask-truncated, nor a filler group of a
+    batch left short by dynamic sampling)."""
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(len(c.token_ids) for c in completions)
     rows, masks, response_masks, sampler_logprobs, turns = [], [], [], [], []
@@ -347,17 +384,18 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None)
         "response_mask": torch.tensor(response_masks, device=device).float(),
         "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
     }
-    if any(c.tool_mask is not None for c in completions):  # episodes with tools: 1 after the first tool output
+    if any(c.tool_mask is not None for c in completions):  # tools: 1 after the first tool output
         batch["later_turns"] = torch.tensor(turns, device=device).float()
-    kept = sampling_masks(completions, response_width, device)  # top-p / top-k: the ids kept per position [B, T, K]
+    # top-p / top-k: the ids kept per position [B, T, K]
+    kept = sampling_masks(completions, response_width, device)
     return batch | ({"sampling_mask": kept} if kept is not None else {})
 
 
 def micro_batches(batch, indices, size, by_length=True):
-    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the sequence
-    tensors [B, prompt + response] and every per-response-token tensor [B, response] alike. by_length:
-    rows sorted by response length first, so a long response does not pad many short ones (token sums
-    do not depend on the order)."""
+    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the
+    sequence tensors [B, prompt + response] and every per-response-token tensor [B, response]
+    alike. by_length: rows sorted by response length first, so a long response does not pad many
+    short ones (token sums do not depend on the order)."""
     full_width, response_width = batch["input_ids"].shape[1], batch["response_ids"].shape[1]
     if by_length:
         indices = indices[batch["response_mask"][indices].sum(1).argsort(descending=True, stable=True)]
@@ -376,8 +414,8 @@ def micro_batches(batch, indices, size, by_length=True):
 
 
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
-    """token_logprobs of every response token of the batch [B, T] under `model`, without gradient, a micro-batch
-    at a time (0 past each response's end): (log-probs, entropy or None)."""
+    """token_logprobs of every response token of the batch [B, T] under `model`, without
+    gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
     logprobs, entropy = torch.zeros_like(batch["sampler_logprobs"]), torch.zeros_like(batch["sampler_logprobs"])
     every_row = torch.arange(len(logprobs), device=logprobs.device)
     with torch.no_grad(), autocast:
@@ -390,22 +428,26 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
 
 
 def record_mismatch(metrics, batch, old_logprobs):
-    """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ being the
-    engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ, and
-    mismatch/max_abs_logprob_diff."""
+    """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ
+    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ =
+    π_old/μ, and mismatch/max_abs_logprob_diff."""
     log_ratio, mask = (old_logprobs - batch["sampler_logprobs"]).detach(), batch["response_mask"]
     k3 = torch.exp(log_ratio) - 1 - log_ratio
     metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
     metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
-    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))  # with tools: mismatch/kl_k3_*_turn(s)
+    # with tools: mismatch/kl_k3_*_turn(s)
+    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step (the groups of the batch): the reward and how it came about."""
-    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)  # EOS in, tool outputs out
+    """What the engine sampled this step (the groups of the batch): the reward and how it came
+    about."""
+    # EOS in, tool outputs out
+    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)
     metrics.mean("charts/reward", rewards.sum(), rollouts)
     metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
-    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)  # no answer to extract
+    # no answer to extract
+    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)
     metrics.mean("charts/response_length_mean", lengths.sum(), rollouts)
     metrics.max("charts/response_length_max", lengths)
     metrics.mean("charts/truncation_rate", sum(c.finish_reason == "length" for c in completions), rollouts)
@@ -424,37 +466,41 @@ PLOTTED = [
     "losses/rho_hat_abs_mean",
     "mismatch/kl_k3",
 ]  # curves.png
-PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]  # the progress bar's numbers
+# the progress bar's numbers
+PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]
 # END TRY NOT TO MODIFY
 
 
 def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics) -> int:
-    """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
-    Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
-    # old log-probs only when π_θ will move away from π_old within this batch. With one update per batch
-    # π_old = π_θ: the ratio is exactly 1, its gradient is the policy gradient, and no pass is needed
+    """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
+    share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
+    # old log-probs only when π_θ will move away from π_old within this batch. With one
+    # update per batch π_old = π_θ: the ratio is exactly 1, its gradient is the policy
+    # gradient, and no pass is needed
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     if multiple_updates:
         batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old [B, T]
         record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
-        batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref [B, T]
+        batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
 
-    gains = gain_schedule(args, batch["response_ids"].shape[1]).to(every_row.device)  # ALGO LOGIC: α_t (Eq. 9)
+    width = batch["response_ids"].shape[1]
+    gains = gain_schedule(args, width).to(every_row.device)  # ALGO LOGIC: the EMA's α_t (Eq. 9)
     skipped = 0
     for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
         for minibatch in order.chunk(args.num_minibatches):
-            # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over ranks,
-            # so each rank's share is scaled by the world size
-            # sequence-mean counts the completions that have a response token (an empty one adds nothing)
+            # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
+            # ranks, so each rank's share is scaled by the world size
+            # sequence-mean counts the completions that have a response token (an empty one adds
+            # nothing)
             response_mask = batch["response_mask"][minibatch]
             counts = fsdp.all_reduce_dict(
                 {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
             )
             minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
-            if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
+            if minibatch_tokens == 0:  # no token on any rank: no step (counted)
                 skipped += 1
                 continue
             minibatch_loss = 0.0
@@ -464,52 +510,65 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the EMA-KPO loss of this micro-batch
-                # z of the current π_θ (≡ 0 until the batch's first optimizer step); 0 at the right padding, which a
-                # causal filter cannot carry into a valid token
+                # z of the current π_θ (≡ 0 until the batch's first optimizer step); 0 at the right
+                # padding, which a causal filter cannot carry into a valid token
                 z = (logprobs - old_logprobs).detach() * mask  # token log-ratios (Eq. 1), float32
-                # with tools, the filter runs along the policy's own tokens: a tool's output is skipped, as if absent
+                # with tools, the filter runs along the policy's own tokens: a tool's
+                # output is skipped, as if absent
                 order = policy_first(mask)
-                if args.smoother == "kalman":  # ρ̂_t, causal along each response, per sequence (so rank-local)
-                    rho_hat = kalman_filter(z.gather(1, order), args.kalman_q, args.kalman_v, args.p0)  # KPO (Eqs. 4-7)
+                # ρ̂_t, causal along each response, per sequence (so rank-local)
+                if args.smoother == "kalman":
+                    # KPO (Eqs. 4-7)
+                    rho_hat = kalman_filter(z.gather(1, order), args.kalman_q, args.kalman_v, args.p0)
                 else:
                     rho_hat = ema_filter(z.gather(1, order), gains)  # EMA-KPO (Eq. 9)
                 rho_hat = restore_order(rho_hat, order)
-                ratio = filtered_ratio(logprobs, rho_hat)  # r̃_t (losses/clip_fraction, ratio_min|max are r̃'s)
+                # r̃_t (losses/clip_fraction, ratio_min|max are r̃'s)
+                ratio = filtered_ratio(logprobs, rho_hat)
                 token_losses, clip_active = clipped_surrogate_loss(
                     ratio, micro["advantages"], args.clip_low, args.clip_high
                 )
                 if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
-                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
+                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 of KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
                 # END ALGO LOGIC
-                scaler.scale(loss * dist.world_size).backward()  # float16: scaled up, or small gradients flush to zero
+                # float16: scaled up, or small gradients flush to zero
+                scaler.scale(loss * dist.world_size).backward()
                 minibatch_loss += loss.item()
                 with torch.no_grad():  # statistics of the response tokens
                     log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
                     k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
-                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)  # no gradient
-                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
+                    # no gradient
+                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)
+                    # full-vocabulary entropy of π_θ
+                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])
-                    metrics.mean("losses/rho_hat_abs_mean", (rho_hat.abs() * mask).sum(), tokens)  # how far ρ̂ moves
-                    metrics.max("losses/rho_hat_abs_max", rho_hat[valid].abs())  # (compare with ε_low, ε_high)
-                    if not multiple_updates:  # this single pass sees every rollout once, under π_old
+                    # how far ρ̂ moves
+                    metrics.mean("losses/rho_hat_abs_mean", (rho_hat.abs() * mask).sum(), tokens)
+                    # (compare with ε_low, ε_high)
+                    metrics.max("losses/rho_hat_abs_max", rho_hat[valid].abs())
+                    if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss or gradient norm
-            # is not finite is skipped (counted in charts/skipped_steps), so weights never become NaN
-            scaler.unscale_(optimizer)  # float16: the gradients divided by the loss scale, before clipping
-            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)  # the norm before clipping
+            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose
+            # loss or gradient norm is not finite is skipped (counted in
+            # charts/skipped_steps), so weights never become NaN float16: the gradients
+            # divided by the loss scale, before clipping
+            scaler.unscale_(optimizer)
+            # the norm before clipping
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
             if torch.isfinite(grad_norm) and math.isfinite(minibatch_loss):
-                scaler.step(optimizer)  # optimizer.step() (float16: after the scaler's own overflow check)
+                scaler.step(optimizer)  # optimizer.step(), after fp16's overflow check
                 scheduler.step()
             else:
                 skipped += 1
-            scaler.update()  # float16: the scale halves after an overflow (any rank), doubles after 2000 clean steps
+            # float16: the scale halves after an overflow (any rank), doubles after 2000 clean steps
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
             metrics.mean("losses/policy_loss", minibatch_loss, 1)  # the same numbers on every rank
             metrics.mean("losses/grad_norm", grad_norm, 1)
@@ -517,8 +576,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 
 
 def check_args(args: Args) -> None:
-    """Every flag's range, before anything is loaded: one error lists every problem (NaN fails every check)."""
-    problems = checks.shared_flags(args)  # the experiment, rollouts, optimization, evaluation, systems
+    """Every flag's range, before anything is loaded: one error lists every
+    problem (NaN fails every check)."""
+    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, systems
     # ALGO LOGIC: this method's flags
     problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")
     problems += require(0 <= args.clip_high < math.inf, "--clip-high", ">= 0 and finite")
@@ -540,15 +600,15 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16 compute)
+    # TRY NOT TO MODIFY: set-up (torchrun and FSDP2 on several ranks; float32 weights, bf16 compute)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
-    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # auto: bf16 on a GPU
-    # a new run folder, or with --resume the run's own, whose settings a resume keeps (checks.RESUME_MAY_CHANGE)
+    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs
+    # a new run folder, or with --resume the run's own, whose settings it keeps
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
-    # training prompts, and held-out ones that never train (a local task file holds out a seeded 10% of itself)
+    # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     data = load_prompts(
@@ -557,13 +617,13 @@ def main(args: Args) -> None:
     )  # fmt: skip
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
-    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # float32; LoRA: a frozen base and adapters
+    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # LoRA: base frozen
     engine = make_training_engine(systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed)
-    engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # tools: episodes
-    # train mode, no dropout; sharded while in CPU memory, so each GPU receives its shard one unit at a time
+    engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # episodes
+    # train mode, no dropout; sharded from CPU memory: each GPU receives one unit at a time
     policy = fsdp.shard_for_training(policy, dist, systems, compute_dtype)
     reference = fsdp.load_reference(args.model, dist, systems, compute_dtype) if args.kl_coef > 0 else None
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # --lora-rank: the adapters' A and B alone
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters alone
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     state = {"step": 0, "skipped_steps": 0}
@@ -574,39 +634,38 @@ def main(args: Args) -> None:
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
     if start_step == 0 and evaluator.due(0, args.steps):
         tracker.log(evaluator(), step=0)
-    # each rank takes whole groups of G completions (group statistics are one process's): its share of the
-    # step's prompts, and with --dynamic-sampling of DAPO's extra rounds
+    # each rank takes whole groups: its share of each step's prompts (and of DAPO's extra rounds)
     sampler = PromptSampler(
         data.prompts, data.train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds
     )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed, then the run ends
+    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
-        # 1. rollout: G completions of each of this rank's prompts, each scored against its row's gold answer
+        # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
         with metrics.timer("time/rollout"):
             prompt_ids, rows = sampler.step_prompts(step)
             groups = rollout(engine, tokenizer, prompt_ids, rows, args, metrics)
-            if args.dynamic_sampling:  # DAPO §3.2: groups whose rewards are all equal are replaced by new prompts'
+            if args.dynamic_sampling:  # DAPO §3.2: all-equal groups are replaced by new prompts'
                 more = partial(rollout, engine, tokenizer, args=args, metrics=metrics)
                 groups = sampler.dynamic_sampling(groups, step, more, metrics)
 
-        # 2. advantages (a completion cut off with --mask-truncated counts in its group's, but does not train)
+        # 2. advantages (a completion cut off by --mask-truncated counts in them but does not train)
         batch = make_batch(
             groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
         )
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
-        # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
+        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps: GPU memory)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(
                 policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics
             )
 
-        # TRY NOT TO MODIFY: 5. push the new weights to the engine (every rank gathers each full tensor in turn)
+        # TRY NOT TO MODIFY: 5. push the new weights to the engine (each full tensor in turn)
         with metrics.timer("time/weight_sync"):
             engine.wake_up(["weights"])
             engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
@@ -614,16 +673,16 @@ def main(args: Args) -> None:
 
         # TRY NOT TO MODIFY: 6. log, evaluate, checkpoint
         metrics.set("charts/lr", scheduler.get_last_lr()[0])
-        metrics.set("charts/skipped_steps", skipped_steps)  # optimizer steps skipped so far (not finite, no token)
+        metrics.set("charts/skipped_steps", skipped_steps)  # so far: not finite, or no token
         metrics.set("time/step", time.time() - step_start)  # evaluation excluded
-        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))  # all ranks
+        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))
         if evaluator.due(step + 1, args.steps):
-            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k on held-out prompts
+            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k
                 metrics.update(evaluator())
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, no answers at all
+        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, ...
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
@@ -637,11 +696,11 @@ def main(args: Args) -> None:
     tracker.close(plot_keys=PLOTTED + [f"eval/avg@{evaluator.k}"])  # curves.png
     engine.close()
     fsdp.cleanup(dist)
-    stop.finish(run_dir, dist)  # after a signal: how to resume it, and exit code 128 + the signal's number
+    stop.finish(run_dir, dist)  # after a signal: how to resume, and exit code 128 + its number
 
 
 if __name__ == "__main__":
-    with checks.clear_errors():  # a bad flag, file or model: one line that names it, not a traceback
+    with checks.clear_errors():  # a bad flag, file or model: one line, no traceback
         main(tyro.cli(Args))
 
 
@@ -651,23 +710,28 @@ if __name__ == "__main__":
 #       --lr 1e-6 --warmup-steps 100 --weight-decay 0.1 --num-minibatches 4 --micro-batch-size 4 \
 #       --gradient-checkpointing --dtype bfloat16 --vllm-sleep-mode --gpu-memory-utilization 0.5 \
 #       --eval-every 50 --eval-k 16 --track
-# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 7.5 GiB (16 bytes × 4.02 B
-# parameters / 8), bf16 gathers 1.1, checkpointed activations 8.4 (4 × 5,120 tokens, 166 KiB per token per layer),
-# output-layer chunks 0.5, the sleeping engine 1.0, CUDA 1.5: 20 GiB in the update; 47 GiB while vLLM generates
-# (its 0.5 × 80 beside the weights and AdamW state): fits. One GPU does not: 60 GiB of training state alone.
+# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 7.5 GiB (16
+# bytes × 4.02 B parameters / 8), bf16 gathers 1.1, checkpointed activations 8.4 (4 × 5,120 tokens,
+# 166 KiB per token per layer), output-layer chunks 0.5, the sleeping engine 1.0, CUDA 1.5: 20 GiB
+# in the update; 47 GiB while vLLM generates (its 0.5 × 80 beside the weights and AdamW state):
+# fits. One GPU does not: 60 GiB of training state alone.
 #
-# Differences from the authors' code (KPO's: github.com/shuohe1995/verl-kpo, core_algos.py; EMA-KPO's is not public):
+# Differences from the authors' code (KPO's: github.com/shuohe1995/verl-kpo,
+# core_algos.py; EMA-KPO's is not public):
 # - P0 = 1 here, as the EMA-KPO paper states; 0 in the KPO code (--p0 0).
 # - Its gains come in closed form (kalman_gains_nonsteady_1d: a Möbius map through sinh), clamped to
-#   [1e-6, 1 − 1e-6] and computed in float32, where 1 + Q/2 rounds to 1 + 4.77e-7 for Q = 1e-6: its K_t run above
-#   Eq. 8's (P0 = 0: K_1000 = 7.69e-4 against 7.61e-4, K_8000 = 1.0234e-3 against 9.995e-4, up to 2.4% off), so
-#   with z ≡ 0.01 its filtered log-ratio is 0.2-0.6% high over 1,000-3,000 tokens (t = 1,000: 3.538e-3 against
-#   3.522e-3), enough to flip clip decisions near ε = 3e-4 / 4e-4 on long responses. Here the gains come from the
-#   float64 recursion (Eqs. 4, 5, 7), unclamped; the same closed form in float64 agrees with it to 1e-6 relative.
-# - Its filter is exp(L_t)·Σ_i α_i exp(−L_i) z_i (see ema_filter) in float32: it overflows once L_t < −88 (α = 0.1
-#   after 840 tokens) and, with its clamp exp(L) ≥ 1e-30, stops decaying once L_t < −69 (α = 0.01 after about
-#   6,870 tokens). For Q = 1e-6 the two agree (its exponents stay above −15 at 8k tokens).
-# - Its seq-mean-token-mean averages per micro-batch and rescales; here the mean is over the minibatch's responses
-#   on all ranks (the same when micro-batches are of equal size). Advantages divide by std + 1e-4 here, 1e-6 there.
-# - Its script also warms the lr up over 5% of the optimizer steps, uses weight decay 0.1 and samples Qwen3-4B
-#   without thinking; the command above adds the warm-up and weight decay.
+#   [1e-6, 1 − 1e-6] and computed in float32, where 1 + Q/2 rounds to 1 + 4.77e-7 for Q = 1e-6: its
+#   K_t run above Eq. 8's (P0 = 0: K_1000 = 7.69e-4 against 7.61e-4, K_8000 = 1.0234e-3 against
+#   9.995e-4, up to 2.4% off), so with z ≡ 0.01 its filtered log-ratio is 0.2-0.6% high over
+#   1,000-3,000 tokens (t = 1,000: 3.538e-3 against 3.522e-3), enough to flip clip decisions near ε
+#   = 3e-4 / 4e-4 on long responses. Here the gains come from the float64 recursion (Eqs. 4, 5, 7),
+#   unclamped; the same closed form in float64 agrees with it to 1e-6 relative.
+# - Its filter is exp(L_t)·Σ_i α_i exp(−L_i) z_i (see ema_filter) in float32: it overflows once
+#   L_t < −88 (α = 0.1 after 840 tokens) and, with its clamp exp(L) ≥ 1e-30, stops decaying once
+#   L_t < −69 (α = 0.01 after about 6,870 tokens). For Q = 1e-6 the two agree (its exponents
+#   stay above −15 at 8k tokens).
+# - Its seq-mean-token-mean averages per micro-batch and rescales; here the mean is over the
+#   minibatch's responses on all ranks (the same when micro-batches are of equal size). Advantages
+#   divide by std + 1e-4 here, 1e-6 there.
+# - Its script also warms the lr up over 5% of the optimizer steps, uses weight decay 0.1 and
+#   samples Qwen3-4B without thinking; the command above adds the warm-up and weight decay.

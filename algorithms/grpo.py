@@ -1,44 +1,50 @@
-"""GRPO with DAPO's clip-higher and token-mean loss (all of DAPO as flags): the baseline every file forks.
+"""GRPO with DAPO's clip-higher and token-mean loss (all of DAPO as flags): every file's baseline.
 
 Papers: GRPO, DeepSeekMath (Shao et al., 2024, arXiv:2402.03300); DAPO (Yu et al., 2025,
-arXiv:2503.14476) for the decoupled clip range, token-level aggregation, dynamic sampling and overlong
-shaping; Dr. GRPO (Liu et al., 2025, arXiv:2503.20783) and GSPO (Zheng et al., 2025, arXiv:2507.18071)
-for the loss variants the other papers compare against.
+arXiv:2503.14476) for the decoupled clip range, token-level aggregation, dynamic sampling and
+overlong shaping; Dr. GRPO (Liu et al., 2025, arXiv:2503.20783) and GSPO (Zheng et al., 2025,
+arXiv:2507.18071) for the loss variants the other papers compare against.
 
-Objective. For each prompt q, sample a group of G completions o_1..o_G from the old policy, score them
-(r_i = 1 for a correct answer, else 0, plus DAPO's overlong penalty with --overlong-buffer), and maximize
+Objective. For each prompt q, sample a group of G completions o_1..o_G from the old policy,
+score them (r_i = 1 for a correct answer, else 0, plus DAPO's overlong penalty with
+--overlong-buffer), and maximize
 
     J(θ) = 1/Σ|o_i| · Σ_i Σ_t min( ρ_it A_i , clip(ρ_it, 1-ε_low, 1+ε_high) A_i )  −  β · KL_k3(π_θ ‖ π_ref)
     ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t)
     A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
 
 Variants, each a flag (the first three concern rollouts and rewards, so every fork has them too):
-  --dynamic-sampling (DAPO §3.2): a group whose rewards are all equal (A_i = 0) is replaced by another prompt's
-  --overlong-buffer L (DAPO Eq. 13): r_i falls linearly to −1 over the last L tokens before --max-new-tokens
-  --mask-truncated (DAPO's overlong filtering): completions cut off by the length limit get no gradient
-  --loss-aggregation token-sum (Dr. GRPO): the token sum divided by completions × --max-new-tokens, not by Σ|o_i|
-  --ratio-level sequence (GSPO): one ratio per completion, s_i = exp(mean_t log ρ_it), clipped as a whole
-Presets: DAPO `--dynamic-sampling --overlong-buffer 4` (clip-higher, token-mean, β = 0: the defaults); Dr. GRPO
-`--loss-aggregation token-sum --no-scale-advantages`; GSPO `--ratio-level sequence --loss-aggregation
-sequence-mean --clip-low 3e-4 --clip-high 4e-4 --num-minibatches 4` (with one update per batch every ratio is 1).
+  --dynamic-sampling (DAPO §3.2): a group whose rewards are all equal (A_i = 0)
+    is replaced by another prompt's
+  --overlong-buffer L (DAPO Eq. 13): r_i falls linearly to −1 over the last L
+    tokens before --max-new-tokens
+  --mask-truncated (DAPO's overlong filtering): completions cut off by the length limit get no
+    gradient
+  --loss-aggregation token-sum (Dr. GRPO): the token sum divided by completions ×
+    --max-new-tokens, not by Σ|o_i|
+  --ratio-level sequence (GSPO): one ratio per completion, s_i = exp(mean_t log ρ_it), clipped as a
+    whole
+Presets: DAPO `--dynamic-sampling --overlong-buffer 4` (clip-higher, token-mean, β = 0: the
+defaults); Dr. GRPO `--loss-aggregation token-sum --no-scale-advantages`; GSPO `--ratio-level
+sequence --loss-aggregation sequence-mean --clip-low 3e-4 --clip-high 4e-4 --num-minibatches 4`
+(with one update per batch every ratio is 1).
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
-score them and compute advantages, update the policy on minibatches, push the new weights to the
-rollout engine, then log, evaluate and checkpoint. The method lives between `# ALGO LOGIC` and
-`# END ALGO LOGIC`; `# TRY NOT TO MODIFY` marks the plumbing every fork keeps as it is. Implementation
-details are comments at the code they explain, each metric is defined where it is recorded, and the
-paper-scale command and the differences from the papers' settings close the file.
+score them, compute advantages, update the policy on minibatches, push new weights to the engine,
+log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
+the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
+are defined where recorded; the paper-scale command and the papers' differences close the file.
 
-Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output inside it is
-context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own tokens. GSPO's s_i averages log
-ρ over the policy's tokens only.
+Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
+inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
+tokens. GSPO's s_i averages log ρ over the policy's tokens only.
 
 Run it
   python algorithms/grpo.py                      # the built-in task on a CPU, about two minutes
   python algorithms/grpo.py --help               # every flag, with its default
   python algorithms/grpo.py --resume auto        # continue the newest run of this task/name/seed
   python algorithms/grpo.py --dynamic-sampling --overlong-buffer 4   # DAPO
-  ./run.sh bench                                 # every method × 3 seeds on the built-in task (README)
+  ./run.sh bench                                 # every method × 3 seeds, the built-in task (README)
 """
 
 import math
@@ -81,12 +87,13 @@ class Args:
     model: str = "tiny"
     """`tiny` (the built-in offline model), a Hugging Face model id or a local folder"""
     task: str = "arith"
-    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math, math500, dapo_math,
-    aime24, aime25, or a .jsonl/.json/.parquet file"""
+    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math,
+    math500, dapo_math, aime24, aime25, or a .jsonl/.json/.parquet file"""
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
-    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this exp/task/seed)"""
+    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this
+    exp/task/seed)"""
     steps: int = 60
     """training steps (one rollout batch each)"""
 
@@ -96,24 +103,30 @@ class Args:
     group_size: int = 8
     """completions per prompt (G)"""
     max_prompt_tokens: int = 512
-    """prompts longer than this (instruction and chat template included) are left out, and counted"""
+    """longer prompts (instruction and chat template included) are left out, and counted"""
     max_new_tokens: int = 16
     """maximum completion length"""
     temperature: float = 1.0
     """sampling temperature (the trainer divides its logits by it too)"""
     top_p: float = 1.0
-    """nucleus sampling: each token from the most likely ones whose probability reaches top_p (1: off)"""
+    """nucleus sampling: each token from the most likely ones whose
+    probability reaches top_p (1: off)"""
     top_k: int = 0
-    """each token from the k most likely (0: off); vLLM returns at most 20 kept tokens, so --top-p needs it there"""
+    """each token from the k most likely (0: off); vLLM returns at most 20 kept
+    tokens, so --top-p needs it there"""
     keep_sampling_mask: bool = True
-    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the tokens the engine kept
-    (DeepSeek-V3.2); --no-keep-sampling-mask scores the full vocabulary: the naive mismatch"""
+    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the
+    tokens the engine kept (DeepSeek-V3.2); --no-keep-sampling-mask scores the full
+    vocabulary: the naive mismatch"""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are replaced by newly drawn prompts"""
+    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are
+    replaced by newly drawn prompts"""
     max_sampling_rounds: int = 8
-    """dynamic sampling: rounds of drawing per step at most; then the batch is completed with all-equal groups"""
+    """dynamic sampling: rounds of drawing per step at most; then the batch is
+    completed with all-equal groups"""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: the reward falls linearly to -1 over this many last tokens (0: off)"""
+    """DAPO's soft overlong punishment: the reward falls linearly to -1 over
+    this many last tokens (0: off)"""
     mask_truncated: bool = False
     """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
 
@@ -125,10 +138,11 @@ class Args:
     scale_advantages: bool = True
     """divide group-centred rewards by the group's std (GRPO); --no-scale-advantages is Dr. GRPO"""
     loss_aggregation: Literal["token-mean", "sequence-mean", "token-sum"] = "token-mean"
-    """token-mean over the minibatch (DAPO); sequence-mean: per completion, then over completions (GRPO); token-sum:
-    the sum over a constant, completions × --max-new-tokens (Dr. GRPO)"""
+    """token-mean over the minibatch (DAPO); sequence-mean: per completion, then over completions
+    (GRPO); token-sum: the sum over a constant, completions × --max-new-tokens (Dr. GRPO)"""
     ratio_level: Literal["token", "sequence"] = "token"
-    """an importance ratio per token (PPO, GRPO), or per completion: the geometric mean of its tokens' (GSPO)"""
+    """an importance ratio per token (PPO, GRPO), or per completion: the
+    geometric mean of its tokens' (GSPO)"""
     kl_coef: float = 0.0
     """β of the k3 KL penalty to the initial policy (0: no reference model is loaded)"""
 
@@ -154,8 +168,8 @@ class Args:
     keep_checkpoints: int = 2
     """how many of the newest checkpoints to keep (0: all)"""
 
-    # the groups a method never changes (common/flags.py), each under its own heading in --help; their flags keep
-    # their plain names (--lora-rank 16)
+    # the groups a method never changes (common/flags.py), each under its own heading in --help;
+    # their flags keep their plain names (--lora-rank 16)
     task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
     tools: Group[Tools] = field(default_factory=Tools)
     evaluation: Group[Evaluation] = field(default_factory=Evaluation)
@@ -182,16 +196,19 @@ def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1
 
 
 def sequence_mean(values, mask):
-    """Each completion's mean of [B, T] values, on each of its tokens: from log-probs, GSPO's (arXiv:2507.18071)
-    s_i = (π_θ(o_i|q) / π_old(o_i|q))^(1/|o_i|) = exp(mean_t log ρ_it), clipped per completion (its Eq. 5)."""
+    """Each completion's mean of [B, T] values, on each of its tokens: from log-probs, GSPO's
+    (arXiv:2507.18071) s_i = (π_θ(o_i|q) / π_old(o_i|q))^(1/|o_i|) = exp(mean_t log ρ_it),
+    clipped per completion (its Eq. 5)."""
     return ((values * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(values)
 
 
 def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences, minibatch_constant):
-    """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to the mean).
+    """This micro-batch's share of the minibatch loss (the shares of its
+    micro-batches add up to the mean).
     token-mean (DAPO): every response token of the minibatch, on all ranks, weighs the same.
     sequence-mean (GRPO): a mean over each completion, then over the completions that have a token.
-    token-sum (Dr. GRPO, arXiv:2503.20783 §3.2): the sum over a constant, completions × --max-new-tokens."""
+    token-sum (Dr. GRPO, arXiv:2503.20783 §3.2): the sum over a constant,
+    completions × --max-new-tokens."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / minibatch_tokens
     if mode == "token-sum":
@@ -205,19 +222,22 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences, m
 
 # TRY NOT TO MODIFY: log-probs, rollout batches, micro-batches and the train-inference mismatch
 def token_logprobs(model, micro, temperature, with_entropy=False):
-    """log π(o_t | q, o_<t) [B, T] of each response token under `model` at `temperature`, and the entropy of π at
-    each of those positions (no gradient; None unless `with_entropy`). The logits are divided by the sampling
-    temperature, so the trainer scores the very distribution the engine sampled from."""
+    """log π(o_t | q, o_<t) [B, T] of each response token under `model` at `temperature`, and
+    the entropy of π at each of those positions (no gradient; None unless `with_entropy`). The
+    logits are divided by the sampling temperature, so the trainer scores the very
+    distribution the engine sampled from."""
     response_ids = micro["response_ids"]  # [B, T]
-    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the logits at the
-    # position before o_t. Inside the context the output layer returns these two numbers per position instead of
-    # the logits, a chunk of positions at a time: no [B, T, vocabulary] tensor (common/logprobs.py)
+    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
+    # logits at the position before o_t. Inside the context the output layer returns these two
+    # numbers per position instead of the logits, a chunk of positions at a time: no [B, T,
+    # vocabulary] tensor (common/logprobs.py)
     with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
         scores = model(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],
             position_ids=micro["position_ids"],
-            logits_to_keep=response_ids.shape[1] + 1,  # the output layer runs only where a response token is predicted
+            # the output layer runs only where a response token is predicted
+            logits_to_keep=response_ids.shape[1] + 1,
             use_cache=False,
         ).logits[:, :-1]  # [B, T, 2]; the last position predicts past the end
     logprobs, entropy = scores.unbind(-1)
@@ -225,9 +245,11 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
 
 
 def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
-    """G completions of each prompt from the engine, with the engine's log-prob μ of each sampled token, each
-    scored against its row's gold answer: reward 1 for a correct answer, else 0, plus DAPO's overlong penalty."""
-    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is the naive full-vocabulary one
+    """G completions of each prompt from the engine, with the engine's log-prob μ of each
+    sampled token, each scored against its row's gold answer: reward 1 for a correct answer,
+    else 0, plus DAPO's overlong penalty."""
+    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is
+    # the naive full-vocabulary one
     completions = engine.generate(
         prompt_ids,
         args.group_size,
@@ -237,24 +259,29 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
         top_k=args.top_k,
         sampling_mask=args.keep_sampling_mask,
     )
-    scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)  # prompt i: [iG, (i+1)G)
-    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens, then down to −1 at the limit
+    # prompt i: [iG, (i+1)G)
+    scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)
+    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens,
+    # then down to −1 at the limit
     rewards = [
         score.reward + overlong_penalty(completion.policy_length, args.max_new_tokens, args.overlong_buffer)
         for score, completion in zip(scores, completions)
     ]
-    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the length limit gets no gradient
+    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
+    # length limit gets no gradient
     trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
-    metrics.sum("sampling/rollouts", len(completions))  # completions generated, all ranks (and rounds)
+    # completions generated, all ranks (and rounds)
+    metrics.sum("sampling/rollouts", len(completions))
     return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
 
 
 def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None):
-    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding. The
-    response mask marks the tokens that train: the policy's own (not a tool's output), of every completion or of
-    those whose `trains` entry is True (the sampler's: not a completion cut off with --mask-truncated, nor a filler
-    group of a batch left short by dynamic sampling)."""
+    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids
+    skip padding. The response mask marks the tokens that train: the policy's own (not a
+    tool's output), of every completion or of those whose `trains` entry is True (the
+    sampler's: not a completion cut off with --mask-truncated, nor a filler group of a
+    batch left short by dynamic sampling)."""
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(len(c.token_ids) for c in completions)
     rows, masks, response_masks, sampler_logprobs, turns = [], [], [], [], []
@@ -278,17 +305,18 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None)
         "response_mask": torch.tensor(response_masks, device=device).float(),
         "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
     }
-    if any(c.tool_mask is not None for c in completions):  # episodes with tools: 1 after the first tool output
+    if any(c.tool_mask is not None for c in completions):  # tools: 1 after the first tool output
         batch["later_turns"] = torch.tensor(turns, device=device).float()
-    kept = sampling_masks(completions, response_width, device)  # top-p / top-k: the ids kept per position [B, T, K]
+    # top-p / top-k: the ids kept per position [B, T, K]
+    kept = sampling_masks(completions, response_width, device)
     return batch | ({"sampling_mask": kept} if kept is not None else {})
 
 
 def micro_batches(batch, indices, size, by_length=True):
-    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the sequence
-    tensors [B, prompt + response] and every per-response-token tensor [B, response] alike. by_length:
-    rows sorted by response length first, so a long response does not pad many short ones (token sums
-    do not depend on the order)."""
+    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the
+    sequence tensors [B, prompt + response] and every per-response-token tensor [B, response]
+    alike. by_length: rows sorted by response length first, so a long response does not pad many
+    short ones (token sums do not depend on the order)."""
     full_width, response_width = batch["input_ids"].shape[1], batch["response_ids"].shape[1]
     if by_length:
         indices = indices[batch["response_mask"][indices].sum(1).argsort(descending=True, stable=True)]
@@ -307,8 +335,8 @@ def micro_batches(batch, indices, size, by_length=True):
 
 
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
-    """token_logprobs of every response token of the batch [B, T] under `model`, without gradient, a micro-batch
-    at a time (0 past each response's end): (log-probs, entropy or None)."""
+    """token_logprobs of every response token of the batch [B, T] under `model`, without
+    gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
     logprobs, entropy = torch.zeros_like(batch["sampler_logprobs"]), torch.zeros_like(batch["sampler_logprobs"])
     every_row = torch.arange(len(logprobs), device=logprobs.device)
     with torch.no_grad(), autocast:
@@ -321,22 +349,26 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
 
 
 def record_mismatch(metrics, batch, old_logprobs):
-    """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ being the
-    engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ, and
-    mismatch/max_abs_logprob_diff."""
+    """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ
+    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ =
+    π_old/μ, and mismatch/max_abs_logprob_diff."""
     log_ratio, mask = (old_logprobs - batch["sampler_logprobs"]).detach(), batch["response_mask"]
     k3 = torch.exp(log_ratio) - 1 - log_ratio
     metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
     metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
-    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))  # with tools: mismatch/kl_k3_*_turn(s)
+    # with tools: mismatch/kl_k3_*_turn(s)
+    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step (the groups of the batch): the reward and how it came about."""
-    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)  # EOS in, tool outputs out
+    """What the engine sampled this step (the groups of the batch): the reward and how it came
+    about."""
+    # EOS in, tool outputs out
+    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)
     metrics.mean("charts/reward", rewards.sum(), rollouts)
     metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
-    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)  # no answer to extract
+    # no answer to extract
+    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)
     metrics.mean("charts/response_length_mean", lengths.sum(), rollouts)
     metrics.max("charts/response_length_max", lengths)
     metrics.mean("charts/truncation_rate", sum(c.finish_reason == "length" for c in completions), rollouts)
@@ -354,36 +386,39 @@ PLOTTED = [
     "losses/grad_norm",
     "mismatch/kl_k3",
 ]  # curves.png
-PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]  # the progress bar's numbers
+# the progress bar's numbers
+PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]
 # END TRY NOT TO MODIFY
 
 
 def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics) -> int:
-    """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
-    Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
-    # old log-probs only when π_θ will move away from π_old within this batch. With one update per batch
-    # π_old = π_θ: the ratio is exactly 1, its gradient is the policy gradient, and no pass is needed
+    """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
+    share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
+    # old log-probs only when π_θ will move away from π_old within this batch. With one
+    # update per batch π_old = π_θ: the ratio is exactly 1, its gradient is the policy
+    # gradient, and no pass is needed
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     if multiple_updates:
         batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old [B, T]
         record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
-        batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref [B, T]
+        batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
 
     skipped = 0
     for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
         for minibatch in order.chunk(args.num_minibatches):
-            # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over ranks,
-            # so each rank's share is scaled by the world size
-            # sequence-mean counts the completions that have a response token (an empty one adds nothing)
+            # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
+            # ranks, so each rank's share is scaled by the world size
+            # sequence-mean counts the completions that have a response token (an empty one adds
+            # nothing)
             response_mask = batch["response_mask"][minibatch]
             counts = fsdp.all_reduce_dict(
                 {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
             )
             minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
-            if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
+            if minibatch_tokens == 0:  # no token on any rank: no step (counted)
                 skipped += 1
                 continue
             minibatch_loss = 0.0
@@ -393,7 +428,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the GRPO loss of this micro-batch
-                ratio_inputs = (logprobs, old_logprobs)  # --ratio-level sequence: GSPO's one ratio per completion
+                # --ratio-level sequence: GSPO's one ratio per completion
+                ratio_inputs = (logprobs, old_logprobs)
                 if args.ratio_level == "sequence":
                     ratio_inputs = (sequence_mean(logprobs, mask), sequence_mean(old_logprobs, mask))
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
@@ -401,7 +437,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 )
                 if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
-                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
+                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 of KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 loss = aggregate(
@@ -413,29 +449,36 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     len(minibatch) * dist.world_size * args.max_new_tokens,
                 )  # every rank has as many rows
                 # END ALGO LOGIC
-                scaler.scale(loss * dist.world_size).backward()  # float16: scaled up, or small gradients flush to zero
+                # float16: scaled up, or small gradients flush to zero
+                scaler.scale(loss * dist.world_size).backward()
                 minibatch_loss += loss.item()
                 with torch.no_grad():  # statistics of the response tokens
                     log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
                     k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
-                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)  # no gradient
-                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
+                    # no gradient
+                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)
+                    # full-vocabulary entropy of π_θ
+                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])
-                    if not multiple_updates:  # this single pass sees every rollout once, under π_old
+                    if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss or gradient norm
-            # is not finite is skipped (counted in charts/skipped_steps), so weights never become NaN
-            scaler.unscale_(optimizer)  # float16: the gradients divided by the loss scale, before clipping
-            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)  # the norm before clipping
+            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose
+            # loss or gradient norm is not finite is skipped (counted in
+            # charts/skipped_steps), so weights never become NaN float16: the gradients
+            # divided by the loss scale, before clipping
+            scaler.unscale_(optimizer)
+            # the norm before clipping
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
             if torch.isfinite(grad_norm) and math.isfinite(minibatch_loss):
-                scaler.step(optimizer)  # optimizer.step() (float16: after the scaler's own overflow check)
+                scaler.step(optimizer)  # optimizer.step(), after fp16's overflow check
                 scheduler.step()
             else:
                 skipped += 1
-            scaler.update()  # float16: the scale halves after an overflow (any rank), doubles after 2000 clean steps
+            # float16: the scale halves after an overflow (any rank), doubles after 2000 clean steps
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
             metrics.mean("losses/policy_loss", minibatch_loss, 1)  # the same numbers on every rank
             metrics.mean("losses/grad_norm", grad_norm, 1)
@@ -443,8 +486,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 
 
 def check_args(args: Args) -> None:
-    """Every flag's range, before anything is loaded: one error lists every problem (NaN fails every check)."""
-    problems = checks.shared_flags(args)  # the experiment, rollouts, optimization, evaluation, systems
+    """Every flag's range, before anything is loaded: one error lists every
+    problem (NaN fails every check)."""
+    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, systems
     # ALGO LOGIC: this method's flags
     problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")
     problems += require(0 <= args.clip_high < math.inf, "--clip-high", ">= 0 and finite")
@@ -455,15 +499,15 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16 compute)
+    # TRY NOT TO MODIFY: set-up (torchrun and FSDP2 on several ranks; float32 weights, bf16 compute)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
-    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # auto: bf16 on a GPU
-    # a new run folder, or with --resume the run's own, whose settings a resume keeps (checks.RESUME_MAY_CHANGE)
+    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs
+    # a new run folder, or with --resume the run's own, whose settings it keeps
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
-    # training prompts, and held-out ones that never train (a local task file holds out a seeded 10% of itself)
+    # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     data = load_prompts(
@@ -472,13 +516,13 @@ def main(args: Args) -> None:
     )  # fmt: skip
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
-    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # float32; LoRA: a frozen base and adapters
+    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # LoRA: base frozen
     engine = make_training_engine(systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed)
-    engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # tools: episodes
-    # train mode, no dropout; sharded while in CPU memory, so each GPU receives its shard one unit at a time
+    engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # episodes
+    # train mode, no dropout; sharded from CPU memory: each GPU receives one unit at a time
     policy = fsdp.shard_for_training(policy, dist, systems, compute_dtype)
     reference = fsdp.load_reference(args.model, dist, systems, compute_dtype) if args.kl_coef > 0 else None
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # --lora-rank: the adapters' A and B alone
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters alone
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     state = {"step": 0, "skipped_steps": 0}
@@ -489,39 +533,38 @@ def main(args: Args) -> None:
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
     if start_step == 0 and evaluator.due(0, args.steps):
         tracker.log(evaluator(), step=0)
-    # each rank takes whole groups of G completions (group statistics are one process's): its share of the
-    # step's prompts, and with --dynamic-sampling of DAPO's extra rounds
+    # each rank takes whole groups: its share of each step's prompts (and of DAPO's extra rounds)
     sampler = PromptSampler(
         data.prompts, data.train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds
     )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed, then the run ends
+    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
-        # 1. rollout: G completions of each of this rank's prompts, each scored against its row's gold answer
+        # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
         with metrics.timer("time/rollout"):
             prompt_ids, rows = sampler.step_prompts(step)
             groups = rollout(engine, tokenizer, prompt_ids, rows, args, metrics)
-            if args.dynamic_sampling:  # DAPO §3.2: groups whose rewards are all equal are replaced by new prompts'
+            if args.dynamic_sampling:  # DAPO §3.2: all-equal groups are replaced by new prompts'
                 more = partial(rollout, engine, tokenizer, args=args, metrics=metrics)
                 groups = sampler.dynamic_sampling(groups, step, more, metrics)
 
-        # 2. advantages (a completion cut off with --mask-truncated counts in its group's, but does not train)
+        # 2. advantages (a completion cut off by --mask-truncated counts in them but does not train)
         batch = make_batch(
             groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
         )
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
-        # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
+        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps: GPU memory)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(
                 policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics
             )
 
-        # TRY NOT TO MODIFY: 5. push the new weights to the engine (every rank gathers each full tensor in turn)
+        # TRY NOT TO MODIFY: 5. push the new weights to the engine (each full tensor in turn)
         with metrics.timer("time/weight_sync"):
             engine.wake_up(["weights"])
             engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
@@ -529,16 +572,16 @@ def main(args: Args) -> None:
 
         # TRY NOT TO MODIFY: 6. log, evaluate, checkpoint
         metrics.set("charts/lr", scheduler.get_last_lr()[0])
-        metrics.set("charts/skipped_steps", skipped_steps)  # optimizer steps skipped so far (not finite, no token)
+        metrics.set("charts/skipped_steps", skipped_steps)  # so far: not finite, or no token
         metrics.set("time/step", time.time() - step_start)  # evaluation excluded
-        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))  # all ranks
+        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))
         if evaluator.due(step + 1, args.steps):
-            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k on held-out prompts
+            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k
                 metrics.update(evaluator())
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, no answers at all
+        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, ...
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
@@ -552,42 +595,46 @@ def main(args: Args) -> None:
     tracker.close(plot_keys=PLOTTED + [f"eval/avg@{evaluator.k}"])  # curves.png
     engine.close()
     fsdp.cleanup(dist)
-    stop.finish(run_dir, dist)  # after a signal: how to resume it, and exit code 128 + the signal's number
+    stop.finish(run_dir, dist)  # after a signal: how to resume, and exit code 128 + its number
 
 
 if __name__ == "__main__":
-    with checks.clear_errors():  # a bad flag, file or model: one line that names it, not a traceback
+    with checks.clear_errors():  # a bad flag, file or model: one line, no traceback
         main(tyro.cli(Args))
 
 
-# Paper scale: the settings of the papers' smaller runs, on one 80 GB GPU or on 8 with torchrun (FSDP2, same flags)
+# Paper scale: the settings of the papers' smaller runs, on one 80 GB GPU or on 8 with
+# torchrun (FSDP2, same flags)
 #   python algorithms/grpo.py --model Qwen/Qwen2.5-Math-1.5B --task gsm8k --eval-task gsm8k \
 #       --steps 500 --prompts-per-step 64 --group-size 8 --max-new-tokens 1024 --lr 1e-6 \
 #       --num-minibatches 4 --micro-batch-size 8 --gradient-checkpointing --dtype bfloat16 \
 #       --eval-every 50 --eval-k 4 --track
 #   torchrun --nproc_per_node 8 algorithms/grpo.py ...
-# Memory per GPU (`python -m common.memory` with these flags; worst case, every micro-batch 8 × 1,536 tokens), one
-# GPU: training state 23.0 GiB (16 bytes × 1.54 B parameters), checkpointed activations 4.0 (116 KiB per token per
-# layer, one layer at a time), bf16 weight casts 0.5, output-layer chunks 0.5, vLLM 24.0 (0.3 × 80), CUDA 1.5: peak
-# 54 of 80 GiB (without --gradient-checkpointing, 91: it does not fit). 8 GPUs: 32 GiB (state 2.9 each).
-# An 8B model on one 80 GB GPU with LoRA (rank 16 on every Linear of the decoder layers, 43.6 M of 8.19 B parameters;
-# the frozen weights in bf16; LoRA's learning rate ~10× full fine-tuning's):
+# Memory per GPU (`python -m common.memory` with these flags; worst case, every micro-batch 8 ×
+# 1,536 tokens), one GPU: training state 23.0 GiB (16 bytes × 1.54 B parameters), checkpointed
+# activations 4.0 (116 KiB per token per layer, one layer at a time), bf16 weight casts 0.5,
+# output-layer chunks 0.5, vLLM 24.0 (0.3 × 80), CUDA 1.5: peak 54 of 80 GiB (without
+# --gradient-checkpointing, 91: it does not fit). 8 GPUs: 32 GiB (state 2.9 each). An 8B model on
+# one 80 GB GPU with LoRA (rank 16 on every Linear of the decoder layers, 43.6 M of 8.19 B
+# parameters; the frozen weights in bf16; LoRA's learning rate ~10× full fine-tuning's):
 #   python algorithms/grpo.py --model Qwen/Qwen3-8B-Base --task gsm8k --eval-task gsm8k --lora-rank 16 --lr 1e-5 \
 #       --steps 500 --prompts-per-step 32 --group-size 8 --max-new-tokens 1024 --num-minibatches 4 \
 #       --micro-batch-size 8 --gradient-checkpointing --dtype bfloat16 --gpu-memory-utilization 0.35 --track
-# Memory (`python -m common.memory` with these flags): frozen weights 15.3 GiB, the adapters' training state 0.65,
-# checkpointed activations 7.1 (210 KiB per token per layer; bf16 residual stream), output-layer chunks 0.5, vLLM 28.0
-# (0.35 × 80: its bf16 weights and KV cache), CUDA 1.5: peak 53 of 80 GiB. Full fine-tuning of it: 182 GiB on one GPU.
+# Memory (`python -m common.memory` with these flags): frozen weights 15.3 GiB, the adapters'
+# training state 0.65, checkpointed activations 7.1 (210 KiB per token per layer; bf16 residual
+# stream), output-layer chunks 0.5, vLLM 28.0 (0.35 × 80: its bf16 weights and KV cache), CUDA 1.5:
+# peak 53 of 80 GiB. Full fine-tuning of it: 182 GiB on one GPU.
 #
-# Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and clip-higher
-# (ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip (--loss-aggregation
-# sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04 (--kl-coef 0.04); AdamW betas (0.9, 0.99).
-# DAPO's recipe (verl) draws 3× the batch per round, keeps groups whose *accuracies* differ and stops with an
-# error after its last round; here extra rounds are sized by the share of informative groups so far, groups
-# whose rewards differ are kept, and a batch still short at the cap is completed with all-equal groups that
-# do not train. Eq. 13's penalty reaches −1, the whole gap between a right (1) and a wrong (0) answer here;
-# with DAPO's ±1 rewards it is half the gap.
-# No clamp on the log-ratio, as in the papers' objectives and TRL: verl's PPO loss clamps log ρ to ±20 and its
-# GSPO loss the sequence log-ratio at 10, which zeroes the gradient of extremely stale tokens there; here such a
-# token keeps the clipped surrogate's gradient: none when A > 0 and ρ > 1 + ε_high, ρ·A·∇log π (unbounded) when
-# A < 0.
+# Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and
+# clip-higher (ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip
+# (--loss-aggregation sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04
+# (--kl-coef 0.04); AdamW betas (0.9, 0.99). DAPO's recipe (verl) draws 3× the batch per round,
+# keeps groups whose *accuracies* differ and stops with an error after its last round; here extra
+# rounds are sized by the share of informative groups so far, groups whose rewards differ are
+# kept, and a batch still short at the cap is completed with all-equal groups that do not train.
+# Eq. 13's penalty reaches −1, the whole gap between a right (1) and a wrong (0) answer here; with
+# DAPO's ±1 rewards it is half the gap.
+# No clamp on the log-ratio, as in the papers' objectives and TRL: verl's PPO loss clamps log ρ to
+# ±20 and its GSPO loss the sequence log-ratio at 10, which zeroes the gradient of extremely stale
+# tokens there; here such a token keeps the clipped surrogate's gradient: none when A > 0 and ρ > 1
+# + ε_high, ρ·A·∇log π (unbounded) when A < 0.

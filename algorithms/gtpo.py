@@ -2,8 +2,8 @@
 
 Paper: GTPO (Simoni et al., 2025, arXiv:2508.03772); authors' code: github.com/winstonsmith1897/GTPO
 
-Objective. For each prompt q, sample a group of G completions o_1..o_G from the old policy, score them
-(reward r_i in {0, 1}), and maximize
+Objective. For each prompt q, sample a group of G completions o_1..o_G from the old policy, score
+them (reward r_i in {0, 1}), and maximize
 
     J(θ) = 1/G · Σ_i δ_i/|o_i| · Σ_t λ_it · min( ρ_it Ã_i , clip(ρ_it, 1-ε_low, 1+ε_high) Ã_i )      (Eq. 7)
     ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t)
@@ -13,31 +13,33 @@ Objective. For each prompt q, sample a group of G completions o_1..o_G from the 
     M_i  = M_i^fw ∨ M_i^bw: the first span of conflict tokens from the start / from the end   (§5.1)
     δ_i  = 0 if ⟨H⟩_ini < ln 2 and ⟨H⟩_i > ln 2, else 1; ⟨H⟩_ini: the initial policy's (§6)  (Eq. 6)
 
-A conflict token is a (position, token) pair in completions of the group with A > 0 and with A < 0; λ gives
-the positives there what it takes from the negatives (Σ_{A>0} A_i = Σ_{A<0} |A_i|). −γ⟨H⟩_i is a detached
-shift, as in the authors' code: its literal gradient would lower the entropy, but a larger γ raises it (§6.2).
+A conflict token is a (position, token) pair in completions of the group with A > 0 and with A <
+0; λ gives the positives there what it takes from the negatives (Σ_{A>0} A_i = Σ_{A<0} |A_i|).
+−γ⟨H⟩_i is a detached shift, as in the authors' code: its literal gradient would lower the
+entropy, but a larger γ raises it (§6.2).
 
-What this file changes relative to grpo.py: λ, δ_i and the shift in the loss (ρ ≡ 1 with one update per
-batch, as in the paper), ⟨H⟩_ini, sequence-mean by default (Eq. 7's 1/G Σ 1/|o_i|), no KL term (§5.2).
+What this file changes relative to grpo.py: λ, δ_i and the shift in the loss (ρ ≡ 1
+with one update per batch, as in the paper), ⟨H⟩_ini, sequence-mean by default (Eq. 7's
+1/G Σ 1/|o_i|), no KL term (§5.2).
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
-score them and compute advantages, update the policy on minibatches, push the new weights to the
-rollout engine, then log, evaluate and checkpoint. The method lives between `# ALGO LOGIC` and
-`# END ALGO LOGIC`; `# TRY NOT TO MODIFY` marks the plumbing every fork keeps as it is. Implementation
-details are comments at the code they explain, each metric is defined where it is recorded, and the
-paper-scale command and the differences from the papers' settings close the file.
+score them, compute advantages, update the policy on minibatches, push new weights to the engine,
+log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
+the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
+are defined where recorded; the paper-scale command and the papers' differences close the file.
 
-Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output inside it is
-context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own tokens. The conflict spans of
-§5.1 run along the policy's own tokens, skipping an output; ⟨H⟩_i and the entropy filter average the policy's
-tokens.
+Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
+inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
+tokens. The conflict spans of §5.1 run along the policy's own tokens, skipping an output; ⟨H⟩_i and
+the entropy filter average the policy's tokens.
 
 Run it
   python algorithms/gtpo.py                      # the built-in task on a CPU, about two minutes
   python algorithms/gtpo.py --help               # every flag, with its default
-  ./run.sh bench                                 # every method × 3 seeds on the built-in task (README)
+  ./run.sh bench                                 # every method × 3 seeds, the built-in task (README)
   python algorithms/gtpo.py --no-scale-advantages --mask-combine product --divide-by-conflict-count \\
-      --entropy-filter on --entropy-threshold 0.7  # the authors' code's configuration (end of this file)
+      --entropy-filter on --entropy-threshold 0.7  # the authors' code's
+        configuration (end of this file)
 """
 
 import math
@@ -80,12 +82,13 @@ class Args:
     model: str = "tiny"
     """`tiny` (the built-in offline model), a Hugging Face model id or a local folder"""
     task: str = "arith"
-    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math, math500, dapo_math,
-    aime24, aime25, or a .jsonl/.json/.parquet file"""
+    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math,
+    math500, dapo_math, aime24, aime25, or a .jsonl/.json/.parquet file"""
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
-    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this exp/task/seed)"""
+    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this
+    exp/task/seed)"""
     steps: int = 60
     """training steps (one rollout batch each)"""
 
@@ -95,24 +98,30 @@ class Args:
     group_size: int = 8
     """completions per prompt (G)"""
     max_prompt_tokens: int = 512
-    """prompts longer than this (instruction and chat template included) are left out, and counted"""
+    """longer prompts (instruction and chat template included) are left out, and counted"""
     max_new_tokens: int = 16
     """maximum completion length"""
     temperature: float = 1.0
     """sampling temperature (the trainer divides its logits by it too)"""
     top_p: float = 1.0
-    """nucleus sampling: each token from the most likely ones whose probability reaches top_p (1: off)"""
+    """nucleus sampling: each token from the most likely ones whose
+    probability reaches top_p (1: off)"""
     top_k: int = 0
-    """each token from the k most likely (0: off); vLLM returns at most 20 kept tokens, so --top-p needs it there"""
+    """each token from the k most likely (0: off); vLLM returns at most 20 kept
+    tokens, so --top-p needs it there"""
     keep_sampling_mask: bool = True
-    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the tokens the engine kept
-    (DeepSeek-V3.2); --no-keep-sampling-mask scores the full vocabulary: the naive mismatch"""
+    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the
+    tokens the engine kept (DeepSeek-V3.2); --no-keep-sampling-mask scores the full
+    vocabulary: the naive mismatch"""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are replaced by newly drawn prompts"""
+    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are
+    replaced by newly drawn prompts"""
     max_sampling_rounds: int = 8
-    """dynamic sampling: rounds of drawing per step at most; then the batch is completed with all-equal groups"""
+    """dynamic sampling: rounds of drawing per step at most; then the batch is
+    completed with all-equal groups"""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: the reward falls linearly to -1 over this many last tokens (0: off)"""
+    """DAPO's soft overlong punishment: the reward falls linearly to -1 over
+    this many last tokens (0: off)"""
     mask_truncated: bool = False
     """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
 
@@ -126,20 +135,25 @@ class Args:
     loss_aggregation: Literal["token-mean", "sequence-mean"] = "sequence-mean"
     """token-mean over the minibatch (DAPO), or mean per completion then over completions (GRPO)"""
     conflict_masks: bool = True
-    """reweight conflict tokens with λ (Eq. 5); --no-conflict-masks: λ ≡ 1 (the masks are still logged)"""
+    """reweight conflict tokens with λ (Eq. 5); --no-conflict-masks: λ ≡ 1 (the masks are still
+    logged)"""
     mask_combine: Literal["or", "product"] = "or"
-    """or: λ from M = M^fw ∨ M^bw (the paper, λ ≤ 2); product: λ^fw·λ^bw (the authors' code, 4 where spans overlap)"""
+    """or: λ from M = M^fw ∨ M^bw (the paper, λ ≤ 2); product: λ^fw·λ^bw (the
+    authors' code, 4 where spans overlap)"""
     divide_by_conflict_count: bool = False
-    """also divide each completion's loss by n_i = max(|M^fw_i|, |M^bw_i|, 1), as the authors' code does"""
+    """also divide each completion's loss by n_i = max(|M^fw_i|, |M^bw_i|, 1), as the authors'
+    code does"""
     entropy_coef: float = 0.1
-    """γ: advantages become A_i − γ⟨H⟩_i, ⟨H⟩_i detached (Eq. 7's entropy term as the authors' code applies it)"""
+    """γ: advantages become A_i − γ⟨H⟩_i, ⟨H⟩_i detached (Eq. 7's entropy term
+    as the authors' code applies it)"""
     entropy_filter: Literal["auto", "on", "off"] = "auto"
-    """δ_i (Eq. 6): auto drops completions with ⟨H⟩_i > threshold iff ⟨H⟩_ini < threshold; on: always (the code);
-    off: never"""
+    """δ_i (Eq. 6): auto drops completions with ⟨H⟩_i > threshold iff ⟨H⟩_ini < threshold;
+    on: always (the code); off: never"""
     entropy_threshold: float = math.log(2)
     """δ_i's entropy threshold: ln 2 ≈ 0.693 (the paper, Eq. 6); the authors' code filters at 0.7"""
     entropy_ini_prompts: int = 100
-    """⟨H⟩_ini is measured on this many of the first training prompts, one completion each, before training"""
+    """⟨H⟩_ini is measured on this many of the first training prompts, one
+    completion each, before training"""
 
     # optimization
     lr: float = 1e-4
@@ -163,8 +177,8 @@ class Args:
     keep_checkpoints: int = 2
     """how many of the newest checkpoints to keep (0: all)"""
 
-    # the groups a method never changes (common/flags.py), each under its own heading in --help; their flags keep
-    # their plain names (--lora-rank 16)
+    # the groups a method never changes (common/flags.py), each under its own heading in --help;
+    # their flags keep their plain names (--lora-rank 16)
     task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
     tools: Group[Tools] = field(default_factory=Tools)
     evaluation: Group[Evaluation] = field(default_factory=Evaluation)
@@ -172,15 +186,18 @@ class Args:
     systems: Group[Systems] = field(default_factory=Systems)
 
 
-# ALGO LOGIC: conflict masks, λ, ⟨H⟩_i, δ_i, the shift, ⟨H⟩_ini (§5-6); the surrogate, advantages, averaging
+# ALGO LOGIC: conflict masks, λ, ⟨H⟩_i, δ_i, the shift, ⟨H⟩_ini (§5-6); the
+# surrogate, advantages, averaging
 def conflict_masks(response_ids, response_mask, advantages, group_size):
-    """Conflict spans M^fw, M^bw [B, T] (bool, §5.1) of right-padded completions; i*G..(i+1)*G-1 form group i. With
-    tools, the spans run along each completion's own tokens: a tool's output is skipped, as if absent."""
+    """Conflict spans M^fw, M^bw [B, T] (bool, §5.1) of right-padded completions;
+    i*G..(i+1)*G-1 form group i. With tools, the spans run along each completion's own tokens:
+    a tool's output is skipped, as if absent."""
     order = policy_first(response_mask)  # the identity without tools
     response_ids, response_mask = response_ids.gather(1, order), response_mask.gather(1, order)
     valid, columns = response_mask.bool(), torch.arange(response_mask.shape[1], device=response_mask.device)
     lengths = valid.sum(dim=1, keepdim=True)
-    # backward alignment: column r holds the token r places before the last valid one (EOS, if any, included)
+    # backward alignment: column r holds the token r places before the last valid one (EOS, if any,
+    # included)
     from_end = (lengths - 1 - columns).clamp(min=0)
     forward = _leading_conflict_span(response_ids, valid, advantages, group_size)
     backward = _leading_conflict_span(response_ids.gather(1, from_end), columns < lengths, advantages, group_size)
@@ -189,55 +206,68 @@ def conflict_masks(response_ids, response_mask, advantages, group_size):
 
 
 def _leading_conflict_span(ids, valid, advantages, group_size):
-    """Conflict tokens in aligned columns, then each completion's run of them that starts at column 0."""
+    """Conflict tokens in aligned columns, then each completion's run of them that starts at
+    column 0."""
     ids, valid, sign = (x.unflatten(0, (-1, group_size)) for x in (ids, valid, torch.sign(advantages)))
     # same[g, i, j, t]: completions i and j of group g hold the same token in column t
     same = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :]
-    opposite = (sign[:, :, None] * sign[:, None, :] < 0)[..., None]  # one has A > 0, the other A < 0 (A = 0: none)
-    conflict = (same & opposite).any(dim=2)  # (column, token) occurs in G+ and in G-: a conflict token
-    # the span anchored at the first token (M^fw; M^bw: the last), as the authors' code reads §5.1's "initial
-    # and final conflict regions": conflict tokens in the middle are never masked
+    # one has A > 0, the other A < 0 (A = 0: none)
+    opposite = (sign[:, :, None] * sign[:, None, :] < 0)[..., None]
+    # (column, token) occurs in G+ and in G-: a conflict token
+    conflict = (same & opposite).any(dim=2)
+    # the span anchored at the first token (M^fw; M^bw: the last), as the authors' code reads §5.1's
+    # "initial and final conflict regions": conflict tokens in the middle are never masked
     return conflict.long().cumprod(dim=-1).bool().flatten(0, 1)
 
 
 def conflict_weights(forward, backward, advantages, combine="or"):
-    """λ_it of Eq. 5: 1 outside the mask, inside 0 for A_i < 0 and 2 for A_i > 0; "product": λ^fw·λ^bw (the code)."""
-    inside = torch.where(advantages > 0, 2.0, 0.0).to(advantages.dtype)[:, None]  # A_i = 0 never has a span
+    """λ_it of Eq. 5: 1 outside the mask, inside 0 for A_i < 0 and 2 for A_i > 0;
+    "product": λ^fw·λ^bw (the code)."""
+    # A_i = 0 never has a span
+    inside = torch.where(advantages > 0, 2.0, 0.0).to(advantages.dtype)[:, None]
     if combine == "or":  # λ in the advantages' dtype (float64 stays exact)
         return torch.where(forward | backward, inside, 1.0)
     return torch.where(forward, inside, 1.0) * torch.where(backward, inside, 1.0)
 
 
 def completion_entropy(token_entropy, mask):
-    """⟨H⟩_i (§4.2): the mean over each completion's tokens of the full-vocabulary entropy. [B, T] -> [B]."""
+    """⟨H⟩_i (§4.2): the mean over each completion's tokens of the
+    full-vocabulary entropy. [B, T] -> [B]."""
     return (token_entropy * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
 
 
 def entropy_filter(entropy, initial_entropy, mode="auto", threshold=math.log(2)):
-    """δ_i of Eq. 6 [B] (modes: --entropy-filter); ⟨H⟩_i or ⟨H⟩_ini equal to the threshold keeps the completion."""
+    """δ_i of Eq. 6 [B] (modes: --entropy-filter); ⟨H⟩_i or ⟨H⟩_ini equal to the
+    threshold keeps the completion."""
     if mode == "off" or (mode == "auto" and not initial_entropy < threshold):
         return torch.ones_like(entropy)
     return (entropy <= threshold).to(entropy.dtype)
 
 
 def shaped_advantages(advantages, entropy, delta, entropy_coef):
-    """δ_i (A_i − γ sg(⟨H⟩_i)), as in the authors' code: "amplifies the negative gradient on the selected tokens"."""
+    """δ_i (A_i − γ sg(⟨H⟩_i)), as in the authors' code: "amplifies the negative
+    gradient on the selected tokens"."""
     return delta * (advantages - entropy_coef * entropy.detach())
 
 
 def measure_initial_entropy(policy, engine, prompt_ids, args, dist, autocast, pad_id, entropy_ini=None) -> float:
-    """⟨H⟩_ini (§6): the mean ⟨H⟩_i of one sampled completion per prompt (ranks share them), or a resumed run's."""
+    """⟨H⟩_ini (§6): the mean ⟨H⟩_i of one sampled completion per prompt (ranks
+    share them), or a resumed run's."""
     if entropy_ini is None:
-        per_rank = -(-len(prompt_ids) // dist.world_size)  # as many on every rank: FSDP's collectives stay in step
-        positions = torch.arange(dist.rank * per_rank, (dist.rank + 1) * per_rank)  # the last share wraps around
+        # as many on every rank: FSDP's collectives stay in step
+        per_rank = -(-len(prompt_ids) // dist.world_size)
+        # the last share wraps around
+        positions = torch.arange(dist.rank * per_rank, (dist.rank + 1) * per_rank)
         prompts = [prompt_ids[p % len(prompt_ids)] for p in positions.tolist()]
         completions = engine.generate(prompts, 1, args.max_new_tokens, args.temperature)
         batch = make_batch(prompts, completions, 1, pad_id, dist.device)
-        counts, total = (positions < len(prompt_ids)).float().to(dist.device), 0.0  # wrapped repeats do not count
-        # ⟨H⟩_i is per completion, so the grouping of rows does not change the sum. They go at most as many at a
-        # time as an update's micro-batch holds (of one minibatch of this rank's rollouts), not --micro-batch-size:
-        # 64 of the 100 completions at once hold [rows, heads, T, T] attention scores and MLP activations that set
-        # the run's peak memory once responses are long (2.8 GB at 512 tokens; 4 rows, the update's there: 1.0)
+        # wrapped repeats do not count
+        counts, total = (positions < len(prompt_ids)).float().to(dist.device), 0.0
+        # ⟨H⟩_i is per completion, so the grouping of rows does not change the sum. They go at most
+        # as many at a time as an update's micro-batch holds (of one minibatch of this rank's
+        # rollouts), not --micro-batch-size: 64 of the 100 completions at once hold [rows, heads, T,
+        # T] attention scores and MLP activations that set the run's peak memory once responses are
+        # long (2.8 GB at 512 tokens; 4 rows, the update's there: 1.0)
         update_rows = -(-(args.prompts_per_step // dist.world_size) * args.group_size // args.num_minibatches)
         rows_per_forward = max(1, min(args.micro_batch_size, update_rows))
         with torch.no_grad(), autocast:
@@ -270,9 +300,11 @@ def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1
 
 
 def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
-    """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to the mean).
+    """This micro-batch's share of the minibatch loss (the shares of its
+    micro-batches add up to the mean).
     token-mean (DAPO): every response token of the minibatch, on all ranks, weighs the same.
-    sequence-mean (GRPO): a mean over each completion, then over the completions that have a token."""
+    sequence-mean (GRPO): a mean over each completion, then over the
+    completions that have a token."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / minibatch_tokens
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
@@ -284,19 +316,22 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
 
 # TRY NOT TO MODIFY: log-probs, rollout batches, micro-batches and the train-inference mismatch
 def token_logprobs(model, micro, temperature, with_entropy=False):
-    """log π(o_t | q, o_<t) [B, T] of each response token under `model` at `temperature`, and the entropy of π at
-    each of those positions (no gradient; None unless `with_entropy`). The logits are divided by the sampling
-    temperature, so the trainer scores the very distribution the engine sampled from."""
+    """log π(o_t | q, o_<t) [B, T] of each response token under `model` at `temperature`, and
+    the entropy of π at each of those positions (no gradient; None unless `with_entropy`). The
+    logits are divided by the sampling temperature, so the trainer scores the very
+    distribution the engine sampled from."""
     response_ids = micro["response_ids"]  # [B, T]
-    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the logits at the
-    # position before o_t. Inside the context the output layer returns these two numbers per position instead of
-    # the logits, a chunk of positions at a time: no [B, T, vocabulary] tensor (common/logprobs.py)
+    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
+    # logits at the position before o_t. Inside the context the output layer returns these two
+    # numbers per position instead of the logits, a chunk of positions at a time: no [B, T,
+    # vocabulary] tensor (common/logprobs.py)
     with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
         scores = model(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],
             position_ids=micro["position_ids"],
-            logits_to_keep=response_ids.shape[1] + 1,  # the output layer runs only where a response token is predicted
+            # the output layer runs only where a response token is predicted
+            logits_to_keep=response_ids.shape[1] + 1,
             use_cache=False,
         ).logits[:, :-1]  # [B, T, 2]; the last position predicts past the end
     logprobs, entropy = scores.unbind(-1)
@@ -304,9 +339,11 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
 
 
 def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
-    """G completions of each prompt from the engine, with the engine's log-prob μ of each sampled token, each
-    scored against its row's gold answer: reward 1 for a correct answer, else 0, plus DAPO's overlong penalty."""
-    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is the naive full-vocabulary one
+    """G completions of each prompt from the engine, with the engine's log-prob μ of each
+    sampled token, each scored against its row's gold answer: reward 1 for a correct answer,
+    else 0, plus DAPO's overlong penalty."""
+    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is
+    # the naive full-vocabulary one
     completions = engine.generate(
         prompt_ids,
         args.group_size,
@@ -316,24 +353,29 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
         top_k=args.top_k,
         sampling_mask=args.keep_sampling_mask,
     )
-    scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)  # prompt i: [iG, (i+1)G)
-    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens, then down to −1 at the limit
+    # prompt i: [iG, (i+1)G)
+    scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)
+    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens,
+    # then down to −1 at the limit
     rewards = [
         score.reward + overlong_penalty(completion.policy_length, args.max_new_tokens, args.overlong_buffer)
         for score, completion in zip(scores, completions)
     ]
-    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the length limit gets no gradient
+    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
+    # length limit gets no gradient
     trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
-    metrics.sum("sampling/rollouts", len(completions))  # completions generated, all ranks (and rounds)
+    # completions generated, all ranks (and rounds)
+    metrics.sum("sampling/rollouts", len(completions))
     return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
 
 
 def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None):
-    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding. The
-    response mask marks the tokens that train: the policy's own (not a tool's output), of every completion or of
-    those whose `trains` entry is True (the sampler's: not a completion cut off with --mask-truncated, nor a filler
-    group of a batch left short by dynamic sampling)."""
+    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids
+    skip padding. The response mask marks the tokens that train: the policy's own (not a
+    tool's output), of every completion or of those whose `trains` entry is True (the
+    sampler's: not a completion cut off with --mask-truncated, nor a filler group of a
+    batch left short by dynamic sampling)."""
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(len(c.token_ids) for c in completions)
     rows, masks, response_masks, sampler_logprobs, turns = [], [], [], [], []
@@ -357,17 +399,18 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None)
         "response_mask": torch.tensor(response_masks, device=device).float(),
         "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
     }
-    if any(c.tool_mask is not None for c in completions):  # episodes with tools: 1 after the first tool output
+    if any(c.tool_mask is not None for c in completions):  # tools: 1 after the first tool output
         batch["later_turns"] = torch.tensor(turns, device=device).float()
-    kept = sampling_masks(completions, response_width, device)  # top-p / top-k: the ids kept per position [B, T, K]
+    # top-p / top-k: the ids kept per position [B, T, K]
+    kept = sampling_masks(completions, response_width, device)
     return batch | ({"sampling_mask": kept} if kept is not None else {})
 
 
 def micro_batches(batch, indices, size, by_length=True):
-    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the sequence
-    tensors [B, prompt + response] and every per-response-token tensor [B, response] alike. by_length:
-    rows sorted by response length first, so a long response does not pad many short ones (token sums
-    do not depend on the order)."""
+    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the
+    sequence tensors [B, prompt + response] and every per-response-token tensor [B, response]
+    alike. by_length: rows sorted by response length first, so a long response does not pad many
+    short ones (token sums do not depend on the order)."""
     full_width, response_width = batch["input_ids"].shape[1], batch["response_ids"].shape[1]
     if by_length:
         indices = indices[batch["response_mask"][indices].sum(1).argsort(descending=True, stable=True)]
@@ -386,8 +429,8 @@ def micro_batches(batch, indices, size, by_length=True):
 
 
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
-    """token_logprobs of every response token of the batch [B, T] under `model`, without gradient, a micro-batch
-    at a time (0 past each response's end): (log-probs, entropy or None)."""
+    """token_logprobs of every response token of the batch [B, T] under `model`, without
+    gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
     logprobs, entropy = torch.zeros_like(batch["sampler_logprobs"]), torch.zeros_like(batch["sampler_logprobs"])
     every_row = torch.arange(len(logprobs), device=logprobs.device)
     with torch.no_grad(), autocast:
@@ -400,22 +443,26 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
 
 
 def record_mismatch(metrics, batch, old_logprobs):
-    """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ being the
-    engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ, and
-    mismatch/max_abs_logprob_diff."""
+    """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ
+    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ =
+    π_old/μ, and mismatch/max_abs_logprob_diff."""
     log_ratio, mask = (old_logprobs - batch["sampler_logprobs"]).detach(), batch["response_mask"]
     k3 = torch.exp(log_ratio) - 1 - log_ratio
     metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
     metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
-    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))  # with tools: mismatch/kl_k3_*_turn(s)
+    # with tools: mismatch/kl_k3_*_turn(s)
+    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step (the groups of the batch): the reward and how it came about."""
-    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)  # EOS in, tool outputs out
+    """What the engine sampled this step (the groups of the batch): the reward and how it came
+    about."""
+    # EOS in, tool outputs out
+    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)
     metrics.mean("charts/reward", rewards.sum(), rollouts)
     metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
-    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)  # no answer to extract
+    # no answer to extract
+    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)
     metrics.mean("charts/response_length_mean", lengths.sum(), rollouts)
     metrics.max("charts/response_length_max", lengths)
     metrics.mean("charts/truncation_rate", sum(c.finish_reason == "length" for c in completions), rollouts)
@@ -433,15 +480,18 @@ PLOTTED = [
     "losses/grad_norm",
     "mismatch/kl_k3",
 ]  # curves.png
-PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]  # the progress bar's numbers
-PLOTTED += ["charts/completion_entropy", "charts/filtered_fraction", "conflict/masked_fraction"]  # GTPO's
+# the progress bar's numbers
+PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]
+# GTPO's
+PLOTTED += ["charts/completion_entropy", "charts/filtered_fraction", "conflict/masked_fraction"]
 # END TRY NOT TO MODIFY
 
 
 def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics, initial_entropy) -> int:
-    """λ, old log-probs and ⟨H⟩_i, then the minibatch updates on one rollout batch (this rank's share).
-    Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
-    # conflict masks and λ (Eq. 5), from A_i before the shift as in the authors' code (groups are whole on a rank)
+    """λ, old log-probs and ⟨H⟩_i, then the minibatch updates on one rollout batch (this rank's
+    share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
+    # conflict masks and λ (Eq. 5), from A_i before the shift as in the authors' code
+    # (groups are whole on a rank)
     forward, backward = conflict_masks(
         batch["response_ids"], batch["response_mask"], batch["advantages"], args.group_size
     )
@@ -450,16 +500,22 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, sca
         if args.conflict_masks
         else torch.ones_like(batch["response_mask"])
     )
-    if args.divide_by_conflict_count:  # the authors' code: 1/n_i with n_i = max(|M^fw_i|, |M^bw_i|, 1)
+    # the authors' code: 1/n_i with n_i = max(|M^fw_i|, |M^bw_i|, 1)
+    if args.divide_by_conflict_count:
         batch["conflict_weights"] /= torch.maximum(forward.sum(1), backward.sum(1)).clamp(min=1)[:, None]
-    metrics.mean("conflict/forward_fraction", forward.sum(), batch["response_mask"].sum())  # response tokens in M^fw
-    metrics.mean("conflict/backward_fraction", backward.sum(), batch["response_mask"].sum())  # ... in M^bw
-    metrics.mean("conflict/masked_fraction", (forward | backward).sum(), batch["response_mask"].sum())  # in M (λ ≠ 1)
-    # old log-probs only when π_θ will move away from π_old within this batch. With one update per batch
-    # π_old = π_θ: the ratio is exactly 1, its gradient is the policy gradient, and no pass is needed
+    # response tokens in M^fw
+    metrics.mean("conflict/forward_fraction", forward.sum(), batch["response_mask"].sum())
+    # ... in M^bw
+    metrics.mean("conflict/backward_fraction", backward.sum(), batch["response_mask"].sum())
+    # in M (λ ≠ 1)
+    metrics.mean("conflict/masked_fraction", (forward | backward).sum(), batch["response_mask"].sum())
+    # old log-probs only when π_θ will move away from π_old within this batch. With one
+    # update per batch π_old = π_θ: the ratio is exactly 1, its gradient is the policy
+    # gradient, and no pass is needed
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
-    batch["completion_entropy"] = torch.zeros_like(batch["advantages"])  # ⟨H⟩_i under π_old: this pass's or the loss's
+    # ⟨H⟩_i under π_old: this pass's or the loss's
+    batch["completion_entropy"] = torch.zeros_like(batch["advantages"])
     if multiple_updates:  # no reference model: GTPO has no KL term (§5.2)
         batch["old_logprobs"], entropy = batch_logprobs(policy, batch, args, autocast, with_entropy=True)
         batch["completion_entropy"] = completion_entropy(entropy, batch["response_mask"])
@@ -469,15 +525,16 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, sca
     for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
         for minibatch in order.chunk(args.num_minibatches):
-            # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over ranks,
-            # so each rank's share is scaled by the world size
-            # sequence-mean counts the completions that have a response token (an empty one adds nothing)
+            # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
+            # ranks, so each rank's share is scaled by the world size
+            # sequence-mean counts the completions that have a response token (an empty one adds
+            # nothing)
             response_mask = batch["response_mask"][minibatch]
             counts = fsdp.all_reduce_dict(
                 {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
             )
             minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
-            if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
+            if minibatch_tokens == 0:  # no token on any rank: no step (counted)
                 skipped += 1
                 continue
             minibatch_loss = 0.0
@@ -488,51 +545,65 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, sca
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the GTPO loss of this micro-batch (Eq. 7)
                 entropy_i = micro["completion_entropy"] if multiple_updates else completion_entropy(entropy, mask)
-                batch["completion_entropy"][micro["rows"]] = entropy_i  # (one update: π_θ = π_old, no extra pass)
-                delta = entropy_filter(entropy_i, initial_entropy, args.entropy_filter, args.entropy_threshold)  # Eq. 6
+                # (one update: π_θ = π_old, no extra pass)
+                batch["completion_entropy"][micro["rows"]] = entropy_i
+                # Eq. 6
+                delta = entropy_filter(entropy_i, initial_entropy, args.entropy_filter, args.entropy_threshold)
                 advantages = shaped_advantages(micro["advantages"], entropy_i, delta, args.entropy_coef)
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
                     logprobs, old_logprobs, advantages, args.clip_low, args.clip_high
                 )
-                token_losses = token_losses * micro["conflict_weights"]  # λ_it (Eq. 5); |o_i| and G still count all
+                # λ_it (Eq. 5); |o_i| and G still count all
+                token_losses = token_losses * micro["conflict_weights"]
                 loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
                 # END ALGO LOGIC
-                scaler.scale(loss * dist.world_size).backward()  # float16: scaled up, or small gradients flush to zero
+                # float16: scaled up, or small gradients flush to zero
+                scaler.scale(loss * dist.world_size).backward()
                 minibatch_loss += loss.item()
                 with torch.no_grad():  # statistics of the response tokens
                     log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
                     k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
-                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)  # no gradient
-                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
+                    # no gradient
+                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)
+                    # full-vocabulary entropy of π_θ
+                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])
-                    if not multiple_updates:  # this single pass sees every rollout once, under π_old
+                    if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss or gradient norm
-            # is not finite is skipped (counted in charts/skipped_steps), so weights never become NaN
-            scaler.unscale_(optimizer)  # float16: the gradients divided by the loss scale, before clipping
-            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)  # the norm before clipping
+            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose
+            # loss or gradient norm is not finite is skipped (counted in
+            # charts/skipped_steps), so weights never become NaN float16: the gradients
+            # divided by the loss scale, before clipping
+            scaler.unscale_(optimizer)
+            # the norm before clipping
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
             if torch.isfinite(grad_norm) and math.isfinite(minibatch_loss):
-                scaler.step(optimizer)  # optimizer.step() (float16: after the scaler's own overflow check)
+                scaler.step(optimizer)  # optimizer.step(), after fp16's overflow check
                 scheduler.step()
             else:
                 skipped += 1
-            scaler.update()  # float16: the scale halves after an overflow (any rank), doubles after 2000 clean steps
+            # float16: the scale halves after an overflow (any rank), doubles after 2000 clean steps
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
             metrics.mean("losses/policy_loss", minibatch_loss, 1)  # the same numbers on every rank
             metrics.mean("losses/grad_norm", grad_norm, 1)
     delta = entropy_filter(batch["completion_entropy"], initial_entropy, args.entropy_filter, args.entropy_threshold)
-    metrics.mean("charts/completion_entropy", batch["completion_entropy"].sum(), len(delta))  # ⟨H⟩_i, δ_i's test
-    metrics.mean("charts/filtered_fraction", (delta == 0).sum(), len(delta))  # completions with δ_i = 0
-    metrics.set("charts/entropy_ini", initial_entropy)  # ⟨H⟩_ini (auto: δ_i acts iff it is < threshold)
+    # ⟨H⟩_i, δ_i's test
+    metrics.mean("charts/completion_entropy", batch["completion_entropy"].sum(), len(delta))
+    # completions with δ_i = 0
+    metrics.mean("charts/filtered_fraction", (delta == 0).sum(), len(delta))
+    # ⟨H⟩_ini (auto: δ_i acts iff it is < threshold)
+    metrics.set("charts/entropy_ini", initial_entropy)
     return skipped
 
 
 def check_args(args: Args) -> None:
-    """Every flag's range, before anything is loaded: one error lists every problem (NaN fails every check)."""
-    problems = checks.shared_flags(args)  # the experiment, rollouts, optimization, evaluation, systems
+    """Every flag's range, before anything is loaded: one error lists every
+    problem (NaN fails every check)."""
+    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, systems
     # ALGO LOGIC: this method's flags
     problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")
     problems += require(0 <= args.clip_high < math.inf, "--clip-high", ">= 0 and finite")
@@ -549,15 +620,15 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16 compute)
+    # TRY NOT TO MODIFY: set-up (torchrun and FSDP2 on several ranks; float32 weights, bf16 compute)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
-    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # auto: bf16 on a GPU
-    # a new run folder, or with --resume the run's own, whose settings a resume keeps (checks.RESUME_MAY_CHANGE)
+    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs
+    # a new run folder, or with --resume the run's own, whose settings it keeps
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
-    # training prompts, and held-out ones that never train (a local task file holds out a seeded 10% of itself)
+    # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     data = load_prompts(
@@ -566,12 +637,12 @@ def main(args: Args) -> None:
     )  # fmt: skip
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
-    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # float32; LoRA: a frozen base and adapters
+    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # LoRA: base frozen
     engine = make_training_engine(systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed)
-    engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # tools: episodes
-    # train mode, no dropout; sharded while in CPU memory, so each GPU receives its shard one unit at a time
+    engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # episodes
+    # train mode, no dropout; sharded from CPU memory: each GPU receives one unit at a time
     policy = fsdp.shard_for_training(policy, dist, systems, compute_dtype)
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # --lora-rank: the adapters' A and B alone
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters alone
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     state = {"step": 0, "skipped_steps": 0}
@@ -580,53 +651,46 @@ def main(args: Args) -> None:
     start_step, skipped_steps = state["step"], state["skipped_steps"]
     tracker = Tracker(run_dir, flat(args), args.tracking, dist.is_main, resume_step=start_step if checkpoint else None)
     # ALGO LOGIC: ⟨H⟩_ini of the initial policy (Eq. 6), measured once and kept in the checkpoints
+    first_prompts, pad_id = data.prompts[: args.entropy_ini_prompts], tokenizer.pad_token_id
     initial_entropy = measure_initial_entropy(
-        policy,
-        engine,
-        data.prompts[: args.entropy_ini_prompts],
-        args,
-        dist,
-        autocast,
-        tokenizer.pad_token_id,
-        state.get("entropy_ini"),
+        policy, engine, first_prompts, args, dist, autocast, pad_id, state.get("entropy_ini")
     )
     # END ALGO LOGIC
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
     if start_step == 0 and evaluator.due(0, args.steps):
         tracker.log(evaluator(), step=0)
-    # each rank takes whole groups of G completions (group statistics are one process's): its share of the
-    # step's prompts, and with --dynamic-sampling of DAPO's extra rounds
+    # each rank takes whole groups: its share of each step's prompts (and of DAPO's extra rounds)
     sampler = PromptSampler(
         data.prompts, data.train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds
     )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed, then the run ends
+    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
-        # 1. rollout: G completions of each of this rank's prompts, each scored against its row's gold answer
+        # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
         with metrics.timer("time/rollout"):
             prompt_ids, rows = sampler.step_prompts(step)
             groups = rollout(engine, tokenizer, prompt_ids, rows, args, metrics)
-            if args.dynamic_sampling:  # DAPO §3.2: groups whose rewards are all equal are replaced by new prompts'
+            if args.dynamic_sampling:  # DAPO §3.2: all-equal groups are replaced by new prompts'
                 more = partial(rollout, engine, tokenizer, args=args, metrics=metrics)
                 groups = sampler.dynamic_sampling(groups, step, more, metrics)
 
-        # 2. advantages (a completion cut off with --mask-truncated counts in its group's, but does not train)
+        # 2. advantages (a completion cut off by --mask-truncated counts in them but does not train)
         batch = make_batch(
             groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
         )
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
-        # 3-4. λ, old log-probs and ⟨H⟩_i, then the minibatch updates (a sleeping engine frees the GPU)
+        # 3-4. λ, old log-probs and ⟨H⟩_i, then the minibatch updates (the engine sleeps meanwhile)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(
                 policy, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics, initial_entropy
             )
 
-        # TRY NOT TO MODIFY: 5. push the new weights to the engine (every rank gathers each full tensor in turn)
+        # TRY NOT TO MODIFY: 5. push the new weights to the engine (each full tensor in turn)
         with metrics.timer("time/weight_sync"):
             engine.wake_up(["weights"])
             engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
@@ -634,21 +698,22 @@ def main(args: Args) -> None:
 
         # TRY NOT TO MODIFY: 6. log, evaluate, checkpoint
         metrics.set("charts/lr", scheduler.get_last_lr()[0])
-        metrics.set("charts/skipped_steps", skipped_steps)  # optimizer steps skipped so far (not finite, no token)
+        metrics.set("charts/skipped_steps", skipped_steps)  # so far: not finite, or no token
         metrics.set("time/step", time.time() - step_start)  # evaluation excluded
-        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))  # all ranks
+        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))
         if evaluator.due(step + 1, args.steps):
-            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k on held-out prompts
+            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k
                 metrics.update(evaluator())
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, no answers at all
+        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, ...
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
             trainer_state = {"skipped_steps": skipped_steps, "args": flat(args)}
-            trainer_state["entropy_ini"] = initial_entropy  # ⟨H⟩_ini: a resumed run keeps δ_i's reference
+            # ⟨H⟩_ini: a resumed run keeps δ_i's reference
+            trainer_state["entropy_ini"] = initial_entropy
             save_checkpoint(
                 run_dir, step + 1, policy, tokenizer, optimizer, scheduler, trainer_state, dist, args.keep_checkpoints
             )
@@ -658,30 +723,33 @@ def main(args: Args) -> None:
     tracker.close(plot_keys=PLOTTED + [f"eval/avg@{evaluator.k}"])  # curves.png
     engine.close()
     fsdp.cleanup(dist)
-    stop.finish(run_dir, dist)  # after a signal: how to resume it, and exit code 128 + the signal's number
+    stop.finish(run_dir, dist)  # after a signal: how to resume, and exit code 128 + its number
 
 
 if __name__ == "__main__":
-    with checks.clear_errors():  # a bad flag, file or model: one line that names it, not a traceback
+    with checks.clear_errors():  # a bad flag, file or model: one line, no traceback
         main(tyro.cli(Args))
 
 
-# Paper scale: the paper's LLaMA/GSM8K run (G = 12, γ = 0.1, one epoch) on 8 80 GB GPUs with torchrun (FSDP2); its
-# other run: --model Qwen/Qwen2.5-3B-Instruct --task math --eval-task math500. The paper trains one prompt per step
-# with LoRA on one GPU; here every weight trains, which needs the 8 GPUs, and each takes one prompt per step (8 in all)
+# Paper scale: the paper's LLaMA/GSM8K run (G = 12, γ = 0.1, one epoch) on 8 80 GB GPUs with
+# torchrun (FSDP2); its other run: --model Qwen/Qwen2.5-3B-Instruct --task math --eval-task math500.
+# The paper trains one prompt per step with LoRA on one GPU; here every weight trains, which needs
+# the 8 GPUs, and each takes one prompt per step (8 in all)
 #   torchrun --nproc_per_node 8 algorithms/gtpo.py --model meta-llama/Llama-3.1-8B-Instruct --task gsm8k \
 #       --eval-task gsm8k --steps 934 --prompts-per-step 8 --group-size 12 --max-new-tokens 1500 --lr 1e-6 \
 #       --max-grad-norm 0.1 --weight-decay 0.1 --entropy-coef 0.1 --micro-batch-size 4 --gradient-checkpointing \
 #       --dtype bfloat16 --vllm-sleep-mode --gpu-memory-utilization 0.5 --eval-every 60 --eval-k 8 --track
-# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 15.0 GiB (16 bytes × 8.03 B
-# parameters / 8), bf16 gathers 2.8, checkpointed activations 4.2 (4 × 2,012 tokens, 196 KiB per token per layer),
-# output-layer chunks 0.5, the sleeping engine 1.0, CUDA 1.5: 25 GiB in the update, 53 GiB while vLLM generates.
-# On one GPU the training state alone is 120 GiB.
+# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 15.0 GiB (16
+# bytes × 8.03 B parameters / 8), bf16 gathers 2.8, checkpointed activations 4.2 (4 × 2,012 tokens,
+# 196 KiB per token per layer), output-layer chunks 0.5, the sleeping engine 1.0, CUDA 1.5: 25 GiB
+# in the update, 53 GiB while vLLM generates. On one GPU the training state alone is 120 GiB.
 #
-# Differences from the authors' code (5d33811e), each a flag: Â_i std-scaled (Eq. 1), the code only centres
-# (--no-scale-advantages; its rewards reach 20, so γ⟨H⟩_i weighs less there); M^fw ∨ M^bw, the code multiplies the
-# spans' λ, 4 on overlaps (--mask-combine product); 1/G Σ 1/|o_i|, the code 1/(|o_i|·n_i), n_i = max(|M^fw_i|,
-# |M^bw_i|, 1) (--divide-by-conflict-count); δ_i by the ⟨H⟩_ini test, the code always at 0.7 for LLaMA (--entropy-filter
-# on --entropy-threshold 0.7) and never for Qwen (off); entropies at the sampling temperature, the code's from raw
-# logits. The code trains LoRA (r = 128) on a 4-bit model, paged AdamW-8bit (β1 = β2 = 0.999999), one prompt per step,
-# format + correctness rewards, a <reasoning>/<answer> system prompt; here all weights, AdamW, 0/1 rewards.
+# Differences from the authors' code (5d33811e), each a flag: Â_i std-scaled (Eq. 1), the code
+# only centres (--no-scale-advantages; its rewards reach 20, so γ⟨H⟩_i weighs less there); M^fw ∨
+# M^bw, the code multiplies the spans' λ, 4 on overlaps (--mask-combine product); 1/G Σ 1/|o_i|,
+# the code 1/(|o_i|·n_i), n_i = max(|M^fw_i|, |M^bw_i|, 1) (--divide-by-conflict-count); δ_i by
+# the ⟨H⟩_ini test, the code always at 0.7 for LLaMA (--entropy-filter on --entropy-threshold
+# 0.7) and never for Qwen (off); entropies at the sampling temperature, the code's from raw
+# logits. The code trains LoRA (r = 128) on a 4-bit model, paged AdamW-8bit (β1 = β2 = 0.999999),
+# one prompt per step, format + correctness rewards, a <reasoning>/<answer> system prompt; here
+# all weights, AdamW, 0/1 rewards.

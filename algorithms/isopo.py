@@ -1,42 +1,48 @@
-"""ISOPO: per-sequence log-prob gradients normalized in the Fisher metric, layer by layer, in one backward pass.
+"""ISOPO: each sequence's log-prob gradient normalized in the Fisher metric, layer by layer.
 
-Paper: ISOPO: Proximal policy gradients without pi-old (Abrahamsen, 2025, arXiv:2512.23353); the authors' code:
-github.com/nilin/isopo (verl/workers/actor/dp_actor.py). Advantages as in GRPO (DeepSeekMath, arXiv:2402.03300).
+Paper: ISOPO: Proximal policy gradients without pi-old (Abrahamsen, 2025, arXiv:2512.23353); the
+authors' code: github.com/nilin/isopo (verl/workers/actor/dp_actor.py). Advantages as in GRPO
+(DeepSeekMath, arXiv:2402.03300).
 
-Objective. For each prompt q, sample a group of G completions o_1..o_G from the old policy, score them
-(reward r_i in {0, 1}), and maximize E[r]
+Objective. For each prompt q, sample a group of G completions o_1..o_G from the old policy, score
+them (reward r_i in {0, 1}), and maximize E[r]
 by plain gradient steps (no π_old, ratio or clip) built per Linear layer l (lm_head too): with
 v_i = ∇_{θ_l} log π_θ(o_i | q_i) (V_i as a matrix), M the minibatch's non-empty sequences,
 
     A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
 
-the policy gradient g_l = (1/M) Σ_i A_i v_i (§1.2) becomes, non-interacting (default; §2, Alg. 2, Fig. 3),
+the policy gradient g_l = (1/M) Σ_i A_i v_i (§1.2) becomes, non-interacting
+(default; §2, Alg. 2, Fig. 3),
     u_l = (1/M) Σ_i A_i s_i v_i,    s_i = reg2(‖v_i‖_F)^p · reg2(‖v_i‖)^q · reg2(‖v_i‖_F / ‖v_i‖)^r
     ‖v_i‖_F ≈ sqrt(Σ_j (g0_j · V_i a0_j)²) / sqrt(Σ_j (‖g0_j‖ ‖a0_j‖)²)  (Eq. 6; g0_j, a0_j: --n-overlap token rows
     of i's block of --block-size sequences), reg2(x) = sqrt(x² + λ·E[x²] + 1e-8), E = EMA (decay 0.9) of trailing
     minibatch means, per layer
-(p, q, r: see --help) or, interacting (--variant interacting; §3, Alg. 6), with J = [v_1; ..; v_m] over a block,
+(p, q, r: see --help) or, interacting (--variant interacting; §3, Alg. 6), with J
+= [v_1; ..; v_m] over a block,
     u_l = (1/M) Σ_blocks Jᵀ (K + cI)⁻¹ A,  K = J Jᵀ (the layer's NTK),  c = --ntk-reg-coef × E[mean eig K]
-AdamW steps on −u_l; every other parameter (embeddings, norms, biases) takes (1/M) Σ_i A_i ∇ log π (REINFORCE).
+AdamW steps on −u_l; every other parameter (embeddings, norms, biases) takes
+(1/M) Σ_i A_i ∇ log π (REINFORCE).
 
-What this file changes relative to grpo.py: no loss, ratio or clip; one backward of Σ log π builds every gradient
-(`IsopoGradients`: each Linear's backward returns ISOPO's weight update); --block-size (8) is part of the math, its
-blocks cut from whole groups; full logits; --log-kl-ref for --kl-coef.
+What this file changes relative to grpo.py: no loss, ratio or clip; one backward of Σ log π
+builds every gradient (`IsopoGradients`: each Linear's backward returns ISOPO's weight
+update); --block-size (8) is part of the math, its blocks cut from whole groups; full
+logits; --log-kl-ref for --kl-coef.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
-score them and compute advantages, update the policy on minibatches, push the new weights to the
-rollout engine, then log, evaluate and checkpoint. The method lives between `# ALGO LOGIC` and
-`# END ALGO LOGIC`; `# TRY NOT TO MODIFY` marks the plumbing every fork keeps as it is. Implementation
-details are comments at the code they explain, each metric is defined where it is recorded, and the
-paper-scale command and the differences from the papers' settings close the file.
+score them, compute advantages, update the policy on minibatches, push new weights to the engine,
+log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
+the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
+are defined where recorded; the paper-scale command and the papers' differences close the file.
 
-Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output inside it is
-context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own tokens. Each per-sequence
-gradient of Eq. 6 sums the policy's tokens only: an output is context for the forward, never a gradient term.
+Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
+inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
+tokens. Each per-sequence gradient of Eq. 6 sums the policy's tokens only: an output is context for
+the forward, never a gradient term.
 
-LoRA. With --lora-rank the Linear layers of Eq. 6 are each adapter's A [r, in] and B [out, r], the only trained
-parameters: every v_i is normalized in the Fisher metric of A or B on its own, not of the adapted W (another geometry
-than ISOPO on full weights: the paper's runs train every weight); lm_head, embeddings and norms are frozen.
+LoRA. With --lora-rank the Linear layers of Eq. 6 are each adapter's A [r, in] and B [out, r], the
+only trained parameters: every v_i is normalized in the Fisher metric of A or B on its own, not of
+the adapted W (another geometry than ISOPO on full weights: the paper's runs train every weight);
+lm_head, embeddings and norms are frozen.
 
 Run it
   python algorithms/isopo.py                      # the built-in task on a CPU, a few minutes
@@ -87,12 +93,13 @@ class Args:
     model: str = "tiny"
     """`tiny` (the built-in offline model), a Hugging Face model id or a local folder"""
     task: str = "arith"
-    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math, math500, dapo_math,
-    aime24, aime25, or a .jsonl/.json/.parquet file"""
+    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math,
+    math500, dapo_math, aime24, aime25, or a .jsonl/.json/.parquet file"""
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
-    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this exp/task/seed)"""
+    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this
+    exp/task/seed)"""
     steps: int = 60
     """training steps (one rollout batch each)"""
 
@@ -102,58 +109,69 @@ class Args:
     group_size: int = 8
     """completions per prompt (G)"""
     max_prompt_tokens: int = 512
-    """prompts longer than this (instruction and chat template included) are left out, and counted"""
+    """longer prompts (instruction and chat template included) are left out, and counted"""
     max_new_tokens: int = 16
     """maximum completion length"""
     temperature: float = 1.0
     """sampling temperature (the trainer divides its logits by it too)"""
     top_p: float = 1.0
-    """nucleus sampling: each token from the most likely ones whose probability reaches top_p (1: off)"""
+    """nucleus sampling: each token from the most likely ones whose
+    probability reaches top_p (1: off)"""
     top_k: int = 0
-    """each token from the k most likely (0: off); vLLM returns at most 20 kept tokens, so --top-p needs it there"""
+    """each token from the k most likely (0: off); vLLM returns at most 20 kept
+    tokens, so --top-p needs it there"""
     keep_sampling_mask: bool = True
-    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the tokens the engine kept
-    (DeepSeek-V3.2); --no-keep-sampling-mask scores the full vocabulary: the naive mismatch"""
+    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the
+    tokens the engine kept (DeepSeek-V3.2); --no-keep-sampling-mask scores the full
+    vocabulary: the naive mismatch"""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are replaced by newly drawn prompts"""
+    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are
+    replaced by newly drawn prompts"""
     max_sampling_rounds: int = 8
-    """dynamic sampling: rounds of drawing per step at most; then the batch is completed with all-equal groups"""
+    """dynamic sampling: rounds of drawing per step at most; then the batch is
+    completed with all-equal groups"""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: the reward falls linearly to -1 over this many last tokens (0: off)"""
+    """DAPO's soft overlong punishment: the reward falls linearly to -1 over
+    this many last tokens (0: off)"""
     mask_truncated: bool = False
     """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
 
     # the loss: this method's own arguments
     block_size: int = 8
-    """sequences sharing one Fisher-estimate pool (Eq. 6) and one NTK (§3), the paper's micro-batch of 8: part of the
-    math, cut in order from whole groups shuffled together (with --group-size 8, one prompt's group each)"""
+    """sequences sharing one Fisher-estimate pool (Eq. 6) and one NTK (§3), the paper's
+    micro-batch of 8: part of the math, cut in order from whole groups shuffled together (with
+    --group-size 8, one prompt's group each)"""
     variant: Literal["non-interacting", "interacting"] = "non-interacting"
-    """non-interacting: rescale each sequence's gradient by s_i (Alg. 2, Fig. 3); interacting: precondition the
-    advantages with each layer's micro-batch NTK (Alg. 6)"""
+    """non-interacting: rescale each sequence's gradient by s_i (Alg. 2, Fig. 3); interacting:
+    precondition the advantages with each layer's micro-batch NTK (Alg. 6)"""
     p: float = -1.0
-    """exponent of the Fisher-norm estimate ‖v_i‖_F in s_i (Fig. 3; −1: the same KL for every sequence, §2.0.1)"""
+    """exponent of the Fisher-norm estimate ‖v_i‖_F in s_i (Fig. 3; −1: the same
+    KL for every sequence, §2.0.1)"""
     q: float = 0.0
     """exponent of the Euclidean norm ‖v_i‖ in s_i (Fig. 3; −1: Euclidean normalization)"""
     r: float = 0.0
-    """exponent of the relative Fisher norm ‖v_i‖_F/‖v_i‖ in s_i (Fig. 3; −2 with p = q = 0: the multiple of v_i
-    closest to the natural gradient, §2.0.3, Eq. 7)"""
+    """exponent of the relative Fisher norm ‖v_i‖_F/‖v_i‖ in s_i (Fig. 3; −2 with p = q = 0: the
+    multiple of v_i closest to the natural gradient, §2.0.3, Eq. 7)"""
     n_overlap: int = 250
     """token rows per layer and micro-batch sampled for the Fisher-norm estimate (Eq. 6)"""
     reg_coef: float = 0.0
-    """λ in reg2(x) = sqrt(x² + λ·E[x²] + 1e-8), E an EMA of trailing minibatch means per layer (0: none, as in the
-    paper's runs)"""
+    """λ in reg2(x) = sqrt(x² + λ·E[x²] + 1e-8), E an EMA of trailing minibatch means per layer
+    (0: none, as in the paper's runs)"""
     reg_form: Literal["paper", "authors"] = "paper"
-    """paper: reg2(x) = sqrt(x² + λE[x²]) (Fig. 3); authors: the official code's default sqrt(x²/(λE[x²]) + 1)"""
+    """paper: reg2(x) = sqrt(x² + λE[x²]) (Fig. 3); authors: the official
+    code's default sqrt(x²/(λE[x²]) + 1)"""
     ntk_reg_coef: float = 1.0
     """interacting: c = this × EMA of the NTK's mean eigenvalue (Fig. 7: 1.0)"""
     ntk_scale: Literal["paper", "authors"] = "paper"
-    """interacting: paper: v = Jᵀ(K + cI)⁻¹A (Alg. 6); authors: v = Jᵀ c(K + cI)⁻¹A as the official code computes it"""
+    """interacting: paper: v = Jᵀ(K + cI)⁻¹A (Alg. 6); authors: v = Jᵀ c(K + cI)⁻¹A
+    as the official code computes it"""
     ema_decay: float = 0.9
     """decay of the EMA over trailing minibatch means that sets the regularization"""
     scale_advantages: bool = True
     """divide group-centred rewards by the group's std (GRPO); --no-scale-advantages is Dr. GRPO"""
     log_kl_ref: bool = False
-    """log KL(π_θ ‖ π_ref) to the initial policy, the paper's KL drift (Fig. 5); loads a reference model"""
+    """log KL(π_θ ‖ π_ref) to the initial policy, the paper's KL drift (Fig. 5); loads a
+    reference model"""
 
     # optimization
     lr: float = 1e-4
@@ -177,8 +195,8 @@ class Args:
     keep_checkpoints: int = 2
     """how many of the newest checkpoints to keep (0: all)"""
 
-    # the groups a method never changes (common/flags.py), each under its own heading in --help; their flags keep
-    # their plain names (--lora-rank 16)
+    # the groups a method never changes (common/flags.py), each under its own heading in --help;
+    # their flags keep their plain names (--lora-rank 16)
     task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
     tools: Group[Tools] = field(default_factory=Tools)
     evaluation: Group[Evaluation] = field(default_factory=Evaluation)
@@ -186,13 +204,14 @@ class Args:
     systems: Group[Systems] = field(default_factory=Systems)
 
 
-# ALGO LOGIC: the Fisher-norm estimate, the sequence scales, the NTK preconditioner, the ISOPO backward, advantages
-# A Linear layer's block below is g [b, T, out] (gradients of Σ log π w.r.t. its outputs, zero at pads) and a [b, T, in]
-# (its inputs), with a leading [n] for n blocks at once; V_i = Σ_t g_it a_itᵀ over row i's non-pad positions (prompt
-# too) is ∇ log π(o_i | q_i).
+# ALGO LOGIC: the Fisher-norm estimate, the sequence scales, the NTK preconditioner, the ISOPO
+# backward, advantages A Linear layer's block below is g [b, T, out] (gradients of Σ log π w.r.t.
+# its outputs, zero at pads) and a [b, T, in] (its inputs), with a leading [n] for n blocks at once;
+# V_i = Σ_t g_it a_itᵀ over row i's non-pad positions (prompt too) is ∇ log π(o_i | q_i).
 def overlap_rows(valid: torch.Tensor, n: int) -> torch.Tensor:
-    """Eq. 6's sample (Alg. 2 line 6), per block: distinct indices into its b·T token rows, uniform among its non-pad
-    rows `valid` [blocks, b, T]; [blocks, min(n, most non-pad rows in a block)] (a block with fewer gets pads: 0)."""
+    """Eq. 6's sample (Alg. 2 line 6), per block: distinct indices into its b·T token rows,
+    uniform among its non-pad rows `valid` [blocks, b, T]; [blocks, min(n, most non-pad rows in a
+    block)] (a block with fewer gets pads: 0)."""
     valid = valid.flatten(1)
     keys = torch.rand(valid.shape, device=valid.device).masked_fill(~valid, 2.0)
     return keys.topk(min(n, int(valid.sum(1).max())), dim=1, largest=False).indices
@@ -201,8 +220,9 @@ def overlap_rows(valid: torch.Tensor, n: int) -> torch.Tensor:
 def fisher_norms(
     g: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Eq. 6's estimate of ‖v_i‖_F [blocks, b] over each block's token rows `rows`, in k·N·(out+in) FLOPs per block of N
-    non-pad rows (`valid` [blocks, b, T]; None: every row): no V_i is formed."""
+    """Eq. 6's estimate of ‖v_i‖_F [blocks, b] over each block's token rows `rows`,
+    in k·N·(out+in) FLOPs per block of N non-pad rows (`valid` [blocks, b, T];
+    None: every row): no V_i is formed."""
     n, b, T, _ = g.shape
     g, a, block = g.flatten(1, 2), a.flatten(1, 2), torch.arange(n, device=g.device)[:, None]
     g0, a0 = g[block, rows], a[block, rows]  # [blocks, k, out], [blocks, k, in]
@@ -214,27 +234,29 @@ def fisher_norms(
         .float()
         .argsort(dim=1, descending=True, stable=True)[:, : int(valid.flatten(1).sum(1).max())]
     )
-    # (g0_j · g_t)(a0_j · a_t) per token row t, summed over the t of sequence i: g0_j · V_i a0_j (Eq. 4), [blocks, b, k]
+    # (g0_j · g_t)(a0_j · a_t) per token row t, summed over the t of sequence i: g0_j · V_i
+    # a0_j (Eq. 4), [blocks, b, k]
     products = (g[block, tokens] @ g0.mT) * (a[block, tokens] @ a0.mT)
     overlaps = (
         products.new_zeros(n * b, rows.shape[1])
         .index_add_(0, (block * b + tokens // T).flatten(), products.flatten(0, 1))
         .view(n, b, -1)
     )
-    return overlaps.norm(dim=-1) / ((g0.norm(dim=-1) * a0.norm(dim=-1)).norm(dim=-1, keepdim=True) + 1e-12)  # Eq. 5
+    # Eq. 5
+    return overlaps.norm(dim=-1) / ((g0.norm(dim=-1) * a0.norm(dim=-1)).norm(dim=-1, keepdim=True) + 1e-12)
 
 
 def sequence_gradients(g: torch.Tensor, a: torch.Tensor, budget: int = 2**24):
-    """V_i for all rows i of g [B, T, out], a block of output rows at a time ([B, rows, in], at most `budget`
-    numbers)."""
+    """V_i for all rows i of g [B, T, out], a block of output rows at a time ([B, rows,
+    in], at most `budget` numbers)."""
     step = max(1, budget // (g.shape[0] * a.shape[-1]))
     for start in range(0, g.shape[-1], step):
         yield torch.einsum("bto,bti->boi", g[..., start : start + step], a)
 
 
 def sequence_norms(g: torch.Tensor, a: torch.Tensor, form: str = "auto") -> torch.Tensor:
-    """‖V_i‖ [B] for rows [B, T, ·]: gram, Σ_{t,t'} (g_t·g_t')(a_t·a_t') in B·T²·(out+in) FLOPs, or materialize V_i
-    (B·T·out·in); auto: the cheaper."""
+    """‖V_i‖ [B] for rows [B, T, ·]: gram, Σ_{t,t'} (g_t·g_t')(a_t·a_t') in B·T²·(out+in) FLOPs,
+    or materialize V_i (B·T·out·in); auto: the cheaper."""
     _, T, out = g.shape
     if form == "gram" or form == "auto" and T * (out + a.shape[-1]) <= out * a.shape[-1]:
         squares = ((g @ g.mT) * (a @ a.mT)).sum((1, 2))
@@ -244,9 +266,11 @@ def sequence_norms(g: torch.Tensor, a: torch.Tensor, form: str = "auto") -> torc
 
 
 def ntk(g: torch.Tensor, a: torch.Tensor, form: str = "auto", budget: int = 2**24) -> torch.Tensor:
-    """Each block's empirical NTK K_ij = ⟨V_i, V_j⟩ (§3) [blocks, b, b]: gram, Σ_{t∈i,t'∈j} (g_t·g_t')(a_t·a_t') from
-    the token Gram matrices of a few blocks at a time (at most `budget` numbers), or materialize the V_i."""
-    n, b, T, out = g.shape  # auto: the cheaper, gram's (bT)²·(out+in) FLOPs or materialize's b·T·out·in + b²·out·in
+    """Each block's empirical NTK K_ij = ⟨V_i, V_j⟩ (§3) [blocks, b, b]: gram, Σ_{t∈i,t'∈j}
+    (g_t·g_t')(a_t·a_t') from the token Gram matrices of a few blocks at a time (at most `budget`
+    numbers), or materialize the V_i."""
+    # auto: the cheaper, gram's (bT)²·(out+in) FLOPs or materialize's b·T·out·in + b²·out·in
+    n, b, T, out = g.shape
     if form == "gram" or form == "auto" and b * T * T * (out + a.shape[-1]) <= out * a.shape[-1] * (T + b):
         g, a, step = g.flatten(1, 2), a.flatten(1, 2), max(1, budget // (b * T) ** 2)
         K = torch.cat(
@@ -263,16 +287,17 @@ def ntk(g: torch.Tensor, a: torch.Tensor, form: str = "auto", budget: int = 2**2
 
 
 def reg2(x: torch.Tensor, coef: float, expectation, form: str = "paper") -> torch.Tensor:
-    """Fig. 3: sqrt(x² + λ·E[x²] + 1e-8) (paper), or (authors) sqrt(x² / (λ·E[x²] + 1e-8) + 1) ≈ that / sqrt(λE[x²])."""
+    """Fig. 3: sqrt(x² + λ·E[x²] + 1e-8) (paper), or (authors) sqrt(x² / (λ·E[x²] +
+    1e-8) + 1) ≈ that / sqrt(λE[x²])."""
     if form == "authors" and coef > 0:
         return torch.sqrt(x.square() / (coef * expectation + 1e-8) + 1)
     return torch.sqrt(x.square() + coef * expectation + 1e-8)
 
 
 def sequence_scales(quantities: dict, p: float, q: float, r: float, reg_coef=0.0, expectations=None, form="paper"):
-    """Fig. 3: s = reg2(‖v‖_F)^p · reg2(‖v‖)^q · reg2(‖v‖_F/‖v‖)^r per sequence from {"fisher": ‖v‖_F, if q or r
-    needs them "euclid": ‖v‖, "rel": the ratio} and E[x²] (batch-size free: v_i = ∇ log π). p + q = −1, λ = 0: v's
-    scale cancels."""
+    """Fig. 3: s = reg2(‖v‖_F)^p · reg2(‖v‖)^q · reg2(‖v‖_F/‖v‖)^r per sequence from {"fisher":
+    ‖v‖_F, if q or r needs them "euclid": ‖v‖, "rel": the ratio} and E[x²] (batch-size free: v_i
+    = ∇ log π). p + q = −1, λ = 0: v's scale cancels."""
     scales = torch.ones_like(quantities["fisher"])
     for key, power in (("fisher", p), ("euclid", q), ("rel", r)):
         if power:
@@ -281,8 +306,9 @@ def sequence_scales(quantities: dict, p: float, q: float, r: float, reg_coef=0.0
 
 
 class TrailingMeans:
-    """E[·] of Alg. 2 / Fig. 3 / Fig. 7 per (layer, quantity): an EMA of the means of *finished* minibatches (the first
-    as is; a skipped step's is not committed), so s_i is known during the backward of the current one."""
+    """E[·] of Alg. 2 / Fig. 3 / Fig. 7 per (layer, quantity): an EMA of the means of
+    *finished* minibatches (the first as is; a skipped step's is not committed), so s_i is
+    known during the backward of the current one."""
 
     def __init__(self, decay: float):
         self.decay, self.ema, self.pending = decay, {}, {}
@@ -294,8 +320,10 @@ class TrailingMeans:
         self.pending.setdefault(key, []).append(values.detach().reshape(-1))
 
     def end_minibatch(self, commit: bool = True, dist=None) -> None:
-        """Commit the finished minibatch's means over every rank (one all-reduce of sums and counts), or drop them."""
-        keys = sorted(self.pending, key=str) if commit else []  # the same keys, in the same order, on every rank
+        """Commit the finished minibatch's means over every rank (one all-reduce of
+        sums and counts), or drop them."""
+        # the same keys, in the same order, on every rank
+        keys = sorted(self.pending, key=str) if commit else []
         values = [torch.cat(self.pending[key]).double() for key in keys]
         sums = torch.stack([v.sum() for v in values]).tolist() if keys else []  # one device sync
         totals = (
@@ -313,39 +341,45 @@ class TrailingMeans:
 
 
 def preconditioned_weights(K: torch.Tensor, weights: torch.Tensor, c, form: str = "paper", eigenvalues=False):
-    """Alg. 6 per block: (K + cI)⁻¹ A through K = U diag(D) Uᵀ (paper), or c (K + cI)⁻¹ A (authors); also D if asked.
-    K [blocks, b, b], A [blocks, b], c a number or one per block. In float64; a non-finite K gives a non-finite result
-    (the step is then skipped), not an eigh error."""
+    """Alg. 6 per block: (K + cI)⁻¹ A through K = U diag(D) Uᵀ (paper), or c (K +
+    cI)⁻¹ A (authors); also D if asked. K [blocks, b, b], A [blocks, b], c a number or
+    one per block. In float64; a non-finite K gives a non-finite result (the step is
+    then skipped), not an eigh error."""
     finite = torch.isfinite(K).all()
     D, U = torch.linalg.eigh(torch.where(finite, K, 0).double())
     c = torch.as_tensor(c, dtype=torch.float64, device=K.device).reshape(-1, 1)
-    inverse = torch.where(D + c > 0, 1 / (D + c), 0)  # K is PSD and c > 0: D + c > 0 except for K = 0, c = 0
+    # K is PSD and c > 0: D + c > 0 except for K = 0, c = 0
+    inverse = torch.where(D + c > 0, 1 / (D + c), 0)
     result = (U @ (inverse * (U.mT @ weights.double()[..., None])[..., 0])[..., None])[..., 0]
     result = torch.where(finite, c * result if form == "authors" else result, torch.nan).to(weights.dtype)
     return (result, D) if eigenvalues else result
 
 
 def weighted_gradient(g: torch.Tensor, a: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Σ_b weights_b V_b = Σ_t w_t g_t a_tᵀ, one GEMM ([out, in]); the weight goes on the narrower side."""
+    """Σ_b weights_b V_b = Σ_t w_t g_t a_tᵀ, one GEMM ([out, in]); the weight goes on the
+    narrower side."""
     if g.shape[-1] >= a.shape[-1]:
         return g.flatten(0, 1).T @ (a * weights[:, None, None]).flatten(0, 1)
     return (g * weights[:, None, None]).flatten(0, 1).T @ a.flatten(0, 1)
 
 
 def split_blocks(x: torch.Tensor, rows: slice, size: int) -> torch.Tensor:
-    """Rows `rows` of x [B, ...] as [blocks, size, ...]: the blocks of --block-size rows of one micro-batch."""
+    """Rows `rows` of x [B, ...] as [blocks, size, ...]: the blocks of
+    --block-size rows of one micro-batch."""
     return x[rows].unflatten(0, (-1, size))
 
 
 def block_entry(values: dict, block: int) -> dict:
-    """One block's entries of a dict of per-block tensors (other values as they are): a row of the trace."""
+    """One block's entries of a dict of per-block tensors (other values as
+    they are): a row of the trace."""
     return {key: value[block] if isinstance(value, torch.Tensor) else value for key, value in values.items()}
 
 
 class IsopoLinear(torch.autograd.Function):
-    """y = a Wᵀ + b whose backward passes the usual g W to the input (earlier layers see the plain gradient of
-    Σ log π) and gives W and b what `update(a, g)` builds from the same g and a: no autograd weight GEMM is wasted,
-    and the gradient lands in .grad where FSDP2 reduce-scatters it like any other."""
+    """y = a Wᵀ + b whose backward passes the usual g W to the input (earlier layers see the
+    plain gradient of Σ log π) and gives W and b what `update(a, g)` builds from the same g and
+    a: no autograd weight GEMM is wasted, and the gradient lands in .grad where FSDP2
+    reduce-scatters it like any other."""
 
     @staticmethod
     def forward(ctx, a, weight, bias, update):
@@ -362,17 +396,22 @@ class IsopoLinear(torch.autograd.Function):
 
 
 class IsopoGradients:
-    """Makes one backward of Σ log π leave the ISOPO gradient in every parameter's .grad (on N ranks FSDP2 reduces it).
-    Every Linear runs as IsopoLinear; every other module owning parameters (embeddings, norms) runs twice, once with
-    its parameters detached (the signal to earlier layers) and once with its inputs detached, whose output gradient is
-    weighted by −A_i/M (REINFORCE). Per micro-batch: the forward and backward inside capture(mask, weights_i = −A_i/M);
-    per minibatch: end_minibatch(commit); per batch: record(metrics). A Linear run twice per forward is an error."""
+    """Makes one backward of Σ log π leave the ISOPO gradient in every parameter's .grad (on N
+    ranks FSDP2 reduces it). Every Linear runs as IsopoLinear; every other module owning
+    parameters (embeddings, norms) runs twice, once with its parameters detached (the signal to
+    earlier layers) and once with its inputs detached, whose output gradient is weighted by
+    −A_i/M (REINFORCE). Per micro-batch: the forward and backward inside capture(mask, weights_i
+    = −A_i/M); per minibatch: end_minibatch(commit); per batch: record(metrics). A Linear run
+    twice per forward is an error."""
 
     def __init__(self, model: torch.nn.Module, args: Args, dist=None, state: dict | None = None):
         self.args, self.dist, self.stats = args, dist, TrailingMeans(args.ema_decay)
-        self.stats.ema = dict(state["ema"]) if state is not None else {}  # a checkpoint's "isopo": exact --resume
-        self.micro, self.log, self.modules, self.trace = None, {}, {}, None  # trace: a list records each layer (tests)
-        if moe.is_moe(model):  # an MoE layer sends a flat list of tokens to its experts: no per-sequence inputs there
+        # a checkpoint's "isopo": exact --resume
+        self.stats.ema = dict(state["ema"]) if state is not None else {}
+        # trace: a list records each layer (tests)
+        self.micro, self.log, self.modules, self.trace = None, {}, {}, None
+        # an MoE layer sends a flat list of tokens to its experts: no per-sequence inputs there
+        if moe.is_moe(model):
             raise BadInput(
                 "ISOPO uses each layer's per-sequence inputs (Eq. 6): mixture-of-experts models are not supported"
             )
@@ -380,7 +419,9 @@ class IsopoGradients:
             own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
             if isinstance(module, torch.nn.Linear) and set(own) - {"weight", "bias"}:
                 raise ValueError(f"ISOPO: Linear module {name} has parameters {own}; only weight and bias are handled")
-            if own:  # an instance attribute: nn.Module.__call__ (hooks, FSDP2's unsharded weights) then runs it
+            # an instance attribute: nn.Module.__call__ (hooks, FSDP2's unsharded weights) then runs
+            # it
+            if own:
                 wrapper = self._linear_forward if isinstance(module, torch.nn.Linear) else self._module_forward
                 module.forward, self.modules[name] = partial(wrapper, name, module, module.forward), module
 
@@ -399,7 +440,8 @@ class IsopoGradients:
             self.micro = None
 
     def backward(self, objective: torch.Tensor) -> None:
-        """objective.backward() while armed (--gradient-checkpointing re-runs forwards in it); every module ran."""
+        """objective.backward() while armed (--gradient-checkpointing re-runs
+        forwards in it); every module ran."""
         self.micro["backward"] = True
         objective.backward()
         if missing := sorted(set(self.modules) - self.micro["ran"]):
@@ -409,7 +451,8 @@ class IsopoGradients:
         self.stats.end_minibatch(commit, self.dist)
 
     def record(self, metrics) -> None:
-        """The per-group statistics since the last call: means (NaN left out), minima or maxima; empty: none."""
+        """The per-group statistics since the last call: means (NaN left out),
+        minima or maxima; empty: none."""
         for (group, key, how), values in sorted(self.log.items()):
             values = torch.cat([torch.as_tensor(v).reshape(-1).double() for v in values]).cpu()
             values = values[~values.isnan()]
@@ -442,7 +485,8 @@ class IsopoGradients:
         through_parameters = forward(*map(detach, args), **{k: detach(v) for k, v in kwargs.items()})
         if any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*args, *kwargs.values())):
             frozen = {n: p.detach() for n, p in module.named_parameters(recurse=False)}
-            micro["bypass"] = module  # functional_call calls module(...), which comes back here: the plain forward
+            # functional_call calls module(...), which comes back here: the plain forward
+            micro["bypass"] = module
             through_inputs = torch.func.functional_call(module, frozen, args, kwargs)
             micro["bypass"] = None
         else:  # e.g. the embedding lookup of token ids
@@ -452,23 +496,29 @@ class IsopoGradients:
             raise ValueError(f"ISOPO: module {name} returned {tuple(out.shape)}; expected [batch, positions, ...]")
         weights = (micro["weights"][:, None] * micro["valid"][:, -out.shape[1] :]).to(out.dtype)
         weights = weights.view(*out.shape[:2], *[1] * (out.dim() - 2))
-        # the value of through_inputs; gradients: g to the inputs, g_t·(−A_i/M) to the parameters (REINFORCE)
+        # the value of through_inputs; gradients: g to the inputs, g_t·(−A_i/M)
+        # to the parameters (REINFORCE)
         return through_inputs + (out - out.detach()) * weights
 
-    def _linear_update(self, name, micro, a, g):  # in IsopoLinear's backward: ISOPO for W, REINFORCE for b
+    # in IsopoLinear's backward: ISOPO for W, REINFORCE for b
+    def _linear_update(self, name, micro, a, g):
         if g.dim() != 3 or a.dim() != 3:
             raise ValueError(
                 f"ISOPO: Linear {name} saw {tuple(a.shape)} -> {tuple(g.shape)}; expected [batch, positions, features]"
             )
-        valid = micro["valid"][:, -g.shape[1] :]  # lm_head sees only the last positions (logits_to_keep)
+        # lm_head sees only the last positions (logits_to_keep)
+        valid = micro["valid"][:, -g.shape[1] :]
         dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
-        g, a = g.to(dtype, copy=True).mul_(valid[..., None]), a.to(dtype)  # one copy of g, pads masked
+        # one copy of g, pads masked
+        g, a = g.to(dtype, copy=True).mul_(valid[..., None]), a.to(dtype)
         weights = micro["weights"].to(dtype)
-        group = name.rsplit(".", 1)[-1]  # statistics per layer group (q_proj, ..., lm_head), over its layers
+        # statistics per layer group (q_proj, ..., lm_head), over its layers
+        group = name.rsplit(".", 1)[-1]
         module = self.modules[name]
         coefficients, size = [], self.args.block_size
         with torch.no_grad():
-            # the micro-batch's blocks of --block-size rows, all at once; a minibatch's last block may be shorter
+            # the micro-batch's blocks of --block-size rows, all at once; a
+            # minibatch's last block may be shorter
             for rows in (slice(0, len(g) - len(g) % size), slice(len(g) - len(g) % size, len(g))):
                 if rows.stop > rows.start:
                     blocks = partial(split_blocks, rows=rows, size=min(size, rows.stop - rows.start))
@@ -483,7 +533,8 @@ class IsopoGradients:
             grad_bias = torch.einsum("bto,b->o", g, weights) if module.bias is not None else None
         return grad_weight, grad_bias
 
-    def _scales(self, name, group, g, a, valid):  # non-interacting: Fig. 3's s_i from Eq. 6 (and ‖v_i‖ for q, r)
+    # non-interacting: Fig. 3's s_i from Eq. 6 (and ‖v_i‖ for q, r)
+    def _scales(self, name, group, g, a, valid):
         args = self.args
         rows = overlap_rows(valid, args.n_overlap)
         quantities = {"fisher": fisher_norms(g, a, rows, valid)}  # [blocks, b]
@@ -492,14 +543,18 @@ class IsopoGradients:
             quantities.update(euclid=euclid, rel=quantities["fisher"] / (euclid + 1e-12))
         expectations = {}
         for key, x in quantities.items():
-            trailing = self.stats.get((name, key))  # None before any minibatch has finished: the block's own mean
+            # None before any minibatch has finished: the block's own mean
+            trailing = self.stats.get((name, key))
             expectations[key] = x.square().mean(1, keepdim=True) if trailing is None else trailing
             self.stats.add((name, key), x.square())
-            # isopo/<group>/fisher_norm, euclid_norm, rel_fisher_norm: mean ‖v_i‖_F (Eq. 6), ‖v_i‖, ‖v_i‖_F/‖v_i‖
+            # isopo/<group>/fisher_norm, euclid_norm, rel_fisher_norm: mean ‖v_i‖_F
+            # (Eq. 6), ‖v_i‖, ‖v_i‖_F/‖v_i‖
             self._log(group, {"fisher": "fisher_norm", "euclid": "euclid_norm", "rel": "rel_fisher_norm"}[key], x)
-            self._log(group, f"reg_{key}", args.reg_coef * expectations[key])  # λ·E[x²], added under reg2's root
+            # λ·E[x²], added under reg2's root
+            self._log(group, f"reg_{key}", args.reg_coef * expectations[key])
         scales = sequence_scales(quantities, args.p, args.q, args.r, args.reg_coef, expectations, args.reg_form)
-        for how in ("mean", "min", "max"):  # scale_mean, scale_min, scale_max: of the sequence scales s_i (Fig. 3)
+        # scale_mean, scale_min, scale_max: of the sequence scales s_i (Fig. 3)
+        for how in ("mean", "min", "max"):
             self._log(group, f"scale_{how}", scales, how=how)
         for i in range(len(rows)) if self.trace is not None else ():  # one entry per block
             pick = partial(block_entry, block=i)
@@ -514,16 +569,20 @@ class IsopoGradients:
             )
         return scales
 
-    def _precondition(self, name, group, g, a, weights):  # interacting: (K + cI)⁻¹ A (Alg. 6, Fig. 7)
+    # interacting: (K + cI)⁻¹ A (Alg. 6, Fig. 7)
+    def _precondition(self, name, group, g, a, weights):
         K = ntk(g, a)  # [blocks, b, b]
         diagonal, trailing = K.diagonal(dim1=1, dim2=2), self.stats.get((name, "ntk_eig"))
-        c = self.args.ntk_reg_coef * (diagonal.mean(1) if trailing is None else trailing)  # mean eig = trace/b
+        # mean eig = trace/b
+        c = self.args.ntk_reg_coef * (diagonal.mean(1) if trailing is None else trailing)
         self.stats.add((name, "ntk_eig"), diagonal)
         preconditioned, eigenvalues = preconditioned_weights(K, weights, c, self.args.ntk_scale, eigenvalues=True)
-        self._log(group, "ntk_eig_mean", diagonal)  # mean and largest eigenvalue of the blocks' NTK K
+        # mean and largest eigenvalue of the blocks' NTK K
+        self._log(group, "ntk_eig_mean", diagonal)
         self._log(group, "ntk_eig_max", eigenvalues, how="max")
         self._log(group, "ntk_reg", c)  # c = --ntk-reg-coef × E[mean eig K]
-        # ‖c (K + cI)⁻¹ A‖ / ‖A‖ per block: 1 = vanilla policy gradient, → 0 = damped; NaN (left out) when every A_i = 0
+        # ‖c (K + cI)⁻¹ A‖ / ‖A‖ per block: 1 = vanilla policy gradient, → 0 = damped; NaN
+        # (left out) when every A_i = 0
         c = torch.as_tensor(c, device=K.device).reshape(-1, 1).expand(len(K), 1)  # one per block
         damped = preconditioned if self.args.ntk_scale == "authors" else c * preconditioned
         self._log(group, "shrink", damped.norm(dim=1) / weights.norm(dim=1))
@@ -531,7 +590,8 @@ class IsopoGradients:
             self.trace.append({"layer": name, "K": K[i], "c": c[i, 0], "weights": preconditioned[i]})
         return preconditioned
 
-    def _log(self, group, key, values, how="mean"):  # kept as they are (record() reduces them): no device sync here
+    # kept as they are (record() reduces them): no device sync here
+    def _log(self, group, key, values, how="mean"):
         self.log.setdefault((group, key, how), []).append(
             values.detach() if isinstance(values, torch.Tensor) else values
         )
@@ -546,11 +606,13 @@ def isopo_backward(
     autocast,
     world_size: int = 1,
 ):
-    """One micro-batch: the forward and one backward of Σ log π without advantages (Alg. 2 line 2), the ISOPO forwards
-    armed: every parameter's .grad gains this micro-batch's share. Returns logprobs, entropy, L (losses/policy_loss;
-    ISOPO transforms ∇L)."""
-    weights = -micro["advantages"] / minibatch_sequences  # ∂L/∂log π(o_i|q_i), L = −(1/M) Σ_i A_i log π(o_i|q_i)
-    with isopo.capture(micro["attention_mask"], weights * world_size):  # FSDP2 averages over ranks: × N undoes it
+    """One micro-batch: the forward and one backward of Σ log π without advantages (Alg. 2 line
+    2), the ISOPO forwards armed: every parameter's .grad gains this micro-batch's share. Returns
+    logprobs, entropy, L (losses/policy_loss; ISOPO transforms ∇L)."""
+    # ∂L/∂log π(o_i|q_i), L = −(1/M) Σ_i A_i log π(o_i|q_i)
+    weights = -micro["advantages"] / minibatch_sequences
+    # FSDP2 averages over ranks: × N undoes it
+    with isopo.capture(micro["attention_mask"], weights * world_size):
         with autocast:
             logprobs, entropy = token_logprobs(policy, micro, temperature, with_entropy=True)
         sequence_logprobs = (logprobs * micro["response_mask"]).sum(1)
@@ -569,10 +631,12 @@ def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1
 
 # TRY NOT TO MODIFY: log-probs, rollout batches, micro-batches and the train-inference mismatch
 def token_logprobs(model, micro, temperature, with_entropy=False):
-    """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their entropy, no
-    gradient). The logits are divided by the sampling temperature, so the trainer scores the very
-    distribution the engine sampled from. Full [B, T, vocabulary] logits: ISOPO needs lm_head's output gradient."""
-    targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))  # the last position predicts past the end
+    """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their
+    entropy, no gradient). The logits are divided by the sampling temperature, so the trainer
+    scores the very distribution the engine sampled from. Full [B, T, vocabulary] logits: ISOPO
+    needs lm_head's output gradient."""
+    # the last position predicts past the end
+    targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))
     logp_all = torch.log_softmax(
         model(
             input_ids=micro["input_ids"],
@@ -586,7 +650,8 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
         / temperature,
         dim=-1,
     )
-    if "sampling_mask" in micro:  # top-p / top-k: π renormalised over the kept ids of each position (−1: padding)
+    # top-p / top-k: π renormalised over the kept ids of each position (−1: padding)
+    if "sampling_mask" in micro:
         kept = micro["sampling_mask"].long()
         counts = torch.zeros_like(logp_all, dtype=torch.long).scatter_add_(-1, kept.clamp(min=0), (kept >= 0).long())
         member = counts > 0
@@ -598,12 +663,14 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
 
 
 def check_full_logits(args) -> None:
-    """Refuse, before minutes of set-up, a micro-batch whose full logits cannot fit: the stage holds about four
-    float32 [B, T, vocabulary] tensors beside the training state (16 bytes per parameter over the ranks) and an
-    awake vLLM engine's share. The model's config is read, not its weights."""
+    """Refuse, before minutes of set-up, a micro-batch whose full logits cannot fit: the
+    stage holds about four float32 [B, T, vocabulary] tensors beside the training state (16
+    bytes per parameter over the ranks) and an awake vLLM engine's share. The model's
+    config is read, not its weights."""
     world_size, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    config = memory.load_config(resolve_model(args.model, args.task))  # the built-in model of --task for tiny
+    # the built-in model of --task for tiny
+    config = memory.load_config(resolve_model(args.model, args.task))
     vocab, parameters = config.vocab_size, memory.parameter_counts(config)["total"]
     need = memory.full_logits_bytes(
         args.micro_batch_size, episode_tokens(args.task, args.max_new_tokens, args.tools), vocab
@@ -626,9 +693,11 @@ def check_full_logits(args) -> None:
 
 
 def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
-    """G completions of each prompt from the engine, with the engine's log-prob μ of each sampled token, each
-    scored against its row's gold answer: reward 1 for a correct answer, else 0, plus DAPO's overlong penalty."""
-    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is the naive full-vocabulary one
+    """G completions of each prompt from the engine, with the engine's log-prob μ of each
+    sampled token, each scored against its row's gold answer: reward 1 for a correct answer,
+    else 0, plus DAPO's overlong penalty."""
+    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is
+    # the naive full-vocabulary one
     completions = engine.generate(
         prompt_ids,
         args.group_size,
@@ -638,24 +707,29 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
         top_k=args.top_k,
         sampling_mask=args.keep_sampling_mask,
     )
-    scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)  # prompt i: [iG, (i+1)G)
-    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens, then down to −1 at the limit
+    # prompt i: [iG, (i+1)G)
+    scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)
+    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens,
+    # then down to −1 at the limit
     rewards = [
         score.reward + overlong_penalty(completion.policy_length, args.max_new_tokens, args.overlong_buffer)
         for score, completion in zip(scores, completions)
     ]
-    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the length limit gets no gradient
+    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
+    # length limit gets no gradient
     trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
-    metrics.sum("sampling/rollouts", len(completions))  # completions generated, all ranks (and rounds)
+    # completions generated, all ranks (and rounds)
+    metrics.sum("sampling/rollouts", len(completions))
     return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
 
 
 def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None):
-    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding. The
-    response mask marks the tokens that train: the policy's own (not a tool's output), of every completion or of
-    those whose `trains` entry is True (the sampler's: not a completion cut off with --mask-truncated, nor a filler
-    group of a batch left short by dynamic sampling)."""
+    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids
+    skip padding. The response mask marks the tokens that train: the policy's own (not a
+    tool's output), of every completion or of those whose `trains` entry is True (the
+    sampler's: not a completion cut off with --mask-truncated, nor a filler group of a
+    batch left short by dynamic sampling)."""
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(len(c.token_ids) for c in completions)
     rows, masks, response_masks, sampler_logprobs, turns = [], [], [], [], []
@@ -679,17 +753,18 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None)
         "response_mask": torch.tensor(response_masks, device=device).float(),
         "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
     }
-    if any(c.tool_mask is not None for c in completions):  # episodes with tools: 1 after the first tool output
+    if any(c.tool_mask is not None for c in completions):  # tools: 1 after the first tool output
         batch["later_turns"] = torch.tensor(turns, device=device).float()
-    kept = sampling_masks(completions, response_width, device)  # top-p / top-k: the ids kept per position [B, T, K]
+    # top-p / top-k: the ids kept per position [B, T, K]
+    kept = sampling_masks(completions, response_width, device)
     return batch | ({"sampling_mask": kept} if kept is not None else {})
 
 
 def micro_batches(batch, indices, size, by_length=True):
-    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the sequence
-    tensors [B, prompt + response] and every per-response-token tensor [B, response] alike. by_length:
-    rows sorted by response length first, so a long response does not pad many short ones (token sums
-    do not depend on the order)."""
+    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the
+    sequence tensors [B, prompt + response] and every per-response-token tensor [B, response]
+    alike. by_length: rows sorted by response length first, so a long response does not pad many
+    short ones (token sums do not depend on the order)."""
     full_width, response_width = batch["input_ids"].shape[1], batch["response_ids"].shape[1]
     if by_length:
         indices = indices[batch["response_mask"][indices].sum(1).argsort(descending=True, stable=True)]
@@ -708,8 +783,8 @@ def micro_batches(batch, indices, size, by_length=True):
 
 
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
-    """token_logprobs of every response token of the batch [B, T] under `model`, without gradient, a micro-batch
-    at a time (0 past each response's end): (log-probs, entropy or None)."""
+    """token_logprobs of every response token of the batch [B, T] under `model`, without
+    gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
     logprobs, entropy = torch.zeros_like(batch["sampler_logprobs"]), torch.zeros_like(batch["sampler_logprobs"])
     every_row = torch.arange(len(logprobs), device=logprobs.device)
     with torch.no_grad(), autocast:
@@ -722,22 +797,26 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
 
 
 def record_mismatch(metrics, batch, old_logprobs):
-    """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ being the
-    engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ, and
-    mismatch/max_abs_logprob_diff."""
+    """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ
+    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ =
+    π_old/μ, and mismatch/max_abs_logprob_diff."""
     log_ratio, mask = (old_logprobs - batch["sampler_logprobs"]).detach(), batch["response_mask"]
     k3 = torch.exp(log_ratio) - 1 - log_ratio
     metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
     metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
-    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))  # with tools: mismatch/kl_k3_*_turn(s)
+    # with tools: mismatch/kl_k3_*_turn(s)
+    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step (the groups of the batch): the reward and how it came about."""
-    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)  # EOS in, tool outputs out
+    """What the engine sampled this step (the groups of the batch): the reward and how it came
+    about."""
+    # EOS in, tool outputs out
+    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)
     metrics.mean("charts/reward", rewards.sum(), rollouts)
     metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
-    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)  # no answer to extract
+    # no answer to extract
+    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)
     metrics.mean("charts/response_length_mean", lengths.sum(), rollouts)
     metrics.max("charts/response_length_max", lengths)
     metrics.mean("charts/truncation_rate", sum(c.finish_reason == "length" for c in completions), rollouts)
@@ -756,43 +835,46 @@ PLOTTED = [
     "isopo/lm_head/ntk_reg",
     "mismatch/kl_k3",
 ]
-PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]  # the progress bar's numbers
+# the progress bar's numbers
+PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]
 # END TRY NOT TO MODIFY
 
 
 def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics, isopo) -> int:
-    """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
-    Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
-    # old log-probs only when π_θ will move away from π_old within this batch. ISOPO has no ratio: they
-    # serve the statistics (approx_kl, the mismatch) only
+    """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
+    share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
+    # old log-probs only when π_θ will move away from π_old within this batch. ISOPO has no ratio:
+    # they serve the statistics (approx_kl, the mismatch) only
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     if multiple_updates:
         batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old [B, T]
         record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
-        batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref [B, T]
+        batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
 
     skipped = 0
     for _ in range(args.update_epochs):
-        # ALGO LOGIC: whole groups in a random order, so that a block of G rows (or of a divisor of G) holds
-        # completions of one prompt, and is the same block on any number of ranks
+        # ALGO LOGIC: whole groups in a random order, so that a block of G rows (or of a divisor of
+        # G) holds completions of one prompt, and is the same block on any number of ranks
         groups = torch.randperm(len(every_row) // args.group_size, device=every_row.device)
         order = (groups[:, None] * args.group_size + torch.arange(args.group_size, device=groups.device)).flatten()
         # END ALGO LOGIC
         for minibatch in order.chunk(args.num_minibatches):
-            # sequence-mean counts the completions that have a response token (an empty one adds nothing)
+            # sequence-mean counts the completions that have a response token (an empty one adds
+            # nothing)
             response_mask = batch["response_mask"][minibatch]
             counts = fsdp.all_reduce_dict(
                 {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
             )
             minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
-            if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
+            if minibatch_tokens == 0:  # no token on any rank: no step (counted)
                 skipped += 1
                 continue
             minibatch_loss = 0.0
-            # ALGO LOGIC: micro-batches of whole blocks (--block-size rows in the minibatch's order), the blocks
-            # sorted by their longest response so that a micro-batch pads little; a shorter last block stays last
+            # ALGO LOGIC: micro-batches of whole blocks (--block-size rows in the minibatch's
+            # order), the blocks sorted by their longest response so that a micro-batch pads little;
+            # a shorter last block stays last
             whole = len(minibatch) - len(minibatch) % args.block_size
             blocks = minibatch[:whole].view(-1, args.block_size)
             longest = batch["response_mask"][blocks].sum(-1).amax(1)
@@ -800,14 +882,16 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
             # END ALGO LOGIC
             for micro in micro_batches(batch, minibatch, args.micro_batch_size, by_length=False):
                 mask = micro["response_mask"]
-                # ALGO LOGIC: one backward of Σ log π builds this micro-batch's share of every ISOPO gradient
+                # ALGO LOGIC: one backward of Σ log π builds this micro-batch's
+                # share of every ISOPO gradient
                 logprobs, entropy, loss = isopo_backward(
                     policy, isopo, micro, args.temperature, minibatch_sequences, autocast, dist.world_size
                 )
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
-                if reference is not None:  # --log-kl-ref: the drift from the initial policy (Fig. 5), a metric only
+                # --log-kl-ref: the drift from the initial policy (Fig. 5), a metric only
+                if reference is not None:
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
-                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
+                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 of KL(π_θ ‖ π_ref)
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 # END ALGO LOGIC
                 minibatch_loss += loss.item()
@@ -815,20 +899,25 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     log_ratio, tokens = (logprobs - old_logprobs).detach(), mask.sum()
                     k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
-                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
-                    if not multiple_updates:  # this single pass sees every rollout once, under π_old
+                    # full-vocabulary entropy of π_θ
+                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
+                    if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss or gradient norm
-            # is not finite is skipped (counted in charts/skipped_steps), so weights never become NaN
-            scaler.unscale_(optimizer)  # float16: the gradients divided by the loss scale, before clipping
-            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)  # the norm before clipping
+            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose
+            # loss or gradient norm is not finite is skipped (counted in
+            # charts/skipped_steps), so weights never become NaN float16: the gradients
+            # divided by the loss scale, before clipping
+            scaler.unscale_(optimizer)
+            # the norm before clipping
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
             if torch.isfinite(grad_norm) and math.isfinite(minibatch_loss):
-                scaler.step(optimizer)  # optimizer.step() (float16: after the scaler's own overflow check)
+                scaler.step(optimizer)  # optimizer.step(), after fp16's overflow check
                 scheduler.step()
             else:
                 skipped += 1
-            scaler.update()  # float16: the scale halves after an overflow (any rank), doubles after 2000 clean steps
+            # float16: the scale halves after an overflow (any rank), doubles after 2000 clean steps
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
             metrics.mean("losses/policy_loss", minibatch_loss, 1)  # the same numbers on every rank
             metrics.mean("losses/grad_norm", grad_norm, 1)
@@ -837,8 +926,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 
 
 def check_args(args: Args) -> None:
-    """Every flag's range, before anything is loaded: one error lists every problem (NaN fails every check)."""
-    problems = checks.shared_flags(args)  # the experiment, rollouts, optimization, evaluation, systems
+    """Every flag's range, before anything is loaded: one error lists every
+    problem (NaN fails every check)."""
+    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, systems
     # ALGO LOGIC: this method's flags
     problems += require(args.block_size >= 1, "--block-size", ">= 1")
     problems += require(
@@ -847,7 +937,8 @@ def check_args(args: Args) -> None:
         "off: ISOPO builds its own per-sequence gradient of the output layer",
     )
     problems += require(
-        args.block_size < 1 or args.micro_batch_size % args.block_size == 0,  # (< 1: reported above)
+        # (< 1: reported above)
+        args.block_size < 1 or args.micro_batch_size % args.block_size == 0,
         "--micro-batch-size",
         "a multiple of --block-size",
     )
@@ -876,15 +967,15 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16 compute)
+    # TRY NOT TO MODIFY: set-up (torchrun and FSDP2 on several ranks; float32 weights, bf16 compute)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
-    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # auto: bf16 on a GPU
-    # a new run folder, or with --resume the run's own, whose settings a resume keeps (checks.RESUME_MAY_CHANGE)
+    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs
+    # a new run folder, or with --resume the run's own, whose settings it keeps
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
-    # training prompts, and held-out ones that never train (a local task file holds out a seeded 10% of itself)
+    # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     data = load_prompts(
@@ -893,57 +984,57 @@ def main(args: Args) -> None:
     )  # fmt: skip
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
-    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # float32; LoRA: a frozen base and adapters
+    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # LoRA: base frozen
     engine = make_training_engine(systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed)
-    engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # tools: episodes
-    # train mode, no dropout; sharded while in CPU memory, so each GPU receives its shard one unit at a time
+    engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # episodes
+    # train mode, no dropout; sharded from CPU memory: each GPU receives one unit at a time
     policy = fsdp.shard_for_training(policy, dist, systems, compute_dtype)
     reference = fsdp.load_reference(args.model, dist, systems, compute_dtype) if args.log_kl_ref else None
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # --lora-rank: the adapters' A and B alone
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters alone
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     state = {"step": 0, "skipped_steps": 0}
     if checkpoint:
         state = load_checkpoint(checkpoint, policy, optimizer, scheduler, dist)
     start_step, skipped_steps = state["step"], state["skipped_steps"]
-    isopo = IsopoGradients(policy, args, dist, state.get("isopo"))  # idle outside capture(); exact resume
+    # idle outside capture(); exact resume
+    isopo = IsopoGradients(policy, args, dist, state.get("isopo"))
     tracker = Tracker(run_dir, flat(args), args.tracking, dist.is_main, resume_step=start_step if checkpoint else None)
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
     if start_step == 0 and evaluator.due(0, args.steps):
         tracker.log(evaluator(), step=0)
-    # each rank takes whole groups of G completions (group statistics are one process's): its share of the
-    # step's prompts, and with --dynamic-sampling of DAPO's extra rounds
+    # each rank takes whole groups: its share of each step's prompts (and of DAPO's extra rounds)
     sampler = PromptSampler(
         data.prompts, data.train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds
     )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed, then the run ends
+    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
-        # 1. rollout: G completions of each of this rank's prompts, each scored against its row's gold answer
+        # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
         with metrics.timer("time/rollout"):
             prompt_ids, rows = sampler.step_prompts(step)
             groups = rollout(engine, tokenizer, prompt_ids, rows, args, metrics)
-            if args.dynamic_sampling:  # DAPO §3.2: groups whose rewards are all equal are replaced by new prompts'
+            if args.dynamic_sampling:  # DAPO §3.2: all-equal groups are replaced by new prompts'
                 more = partial(rollout, engine, tokenizer, args=args, metrics=metrics)
                 groups = sampler.dynamic_sampling(groups, step, more, metrics)
 
-        # 2. advantages (a completion cut off with --mask-truncated counts in its group's, but does not train)
+        # 2. advantages (a completion cut off by --mask-truncated counts in them but does not train)
         batch = make_batch(
             groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
         )
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
-        # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
+        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps: GPU memory)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(
                 policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics, isopo
             )
 
-        # TRY NOT TO MODIFY: 5. push the new weights to the engine (every rank gathers each full tensor in turn)
+        # TRY NOT TO MODIFY: 5. push the new weights to the engine (each full tensor in turn)
         with metrics.timer("time/weight_sync"):
             engine.wake_up(["weights"])
             engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
@@ -951,21 +1042,22 @@ def main(args: Args) -> None:
 
         # TRY NOT TO MODIFY: 6. log, evaluate, checkpoint
         metrics.set("charts/lr", scheduler.get_last_lr()[0])
-        metrics.set("charts/skipped_steps", skipped_steps)  # optimizer steps skipped so far (not finite, no token)
+        metrics.set("charts/skipped_steps", skipped_steps)  # so far: not finite, or no token
         metrics.set("time/step", time.time() - step_start)  # evaluation excluded
-        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))  # all ranks
+        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))
         if evaluator.due(step + 1, args.steps):
-            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k on held-out prompts
+            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k
                 metrics.update(evaluator())
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, no answers at all
+        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, ...
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
             trainer_state = {"skipped_steps": skipped_steps, "args": flat(args)}
-            trainer_state["isopo"] = {"ema": dict(isopo.stats.ema)}  # the running statistics: exact resume
+            # the running statistics: exact resume
+            trainer_state["isopo"] = {"ema": dict(isopo.stats.ema)}
             save_checkpoint(
                 run_dir, step + 1, policy, tokenizer, optimizer, scheduler, trainer_state, dist, args.keep_checkpoints
             )
@@ -975,41 +1067,46 @@ def main(args: Args) -> None:
     tracker.close(plot_keys=PLOTTED + [f"eval/avg@{evaluator.k}"])  # curves.png
     engine.close()
     fsdp.cleanup(dist)
-    stop.finish(run_dir, dist)  # after a signal: how to resume it, and exit code 128 + the signal's number
+    stop.finish(run_dir, dist)  # after a signal: how to resume, and exit code 128 + its number
 
 
 if __name__ == "__main__":
-    with checks.clear_errors():  # a bad flag, file or model: one line that names it, not a traceback
+    with checks.clear_errors():  # a bad flag, file or model: one line, no traceback
         main(tyro.cli(Args))
 
 
-# Paper scale: the paper's setting (§2.1; run.sh of the authors' code), Qwen3-0.6B on GSM8K on one GPU
+# Paper scale: the paper's setting (§2.1; run.sh of the authors' code),
+# Qwen3-0.6B on GSM8K on one GPU
 #   python algorithms/isopo.py --model Qwen/Qwen3-0.6B --task gsm8k --eval-task gsm8k \
 #       --steps 102 --prompts-per-step 128 --group-size 8 --max-prompt-tokens 512 --max-new-tokens 2048 \
 #       --lr 2e-6 --weight-decay 0.01 --num-minibatches 2 --block-size 8 --micro-batch-size 8 --dtype bfloat16 \
 #       --gradient-checkpointing --rollout-engine vllm --vllm-sleep-mode \
 #       --eval-every 10 --eval-prompts 1319 --eval-k 1 --log-kl-ref --track
-#   (micro-batches of one block: ISOPO keeps full [B, T, vocabulary] logits, whose gradient lm_head's update needs;
-#   a micro-batch whose logits cannot fit on the device is refused at start-up).
-#   Memory on one 80 GB GPU (`python -m common.memory --full-logits` with these flags): the full logits 37.1 GiB (four
-#   float32 tensors of 8 × 2,049 × 151,936), training state 8.9 (16 bytes × 0.60 B parameters), checkpointed
-#   activations 4.5 (80 KiB per token per layer), bf16 weight casts 0.3, the sleeping engine 1.0, CUDA 1.5: 53 GiB.
-#   Without --vllm-sleep-mode (vLLM keeps 24 GiB) or --gradient-checkpointing (45 GiB of activations) it does not fit;
-#   on N GPUs the same flags after `torchrun --nproc_per_node N` (N dividing 128: every rank holds whole groups)
-#   add --variant interacting for Fig. 7, --p 0 --q -1 --r -2 for Fig. 4, --p 0 --q -1 for Fig. 5 (yellow)
+# (micro-batches of one block: ISOPO keeps full [B, T, vocabulary] logits, whose gradient lm_head's
+# update needs; a micro-batch whose logits cannot fit on the device is refused at start-up).
+# Memory on one 80 GB GPU (`python -m common.memory --full-logits` with these flags): the full
+# logits 37.1 GiB (four float32 tensors of 8 × 2,049 × 151,936), training state 8.9 (16 bytes × 0.60
+# B parameters), checkpointed activations 4.5 (80 KiB per token per layer), bf16 weight casts 0.3,
+# the sleeping engine 1.0, CUDA 1.5: 53 GiB. Without --vllm-sleep-mode (vLLM keeps 24 GiB) or
+# --gradient-checkpointing (45 GiB of activations) it does not fit. On N GPUs: the same flags after
+# `torchrun --nproc_per_node N` (N dividing 128: every rank holds whole groups). Add --variant
+# interacting for Fig. 7, --p 0 --q -1 --r -2 for Fig. 4, --p 0 --q -1 for Fig. 5 (yellow).
 #
-# Differences from the authors' code (commit 2686cda), each deliberate. There, non-Linear parameters (RMSNorm, untied
-# embeddings) get an advantage-free gradient (token-mean −log π: SFT on the own samples), tied embeddings lose their
-# lookup gradient (lm_head's update overwrites it) and Linear biases are zeroed; here all get REINFORCE gradients and
-# the tied contributions add. Its exponents, negated and reordered: p, q, r = −overlap_neg_power, −norm_neg_power,
-# −rel_overlap_neg_power. Its default regularization (keep_small_invariant) is --reg-form authors, with each sequence's
-# own value as E before any history (here the micro-batch mean); the paper's runs and run.sh use none when
-# non-interacting (--reg-coef 0). Interacting, it computes the dimensionless v = Jᵀ c(K + cI)⁻¹A, → the vanilla gradient
-# where K ≪ c (--ntk-scale authors). Its v_i is ∇ of the token-mean loss over the gradient-accumulation count, its
-# update a sum over the minibatch; here v_i = ∇ log π and a mean: a factor M apart for p + q = −1 without
-# regularization, a batch-dependent scale otherwise (AdamW mostly absorbs it). It computes and discards autograd's
-# weight gradients and materializes every V_i; here neither. Its AdamW: betas (0.9, 0.999), weight decay 0.01 (grpo.py's
+# Differences from the authors' code (commit 2686cda), each deliberate. There, non-Linear parameters
+# (RMSNorm, untied embeddings) get an advantage-free gradient (token-mean −log π: SFT on the own
+# samples), tied embeddings lose their lookup gradient (lm_head's update overwrites it) and Linear
+# biases are zeroed; here all get REINFORCE gradients and the tied contributions add. Its exponents,
+# negated and reordered: p, q, r = −overlap_neg_power, −norm_neg_power, −rel_overlap_neg_power. Its
+# default regularization (keep_small_invariant) is --reg-form authors, with each sequence's own
+# value as E before any history (here the micro-batch mean); the paper's runs and run.sh use none
+# when non-interacting (--reg-coef 0). Interacting, it computes the dimensionless v = Jᵀ c(K +
+# cI)⁻¹A, → the vanilla gradient where K ≪ c (--ntk-scale authors). Its v_i is ∇ of the token-mean
+# loss over the gradient-accumulation count, its update a sum over the minibatch; here v_i = ∇ log π
+# and a mean: a factor M apart for p + q = −1 without regularization, a batch-dependent scale
+# otherwise (AdamW mostly absorbs it). It computes and discards autograd's weight gradients and
+# materializes every V_i; here neither. Its AdamW: betas (0.9, 0.999), weight decay 0.01 (grpo.py's
 # (0.9, 0.99) kept). It runs on one GPU; here
-# torchrun works as for every script: FSDP2 reduce-scatters the weight gradients IsopoLinear returns, and the EMA's
-# minibatch means are all-reduced. Its micro-batches are cut in rollout order (verl keeps that order on one GPU), where
-# a prompt's 8 completions are adjacent: with --block-size 8 and --group-size 8, one group per block, as here.
+# torchrun works as for every script: FSDP2 reduce-scatters the weight gradients IsopoLinear
+# returns, and the EMA's minibatch means are all-reduced. Its micro-batches are cut in rollout order
+# (verl keeps that order on one GPU), where a prompt's 8 completions are adjacent: with --block-size
+# 8 and --group-size 8, one group per block, as here.

