@@ -105,8 +105,17 @@ def torchrun(nproc, script, *flags, timeout=600):
         *map(str, flags),
     ]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0 and GLOO_ABORT in result.stderr:
+        # gloo's worker threads can abort a rank (std::terminate, SIGABRT) when a process tears down while they
+        # hold work (pytorch/pytorch#179291), seen once so far in this suite's CI runs: run it once more, and only
+        # a second failure counts
+        print(f"torchrun {script}: a rank aborted in gloo ({GLOO_ABORT!r}); running it again", file=sys.stderr)
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"torchrun {script} failed:\n{result.stderr[-5000:]}"
     return result
+
+
+GLOO_ABORT = "terminate called without an active exception"
 
 
 def assert_two_ranks_update_like_one(tmp_path, *script_args, tokens_seen=2 * 49, weight_atol=1e-6):
