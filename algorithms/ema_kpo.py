@@ -1,4 +1,4 @@
-"""EMA-KPO: KPO's causal filter of token log-ratios as a scheduled EMA, beside the Kalman filter.
+"""EMA-KPO: KPO's causal log-ratio filter as a scheduled EMA, with the Kalman filter it simplifies.
 
 Papers: EMA-KPO, "Simplifying Kalman Policy Optimization with Fixed-Gain Exponential Smoothing"
 (FARS, 2026; no arXiv id, code gitlab.com/fars-a/kpo-simple-smoothing); KPO, "Online Causal
@@ -14,20 +14,20 @@ GRPO's group-normalized advantages):
     r̃_t   = exp( log π_θ(o_t) − sg(log π_θ(o_t)) + sg(ρ̂_t) )     value exp(ρ̂_t), gradient exp(ρ̂_t)·∇log π_θ(o_t)
     J(θ)  = 1/N Σ_i 1/|o_i| Σ_t min( r̃_it A_i , clip(r̃_it, 1 − ε_low, 1 + ε_high) A_i )   (the paper's ε−, ε+)
 
-The model behind it: a random walk ρ_t = ρ_t−1 + η (variance Q = 1e-6) observed as z_t = ρ_t
-+ ε (variance V = 1) (Eqs. 2-3). The covariance recursion never sees z, so the gains K_t
-depend only on the position t: the Kalman filter IS an EMA with a schedule fixed before
-training (Eq. 9), which EMA-KPO runs.
+The model behind it: a random walk ρ_t = ρ_t−1 + η (variance Q = 1e-6) observed as
+z_t = ρ_t + ε (variance V = 1) (Eqs. 2-3). The covariance recursion never sees z, so
+the gains K_t depend only on the position t: the Kalman filter IS an EMA with a schedule
+fixed before training (Eq. 9), which EMA-KPO runs.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
 the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
-are defined where recorded; the paper-scale command and the papers' differences close the file.
+are defined where recorded; the paper-scale command and a list of differences end the file.
 
 What this file changes relative to grpo.py: the filtered ratio (the filter, its gains and their
-flags) and the defaults ε_low = 3e-4, ε_high = 4e-4, --num-minibatches 4 and --loss-aggregation
-sequence-mean (KPO's seq-mean-token-mean).
+flags) and the defaults ε_low = 3e-4, ε_high = 4e-4, --num-minibatches 4 and
+--loss-aggregation sequence-mean (KPO's seq-mean-token-mean).
 
 Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
@@ -87,8 +87,7 @@ class Args:
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
-    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this
-    exp/task/seed)"""
+    """continue from a checkpoint folder, a run folder or `auto`: the newest run of exp/task/seed"""
     steps: int = 60
     """training steps (one rollout batch each)"""
 
@@ -134,8 +133,8 @@ class Args:
     kalman_v: float = 1.0
     """V: variance of the observation noise on each token's log-ratio (Eq. 3)"""
     p0: float = 1.0
-    """P_0|0, prior variance of the latent log-ratio: 1 = EMA-KPO paper (first
-    gain ≈ 0.5), 0 = KPO code (≈ Q)"""
+    """P_0|0, prior variance of the latent log-ratio: 1 = EMA-KPO paper
+    (first gain ≈ 0.5), 0 = KPO code (≈ Q)"""
     alpha: float | None = None
     """the constant gain of --smoother fixed (the paper's ablation: 1e-4
     collapses, 1e-2 trails the schedule)"""
@@ -160,8 +159,8 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping threshold on the global norm (1e9: no clipping)"""
     num_minibatches: int = 4
-    """optimizer steps per rollout batch and epoch (EMA-KPO needs > 1: with one
-    update r̃ ≡ 1; 4: the KPO script's)"""
+    """optimizer steps per rollout batch and epoch (EMA-KPO needs > 1:
+    with one update r̃ ≡ 1; 4: the KPO script's)"""
     update_epochs: int = 1
     """passes over each rollout batch"""
     micro_batch_size: int = 64
@@ -182,8 +181,7 @@ class Args:
     systems: Group[Systems] = field(default_factory=Systems)
 
 
-# ALGO LOGIC: the filter of the token log-ratios and its ratio, the clipped
-# surrogate, advantages, loss averaging
+# ALGO LOGIC: the log-ratio filter and its ratio, the clipped surrogate, advantages, loss averaging
 def kalman_gains(length: int, q: float = 1e-6, v: float = 1.0, p0: float = 1.0) -> torch.Tensor:
     """Gains K_1..K_length (float64) of the Kalman filter of Eqs. 2-3 from P_0|0 = p0: a
     schedule of the position. p0 = 1 (the EMA-KPO paper): K_1 = (P0 + Q)/(P0 + Q + V) ≈ 0.5,
@@ -211,11 +209,11 @@ def gain_schedule(args, length: int) -> torch.Tensor:
 
 
 def ema_filter(z: torch.Tensor, alphas: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """ρ̂_t = (1 − α_t) ρ̂_t−1 + α_t z_t with ρ̂_0 = 0 (Eq. 9) along each row of z [B, T], no
-    loop over tokens. alphas: at least T gains in [0, 1), shared by the rows. Unrolled, ρ̂_t =
-    Σ_i≤t α_i exp(L_t − L_i) z_i with L_t = Σ_j≤t log(1 − α_j), a matrix product within blocks of
-    `block` tokens, then across them. Every exponent is ≤ 0: nothing overflows. Float64 inside:
-    relative error < 1e-7 against a loop at 8192 tokens."""
+    """ρ̂_t = (1 − α_t) ρ̂_t−1 + α_t z_t with ρ̂_0 = 0 (Eq. 9) along each row of z [B, T], no loop
+    over tokens. alphas: at least T gains in [0, 1), shared by the rows. Unrolled,
+    ρ̂_t = Σ_i≤t α_i exp(L_t − L_i) z_i with L_t = Σ_j≤t log(1 − α_j), a matrix product within
+    blocks of `block` tokens, then across them. Every exponent is ≤ 0: nothing overflows. Float64
+    inside: relative error < 1e-7 against a loop at 8192 tokens."""
     rows, length = z.shape
     if len(alphas) < length:
         raise ValueError(f"ema_filter: {len(alphas)} gains for {length} tokens")
@@ -308,8 +306,8 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     response_ids = micro["response_ids"]  # [B, T]
     # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
     # logits at the position before o_t. Inside the context the output layer returns these two
-    # numbers per position instead of the logits, a chunk of positions at a time: no [B, T,
-    # vocabulary] tensor (common/logprobs.py)
+    # numbers per position instead of the logits, a chunk of positions at a time: no
+    # [B, T, vocabulary] tensor (common/logprobs.py)
     with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
         scores = model(
             input_ids=micro["input_ids"],
@@ -429,8 +427,8 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
 
 def record_mismatch(metrics, batch, old_logprobs):
     """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ
-    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ =
-    π_old/μ, and mismatch/max_abs_logprob_diff."""
+    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ]
+    with ρ = π_old/μ, and mismatch/max_abs_logprob_diff."""
     log_ratio, mask = (old_logprobs - batch["sampler_logprobs"]).detach(), batch["response_mask"]
     k3 = torch.exp(log_ratio) - 1 - log_ratio
     metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
@@ -440,8 +438,7 @@ def record_mismatch(metrics, batch, old_logprobs):
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step (the groups of the batch): the reward and how it came
-    about."""
+    """What the engine sampled this step (the batch's groups): the reward and how it came about."""
     # EOS in, tool outputs out
     lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)
     metrics.mean("charts/reward", rewards.sum(), rollouts)
@@ -485,16 +482,17 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
     if reference is not None:  # β > 0
         batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
 
+    # ALGO LOGIC: the EMA's α_t (Eq. 9), one per response column
     width = batch["response_ids"].shape[1]
-    gains = gain_schedule(args, width).to(every_row.device)  # ALGO LOGIC: the EMA's α_t (Eq. 9)
+    gains = gain_schedule(args, width).to(every_row.device)
+    # END ALGO LOGIC
     skipped = 0
     for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
         for minibatch in order.chunk(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
             # ranks, so each rank's share is scaled by the world size
-            # sequence-mean counts the completions that have a response token (an empty one adds
-            # nothing)
+            # sequence-mean counts completions with a response token (an empty one adds nothing)
             response_mask = batch["response_mask"][minibatch]
             counts = fsdp.all_reduce_dict(
                 {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
@@ -542,7 +540,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
                     k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
-                    # no gradient
+                    # the share of tokens whose clipped loss has no gradient
                     metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)
                     # full-vocabulary entropy of π_θ
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
@@ -550,15 +548,14 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     metrics.max("losses/ratio_max", ratio[valid])
                     # how far ρ̂ moves
                     metrics.mean("losses/rho_hat_abs_mean", (rho_hat.abs() * mask).sum(), tokens)
-                    # (compare with ε_low, ε_high)
+                    # the largest |ρ̂| (compare with ε_low, ε_high)
                     metrics.max("losses/rho_hat_abs_max", rho_hat[valid].abs())
                     if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose
-            # loss or gradient norm is not finite is skipped (counted in
-            # charts/skipped_steps), so weights never become NaN float16: the gradients
-            # divided by the loss scale, before clipping
-            scaler.unscale_(optimizer)
+            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss
+            # or gradient norm is not finite is skipped (counted in charts/skipped_steps), so
+            # weights never become NaN
+            scaler.unscale_(optimizer)  # float16: divided by the loss scale, before clipping
             # the norm before clipping
             grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
@@ -578,7 +575,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 def check_args(args: Args) -> None:
     """Every flag's range, before anything is loaded: one error lists every
     problem (NaN fails every check)."""
-    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, systems
+    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, evaluation, systems
     # ALGO LOGIC: this method's flags
     problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")
     problems += require(0 <= args.clip_high < math.inf, "--clip-high", ">= 0 and finite")
@@ -600,12 +597,13 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (torchrun and FSDP2 on several ranks; float32 weights, bf16 compute)
+    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
     compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs
-    # a new run folder, or with --resume the run's own, whose settings it keeps
+    # a new run folder, or with --resume the run's own, whose settings a resume keeps
+    # (checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
@@ -640,7 +638,7 @@ def main(args: Args) -> None:
     )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed
+    stop = StopSignals()  # Ctrl-C or SIGTERM: this step finishes, is checkpointed, and the run ends
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
@@ -658,7 +656,7 @@ def main(args: Args) -> None:
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
-        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps: GPU memory)
+        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps meanwhile)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(
@@ -682,7 +680,7 @@ def main(args: Args) -> None:
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, ...
+        watch.step(logged, step + 1)  # warns of steps changing nothing, a uniform policy, no answer
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
@@ -710,22 +708,22 @@ if __name__ == "__main__":
 #       --lr 1e-6 --warmup-steps 100 --weight-decay 0.1 --num-minibatches 4 --micro-batch-size 4 \
 #       --gradient-checkpointing --dtype bfloat16 --vllm-sleep-mode --gpu-memory-utilization 0.5 \
 #       --eval-every 50 --eval-k 16 --track
-# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 7.5 GiB (16
-# bytes × 4.02 B parameters / 8), bf16 gathers 1.1, checkpointed activations 8.4 (4 × 5,120 tokens,
-# 166 KiB per token per layer), output-layer chunks 0.5, the sleeping engine 1.0, CUDA 1.5: 20 GiB
-# in the update; 47 GiB while vLLM generates (its 0.5 × 80 beside the weights and AdamW state):
-# fits. One GPU does not: 60 GiB of training state alone.
+# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 7.5 GiB
+# (16 bytes × 4.02 B parameters / 8), bf16 gathers 1.1, checkpointed activations 8.4
+# (4 × 5,120 tokens, 166 KiB per token per layer), output-layer chunks 0.5, the sleeping
+# engine 1.0, CUDA 1.5: 20 GiB in the update; 47 GiB while vLLM generates (its 0.5 × 80 beside
+# the weights and AdamW state): fits. One GPU does not: 60 GiB of training state alone.
 #
 # Differences from the authors' code (KPO's: github.com/shuohe1995/verl-kpo,
 # core_algos.py; EMA-KPO's is not public):
 # - P0 = 1 here, as the EMA-KPO paper states; 0 in the KPO code (--p0 0).
 # - Its gains come in closed form (kalman_gains_nonsteady_1d: a Möbius map through sinh), clamped to
 #   [1e-6, 1 − 1e-6] and computed in float32, where 1 + Q/2 rounds to 1 + 4.77e-7 for Q = 1e-6: its
-#   K_t run above Eq. 8's (P0 = 0: K_1000 = 7.69e-4 against 7.61e-4, K_8000 = 1.0234e-3 against
-#   9.995e-4, up to 2.4% off), so with z ≡ 0.01 its filtered log-ratio is 0.2-0.6% high over
-#   1,000-3,000 tokens (t = 1,000: 3.538e-3 against 3.522e-3), enough to flip clip decisions near ε
-#   = 3e-4 / 4e-4 on long responses. Here the gains come from the float64 recursion (Eqs. 4, 5, 7),
-#   unclamped; the same closed form in float64 agrees with it to 1e-6 relative.
+#   K_t run above Eq. 8's (P0 = 0: K_1000 = 7.69e-4 against 7.61e-4, K_8000 = 1.0234e-3
+#   against 9.995e-4, up to 2.4% off), so with z ≡ 0.01 its filtered log-ratio is 0.2-0.6% high
+#   over 1,000-3,000 tokens (t = 1,000: 3.538e-3 against 3.522e-3), enough to flip clip decisions
+#   near ε = 3e-4 / 4e-4 on long responses. Here the gains come from the float64 recursion
+#   (Eqs. 4, 5, 7), unclamped; the same closed form in float64 agrees with it to 1e-6 relative.
 # - Its filter is exp(L_t)·Σ_i α_i exp(−L_i) z_i (see ema_filter) in float32: it overflows once
 #   L_t < −88 (α = 0.1 after 840 tokens) and, with its clamp exp(L) ≥ 1e-30, stops decaying once
 #   L_t < −69 (α = 0.01 after about 6,870 tokens). For Q = 1e-6 the two agree (its exponents

@@ -18,22 +18,22 @@ Variants, each a flag (the first three concern rollouts and rewards, so every fo
     is replaced by another prompt's
   --overlong-buffer L (DAPO Eq. 13): r_i falls linearly to −1 over the last L
     tokens before --max-new-tokens
-  --mask-truncated (DAPO's overlong filtering): completions cut off by the length limit get no
-    gradient
+  --mask-truncated (DAPO's overlong filtering): completions cut off by the length limit get
+    no gradient
   --loss-aggregation token-sum (Dr. GRPO): the token sum divided by completions ×
     --max-new-tokens, not by Σ|o_i|
-  --ratio-level sequence (GSPO): one ratio per completion, s_i = exp(mean_t log ρ_it), clipped as a
-    whole
+  --ratio-level sequence (GSPO): one ratio per completion, s_i = exp(mean_t log ρ_it), clipped
+    as a whole
 Presets: DAPO `--dynamic-sampling --overlong-buffer 4` (clip-higher, token-mean, β = 0: the
-defaults); Dr. GRPO `--loss-aggregation token-sum --no-scale-advantages`; GSPO `--ratio-level
-sequence --loss-aggregation sequence-mean --clip-low 3e-4 --clip-high 4e-4 --num-minibatches 4`
-(with one update per batch every ratio is 1).
+defaults); Dr. GRPO `--loss-aggregation token-sum --no-scale-advantages`; GSPO
+`--ratio-level sequence --loss-aggregation sequence-mean` with `--clip-low 3e-4 --clip-high 4e-4`
+and `--num-minibatches 4` (with one update per batch every ratio is 1).
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
 the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
-are defined where recorded; the paper-scale command and the papers' differences close the file.
+are defined where recorded; the paper-scale command and a list of differences end the file.
 
 Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
@@ -92,8 +92,7 @@ class Args:
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
-    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this
-    exp/task/seed)"""
+    """continue from a checkpoint folder, a run folder or `auto`: the newest run of exp/task/seed"""
     steps: int = 60
     """training steps (one rollout batch each)"""
 
@@ -229,8 +228,8 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     response_ids = micro["response_ids"]  # [B, T]
     # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
     # logits at the position before o_t. Inside the context the output layer returns these two
-    # numbers per position instead of the logits, a chunk of positions at a time: no [B, T,
-    # vocabulary] tensor (common/logprobs.py)
+    # numbers per position instead of the logits, a chunk of positions at a time: no
+    # [B, T, vocabulary] tensor (common/logprobs.py)
     with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
         scores = model(
             input_ids=micro["input_ids"],
@@ -350,8 +349,8 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
 
 def record_mismatch(metrics, batch, old_logprobs):
     """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ
-    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ =
-    π_old/μ, and mismatch/max_abs_logprob_diff."""
+    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ]
+    with ρ = π_old/μ, and mismatch/max_abs_logprob_diff."""
     log_ratio, mask = (old_logprobs - batch["sampler_logprobs"]).detach(), batch["response_mask"]
     k3 = torch.exp(log_ratio) - 1 - log_ratio
     metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
@@ -361,8 +360,7 @@ def record_mismatch(metrics, batch, old_logprobs):
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step (the groups of the batch): the reward and how it came
-    about."""
+    """What the engine sampled this step (the batch's groups): the reward and how it came about."""
     # EOS in, tool outputs out
     lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)
     metrics.mean("charts/reward", rewards.sum(), rollouts)
@@ -411,8 +409,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
         for minibatch in order.chunk(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
             # ranks, so each rank's share is scaled by the world size
-            # sequence-mean counts the completions that have a response token (an empty one adds
-            # nothing)
+            # sequence-mean counts completions with a response token (an empty one adds nothing)
             response_mask = batch["response_mask"][minibatch]
             counts = fsdp.all_reduce_dict(
                 {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
@@ -428,9 +425,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the GRPO loss of this micro-batch
-                # --ratio-level sequence: GSPO's one ratio per completion
                 ratio_inputs = (logprobs, old_logprobs)
-                if args.ratio_level == "sequence":
+                if args.ratio_level == "sequence":  # GSPO: one ratio per completion
                     ratio_inputs = (sequence_mean(logprobs, mask), sequence_mean(old_logprobs, mask))
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
                     *ratio_inputs, micro["advantages"], args.clip_low, args.clip_high
@@ -456,7 +452,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
                     k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
-                    # no gradient
+                    # the share of tokens whose clipped loss has no gradient
                     metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)
                     # full-vocabulary entropy of π_θ
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
@@ -464,11 +460,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     metrics.max("losses/ratio_max", ratio[valid])
                     if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose
-            # loss or gradient norm is not finite is skipped (counted in
-            # charts/skipped_steps), so weights never become NaN float16: the gradients
-            # divided by the loss scale, before clipping
-            scaler.unscale_(optimizer)
+            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss
+            # or gradient norm is not finite is skipped (counted in charts/skipped_steps), so
+            # weights never become NaN
+            scaler.unscale_(optimizer)  # float16: divided by the loss scale, before clipping
             # the norm before clipping
             grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
@@ -488,7 +483,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 def check_args(args: Args) -> None:
     """Every flag's range, before anything is loaded: one error lists every
     problem (NaN fails every check)."""
-    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, systems
+    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, evaluation, systems
     # ALGO LOGIC: this method's flags
     problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")
     problems += require(0 <= args.clip_high < math.inf, "--clip-high", ">= 0 and finite")
@@ -499,12 +494,13 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (torchrun and FSDP2 on several ranks; float32 weights, bf16 compute)
+    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
     compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs
-    # a new run folder, or with --resume the run's own, whose settings it keeps
+    # a new run folder, or with --resume the run's own, whose settings a resume keeps
+    # (checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
@@ -539,7 +535,7 @@ def main(args: Args) -> None:
     )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed
+    stop = StopSignals()  # Ctrl-C or SIGTERM: this step finishes, is checkpointed, and the run ends
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
@@ -557,7 +553,7 @@ def main(args: Args) -> None:
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
-        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps: GPU memory)
+        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps meanwhile)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(
@@ -581,7 +577,7 @@ def main(args: Args) -> None:
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, ...
+        watch.step(logged, step + 1)  # warns of steps changing nothing, a uniform policy, no answer
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
@@ -610,13 +606,13 @@ if __name__ == "__main__":
 #       --num-minibatches 4 --micro-batch-size 8 --gradient-checkpointing --dtype bfloat16 \
 #       --eval-every 50 --eval-k 4 --track
 #   torchrun --nproc_per_node 8 algorithms/grpo.py ...
-# Memory per GPU (`python -m common.memory` with these flags; worst case, every micro-batch 8 ×
-# 1,536 tokens), one GPU: training state 23.0 GiB (16 bytes × 1.54 B parameters), checkpointed
-# activations 4.0 (116 KiB per token per layer, one layer at a time), bf16 weight casts 0.5,
-# output-layer chunks 0.5, vLLM 24.0 (0.3 × 80), CUDA 1.5: peak 54 of 80 GiB (without
-# --gradient-checkpointing, 91: it does not fit). 8 GPUs: 32 GiB (state 2.9 each). An 8B model on
-# one 80 GB GPU with LoRA (rank 16 on every Linear of the decoder layers, 43.6 M of 8.19 B
-# parameters; the frozen weights in bf16; LoRA's learning rate ~10× full fine-tuning's):
+# Memory per GPU (`python -m common.memory` with these flags; worst case, every micro-batch
+# 8 × 1,536 tokens), one GPU: training state 23.0 GiB (16 bytes × 1.54 B parameters),
+# checkpointed activations 4.0 (116 KiB per token per layer, one layer at a time), bf16 weight
+# casts 0.5, output-layer chunks 0.5, vLLM 24.0 (0.3 × 80), CUDA 1.5: peak 54 of 80 GiB (without
+# --gradient-checkpointing, 91: it does not fit). 8 GPUs: 32 GiB (state 2.9 each).
+# An 8B model on one 80 GB GPU with LoRA (rank 16 on every Linear of the decoder layers, 43.6 M
+# of 8.19 B parameters; the frozen weights in bf16; LoRA's learning rate ~10× full fine-tuning's):
 #   python algorithms/grpo.py --model Qwen/Qwen3-8B-Base --task gsm8k --eval-task gsm8k --lora-rank 16 --lr 1e-5 \
 #       --steps 500 --prompts-per-step 32 --group-size 8 --max-new-tokens 1024 --num-minibatches 4 \
 #       --micro-batch-size 8 --gradient-checkpointing --dtype bfloat16 --gpu-memory-utilization 0.35 --track
@@ -634,7 +630,7 @@ if __name__ == "__main__":
 # kept, and a batch still short at the cap is completed with all-equal groups that do not train.
 # Eq. 13's penalty reaches −1, the whole gap between a right (1) and a wrong (0) answer here; with
 # DAPO's ±1 rewards it is half the gap.
-# No clamp on the log-ratio, as in the papers' objectives and TRL: verl's PPO loss clamps log ρ to
-# ±20 and its GSPO loss the sequence log-ratio at 10, which zeroes the gradient of extremely stale
-# tokens there; here such a token keeps the clipped surrogate's gradient: none when A > 0 and ρ > 1
-# + ε_high, ρ·A·∇log π (unbounded) when A < 0.
+# No clamp on the log-ratio, as in the papers' objectives and TRL: verl's PPO loss clamps log ρ
+# to ±20 and its GSPO loss the sequence log-ratio at 10, which zeroes the gradient of extremely
+# stale tokens there; here such a token keeps the clipped surrogate's gradient: none when A > 0
+# and ρ > 1 + ε_high, ρ·A·∇log π (unbounded) when A < 0.

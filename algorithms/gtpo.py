@@ -13,20 +13,20 @@ them (reward r_i in {0, 1}), and maximize
     M_i  = M_i^fw ∨ M_i^bw: the first span of conflict tokens from the start / from the end   (§5.1)
     δ_i  = 0 if ⟨H⟩_ini < ln 2 and ⟨H⟩_i > ln 2, else 1; ⟨H⟩_ini: the initial policy's (§6)  (Eq. 6)
 
-A conflict token is a (position, token) pair in completions of the group with A > 0 and with A <
-0; λ gives the positives there what it takes from the negatives (Σ_{A>0} A_i = Σ_{A<0} |A_i|).
-−γ⟨H⟩_i is a detached shift, as in the authors' code: its literal gradient would lower the
+A conflict token is a (position, token) pair in completions of the group with A > 0 and with
+A < 0; λ gives the positives there what it takes from the negatives (Σ_{A>0} A_i = Σ_{A<0} |A_i|).
+The shift −γ⟨H⟩_i is detached, as in the authors' code: its literal gradient would lower the
 entropy, but a larger γ raises it (§6.2).
 
-What this file changes relative to grpo.py: λ, δ_i and the shift in the loss (ρ ≡ 1
-with one update per batch, as in the paper), ⟨H⟩_ini, sequence-mean by default (Eq. 7's
-1/G Σ 1/|o_i|), no KL term (§5.2).
+What this file changes relative to grpo.py: λ, δ_i and the shift in the loss (ρ ≡ 1 with one
+update per batch, as in the paper), ⟨H⟩_ini, sequence-mean by default (Eq. 7's 1/G Σ 1/|o_i|),
+no KL term (§5.2).
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
 the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
-are defined where recorded; the paper-scale command and the papers' differences close the file.
+are defined where recorded; the paper-scale command and a list of differences end the file.
 
 Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
@@ -38,8 +38,7 @@ Run it
   python algorithms/gtpo.py --help               # every flag, with its default
   ./run.sh bench                                 # every method × 3 seeds, the built-in task (README)
   python algorithms/gtpo.py --no-scale-advantages --mask-combine product --divide-by-conflict-count \\
-      --entropy-filter on --entropy-threshold 0.7  # the authors' code's
-        configuration (end of this file)
+      --entropy-filter on --entropy-threshold 0.7  # the authors' configuration (end of this file)
 """
 
 import math
@@ -87,8 +86,7 @@ class Args:
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
-    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this
-    exp/task/seed)"""
+    """continue from a checkpoint folder, a run folder or `auto`: the newest run of exp/task/seed"""
     steps: int = 60
     """training steps (one rollout batch each)"""
 
@@ -135,14 +133,12 @@ class Args:
     loss_aggregation: Literal["token-mean", "sequence-mean"] = "sequence-mean"
     """token-mean over the minibatch (DAPO), or mean per completion then over completions (GRPO)"""
     conflict_masks: bool = True
-    """reweight conflict tokens with λ (Eq. 5); --no-conflict-masks: λ ≡ 1 (the masks are still
-    logged)"""
+    """reweight conflict tokens with λ (Eq. 5); --no-conflict-masks: λ ≡ 1, masks still logged"""
     mask_combine: Literal["or", "product"] = "or"
-    """or: λ from M = M^fw ∨ M^bw (the paper, λ ≤ 2); product: λ^fw·λ^bw (the
-    authors' code, 4 where spans overlap)"""
+    """or: λ from M = M^fw ∨ M^bw (the paper, λ ≤ 2); product: λ^fw·λ^bw
+    (the authors' code, 4 where spans overlap)"""
     divide_by_conflict_count: bool = False
-    """also divide each completion's loss by n_i = max(|M^fw_i|, |M^bw_i|, 1), as the authors'
-    code does"""
+    """also divide each completion's loss by n_i = max(|M^fw_i|, |M^bw_i|, 1) (the authors' code)"""
     entropy_coef: float = 0.1
     """γ: advantages become A_i − γ⟨H⟩_i, ⟨H⟩_i detached (Eq. 7's entropy term
     as the authors' code applies it)"""
@@ -186,8 +182,8 @@ class Args:
     systems: Group[Systems] = field(default_factory=Systems)
 
 
-# ALGO LOGIC: conflict masks, λ, ⟨H⟩_i, δ_i, the shift, ⟨H⟩_ini (§5-6); the
-# surrogate, advantages, averaging
+# ALGO LOGIC: conflict masks, λ, ⟨H⟩_i, δ_i, the shift, ⟨H⟩_ini (§5-6);
+# the surrogate, advantages, averaging
 def conflict_masks(response_ids, response_mask, advantages, group_size):
     """Conflict spans M^fw, M^bw [B, T] (bool, §5.1) of right-padded completions;
     i*G..(i+1)*G-1 form group i. With tools, the spans run along each completion's own tokens:
@@ -196,8 +192,8 @@ def conflict_masks(response_ids, response_mask, advantages, group_size):
     response_ids, response_mask = response_ids.gather(1, order), response_mask.gather(1, order)
     valid, columns = response_mask.bool(), torch.arange(response_mask.shape[1], device=response_mask.device)
     lengths = valid.sum(dim=1, keepdim=True)
-    # backward alignment: column r holds the token r places before the last valid one (EOS, if any,
-    # included)
+    # backward alignment: column r holds the token r places before the last valid one
+    # (EOS, if any, included)
     from_end = (lengths - 1 - columns).clamp(min=0)
     forward = _leading_conflict_span(response_ids, valid, advantages, group_size)
     backward = _leading_conflict_span(response_ids.gather(1, from_end), columns < lengths, advantages, group_size)
@@ -206,8 +202,7 @@ def conflict_masks(response_ids, response_mask, advantages, group_size):
 
 
 def _leading_conflict_span(ids, valid, advantages, group_size):
-    """Conflict tokens in aligned columns, then each completion's run of them that starts at
-    column 0."""
+    """Conflict tokens in aligned columns, then each completion's run of them from column 0."""
     ids, valid, sign = (x.unflatten(0, (-1, group_size)) for x in (ids, valid, torch.sign(advantages)))
     # same[g, i, j, t]: completions i and j of group g hold the same token in column t
     same = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :]
@@ -265,9 +260,9 @@ def measure_initial_entropy(policy, engine, prompt_ids, args, dist, autocast, pa
         counts, total = (positions < len(prompt_ids)).float().to(dist.device), 0.0
         # ⟨H⟩_i is per completion, so the grouping of rows does not change the sum. They go at most
         # as many at a time as an update's micro-batch holds (of one minibatch of this rank's
-        # rollouts), not --micro-batch-size: 64 of the 100 completions at once hold [rows, heads, T,
-        # T] attention scores and MLP activations that set the run's peak memory once responses are
-        # long (2.8 GB at 512 tokens; 4 rows, the update's there: 1.0)
+        # rollouts), not --micro-batch-size: 64 of the 100 completions at once hold
+        # [rows, heads, T, T] attention scores and MLP activations that set the run's peak memory
+        # once responses are long (2.8 GB at 512 tokens; 4 rows, the update's there: 1.0)
         update_rows = -(-(args.prompts_per_step // dist.world_size) * args.group_size // args.num_minibatches)
         rows_per_forward = max(1, min(args.micro_batch_size, update_rows))
         with torch.no_grad(), autocast:
@@ -323,8 +318,8 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     response_ids = micro["response_ids"]  # [B, T]
     # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
     # logits at the position before o_t. Inside the context the output layer returns these two
-    # numbers per position instead of the logits, a chunk of positions at a time: no [B, T,
-    # vocabulary] tensor (common/logprobs.py)
+    # numbers per position instead of the logits, a chunk of positions at a time: no
+    # [B, T, vocabulary] tensor (common/logprobs.py)
     with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
         scores = model(
             input_ids=micro["input_ids"],
@@ -444,8 +439,8 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
 
 def record_mismatch(metrics, batch, old_logprobs):
     """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ
-    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ =
-    π_old/μ, and mismatch/max_abs_logprob_diff."""
+    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ]
+    with ρ = π_old/μ, and mismatch/max_abs_logprob_diff."""
     log_ratio, mask = (old_logprobs - batch["sampler_logprobs"]).detach(), batch["response_mask"]
     k3 = torch.exp(log_ratio) - 1 - log_ratio
     metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
@@ -455,8 +450,7 @@ def record_mismatch(metrics, batch, old_logprobs):
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step (the groups of the batch): the reward and how it came
-    about."""
+    """What the engine sampled this step (the batch's groups): the reward and how it came about."""
     # EOS in, tool outputs out
     lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)
     metrics.mean("charts/reward", rewards.sum(), rollouts)
@@ -527,8 +521,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, sca
         for minibatch in order.chunk(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
             # ranks, so each rank's share is scaled by the world size
-            # sequence-mean counts the completions that have a response token (an empty one adds
-            # nothing)
+            # sequence-mean counts completions with a response token (an empty one adds nothing)
             response_mask = batch["response_mask"][minibatch]
             counts = fsdp.all_reduce_dict(
                 {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
@@ -545,7 +538,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, sca
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the GTPO loss of this micro-batch (Eq. 7)
                 entropy_i = micro["completion_entropy"] if multiple_updates else completion_entropy(entropy, mask)
-                # (one update: π_θ = π_old, no extra pass)
+                # kept for the step's statistics (one update: π_θ = π_old, no extra pass)
                 batch["completion_entropy"][micro["rows"]] = entropy_i
                 # Eq. 6
                 delta = entropy_filter(entropy_i, initial_entropy, args.entropy_filter, args.entropy_threshold)
@@ -564,7 +557,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, sca
                     log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
                     k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
-                    # no gradient
+                    # the share of tokens whose clipped loss has no gradient
                     metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)
                     # full-vocabulary entropy of π_θ
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
@@ -572,11 +565,10 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, sca
                     metrics.max("losses/ratio_max", ratio[valid])
                     if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose
-            # loss or gradient norm is not finite is skipped (counted in
-            # charts/skipped_steps), so weights never become NaN float16: the gradients
-            # divided by the loss scale, before clipping
-            scaler.unscale_(optimizer)
+            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss
+            # or gradient norm is not finite is skipped (counted in charts/skipped_steps), so
+            # weights never become NaN
+            scaler.unscale_(optimizer)  # float16: divided by the loss scale, before clipping
             # the norm before clipping
             grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
@@ -603,7 +595,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, autocast, sca
 def check_args(args: Args) -> None:
     """Every flag's range, before anything is loaded: one error lists every
     problem (NaN fails every check)."""
-    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, systems
+    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, evaluation, systems
     # ALGO LOGIC: this method's flags
     problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")
     problems += require(0 <= args.clip_high < math.inf, "--clip-high", ">= 0 and finite")
@@ -620,12 +612,13 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (torchrun and FSDP2 on several ranks; float32 weights, bf16 compute)
+    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
     compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs
-    # a new run folder, or with --resume the run's own, whose settings it keeps
+    # a new run folder, or with --resume the run's own, whose settings a resume keeps
+    # (checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
@@ -665,7 +658,7 @@ def main(args: Args) -> None:
     )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed
+    stop = StopSignals()  # Ctrl-C or SIGTERM: this step finishes, is checkpointed, and the run ends
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
@@ -707,7 +700,7 @@ def main(args: Args) -> None:
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, ...
+        watch.step(logged, step + 1)  # warns of steps changing nothing, a uniform policy, no answer
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
@@ -739,17 +732,18 @@ if __name__ == "__main__":
 #       --eval-task gsm8k --steps 934 --prompts-per-step 8 --group-size 12 --max-new-tokens 1500 --lr 1e-6 \
 #       --max-grad-norm 0.1 --weight-decay 0.1 --entropy-coef 0.1 --micro-batch-size 4 --gradient-checkpointing \
 #       --dtype bfloat16 --vllm-sleep-mode --gpu-memory-utilization 0.5 --eval-every 60 --eval-k 8 --track
-# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 15.0 GiB (16
-# bytes × 8.03 B parameters / 8), bf16 gathers 2.8, checkpointed activations 4.2 (4 × 2,012 tokens,
-# 196 KiB per token per layer), output-layer chunks 0.5, the sleeping engine 1.0, CUDA 1.5: 25 GiB
-# in the update, 53 GiB while vLLM generates. On one GPU the training state alone is 120 GiB.
+# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 15.0 GiB
+# (16 bytes × 8.03 B parameters / 8), bf16 gathers 2.8, checkpointed activations 4.2
+# (4 × 2,012 tokens, 196 KiB per token per layer), output-layer chunks 0.5, the sleeping
+# engine 1.0, CUDA 1.5: 25 GiB in the update, 53 GiB while vLLM generates. On one GPU the
+# training state alone is 120 GiB.
 #
 # Differences from the authors' code (5d33811e), each a flag: Â_i std-scaled (Eq. 1), the code
-# only centres (--no-scale-advantages; its rewards reach 20, so γ⟨H⟩_i weighs less there); M^fw ∨
-# M^bw, the code multiplies the spans' λ, 4 on overlaps (--mask-combine product); 1/G Σ 1/|o_i|,
-# the code 1/(|o_i|·n_i), n_i = max(|M^fw_i|, |M^bw_i|, 1) (--divide-by-conflict-count); δ_i by
-# the ⟨H⟩_ini test, the code always at 0.7 for LLaMA (--entropy-filter on --entropy-threshold
-# 0.7) and never for Qwen (off); entropies at the sampling temperature, the code's from raw
-# logits. The code trains LoRA (r = 128) on a 4-bit model, paged AdamW-8bit (β1 = β2 = 0.999999),
-# one prompt per step, format + correctness rewards, a <reasoning>/<answer> system prompt; here
-# all weights, AdamW, 0/1 rewards.
+# only centres (--no-scale-advantages; its rewards reach 20, so γ⟨H⟩_i weighs less there);
+# M^fw ∨ M^bw, the code multiplies the spans' λ, 4 on overlaps (--mask-combine product);
+# 1/G Σ 1/|o_i|, the code 1/(|o_i|·n_i) with n_i = max(|M^fw_i|, |M^bw_i|, 1)
+# (--divide-by-conflict-count); δ_i by the ⟨H⟩_ini test, the code always at 0.7 for LLaMA
+# (--entropy-filter on --entropy-threshold 0.7) and never for Qwen (off); entropies at the
+# sampling temperature, the code's from raw logits. The code trains LoRA (r = 128) on a 4-bit
+# model, paged AdamW-8bit (β1 = β2 = 0.999999), one prompt per step, format + correctness
+# rewards, a <reasoning>/<answer> system prompt; here all weights, AdamW, 0/1 rewards.

@@ -1,13 +1,13 @@
-"""ISOPO: each sequence's log-prob gradient normalized in the Fisher metric, layer by layer.
+"""ISOPO: per-sequence log-prob gradients, Fisher-normalized layer by layer, in one backward pass.
 
-Paper: ISOPO: Proximal policy gradients without pi-old (Abrahamsen, 2025, arXiv:2512.23353); the
-authors' code: github.com/nilin/isopo (verl/workers/actor/dp_actor.py). Advantages as in GRPO
-(DeepSeekMath, arXiv:2402.03300).
+Paper: ISOPO: Proximal policy gradients without pi-old (Abrahamsen, 2025, arXiv:2512.23353);
+the authors' code: github.com/nilin/isopo (verl/workers/actor/dp_actor.py). Advantages as in
+GRPO (DeepSeekMath, arXiv:2402.03300).
 
 Objective. For each prompt q, sample a group of G completions o_1..o_G from the old policy, score
-them (reward r_i in {0, 1}), and maximize E[r]
-by plain gradient steps (no π_old, ratio or clip) built per Linear layer l (lm_head too): with
-v_i = ∇_{θ_l} log π_θ(o_i | q_i) (V_i as a matrix), M the minibatch's non-empty sequences,
+them (reward r_i in {0, 1}), and maximize E[r] by plain gradient steps (no π_old, ratio or clip)
+built per Linear layer l (lm_head too): with v_i = ∇_{θ_l} log π_θ(o_i | q_i) (V_i as a matrix),
+M the minibatch's non-empty sequences,
 
     A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
 
@@ -17,8 +17,8 @@ the policy gradient g_l = (1/M) Σ_i A_i v_i (§1.2) becomes, non-interacting
     ‖v_i‖_F ≈ sqrt(Σ_j (g0_j · V_i a0_j)²) / sqrt(Σ_j (‖g0_j‖ ‖a0_j‖)²)  (Eq. 6; g0_j, a0_j: --n-overlap token rows
     of i's block of --block-size sequences), reg2(x) = sqrt(x² + λ·E[x²] + 1e-8), E = EMA (decay 0.9) of trailing
     minibatch means, per layer
-(p, q, r: see --help) or, interacting (--variant interacting; §3, Alg. 6), with J
-= [v_1; ..; v_m] over a block,
+(p, q, r: see --help) or, interacting (--variant interacting; §3, Alg. 6), with
+J = [v_1; ..; v_m] over a block,
     u_l = (1/M) Σ_blocks Jᵀ (K + cI)⁻¹ A,  K = J Jᵀ (the layer's NTK),  c = --ntk-reg-coef × E[mean eig K]
 AdamW steps on −u_l; every other parameter (embeddings, norms, biases) takes
 (1/M) Σ_i A_i ∇ log π (REINFORCE).
@@ -32,7 +32,7 @@ How to read this file. main() is one training step after another: sample G compl
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
 the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
-are defined where recorded; the paper-scale command and the papers' differences close the file.
+are defined where recorded; the paper-scale command and a list of differences end the file.
 
 Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
@@ -98,8 +98,7 @@ class Args:
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
-    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this
-    exp/task/seed)"""
+    """continue from a checkpoint folder, a run folder or `auto`: the newest run of exp/task/seed"""
     steps: int = 60
     """training steps (one rollout batch each)"""
 
@@ -170,8 +169,8 @@ class Args:
     scale_advantages: bool = True
     """divide group-centred rewards by the group's std (GRPO); --no-scale-advantages is Dr. GRPO"""
     log_kl_ref: bool = False
-    """log KL(π_θ ‖ π_ref) to the initial policy, the paper's KL drift (Fig. 5); loads a
-    reference model"""
+    """log KL(π_θ ‖ π_ref) to the initial policy, the paper's KL drift (Fig. 5);
+    loads a reference model"""
 
     # optimization
     lr: float = 1e-4
@@ -204,14 +203,14 @@ class Args:
     systems: Group[Systems] = field(default_factory=Systems)
 
 
-# ALGO LOGIC: the Fisher-norm estimate, the sequence scales, the NTK preconditioner, the ISOPO
-# backward, advantages A Linear layer's block below is g [b, T, out] (gradients of Σ log π w.r.t.
-# its outputs, zero at pads) and a [b, T, in] (its inputs), with a leading [n] for n blocks at once;
+# ALGO LOGIC: Fisher norms, sequence scales, the NTK preconditioner, the ISOPO backward, advantages
+# A Linear layer's block below is g [b, T, out] (gradients of Σ log π w.r.t. its outputs, zero
+# at pads) and a [b, T, in] (its inputs), with a leading [n] for n blocks at once;
 # V_i = Σ_t g_it a_itᵀ over row i's non-pad positions (prompt too) is ∇ log π(o_i | q_i).
 def overlap_rows(valid: torch.Tensor, n: int) -> torch.Tensor:
-    """Eq. 6's sample (Alg. 2 line 6), per block: distinct indices into its b·T token rows,
-    uniform among its non-pad rows `valid` [blocks, b, T]; [blocks, min(n, most non-pad rows in a
-    block)] (a block with fewer gets pads: 0)."""
+    """Eq. 6's sample (Alg. 2 line 6): [blocks, min(n, most non-pad rows in a block)] distinct
+    indices into each block's b·T token rows, uniform among its non-pad rows
+    (`valid` [blocks, b, T]); a block with fewer gets pads (0)."""
     valid = valid.flatten(1)
     keys = torch.rand(valid.shape, device=valid.device).masked_fill(~valid, 2.0)
     return keys.topk(min(n, int(valid.sum(1).max())), dim=1, largest=False).indices
@@ -234,8 +233,8 @@ def fisher_norms(
         .float()
         .argsort(dim=1, descending=True, stable=True)[:, : int(valid.flatten(1).sum(1).max())]
     )
-    # (g0_j · g_t)(a0_j · a_t) per token row t, summed over the t of sequence i: g0_j · V_i
-    # a0_j (Eq. 4), [blocks, b, k]
+    # (g0_j · g_t)(a0_j · a_t) per token row t, summed over the t of sequence i:
+    # g0_j · V_i a0_j (Eq. 4), [blocks, b, k]
     products = (g[block, tokens] @ g0.mT) * (a[block, tokens] @ a0.mT)
     overlaps = (
         products.new_zeros(n * b, rows.shape[1])
@@ -247,8 +246,8 @@ def fisher_norms(
 
 
 def sequence_gradients(g: torch.Tensor, a: torch.Tensor, budget: int = 2**24):
-    """V_i for all rows i of g [B, T, out], a block of output rows at a time ([B, rows,
-    in], at most `budget` numbers)."""
+    """V_i for all rows i of g [B, T, out], a block of output rows at a time
+    ([B, rows, in], at most `budget` numbers)."""
     step = max(1, budget // (g.shape[0] * a.shape[-1]))
     for start in range(0, g.shape[-1], step):
         yield torch.einsum("bto,bti->boi", g[..., start : start + step], a)
@@ -266,9 +265,9 @@ def sequence_norms(g: torch.Tensor, a: torch.Tensor, form: str = "auto") -> torc
 
 
 def ntk(g: torch.Tensor, a: torch.Tensor, form: str = "auto", budget: int = 2**24) -> torch.Tensor:
-    """Each block's empirical NTK K_ij = ⟨V_i, V_j⟩ (§3) [blocks, b, b]: gram, Σ_{t∈i,t'∈j}
-    (g_t·g_t')(a_t·a_t') from the token Gram matrices of a few blocks at a time (at most `budget`
-    numbers), or materialize the V_i."""
+    """Each block's empirical NTK K_ij = ⟨V_i, V_j⟩ (§3) [blocks, b, b]: gram,
+    Σ_{t∈i,t'∈j} (g_t·g_t')(a_t·a_t') from the token Gram matrices of a few blocks at a time (at
+    most `budget` numbers), or materialize the V_i."""
     # auto: the cheaper, gram's (bT)²·(out+in) FLOPs or materialize's b·T·out·in + b²·out·in
     n, b, T, out = g.shape
     if form == "gram" or form == "auto" and b * T * T * (out + a.shape[-1]) <= out * a.shape[-1] * (T + b):
@@ -287,17 +286,17 @@ def ntk(g: torch.Tensor, a: torch.Tensor, form: str = "auto", budget: int = 2**2
 
 
 def reg2(x: torch.Tensor, coef: float, expectation, form: str = "paper") -> torch.Tensor:
-    """Fig. 3: sqrt(x² + λ·E[x²] + 1e-8) (paper), or (authors) sqrt(x² / (λ·E[x²] +
-    1e-8) + 1) ≈ that / sqrt(λE[x²])."""
+    """Fig. 3: sqrt(x² + λ·E[x²] + 1e-8) (paper), or (authors)
+    sqrt(x² / (λ·E[x²] + 1e-8) + 1) ≈ that / sqrt(λE[x²])."""
     if form == "authors" and coef > 0:
         return torch.sqrt(x.square() / (coef * expectation + 1e-8) + 1)
     return torch.sqrt(x.square() + coef * expectation + 1e-8)
 
 
 def sequence_scales(quantities: dict, p: float, q: float, r: float, reg_coef=0.0, expectations=None, form="paper"):
-    """Fig. 3: s = reg2(‖v‖_F)^p · reg2(‖v‖)^q · reg2(‖v‖_F/‖v‖)^r per sequence from {"fisher":
-    ‖v‖_F, if q or r needs them "euclid": ‖v‖, "rel": the ratio} and E[x²] (batch-size free: v_i
-    = ∇ log π). p + q = −1, λ = 0: v's scale cancels."""
+    """Fig. 3: s = reg2(‖v‖_F)^p · reg2(‖v‖)^q · reg2(‖v‖_F/‖v‖)^r per sequence, from
+    {"fisher": ‖v‖_F, if q or r needs them "euclid": ‖v‖, "rel": the ratio} and E[x²]
+    (batch-size free: v_i = ∇ log π). p + q = −1, λ = 0: v's scale cancels."""
     scales = torch.ones_like(quantities["fisher"])
     for key, power in (("fisher", p), ("euclid", q), ("rel", r)):
         if power:
@@ -341,10 +340,9 @@ class TrailingMeans:
 
 
 def preconditioned_weights(K: torch.Tensor, weights: torch.Tensor, c, form: str = "paper", eigenvalues=False):
-    """Alg. 6 per block: (K + cI)⁻¹ A through K = U diag(D) Uᵀ (paper), or c (K +
-    cI)⁻¹ A (authors); also D if asked. K [blocks, b, b], A [blocks, b], c a number or
-    one per block. In float64; a non-finite K gives a non-finite result (the step is
-    then skipped), not an eigh error."""
+    """Alg. 6 per block: (K + cI)⁻¹ A through K = U diag(D) Uᵀ (paper), or c (K + cI)⁻¹ A (authors);
+    also D if asked. K [blocks, b, b], A [blocks, b], c a number or one per block. In float64; a
+    non-finite K gives a non-finite result (the step is then skipped), not an error in eigh."""
     finite = torch.isfinite(K).all()
     D, U = torch.linalg.eigh(torch.where(finite, K, 0).double())
     c = torch.as_tensor(c, dtype=torch.float64, device=K.device).reshape(-1, 1)
@@ -356,8 +354,7 @@ def preconditioned_weights(K: torch.Tensor, weights: torch.Tensor, c, form: str 
 
 
 def weighted_gradient(g: torch.Tensor, a: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Σ_b weights_b V_b = Σ_t w_t g_t a_tᵀ, one GEMM ([out, in]); the weight goes on the
-    narrower side."""
+    """Σ_b weights_b V_b = Σ_t w_t g_t a_tᵀ in one GEMM ([out, in]), weighting the narrower side."""
     if g.shape[-1] >= a.shape[-1]:
         return g.flatten(0, 1).T @ (a * weights[:, None, None]).flatten(0, 1)
     return (g * weights[:, None, None]).flatten(0, 1).T @ a.flatten(0, 1)
@@ -397,12 +394,12 @@ class IsopoLinear(torch.autograd.Function):
 
 class IsopoGradients:
     """Makes one backward of Σ log π leave the ISOPO gradient in every parameter's .grad (on N
-    ranks FSDP2 reduces it). Every Linear runs as IsopoLinear; every other module owning
-    parameters (embeddings, norms) runs twice, once with its parameters detached (the signal to
-    earlier layers) and once with its inputs detached, whose output gradient is weighted by
-    −A_i/M (REINFORCE). Per micro-batch: the forward and backward inside capture(mask, weights_i
-    = −A_i/M); per minibatch: end_minibatch(commit); per batch: record(metrics). A Linear run
-    twice per forward is an error."""
+    ranks FSDP2 reduces it). Every Linear runs as IsopoLinear; every other module owning parameters
+    (embeddings, norms) runs twice, once with its parameters detached (the signal to earlier
+    layers) and once with its inputs detached, whose output gradient is weighted by −A_i/M
+    (REINFORCE). Per micro-batch: the forward and backward inside
+    capture(mask, weights_i = −A_i/M); per minibatch: end_minibatch(commit); per batch:
+    record(metrics). A Linear run twice per forward is an error."""
 
     def __init__(self, model: torch.nn.Module, args: Args, dist=None, state: dict | None = None):
         self.args, self.dist, self.stats = args, dist, TrailingMeans(args.ema_decay)
@@ -419,8 +416,7 @@ class IsopoGradients:
             own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
             if isinstance(module, torch.nn.Linear) and set(own) - {"weight", "bias"}:
                 raise ValueError(f"ISOPO: Linear module {name} has parameters {own}; only weight and bias are handled")
-            # an instance attribute: nn.Module.__call__ (hooks, FSDP2's unsharded weights) then runs
-            # it
+            # an instance attribute: nn.Module.__call__ (hooks, FSDP2's unsharded weights) runs it
             if own:
                 wrapper = self._linear_forward if isinstance(module, torch.nn.Linear) else self._module_forward
                 module.forward, self.modules[name] = partial(wrapper, name, module, module.forward), module
@@ -606,8 +602,8 @@ def isopo_backward(
     autocast,
     world_size: int = 1,
 ):
-    """One micro-batch: the forward and one backward of Σ log π without advantages (Alg. 2 line
-    2), the ISOPO forwards armed: every parameter's .grad gains this micro-batch's share. Returns
+    """One micro-batch: the forward and one backward of Σ log π without advantages (Alg. 2 line 2),
+    the ISOPO forwards armed: every parameter's .grad gains this micro-batch's share. Returns
     logprobs, entropy, L (losses/policy_loss; ISOPO transforms ∇L)."""
     # ∂L/∂log π(o_i|q_i), L = −(1/M) Σ_i A_i log π(o_i|q_i)
     weights = -micro["advantages"] / minibatch_sequences
@@ -663,10 +659,10 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
 
 
 def check_full_logits(args) -> None:
-    """Refuse, before minutes of set-up, a micro-batch whose full logits cannot fit: the
-    stage holds about four float32 [B, T, vocabulary] tensors beside the training state (16
-    bytes per parameter over the ranks) and an awake vLLM engine's share. The model's
-    config is read, not its weights."""
+    """Refuse, before minutes of set-up, a micro-batch whose full logits cannot fit: the stage
+    holds about four float32 [B, T, vocabulary] tensors beside the training state (16 bytes
+    per parameter over the ranks) and an awake vLLM engine's share. The model's config is
+    read, not its weights."""
     world_size, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     # the built-in model of --task for tiny
@@ -798,8 +794,8 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
 
 def record_mismatch(metrics, batch, old_logprobs):
     """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ
-    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ =
-    π_old/μ, and mismatch/max_abs_logprob_diff."""
+    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ]
+    with ρ = π_old/μ, and mismatch/max_abs_logprob_diff."""
     log_ratio, mask = (old_logprobs - batch["sampler_logprobs"]).detach(), batch["response_mask"]
     k3 = torch.exp(log_ratio) - 1 - log_ratio
     metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
@@ -809,8 +805,7 @@ def record_mismatch(metrics, batch, old_logprobs):
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step (the groups of the batch): the reward and how it came
-    about."""
+    """What the engine sampled this step (the batch's groups): the reward and how it came about."""
     # EOS in, tool outputs out
     lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)
     metrics.mean("charts/reward", rewards.sum(), rollouts)
@@ -861,8 +856,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
         order = (groups[:, None] * args.group_size + torch.arange(args.group_size, device=groups.device)).flatten()
         # END ALGO LOGIC
         for minibatch in order.chunk(args.num_minibatches):
-            # sequence-mean counts the completions that have a response token (an empty one adds
-            # nothing)
+            # sequence-mean counts completions with a response token (an empty one adds nothing)
             response_mask = batch["response_mask"][minibatch]
             counts = fsdp.all_reduce_dict(
                 {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
@@ -903,11 +897,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
                     if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose
-            # loss or gradient norm is not finite is skipped (counted in
-            # charts/skipped_steps), so weights never become NaN float16: the gradients
-            # divided by the loss scale, before clipping
-            scaler.unscale_(optimizer)
+            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss
+            # or gradient norm is not finite is skipped (counted in charts/skipped_steps), so
+            # weights never become NaN
+            scaler.unscale_(optimizer)  # float16: divided by the loss scale, before clipping
             # the norm before clipping
             grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
@@ -928,7 +921,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 def check_args(args: Args) -> None:
     """Every flag's range, before anything is loaded: one error lists every
     problem (NaN fails every check)."""
-    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, systems
+    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, evaluation, systems
     # ALGO LOGIC: this method's flags
     problems += require(args.block_size >= 1, "--block-size", ">= 1")
     problems += require(
@@ -967,12 +960,13 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (torchrun and FSDP2 on several ranks; float32 weights, bf16 compute)
+    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
     compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs
-    # a new run folder, or with --resume the run's own, whose settings it keeps
+    # a new run folder, or with --resume the run's own, whose settings a resume keeps
+    # (checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
@@ -1009,7 +1003,7 @@ def main(args: Args) -> None:
     )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed
+    stop = StopSignals()  # Ctrl-C or SIGTERM: this step finishes, is checkpointed, and the run ends
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
@@ -1027,7 +1021,7 @@ def main(args: Args) -> None:
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
-        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps: GPU memory)
+        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps meanwhile)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(
@@ -1051,7 +1045,7 @@ def main(args: Args) -> None:
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, ...
+        watch.step(logged, step + 1)  # warns of steps changing nothing, a uniform policy, no answer
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
@@ -1075,8 +1069,7 @@ if __name__ == "__main__":
         main(tyro.cli(Args))
 
 
-# Paper scale: the paper's setting (§2.1; run.sh of the authors' code),
-# Qwen3-0.6B on GSM8K on one GPU
+# Paper scale: the paper's setting (§2.1; the authors' run.sh), Qwen3-0.6B on GSM8K on one GPU
 #   python algorithms/isopo.py --model Qwen/Qwen3-0.6B --task gsm8k --eval-task gsm8k \
 #       --steps 102 --prompts-per-step 128 --group-size 8 --max-prompt-tokens 512 --max-new-tokens 2048 \
 #       --lr 2e-6 --weight-decay 0.01 --num-minibatches 2 --block-size 8 --micro-batch-size 8 --dtype bfloat16 \
@@ -1085,12 +1078,12 @@ if __name__ == "__main__":
 # (micro-batches of one block: ISOPO keeps full [B, T, vocabulary] logits, whose gradient lm_head's
 # update needs; a micro-batch whose logits cannot fit on the device is refused at start-up).
 # Memory on one 80 GB GPU (`python -m common.memory --full-logits` with these flags): the full
-# logits 37.1 GiB (four float32 tensors of 8 × 2,049 × 151,936), training state 8.9 (16 bytes × 0.60
-# B parameters), checkpointed activations 4.5 (80 KiB per token per layer), bf16 weight casts 0.3,
-# the sleeping engine 1.0, CUDA 1.5: 53 GiB. Without --vllm-sleep-mode (vLLM keeps 24 GiB) or
-# --gradient-checkpointing (45 GiB of activations) it does not fit. On N GPUs: the same flags after
-# `torchrun --nproc_per_node N` (N dividing 128: every rank holds whole groups). Add --variant
-# interacting for Fig. 7, --p 0 --q -1 --r -2 for Fig. 4, --p 0 --q -1 for Fig. 5 (yellow).
+# logits 37.1 GiB (four float32 tensors of 8 × 2,049 × 151,936), training state 8.9
+# (16 bytes × 0.60 B parameters), checkpointed activations 4.5 (80 KiB per token per layer),
+# bf16 weight casts 0.3, the sleeping engine 1.0, CUDA 1.5: 53 GiB. Without --vllm-sleep-mode (vLLM
+# keeps 24 GiB) or --gradient-checkpointing (45 GiB of activations) it does not fit. On N GPUs: the
+# same flags after `torchrun --nproc_per_node N` (N dividing 128: every rank holds whole groups).
+# Add --variant interacting (Fig. 7), --p 0 --q -1 --r -2 (Fig. 4), --p 0 --q -1 (Fig. 5, yellow).
 #
 # Differences from the authors' code (commit 2686cda), each deliberate. There, non-Linear parameters
 # (RMSNorm, untied embeddings) get an advantage-free gradient (token-mean −log π: SFT on the own
@@ -1099,14 +1092,14 @@ if __name__ == "__main__":
 # negated and reordered: p, q, r = −overlap_neg_power, −norm_neg_power, −rel_overlap_neg_power. Its
 # default regularization (keep_small_invariant) is --reg-form authors, with each sequence's own
 # value as E before any history (here the micro-batch mean); the paper's runs and run.sh use none
-# when non-interacting (--reg-coef 0). Interacting, it computes the dimensionless v = Jᵀ c(K +
-# cI)⁻¹A, → the vanilla gradient where K ≪ c (--ntk-scale authors). Its v_i is ∇ of the token-mean
-# loss over the gradient-accumulation count, its update a sum over the minibatch; here v_i = ∇ log π
-# and a mean: a factor M apart for p + q = −1 without regularization, a batch-dependent scale
-# otherwise (AdamW mostly absorbs it). It computes and discards autograd's weight gradients and
-# materializes every V_i; here neither. Its AdamW: betas (0.9, 0.999), weight decay 0.01 (grpo.py's
-# (0.9, 0.99) kept). It runs on one GPU; here
-# torchrun works as for every script: FSDP2 reduce-scatters the weight gradients IsopoLinear
-# returns, and the EMA's minibatch means are all-reduced. Its micro-batches are cut in rollout order
-# (verl keeps that order on one GPU), where a prompt's 8 completions are adjacent: with --block-size
-# 8 and --group-size 8, one group per block, as here.
+# when non-interacting (--reg-coef 0). Interacting, it computes the dimensionless
+# v = Jᵀ c(K + cI)⁻¹A, which tends to the vanilla gradient where K ≪ c (--ntk-scale authors). Its
+# v_i is ∇ of the token-mean loss over the gradient-accumulation count, its update a sum over the
+# minibatch; here v_i = ∇ log π and a mean: a factor M apart for p + q = −1 without regularization,
+# a batch-dependent scale otherwise (AdamW mostly absorbs it). It computes and discards autograd's
+# weight gradients and materializes every V_i; here neither. Its AdamW: betas (0.9, 0.999), weight
+# decay 0.01 (grpo.py's (0.9, 0.99) kept). It runs on one GPU; here torchrun works as for every
+# script: FSDP2 reduce-scatters the weight gradients IsopoLinear returns, and the EMA's minibatch
+# means are all-reduced. Its micro-batches are cut in rollout order (verl keeps that order on one
+# GPU), where a prompt's 8 completions are adjacent: with --block-size 8 and --group-size 8, one
+# group per block, as here.

@@ -15,23 +15,22 @@ micro-batches, all ranks). Minimize
     e_B  = (Σ_B ρ_t)² / (N · Σ_B ρ_t²)  ∈ [1/N, 1]                    normalized ESS of the batch, a constant
     A_t  = A_i = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        of the completion i owning token t
 
-The first term is REINFORCE with a detached weight capped at the batch ESS (Eq. 11: the "ESS-driven
-cap"); the second, the k3 estimate of KL(π_θ ‖ μ), switches on as the ratios spread; no clip.
-On-policy (the default) ρ_t ≈ e_B ≈ 1: token-mean REINFORCE, grpo.py's gradient. P3O acts on
-off-policy data: --sampling-temperature 1.2,
---sync-every k (stale rollouts), --engine-dtype bfloat16, --num-minibatches > 1
-(π_θ drifts from μ: e_B drops).
+The first term is REINFORCE with a detached weight capped at the batch ESS (Eq. 11: the
+"ESS-driven cap"); the second, the k3 estimate of KL(π_θ ‖ μ), switches on as the ratios spread;
+no clip. On-policy (the default) ρ_t ≈ e_B ≈ 1: token-mean REINFORCE, grpo.py's gradient. P3O
+acts on off-policy data: --sampling-temperature 1.2, --sync-every k (stale rollouts),
+--engine-dtype bfloat16, --num-minibatches > 1 (π_θ drifts from μ: e_B drops).
 
 What this file changes relative to grpo.py: the loss above replaces the clipped surrogate
-(--clip-low/high); ratios to μ, not π_old; e_B from a no-grad pass per optimizer step (--ess-scope
-micro-batch: per micro-batch, as the authors); off-policy flags; --loss clip (--clip-eps), the
-paper's GRPO baseline, for `./run.sh bench p3o`.
+(--clip-low/high); ratios to μ, not π_old; e_B from a no-grad pass per optimizer step
+(--ess-scope micro-batch: per micro-batch, as the authors); off-policy flags; --loss clip
+(--clip-eps), the paper's GRPO baseline, for `./run.sh bench p3o`.
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
 the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
-are defined where recorded; the paper-scale command and the papers' differences close the file.
+are defined where recorded; the paper-scale command and a list of differences end the file.
 
 Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
@@ -90,8 +89,7 @@ class Args:
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
-    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this
-    exp/task/seed)"""
+    """continue from a checkpoint folder, a run folder or `auto`: the newest run of exp/task/seed"""
     steps: int = 60
     """training steps (one rollout batch each)"""
 
@@ -105,9 +103,8 @@ class Args:
     max_new_tokens: int = 16
     """maximum completion length"""
     temperature: float = 1.0
-    """temperature of π_θ (the trainer divides its logits by it) and of
-    evaluation; also the engine's unless
-    --sampling-temperature"""
+    """temperature of π_θ (the trainer divides its logits by it) and of evaluation; also the
+    engine's unless --sampling-temperature"""
     top_p: float = 1.0
     """nucleus sampling: each token from the most likely ones whose
     probability reaches top_p (1: off)"""
@@ -135,8 +132,8 @@ class Args:
     """e_B over one optimizer step's tokens (the paper's batch) or of each
     micro-batch (authors' code), all ranks"""
     sampling_temperature: float | None = None
-    """rollout temperature of the engine (μ) when it differs from --temperature
-    (π_θ): off-policy data, e.g. 1.2"""
+    """rollout temperature of the engine (μ) when it differs from --temperature (π_θ):
+    off-policy data, e.g. 1.2"""
     sync_every: int = 1
     """push the weights to the engine every this many steps (k > 1: stale
     rollouts, up to k-1 steps old)"""
@@ -183,19 +180,19 @@ class Args:
     systems: Group[Systems] = field(default_factory=Systems)
 
 
-# ALGO LOGIC: ratios to the behavior policy, the batch ESS, the P3O loss, the clip
-# baseline; advantages, token averaging
+# ALGO LOGIC: ratios to the behavior policy, the batch ESS, the P3O loss, the clip baseline;
+# advantages, token averaging
 def behavior_log_ratio(logprobs, sampler_logprobs, mask):
     """log ρ = log π_θ − log μ at valid tokens, clamped to ±10 (numerical safety; the authors
-    clamp k3's exponent at ±10), 0 at prompt / pad positions (before any exp: never inf · 0 =
-    NaN). μ: the engine's tempered log-probs of the sampled tokens (the authors' vLLM's are raw,
-    T = 1: a temperature shift alone would not move ρ)."""
+    clamp k3's exponent at ±10), 0 at prompt / pad positions (before any exp: never
+    inf · 0 = NaN). μ: the engine's tempered log-probs of the sampled tokens (the authors'
+    vLLM's are raw, T = 1: a temperature shift alone would not move ρ)."""
     return torch.where(mask.bool(), logprobs - sampler_logprobs, 0.0).clamp(-10.0, 10.0)
 
 
 def ratio_sums(logprobs, sampler_logprobs, mask) -> dict[str, float]:
-    """Σρ, Σρ² and N over the valid tokens, in float64: sums, so they add up over micro-batches
-    and ranks."""
+    """Σρ, Σρ² and N over the valid tokens in float64: sums, so they add up over
+    micro-batches and ranks."""
     ratio = torch.exp(behavior_log_ratio(logprobs.detach(), sampler_logprobs, mask).double())
     mask = mask.double()
     return {
@@ -232,10 +229,10 @@ def minibatch_ess(policy, batch, minibatch, args, dist, autocast) -> tuple[float
 
 def p3o_loss(logprobs, sampler_logprobs, advantages, mask, ess):
     """Per-token P3O loss −sg(min(ρ, e_B))·A·log π_θ + (1 − e_B)·(log ρ + 1/ρ − 1), ρ = π_θ/μ;
-    its gradient per token is [−min(ρ, e_B)·A + (1 − e_B)(1 − 1/ρ)]·∇log π_θ (its value contains
-    −A·log π: only the gradient means something). logprobs / sampler_logprobs / mask: [B, T];
-    advantages: [B]; ess: a float. Returns the token losses, ρ, where the cap is active (ρ > e_B:
-    noise on-policy, where ρ, e_B = 1 ± 1e-6), k3 values."""
+    its gradient per token is [−min(ρ, e_B)·A + (1 − e_B)(1 − 1/ρ)]·∇log π_θ (its value
+    contains −A·log π: only the gradient means something). Shapes: logprobs, sampler_logprobs
+    and mask [B, T], advantages [B]; ess: a float. Returns the token losses, ρ, where the cap is
+    active (ρ > e_B: noise on-policy, where ρ, e_B = 1 ± 1e-6), k3 values."""
     log_ratio = behavior_log_ratio(logprobs, sampler_logprobs, mask)
     ratio = torch.exp(log_ratio)
     # sg(min(ρ, e_B)) ≤ e_B ≤ 1, never 0: the ESS-driven cap (Eq. 11)
@@ -307,8 +304,8 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     response_ids = micro["response_ids"]  # [B, T]
     # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
     # logits at the position before o_t. Inside the context the output layer returns these two
-    # numbers per position instead of the logits, a chunk of positions at a time: no [B, T,
-    # vocabulary] tensor (common/logprobs.py)
+    # numbers per position instead of the logits, a chunk of positions at a time: no
+    # [B, T, vocabulary] tensor (common/logprobs.py)
     with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
         scores = model(
             input_ids=micro["input_ids"],
@@ -430,8 +427,8 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
 
 def record_mismatch(metrics, batch, old_logprobs):
     """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ
-    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ =
-    π_old/μ, and mismatch/max_abs_logprob_diff."""
+    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ]
+    with ρ = π_old/μ, and mismatch/max_abs_logprob_diff."""
     log_ratio, mask = (old_logprobs - batch["sampler_logprobs"]).detach(), batch["response_mask"]
     k3 = torch.exp(log_ratio) - 1 - log_ratio
     metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
@@ -441,8 +438,7 @@ def record_mismatch(metrics, batch, old_logprobs):
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step (the groups of the batch): the reward and how it came
-    about."""
+    """What the engine sampled this step (the batch's groups): the reward and how it came about."""
     # EOS in, tool outputs out
     lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)
     metrics.mean("charts/reward", rewards.sum(), rollouts)
@@ -492,8 +488,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
         for minibatch in order.chunk(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
             # ranks, so each rank's share is scaled by the world size
-            # sequence-mean counts the completions that have a response token (an empty one adds
-            # nothing)
+            # sequence-mean counts completions with a response token (an empty one adds nothing)
             response_mask = batch["response_mask"][minibatch]
             counts = fsdp.all_reduce_dict(
                 {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
@@ -563,11 +558,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     metrics.min("losses/ess_min", ess)
                     if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose
-            # loss or gradient norm is not finite is skipped (counted in
-            # charts/skipped_steps), so weights never become NaN float16: the gradients
-            # divided by the loss scale, before clipping
-            scaler.unscale_(optimizer)
+            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss
+            # or gradient norm is not finite is skipped (counted in charts/skipped_steps), so
+            # weights never become NaN
+            scaler.unscale_(optimizer)  # float16: divided by the loss scale, before clipping
             # the norm before clipping
             grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
@@ -590,7 +584,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 def check_args(args: Args) -> None:
     """Every flag's range, before anything is loaded: one error lists every
     problem (NaN fails every check)."""
-    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, systems
+    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, evaluation, systems
     # ALGO LOGIC: this method's flags
     temperature = args.sampling_temperature
     problems += require(temperature is None or 0 < temperature < math.inf, "--sampling-temperature", "> 0, finite")
@@ -607,12 +601,13 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (torchrun and FSDP2 on several ranks; float32 weights, bf16 compute)
+    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
     compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs
-    # a new run folder, or with --resume the run's own, whose settings it keeps
+    # a new run folder, or with --resume the run's own, whose settings a resume keeps
+    # (checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
@@ -650,7 +645,7 @@ def main(args: Args) -> None:
     )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed
+    stop = StopSignals()  # Ctrl-C or SIGTERM: this step finishes, is checkpointed, and the run ends
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
@@ -668,7 +663,7 @@ def main(args: Args) -> None:
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
-        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps: GPU memory)
+        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps meanwhile)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(
@@ -694,7 +689,7 @@ def main(args: Args) -> None:
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, ...
+        watch.step(logged, step + 1)  # warns of steps changing nothing, a uniform policy, no answer
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
@@ -716,21 +711,21 @@ if __name__ == "__main__":
         main(tyro.cli(Args))
 
 
-# Paper scale: Qwen3-4B-Thinking-2507 or Qwen2.5-1.5B, 4,096-token rollouts, one optimizer step per
-# batch, the authors' DeepScaleR config (dapo_math for DeepScaleR-Preview); add
-# --sampling-temperature 1.2 or --sync-every 2 (asynchronous) (on 8 80 GB GPUs with torchrun,
-# FSDP2; one vLLM engine per GPU)
+# Paper scale: Qwen3-4B-Thinking-2507 or Qwen2.5-1.5B, 4,096-token rollouts, one optimizer step
+# per batch, the authors' DeepScaleR config (dapo_math for DeepScaleR-Preview); add
+# --sampling-temperature 1.2 or --sync-every 2 (asynchronous). On 8 80 GB GPUs with torchrun
+# (FSDP2; one vLLM engine per GPU):
 #   torchrun --nproc_per_node 8 algorithms/p3o.py --model Qwen/Qwen3-4B-Thinking-2507 --task dapo_math \
 #       --eval-task aime24 --steps 500 --prompts-per-step 256 --group-size 4 --max-new-tokens 4096 --lr 1e-5 \
 #       --weight-decay 0.01 --max-grad-norm 0.5 --warmup-steps 50 --num-minibatches 1 --micro-batch-size 4 \
 #       --gradient-checkpointing --dtype bfloat16 --rollout-engine vllm --engine-dtype bfloat16 --vllm-sleep-mode \
 #       --gpu-memory-utilization 0.5 --eval-every 25 --eval-k 16 --track
-# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 7.5 GiB (16
-# bytes × 4.02 B parameters / 8), bf16 gathers 1.1, checkpointed activations 7.6 (4 × 4,608 tokens,
-# 166 KiB per token per layer), output-layer chunks 0.5, the sleeping engine 1.0, CUDA 1.5: 19 GiB
-# in the update, 47 GiB while vLLM generates. One GPU does not fit (60 GiB of training state alone),
-# nor 8 with --rollout-engine hf: transformers' generate of a rank's 128 sequences keeps a KV cache
-# of 147 KiB per token, about 81 GiB at 4,608 tokens.
+# Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 7.5 GiB
+# (16 bytes × 4.02 B parameters / 8), bf16 gathers 1.1, checkpointed activations 7.6
+# (4 × 4,608 tokens, 166 KiB per token per layer), output-layer chunks 0.5, the sleeping
+# engine 1.0, CUDA 1.5: 19 GiB in the update, 47 GiB while vLLM generates. One GPU does not fit
+# (60 GiB of training state alone), nor 8 with --rollout-engine hf: transformers' generate of a
+# rank's 128 sequences keeps a KV cache of 147 KiB per token, about 81 GiB at 4,608 tokens.
 #
 # Differences from the authors' code (FeynRL, algs/P3O/p3o.py): e_B over the optimizer step, not
 # per micro-batch (--ess-scope micro-batch is theirs); tempered behavior log-probs (their vLLM's

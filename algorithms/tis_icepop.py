@@ -44,7 +44,7 @@ How to read this file. main() is one training step after another: sample G compl
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
 the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
-are defined where recorded; the paper-scale command and the papers' differences close the file.
+are defined where recorded; the paper-scale command and a list of differences end the file.
 
 Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
@@ -111,8 +111,7 @@ class Args:
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
-    """continue from a checkpoint folder, a run folder, or `auto` (the newest run of this
-    exp/task/seed)"""
+    """continue from a checkpoint folder, a run folder or `auto`: the newest run of exp/task/seed"""
     steps: int = 60
     """training steps (one rollout batch each)"""
 
@@ -230,15 +229,15 @@ def safe_log_ratio(logp, logq, mask, bound=LOG_RATIO_BOUND):
 
 def sequence_log_ratio(logp, logq, mask):
     """Σ_t log(p_t/q_t) per completion [B, 1], the log of the product of the token ratios (not a
-    geometric mean), clamped once summed, as verl: clamping each token would turn d = [+30, −13,
-    −12] into −5. inf − inf counts as 0."""
+    geometric mean), clamped once summed, as verl: clamping each token would turn
+    d = [+30, −13, −12] into −5. inf − inf counts as 0."""
     total = safe_log_ratio(logp, logq, mask, bound=math.inf).sum(1, keepdim=True)
     return torch.nan_to_num(total, nan=0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
 def binary_kl(logp, logq, eps=1e-8):
-    """KPop's D_B(p ‖ q), the KL between Bernoulli(p) and Bernoulli(q) of the sampled token's p =
-    e^logp, q = e^logq, in float64 with p, q clamped to [eps, 1−eps] (AReaL's
+    """KPop's D_B(p ‖ q), the KL between Bernoulli(p) and Bernoulli(q) of the sampled token's
+    p = e^logp, q = e^logq, in float64 with p, q clamped to [eps, 1−eps] (AReaL's
     compute_binary_kl_divergence; 1 − 1e-8 is 1 in float32)."""
     p = logp.detach().double().exp().clamp(eps, 1 - eps)
     q = logq.detach().double().exp().clamp(eps, 1 - eps)
@@ -271,24 +270,24 @@ def correction_weights(
     keep, truncated = torch.ones_like(valid), torch.zeros_like(valid)
     if correction == "none":
         weights = torch.ones_like(log_k)
-    # min(k_t, C), survey eq. (3); capped above only (Yao et al., verl, slime)
     elif correction == "tis":
+        # min(k_t, C), survey eq. (3); capped above only (Yao et al., verl, slime)
         weights = torch.exp(log_k).clamp(max=tis_cap)
         truncated = log_k > math.log(tis_cap)
     elif correction == "tis-seq":  # min(Π_t k_t, C) for every token of the completion
         weights = torch.exp(log_k_seq).clamp(max=tis_cap).expand_as(log_k)
         truncated = (log_k_seq > math.log(tis_cap)).expand_as(valid)
-    # k_t · 1[lo ≤ k_t ≤ hi]: token MIS; IcePop's M(k; α, β) (survey)
     elif correction in ("mis", "icepop"):
+        # k_t · 1[lo ≤ k_t ≤ hi]: token MIS; IcePop's M(k; α, β) (survey)
         low, high = (mis_low, mis_high) if correction == "mis" else (icepop_alpha, icepop_beta)
         weights = torch.exp(log_k)
         keep = (log_k >= (math.log(low) if low > 0 else -math.inf)) & (log_k <= math.log(high))
-    # ρ · 1[ρ ≤ C], ρ = Π_t k_t (survey J_seq-mis): rejected, not capped
     elif correction == "mis-seq":
+        # ρ · 1[ρ ≤ C], ρ = Π_t k_t (survey J_seq-mis): rejected, not capped
         weights = torch.exp(log_k_seq).expand_as(log_k)
         keep = (log_k_seq <= math.log(tis_cap)).expand_as(valid)
-    # k_t · 1[D_B(p‖q) ≤ φ] · 1[D_B(q‖p) ≤ φ], p = π_old, q = μ (survey M(y_t; φ))
     elif correction == "kpop":
+        # k_t · 1[D_B(p‖q) ≤ φ] · 1[D_B(q‖p) ≤ φ], p = π_old, q = μ (survey M(y_t; φ))
         # unclipped where kept; φ = 0.1 is the value prime-rl attributes to the paper
         weights = torch.exp(log_k)
         divergence = torch.maximum(binary_kl(old_logprobs, sampler_logprobs), binary_kl(sampler_logprobs, old_logprobs))
@@ -371,8 +370,7 @@ def routed_logprobs(model, batch, args, autocast, replayed=None):
                 micro_logprobs = token_logprobs(model, micro, args.temperature)[0]
             logprobs[micro["rows"], : micro_logprobs.shape[1]] = micro_logprobs
             micro_used, micro_own = routing.take(len(micro["rows"]))
-            # micro_batches trims padding columns: the micro-batch's prompt part ends where the
-            # batch's does
+            # micro_batches trims padding: the micro-batch's prompt part ends where the batch's does
             first = batch["input_ids"].shape[1] - batch["response_ids"].shape[1] - micro["attention_mask"].shape[1]
             first += micro["response_ids"].shape[1]
             used[micro["rows"], first : first + micro_used.shape[1]] = micro_used
@@ -393,8 +391,8 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     response_ids = micro["response_ids"]  # [B, T]
     # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
     # logits at the position before o_t. Inside the context the output layer returns these two
-    # numbers per position instead of the logits, a chunk of positions at a time: no [B, T,
-    # vocabulary] tensor (common/logprobs.py)
+    # numbers per position instead of the logits, a chunk of positions at a time: no
+    # [B, T, vocabulary] tensor (common/logprobs.py)
     with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
         scores = model(
             input_ids=micro["input_ids"],
@@ -514,8 +512,8 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
 
 def record_mismatch(metrics, batch, old_logprobs):
     """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ
-    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ] with ρ =
-    π_old/μ, and mismatch/max_abs_logprob_diff."""
+    being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ]
+    with ρ = π_old/μ, and mismatch/max_abs_logprob_diff."""
     sampler_logprobs, mask = batch["sampler_logprobs"], batch["response_mask"]
     # ALGO LOGIC: log ρ as the corrections see it: a NaN log-prob counts as
     # matched (ρ = 1), clamped to ±20
@@ -538,8 +536,7 @@ def record_mismatch(metrics, batch, old_logprobs):
 
 
 def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step (the groups of the batch): the reward and how it came
-    about."""
+    """What the engine sampled this step (the batch's groups): the reward and how it came about."""
     # EOS in, tool outputs out
     lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)
     metrics.mean("charts/reward", rewards.sum(), rollouts)
@@ -577,8 +574,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
     # gradient, and no pass is needed
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
-    # ALGO LOGIC: an MoE policy's routing: recorded in every policy forward, replayed by
-    # --router-replay
+    # ALGO LOGIC: an MoE policy's routing, recorded in every forward and replayed by --router-replay
     routing = moe.routing_of(policy) if moe.is_moe(policy) else None
     replayed = {"none": None, "r2": "old_routing", "r3": "engine_routing"}[args.router_replay]
     moe_layers = [layer for layer, _ in routing.routers] if routing else []
@@ -611,8 +607,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
         for minibatch in order.chunk(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
             # ranks, so each rank's share is scaled by the world size
-            # sequence-mean counts the completions that have a response token (an empty one adds
-            # nothing)
+            # sequence-mean counts completions with a response token (an empty one adds nothing)
             response_mask = batch["response_mask"][minibatch]
             counts = fsdp.all_reduce_dict(
                 {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
@@ -624,13 +619,13 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
             minibatch_loss = 0.0
             for micro in micro_batches(batch, minibatch, args.micro_batch_size):
                 mask = micro["response_mask"]
-                if routing:  # ALGO LOGIC: kept for the backward, whose checkpointing recomputes
+                if routing:  # ALGO LOGIC: kept for the backward (checkpointing recomputes forwards)
                     routing.replay(micro[replayed] if replayed else None)
                 with autocast, routing.recording() if routing else contextlib.nullcontext():
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
-                # ALGO LOGIC: the GRPO loss of this micro-batch, each token's clipped
-                # loss times the detached weight w
+                # ALGO LOGIC: the GRPO loss of this micro-batch, each token's clipped loss
+                # times the detached weight w
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
                     logprobs, old_logprobs, micro["advantages"], args.clip_low, args.clip_high
                 )
@@ -661,14 +656,14 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     log_ratio, valid, tokens = (logprobs - old_logprobs).detach(), mask.bool(), mask.sum()
                     k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
-                    # no gradient
+                    # the share of tokens whose clipped loss has no gradient
                     metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)
                     # full-vocabulary entropy of π_θ
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])
-                    # w = 0 (dropped sequences included), w capped at C (tis, tis-seq), all w of
-                    # a completion 0 (no gradient)
+                    # w = 0 (dropped sequences included), w capped at C (tis, tis-seq), all w of a
+                    # completion 0 (no gradient)
                     metrics.mean("correction/masked_token_fraction", masked.sum(), tokens)
                     metrics.mean("correction/truncated_token_fraction", truncated.sum(), tokens)
                     metrics.mean("correction/dropped_sequence_fraction", (weights.sum(1) == 0).sum(), len(weights))
@@ -677,7 +672,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                         weight_sums[key] += value.item()
                     if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-                    if routing:  # ALGO LOGIC: routing/drift, π_θ's routers choosing other experts
+                    if routing:  # ALGO LOGIC: routing/drift, π_θ's routers' choices unlike π_old's
                         used, own = routing.take(len(mask))
                         routing.replay(None)
                         positions = moe.scored_positions(micro)
@@ -685,11 +680,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                             moe.record_drift(metrics, micro["old_own_routing"], own, positions, moe_layers)
                         elif "engine_routing" in micro:
                             moe.record_agreement(metrics, micro["engine_routing"], used, own, positions, moe_layers)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose
-            # loss or gradient norm is not finite is skipped (counted in
-            # charts/skipped_steps), so weights never become NaN float16: the gradients
-            # divided by the loss scale, before clipping
-            scaler.unscale_(optimizer)
+            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss
+            # or gradient norm is not finite is skipped (counted in charts/skipped_steps), so
+            # weights never become NaN
+            scaler.unscale_(optimizer)  # float16: divided by the loss scale, before clipping
             # the norm before clipping
             grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
@@ -703,8 +697,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
             optimizer.zero_grad(set_to_none=True)
             metrics.mean("losses/policy_loss", minibatch_loss, 1)  # the same numbers on every rank
             metrics.mean("losses/grad_norm", grad_norm, 1)
-    # ALGO LOGIC: correction/ess, the effective sample size of w over the
-    # response tokens of all ranks
+    # ALGO LOGIC: correction/ess, the effective sample size of w over all ranks' response tokens
     sums = fsdp.all_reduce_dict(weight_sums, dist)
     metrics.set("correction/ess", effective_sample_size(sums["weight"], sums["weight_sq"], sums["tokens"]))
     # END ALGO LOGIC
@@ -714,7 +707,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
 def check_args(args: Args) -> None:
     """Every flag's range, before anything is loaded: one error lists every
     problem (NaN fails every check)."""
-    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, systems
+    problems = checks.shared_flags(args)  # experiment, rollouts, optimization, evaluation, systems
     # ALGO LOGIC: this method's flags
     problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")
     problems += require(0 <= args.clip_high < math.inf, "--clip-high", ">= 0 and finite")
@@ -747,12 +740,13 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (torchrun and FSDP2 on several ranks; float32 weights, bf16 compute)
+    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
     compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs
-    # a new run folder, or with --resume the run's own, whose settings it keeps
+    # a new run folder, or with --resume the run's own, whose settings a resume keeps
+    # (checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
@@ -790,7 +784,7 @@ def main(args: Args) -> None:
     )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-    stop = StopSignals()  # Ctrl-C or SIGTERM: the step under way finishes and is checkpointed
+    stop = StopSignals()  # Ctrl-C or SIGTERM: this step finishes, is checkpointed, and the run ends
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
@@ -806,13 +800,13 @@ def main(args: Args) -> None:
             groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
         )
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
-        # ALGO LOGIC: the engine's routing of a mixture-of-experts model, for --router-replay r3
+        # ALGO LOGIC: the engine's routing of an MoE model (--router-replay r3, routing/agreement)
         routed = moe.batch_routing(groups.prompt_ids, groups.completions, args.group_size, batch)
         batch |= {"engine_routing": routed} if routed is not None else {}
         # END ALGO LOGIC
         record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
 
-        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps: GPU memory)
+        # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps meanwhile)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(
@@ -836,7 +830,7 @@ def main(args: Args) -> None:
         metrics.gpu_memory(device)  # memory/peak_allocated_gib, memory/peak_reserved_gib (GPU only)
         logged = metrics.reduce(dist)  # one collective for every statistic of the step
         tracker.log(logged, step=step + 1)
-        watch.step(logged, step + 1)  # warns of steps that change nothing, a uniform policy, ...
+        watch.step(logged, step + 1)  # warns of steps changing nothing, a uniform policy, no answer
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
@@ -866,10 +860,10 @@ if __name__ == "__main__":
 #       --steps 435 --prompts-per-step 256 --group-size 8 --max-new-tokens 512 --lr 1e-6 \
 #       --num-minibatches 4 --micro-batch-size 8 --eval-every 10 --eval-k 4 --track
 #   torchrun --nproc_per_node 8 algorithms/tis_icepop.py ...
-# Memory per GPU (`python -m common.memory` with these flags), one 80 GB GPU: training state 7.4
-# GiB (16 bytes × 0.49 B parameters), activations 12.4 (8 × 1,024 tokens, 65 KiB per token per
-# layer), bf16 weight casts 0.9, output-layer chunks 0.5, vLLM 24.0 (0.3 × 80), CUDA 1.5: peak
-# 47 of 80 GiB. 8 GPUs: 38 GiB.
+# Memory per GPU (`python -m common.memory` with these flags), one 80 GB GPU: training state
+# 7.4 GiB (16 bytes × 0.49 B parameters), activations 12.4 (8 × 1,024 tokens,
+# 65 KiB per token per layer), bf16 weight casts 0.9, output-layer chunks 0.5, vLLM 24.0
+# (0.3 × 80), CUDA 1.5: peak 47 of 80 GiB. 8 GPUs: 38 GiB.
 #
 # Differences from the authors' code and the frameworks': TRL's default is sequence masking with
 # C_max = 3, OpenRLHF's TIS clamps to [0.5, 5]; here each mode is its paper's formula. verl's

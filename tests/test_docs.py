@@ -22,7 +22,7 @@ SCRIPTS = sorted(glob.glob(os.path.join(REPO, "algorithms", "[!_]*.py")))  # a n
 # code lines, closing notes apart; tis_icepop.py also carries routing replay for mixture-of-experts models (R2, R3).
 # Each docstring says how its method treats a tool's output (EMA-KPO's filter and GTPO's spans skip it: 4 lines)
 # Prose is wrapped at 100 columns: a method's paragraphs take more lines than at 120 (and so does its diff).
-MAX_DIFF = {"ema_kpo": 262, "p3o": 292, "gtpo": 297, "tis_icepop": 402, "isopo": 753}
+MAX_DIFF = {"ema_kpo": 262, "p3o": 289, "gtpo": 292, "tis_icepop": 398, "isopo": 749}
 
 
 def _read(path):
@@ -42,7 +42,7 @@ def test_docstring_main_and_closing_notes(path):
     # counted in statements, not lines: the formatter decides how many lines a call with many arguments takes
     statements = sum(isinstance(node, ast.stmt) for node in ast.walk(main)) - 1
     assert statements <= 90, f"main() should read as one story: {statements} statements"
-    # and fits a screen: the set-up in a few named calls of common/ (grpo.py: 99 lines, 44 before the loop)
+    # and fits a screen: the set-up in a few named calls of common/ (grpo.py: 101 lines, 45 before the loop)
     loop = next(node for node in main.body if isinstance(node, ast.For))
     assert main.end_lineno - main.lineno + 1 <= 110 and loop.lineno - main.lineno <= 50
     closing = source[source.index('if __name__ == "__main__":') :]
