@@ -33,6 +33,12 @@ from common.errors import BadInput
 
 ADAPTER = "default"  # peft's name for a model's only adapter
 CONFIG_FILE = "adapter_config.json"
+# Why the output layer takes no adapter (common.checks refuses its usual name, lm_head, early).
+OUTPUT_LAYER_ADAPTER = (
+    "the output layer takes no adapter: the trainer's log-probs multiply by its weight a chunk "
+    "of positions at a time (common/logprobs.py), which would bypass one, and many models tie "
+    "it to the embedding. Name Linear layers of the decoder layers instead (or all-linear)"
+)
 
 
 def is_adapted(model) -> bool:
@@ -52,6 +58,8 @@ def load_policy(model: str, checkpoint: str | None, systems, compute_dtype: torc
     from peft import LoraConfig, PeftModel, get_peft_model
 
     frozen_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
+    if not checkpoint:  # a resume keeps the run's adapter, checked when the run started
+        check_targets(model, systems.lora_rank, list(systems.lora_target_modules))
     base = AutoModelForCausalLM.from_pretrained(model, dtype=frozen_dtype)
     if checkpoint:  # the run's adapter (its config was the run's flags: check_resume keeps them)
         trained_on = base_of(checkpoint)
@@ -89,6 +97,40 @@ def load_policy(model: str, checkpoint: str | None, systems, compute_dtype: torc
                 f"--lora-target-modules: {base_name(name)} is a {layer}; adapters go on nn.Linear layers only"
             )
     return policy
+
+
+def check_targets(model: str, rank: int, targets: list[str]) -> None:
+    """Refuse adapters on `model`'s output layer, whatever its name, and a rank above the width of
+    the narrowest targeted Linear layer (B·A of a layer [out, in] has rank min(out, in) at most, so
+    a larger r adds parameters and nothing else), before any weight is allocated: the model is
+    built on the meta device from its config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    names = decoder_linear_layers(skeleton) if targets == ["all-linear"] else targets
+
+    def targeted(name: str) -> bool:  # peft's matching of a module name
+        return any(name == target or name.endswith("." + target) for target in names)
+
+    output = skeleton.get_output_embeddings()
+    modules = list(skeleton.named_modules())
+    head = next((name for name, module in modules if module is output and targeted(name)), None)
+    if head is not None:
+        what = f"--lora-target-modules {' '.join(targets)}: {head} is {model}'s output layer"
+        raise BadInput(f"{what}: {OUTPUT_LAYER_ADAPTER}")
+    layers = [(n, m) for n, m in modules if isinstance(m, torch.nn.Linear) and targeted(n)]
+    if not layers:
+        return  # no such layer: load_policy names the model's layers (peft's error)
+    name, layer = min(layers, key=lambda item: min(item[1].in_features, item[1].out_features))
+    width = min(layer.in_features, layer.out_features)
+    if rank > width:
+        raise BadInput(
+            f"--lora-rank {rank} is larger than the narrowest targeted layer of {model}, "
+            f"{base_name(name)} [{layer.out_features}, {layer.in_features}]: B·A has rank {width} "
+            f"at most there, so a larger r adds parameters and nothing else. Use --lora-rank "
+            f"{width} or less (or leave that layer out of --lora-target-modules)"
+        )
 
 
 def decoder_linear_layers(model) -> list[str]:
@@ -169,10 +211,26 @@ def base_of(path: str) -> str:
     return base
 
 
+def existing_base(path: str) -> str:
+    """base_of(path), checked: a local base folder that is no longer there (moved or deleted since
+    the run) is a BadInput that says which folder the adapter needs, rather than transformers'
+    error about a hub id."""
+    base = base_of(path)
+    looks_local = base.startswith((".", "/", "~")) or base.count("/") > 1
+    if looks_local and not os.path.isdir(os.path.expanduser(base)):
+        raise BadInput(
+            f"LoRA checkpoint {path}: the adapter's base model {base} is not there (moved or "
+            f"deleted?). The adapter holds the trained matrices alone: put the base model back at "
+            f"{base}, or point base_model_name_or_path in {os.path.join(path, CONFIG_FILE)} at "
+            "where it is now"
+        )
+    return base
+
+
 def load_merged(path: str):
     """A plain float32 model: the base named in the adapter folder `path` with the adapter merged into it."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_of(path), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(existing_base(path), dtype=torch.float32)
     return PeftModel.from_pretrained(base, path).merge_and_unload()

@@ -67,6 +67,10 @@ def shared_flags(args) -> list[str]:
         problems += require(v["top_k"] >= 0, "--top-k", ">= 0 (0: off)")
     if has("top_p", "top_k") and v["top_p"] == 1 and v["top_k"] == 0:
         problems += ignored(["keep_sampling_mask"], "applies with --top-p < 1 or --top-k > 0 only")
+    if has("rollout_engine"):
+        problems += vllm_install_problems(v["rollout_engine"], "--rollout-engine")
+    if has("model", "task"):
+        problems += tiny_model_problems(v["model"], v["task"])
     if has("rollout_engine", "top_p", "top_k", "keep_sampling_mask"):
         problems += vllm_mask_problems(v["rollout_engine"], v["top_p"], v["top_k"], v["keep_sampling_mask"])
     if has("max_turns"):
@@ -115,9 +119,71 @@ def shared_flags(args) -> list[str]:
         targets = v["lora_target_modules"]
         rule = "one or more module names (all-linear: every Linear but the output layer)"
         problems += require(len(targets) > 0 and all(targets), "--lora-target-modules", rule)
+        if "lm_head" in targets:  # the usual name; common.adapters checks the model's own
+            from common.adapters import OUTPUT_LAYER_ADAPTER
+
+            problems += [f"--lora-target-modules lm_head: {OUTPUT_LAYER_ADAPTER}"]
         if not v["lora_rank"]:
             problems += ignored(["lora_alpha", "lora_target_modules"], "applies with --lora-rank > 0 only")
+    problems += ignored_flags(v, ignored)
     return problems
+
+
+def ignored_flags(v: dict, ignored) -> list[str]:
+    """The flags of the shared groups that a run would silently ignore beside the others given:
+    each is refused, saying when it applies. `v`: flat(args); `ignored`: shared_flags' helper (a
+    problem per flag changed from its default)."""
+    from common.engines import engine_kind
+
+    problems = []
+    if "dynamic_sampling" in v and not v["dynamic_sampling"]:
+        problems += ignored(["max_sampling_rounds"], "applies with --dynamic-sampling only")
+    if "rollout_engine" in v:
+        # Auto is resolved as common.engines.engine_kind will resolve it for the run this command
+        # starts, here: the flags are refused where this run would ignore them, whatever another
+        # machine would do. vLLM on a CPU takes neither (it has no GPU memory to share or free).
+        engine, kind = v["rollout_engine"], engine_kind(v["rollout_engine"])
+        if kind == "hf" or not _has_gpu():
+            auto = "auto is hf here: vLLM needs a GPU and the vllm package"
+            here = {"hf": "hf", "auto": auto}.get(engine, "vllm runs on the CPU here")
+            why = f"applies to vLLM on a GPU only (--rollout-engine {here})"
+            problems += ignored(["vllm_sleep_mode", "gpu_memory_utilization"], why)
+    if world_size() == 1:  # fsdp.shard keeps one rank's model whole on its device
+        problems += ignored(["cpu_offload"], "applies with several ranks (torchrun) only")
+    if "track" in v and not v["track"]:
+        problems += ignored(["wandb_project_name", "wandb_entity"], "applies with --track only")
+    if "question_column" in v and not any(is_data_file(v.get(n)) for n in ("task", "eval_task")):
+        why = "applies to a local data file (.jsonl, .json, .parquet) as --task or --eval-task only"
+        problems += ignored(["question_column", "answer_column"], why)
+    float32_engine = v.get("engine_dtype", "auto") in ("auto", "float32", "fp8", "int8")
+    if "fp32_lm_head" in v and "dtype" in v and float32_engine:
+        # Float32 compute (--dtype float32, or auto on a CPU, resolved as common.fsdp resolves it
+        # for this run) and an engine in float32 too (auto follows the trainer; fp8 / int8 keep
+        # its dtype): the output layer computes in float32 everywhere already. A bfloat16 or
+        # float16 --engine-dtype beside float32 compute does use the flag.
+        if _compute_dtype(v["dtype"]) == "float32":
+            why = "applies with bfloat16 / float16 compute (--dtype) or engine (--engine-dtype) only"
+            problems += ignored(["fp32_lm_head"], why)
+    return problems
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _compute_dtype(dtype: str) -> str:
+    """The trainer's compute dtype for --dtype, as common.fsdp.compute_dtype gives it here."""
+    return ("bfloat16" if _has_gpu() else "float32") if dtype == "auto" else dtype
+
+
+def is_data_file(task: str | None) -> bool:
+    """Whether --task / --eval-task names a local data file (its columns: --question-column,
+    --answer-column)."""
+    from common.tasks import LOCAL_FORMATS
+
+    return bool(task) and os.path.splitext(task)[1].lower() in LOCAL_FORMATS
 
 
 def vllm_mask_problems(rollout_engine: str, top_p: float, top_k: int, keep_sampling_mask: bool) -> list[str]:
@@ -131,6 +197,22 @@ def vllm_mask_problems(rollout_engine: str, top_p: float, top_k: int, keep_sampl
     return []
 
 
+def vllm_install_problems(engine: str, flag: str) -> list[str]:
+    """`flag` vllm (the scripts' --rollout-engine, common.evaluate's --engine) where vllm is not
+    installed."""
+    from common.engines import vllm_available, vllm_missing
+
+    return [vllm_missing(flag)] if engine == "vllm" and not vllm_available() else []
+
+
+def tiny_model_problems(model: str, task: str) -> list[str]:
+    """A built-in model asked for with a task it has no warm start of (tiny.tiny_model_problem)."""
+    from common.tiny import tiny_model_problem
+
+    problem = tiny_model_problem(model, task)
+    return [problem] if problem else []
+
+
 def unused(args, names: list[str], why: str) -> list[str]:
     """Problems for the method flags in `names` set away from their defaults where the chosen variant ignores
     them (`why` says when they apply), so that no flag is silently ignored."""
@@ -139,17 +221,36 @@ def unused(args, names: list[str], why: str) -> list[str]:
 
 
 def output_dir_problems(path: str) -> list[str]:
-    """--output-dir must be a folder this process can write to, or one it can create."""
+    """--output-dir must be a folder this process can write to, or one it can create. A folder is
+    made and removed again to find out: permission bits say nothing of /proc, a read-only mount or
+    a full disk (and root passes every os.access check)."""
     if os.path.exists(path):
         if not os.path.isdir(path):
             return [f"--output-dir {path} is a file, not a folder"]
-        return [] if os.access(path, os.W_OK) else [f"--output-dir {path} is not writable"]
+        reason = _cannot_make_a_folder_in(path)
+        return [f"--output-dir {path} is not writable ({reason})"] if reason else []
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+    if not os.path.isdir(parent):
         return [f"--output-dir {path} cannot be created ({parent} is not a writable folder)"]
+    reason = _cannot_make_a_folder_in(parent)
+    if reason:
+        why = f"making a folder in {parent}: {reason}"
+        return [f"--output-dir {path} cannot be created ({why}); choose another"]
     return []
+
+
+def _cannot_make_a_folder_in(folder: str) -> str | None:
+    """The operating system's reason why no folder can be made in `folder`, or None (a probe is
+    made and removed)."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=folder))
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
 
 
 def refuse(problems: list[str]) -> None:
@@ -227,15 +328,80 @@ def check_resume(settings: dict, checkpoint: str, verbose: bool = True) -> None:
             "with the run's values, or start a new run. A resume may change: "
             + ", ".join(f"--{n.replace('_', '-')}" for n in sorted(RESUME_MAY_CHANGE - {"resume"}))
         )
+    if saved.get("lora_rank") and "model" in settings and "model" in saved:
+        lora_base_check(settings, saved["model"])
     step = int(os.path.basename(checkpoint).split("_")[-1])
     if settings.get("steps", step) < step:  # it would do nothing, and rewrite the run's config.json
         raise BadInput(
             f"--resume {settings['resume']}: the run is at step {step} already, past --steps {settings['steps']}: "
             f"pass --steps {step + 1} or more to continue it"
         )
+    metrics = os.path.join(os.path.dirname(os.path.dirname(checkpoint)), "metrics.jsonl")
+    if os.path.isfile(metrics):  # a damaged line is named now, not once the model is loaded
+        from common.tracking import records_to_resume
+
+        records_to_resume(metrics, step, verbose=False)  # the Tracker warns of a torn last line
     check_checkpoint_files(checkpoint)
     if verbose:
         print(f"resuming {os.path.dirname(os.path.dirname(checkpoint))} at step {step} ({checkpoint})", file=sys.stderr)
+
+
+def lora_base_check(settings: dict, trained_on: str) -> None:
+    """A LoRA checkpoint holds the adapter alone: its frozen weights are the run's --model
+    (`trained_on`, from the run's settings). A resume may name the same model at another place (a
+    moved folder, the same files), not another model, beside whose weights the adapter never
+    trained."""
+    from common.tiny import resolve_model
+
+    given = resolve_model(settings["model"], settings.get("task", "arith"))
+    if _same_model(trained_on, given):
+        return
+    shown = settings["model"] + (f" ({given})" if given != settings["model"] else "")
+    raise BadInput(
+        f"--resume {settings['resume']}: this LoRA run's adapter was trained on --model "
+        f"{trained_on}, and --model {shown} is another model: the checkpoint holds the adapter "
+        f"alone, its frozen weights are the run's model. Resume with --model {trained_on} (or a "
+        "copy of it elsewhere), or start a new run"
+    )
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Whether two --model values are one model: the same name or folder, two folders with the
+    same config.json and weight files (a moved copy), or a folder that is gone (moved: it cannot be
+    compared; adapters.load_policy warns). A hub id and a local folder, or two hub ids, differ
+    unless they are equal."""
+    if a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)):
+        return True
+    looks_local = a.startswith((".", "/", "~")) or a.count("/") > 1
+    if looks_local and not os.path.isdir(a):
+        return True
+    if not (os.path.isdir(a) and os.path.isdir(b)):
+        return False
+    fingerprint = _fingerprint(a)
+    return fingerprint is not None and fingerprint == _fingerprint(b)
+
+
+def _fingerprint(folder: str):
+    """What tells a model folder's copy from another model, cheaply: its config.json, and the size
+    and last 64 KiB of each weight file (two fine-tunes of one base have the same headers, not the
+    same data in their last tensors)."""
+    import hashlib
+    import json
+
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        weights = []
+        names = sorted(n for n in os.listdir(folder) if n.endswith((".safetensors", ".bin")))
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - 2**16))
+                weights.append((name, size, hashlib.sha256(f.read()).hexdigest()))
+    except (OSError, ValueError):
+        return None
+    config.pop("_name_or_path", None)
+    return json.dumps(config, sort_keys=True), weights
 
 
 def earlier_checkpoints(checkpoint: str) -> str:

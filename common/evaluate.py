@@ -2,7 +2,8 @@
 
     metrics = evaluate(engine, tokenizer, rows, task="arith", k=4, max_new_tokens=16)
 
-As a command, it scores any checkpoint folder or Hugging Face model on a task's test split:
+As a command, it scores any checkpoint folder or Hugging Face model on a task's test split (a
+local data file's held-out rows: the seeded 10% that training on the file holds out):
 
     python -m common.evaluate --model runs/<run>/checkpoints/step_00000060 --task arith --k 16
     python -m common.evaluate --model Qwen/Qwen2.5-Math-1.5B --task aime24 --k 16 --max-new-tokens 4096 --engine vllm
@@ -99,7 +100,8 @@ class EvalArgs:
     model: str = "tiny"
     """a checkpoint folder, a Hugging Face model id or local folder, or `tiny` (the built-in model of --task)"""
     task: str = "arith"
-    """task whose test split is scored (as in the training scripts' --task)"""
+    """task whose test split is scored (as in the training scripts' --task); a local data file has
+    none: its held-out rows are, the seeded 10% a training run on it never trains on"""
     k: int = 16
     """samples per prompt for avg@k and pass@j (j = 1, 2, 4, ... up to k)"""
     prompts: int = 0
@@ -123,44 +125,47 @@ class EvalArgs:
 
 def main() -> None:
     import json
-    import math
     import os
+    import sys
 
     import torch
     import tyro
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common import adapters
-    from common.checks import check_checkpoint_files, refuse, require
+    from common import adapters, checks
     from common.engines import engine_kind, load_tokenizer, make_engine
     from common.errors import BadInput
-    from common.tasks import MIN_NEW_TOKENS, load_task
+    from common.tasks import load_task, load_train_and_eval
     from common.tiny import resolve_model
     from common.tools import episode_tokens, with_tools
 
     description = "Score a model on a task's test split: greedy, avg@k, pass@j."
     args = tyro.cli(EvalArgs, prog="python -m common.evaluate", description=description)
-    min_new_tokens = MIN_NEW_TOKENS.get(args.task, 1)
-    problems = require(args.k >= 1, "--k", ">= 1")
-    problems += require(args.prompts >= 0, "--prompts", ">= 0 (0: all)")
-    problems += require(
-        args.max_new_tokens >= min_new_tokens, "--max-new-tokens", f">= {min_new_tokens} for {args.task}"
-    )
-    problems += require(0 < args.temperature < math.inf, "--temperature", "> 0 and finite")
-    problems += require(args.tools.max_turns >= 1, "--max-turns", ">= 1")
-    problems += require(args.tools.max_episode_tokens >= 0, "--max-episode-tokens", ">= 0")
-    refuse(problems)
+    # The scripts' checks of the flags this command shares with them: --max-new-tokens for the
+    # task, --temperature, the tools' flags (with a task that has tools only), the columns (with a
+    # data file only), the built-in model of the task.
+    problems = checks.require(args.k >= 1, "--k", ">= 1")
+    problems += checks.require(args.prompts >= 0, "--prompts", ">= 0 (0: all)")
+    problems += checks.shared_flags(args) + checks.vllm_install_problems(args.engine, "--engine")
+    checks.refuse(problems)
     torch.manual_seed(args.seed)
-    rows = load_task(args.task, "test", args.question_column, args.answer_column)[: args.prompts or None]
+    columns = args.question_column, args.answer_column
+    if checks.is_data_file(args.task):  # no test split: the seeded 10% a training run holds out
+        rows, split = load_train_and_eval(args.task, None, *columns)[1], "held-out"
+    else:
+        rows, split = load_task(args.task, "test", *columns), "test"
+    rows = rows[: args.prompts or None]
+    print(f"scoring {len(rows)} prompts of the {split} split of {args.task}", file=sys.stderr)
     path = resolve_model(args.model, args.task, adapter=True)  # a --lora-rank checkpoint too
+    adapter = adapters.is_adapter_folder(path)  # a --lora-rank checkpoint: base and adapter, merged
+    base = adapters.existing_base(path) if adapter else path  # a base moved since the run: named
     if os.path.isdir(path):  # a checkpoint or a local model: a truncated weights file is named, not a traceback
-        check_checkpoint_files(path, weights_only=True)
+        checks.check_checkpoint_files(path, weights_only=True)
     tokenizer = load_tokenizer(path)
     # the engine's context holds the longest prompt plus --max-new-tokens (a whole episode's tokens with tools; the
     # trainer bounds it the same way): checked before any weights are loaded
     longest = max(len(encode_prompt(row.question, tokenizer, args.task, args.chat_template)) for row in rows)
-    adapter = adapters.is_adapter_folder(path)  # a --lora-rank checkpoint: its base model and the adapter, merged
-    config = AutoConfig.from_pretrained(adapters.base_of(path) if adapter else path)
+    config = AutoConfig.from_pretrained(base)
     model_limit, new_tokens = config.max_position_embeddings, episode_tokens(args.task, args.max_new_tokens, args.tools)
     if longest + new_tokens > model_limit:
         what = f"--max-new-tokens {args.max_new_tokens}"
@@ -176,10 +181,8 @@ def main() -> None:
             adapters.load_merged(path) if adapter else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         )
         model.to("cuda" if torch.cuda.is_available() and kind == "hf" else "cpu")
-    engine_path = adapters.base_of(path) if adapter else path
-    engine = make_engine(
-        kind, model, tokenizer, model_path=engine_path, seed=args.seed, max_model_len=longest + new_tokens
-    )
+    context, seed = longest + new_tokens, args.seed
+    engine = make_engine(kind, model, tokenizer, model_path=base, seed=seed, max_model_len=context)
     if adapter and kind == "vllm":  # vLLM starts from the base model: the merged weights are pushed
         engine.load_weights(model.state_dict().items())
     engine = with_tools(
@@ -189,7 +192,8 @@ def main() -> None:
         engine, tokenizer, rows, args.task, args.k, args.max_new_tokens, args.temperature, args.chat_template
     )
     engine.close()
-    print(json.dumps({"model": args.model, "task": args.task, "prompts": len(rows), **metrics}, indent=2))
+    header = {"model": args.model, "task": args.task, "split": split, "prompts": len(rows)}
+    print(json.dumps({**header, **metrics}, indent=2))
 
 
 if __name__ == "__main__":

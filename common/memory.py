@@ -30,6 +30,7 @@ modelled. On the CPU it agrees with the measured peak RSS of whole training step
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -93,12 +94,58 @@ class Plan:
 
 
 def load_config(model: str):
-    """The model's transformers config (`tiny`: the built-in model's)."""
+    """The model's transformers config (`tiny`: the built-in model's). A model that is not there is
+    refused as the scripts refuse it (common.tiny.resolve_model: a mistyped path, a run folder, a
+    LoRA checkpoint; a hub id that cannot be reached)."""
     from transformers import AutoConfig
 
+    from common.engines import unreachable_model
     from common.tiny import resolve_model
 
-    return AutoConfig.from_pretrained(resolve_model(model))
+    path = resolve_model(model)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:  # not on the hub, no network, or an unreadable config
+        raise unreachable_model(model, error) from None
+
+
+def plan_problems(plan: Plan) -> list[str]:
+    """The problems of a plan's flags, as the scripts check theirs (common.checks)."""
+    from common.checks import require
+
+    problems = require(plan.gpus >= 1, "--gpus", ">= 1")
+    problems += require(0 < plan.gpu_gib < math.inf, "--gpu-gib", "> 0 and finite")
+    for name in ("micro_batch_size", "max_prompt_tokens", "max_new_tokens", "prompts_per_step"):
+        problems += require(getattr(plan, name) >= 1, f"--{name.replace('_', '-')}", ">= 1")
+    if plan.gpus >= 1 and plan.prompts_per_step >= 1:
+        rule = f"divisible by --gpus {plan.gpus} (each rank takes whole prompts)"
+        problems += require(plan.prompts_per_step % plan.gpus == 0, "--prompts-per-step", rule)
+    rule = ">= 2 (advantages compare completions of one prompt)"
+    problems += require(plan.group_size >= 2, "--group-size", rule)
+    utilization = plan.gpu_memory_utilization
+    problems += require(0 < utilization < 1, "--gpu-memory-utilization", "in (0, 1)")
+    problems += require(0 <= plan.kl_coef < math.inf, "--kl-coef", ">= 0 and finite")
+    problems += require(plan.lora_rank >= 0, "--lora-rank", ">= 0 (0: full fine-tuning)")
+    # What the scripts would ignore, and the estimate with them.
+    if plan.cpu_offload and plan.gpus == 1:
+        problems += ["--cpu-offload applies with --gpus > 1 only"]
+    if plan.vllm_sleep_mode and (plan.rollout_engine != "vllm" or plan.device != "cuda"):
+        problems += ["--vllm-sleep-mode applies to --rollout-engine vllm on --device cuda only"]
+    return problems
+
+
+def is_moe(config) -> bool:
+    """Whether a model's config is a mixture of experts (Qwen3-MoE, OLMoE: num_experts; Mixtral:
+    num_local_experts)."""
+    experts = [getattr(config, name, None) or 0 for name in ("num_experts", "num_local_experts")]
+    return max(experts) > 1
+
+
+MOE_CAVEAT = (
+    "note: {model} is a mixture-of-experts model; this estimate is for dense models (its "
+    "parameters are counted and its activations measured, but the routing, the experts' dispatch "
+    "and the routers' state are not modelled): read it as a rough guide"
+)
 
 
 def parameter_counts(config) -> dict[str, int]:
@@ -336,13 +383,22 @@ def report(plan: Plan, result: dict) -> str:
 
 
 def main() -> None:
+    import sys
+
     import tyro
 
+    from common.checks import refuse
+
     plan = tyro.cli(Plan, description="Estimate the peak memory per GPU of a training script's settings.")
-    if plan.gpus < 1 or plan.prompts_per_step % plan.gpus:
-        raise SystemExit("--gpus must be >= 1 and divide --prompts-per-step")
-    print(report(plan, estimate(plan)))
+    refuse(plan_problems(plan))  # one error that lists every problem, before the config is read
+    config = load_config(plan.model)
+    if is_moe(config):
+        print(MOE_CAVEAT.format(model=plan.model), file=sys.stderr)
+    print(report(plan, estimate(plan, config)))
 
 
 if __name__ == "__main__":
-    main()
+    from common.errors import clear_errors
+
+    with clear_errors():  # a bad flag or model: one line that names it, not a traceback
+        main()

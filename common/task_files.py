@@ -15,13 +15,15 @@ metrics count a reward of at least 1 as correct.
 `rows` runs in the trainer's process, once per split. `score` is the user's code, and never runs there without
 a deadline: completions are scored in a worker process, one at a time, each within `SCORE_SECONDS` (the file
 may set its own); a completion that overruns it gets reward 0 (it counts as no answer, with a warning) and the
-worker is replaced. A file that cannot be imported, lacks a function, or whose function raises or returns
-something other than a number stops the run with an error that names the file and the function.
+worker is replaced. A file that cannot be imported (or calls sys.exit as it is), lacks a function, or whose score
+raises, ends its process, or returns something other than a number stops the run with an error that names the file
+and the function. What the file's code prints goes to the trainer's stderr, its first PRINTED_CHARS per call.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import io
 import math
 import multiprocessing
 import os
@@ -136,16 +138,27 @@ def _import(path: str):
         spec.loader.exec_module(module)
     except Exception as error:  # a syntax error, a missing import, ... in the user's file
         raise BadInput(f"task file {path} could not be imported: {_describe(error)}") from None
+    except SystemExit as error:  # it would end the trainer without a word
+        raise BadInput(
+            f"task file {path} called sys.exit({error.code!r}) while it was imported"
+            f"{_where(error)}: a task file defines rows, score (and TOOLS); put code meant for "
+            'running it as a script under `if __name__ == "__main__":`'
+        ) from None
     return module
 
 
 def _describe(error: BaseException) -> str:
     """`Type: message (file:line)` of the innermost frame of the user's code, for a one-line error."""
-    frames = traceback.extract_tb(error.__traceback__)
-    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    where = _where(error)
     if isinstance(error, SyntaxError):
         where = f" ({os.path.basename(error.filename or '?')}:{error.lineno})"
     return f"{type(error).__name__}: {error}{where}"
+
+
+def _where(error: BaseException) -> str:
+    """` (file:line)` of the innermost frame of `error`'s traceback, or ""."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,40 +173,161 @@ class Scored:
     timed_out: bool = False
 
 
-_WORKERS: dict[str, multiprocessing.pool.Pool] = {}  # one per task file, started on first use
+_WORKERS: dict[str, _Worker] = {}  # one per task file, started on first use
+OUTPUT_CHARS = 100_000  # of a tool's output at most, before it is sent: the rest is cut (marked)
+PRINTED_CHARS = 4_000  # of what the file's code prints in one job at most, shown on stderr
 
 
-def run_each(task: TaskFile, jobs: list[tuple], seconds: float) -> list[tuple[str, object] | None]:
-    """Each job, ("score", text, row) or ("tool", name, argument), run by the task file's code in a worker process,
-    one at a time, each within `seconds`: what `_run_one` returns, or None for a job that ran past its time (the
-    worker is then killed and a new one takes the jobs that follow)."""
-    if task.in_process:  # the project's own code, bounded: no worker, no deadline
-        return [_run_one((task.path, *job)) for job in jobs]
-    outcomes = []
-    while len(outcomes) < len(jobs):
-        if task.path not in _WORKERS:  # a new worker imports the task file before any deadline counts
-            _WORKERS[task.path] = multiprocessing.get_context("spawn").Pool(1)
-            try:
-                _WORKERS[task.path].apply_async(_run_one, ((task.path, "load", None, None),)).get(WORKER_START_SECONDS)
-            except multiprocessing.TimeoutError:
-                _WORKERS.pop(task.path).terminate()
-                raise BadInput(
-                    f"{task.path}: the worker process that runs its code did not start in {WORKER_START_SECONDS} s "
-                    '(a script that starts it needs the `if __name__ == "__main__":` guard)'
-                ) from None
-        pending = _WORKERS[task.path].imap(_run_one, [(task.path, *job) for job in jobs[len(outcomes) :]])
+class _Worker:
+    """A spawned process that imports a task file and runs its code, a job at a time (`_serve`)."""
+
+    def __init__(self, path: str):
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child, path), daemon=True)
+        self.process.start()
+        child.close()
+
+    def run(self, job: tuple, seconds: float) -> tuple[str, object] | None:
+        """What `_run_one` returns for `job`; ("exited", how) when the process ended during it, or
+        None when it ran past `seconds`. What the code printed goes to stderr (`_show_printed`)."""
+        from multiprocessing.connection import wait
+
+        self.connection.send(job)
+        if not wait([self.connection, self.process.sentinel], seconds):
+            return None
         try:
-            while len(outcomes) < len(jobs):
-                outcomes.append(pending.next(seconds))
-        except multiprocessing.TimeoutError:  # the user's code hangs on this job
-            _WORKERS.pop(task.path).terminate()
-            outcomes.append(None)
+            outcome, printed = self.connection.recv()
+        except (EOFError, OSError):  # ended without an answer: os._exit, a crash, the OOM killer
+            self.process.join(5)
+            return ("exited", _how_it_ended(self.process.exitcode))
+        _show_printed(printed)
+        return outcome
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.join(5)
+        self.connection.close()
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    import signal
+
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"its process was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            pass
+    return f"its process ended with exit code {exitcode}"
+
+
+def _show_printed(printed: tuple[str, int] | None) -> None:
+    """What a job printed in the worker, (its first PRINTED_CHARS, how many in all), on stderr:
+    neither the trainer's stdout (common.evaluate's JSON) nor its console is flooded by a file
+    that prints megabytes."""
+    if not printed:
+        return
+    text, size = printed
+    sys.stderr.write(text if text.endswith("\n") else text + "\n")
+    if size > len(text):
+        more = f"{size - len(text):,} more characters"
+        sys.stderr.write(f"[... {more} printed by the task file's code, not shown]\n")
+
+
+def _serve(connection, path: str) -> None:
+    """In the worker: answer jobs until the trainer closes the connection. The file's code writes
+    to a bounded buffer, not to the inherited stdout and stderr."""
+    while True:
+        try:
+            job = connection.recv()
+        except (EOFError, OSError):
+            return
+        sys.stdout = sys.stderr = printed = _Bounded(PRINTED_CHARS)
+        outcome = _run_one((path, *job))
+        connection.send((outcome, (printed.text(), printed.size) if printed.size else None))
+
+
+class _Bounded(io.TextIOBase):
+    """A text stream that keeps its first `limit` characters and counts the rest."""
+
+    def __init__(self, limit: int):
+        self.parts, self.kept, self.size, self.limit = [], 0, 0, limit
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        room = self.limit - self.kept
+        if room > 0:
+            self.parts.append(text[:room])
+            self.kept += min(room, len(text))
+        self.size += len(text)
+        return len(text)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def run_each(task: TaskFile, jobs: list[tuple], seconds: float, on_exit=None) -> list:
+    """Each job, ("score", text, row) or ("tool", name, argument), run by the task file's code in a
+    worker process, one at a time, each within `seconds`: what `_run_one` returns, or None for a
+    job that ran past its time (the worker is then killed and a new one takes the jobs that
+    follow). A job during which the worker ended (os._exit, a crash, the out-of-memory killer)
+    gives ("exited", how), and a new worker takes the next job; with `on_exit`, the first such job
+    raises on_exit(index of the job, how) instead, once, and no later job runs."""
+    if task.in_process:  # the project's own code, bounded: no worker, no deadline
+        outcomes = [_run_one((task.path, *job)) for job in jobs]
+    else:
+        outcomes = []
+        for job in jobs:
+            outcome = _worker(task).run(job, seconds)
+            outcomes.append(outcome)
+            if outcome is None or outcome[0] == "exited":  # hung or gone: a new worker for the next
+                _WORKERS.pop(task.path).stop()
+            if on_exit is not None and outcome is not None and outcome[0] == "exited":
+                raise on_exit(len(outcomes) - 1, outcome[1])
+    exited = [i for i, o in enumerate(outcomes) if o is not None and o[0] == "exited"]
+    if on_exit is not None and exited:  # in-process: sys.exit in the project's own code
+        raise on_exit(exited[0], outcomes[exited[0]][1])
     return outcomes
 
 
+def _worker(task: TaskFile) -> _Worker:
+    """The task file's worker, started if there is none (its file imported before any deadline
+    counts)."""
+    if task.path in _WORKERS:
+        return _WORKERS[task.path]
+    worker = _Worker(task.path)
+    outcome = worker.run(("load", None, None), WORKER_START_SECONDS)
+    if outcome is None:
+        worker.stop()
+        raise BadInput(
+            f"{task.path}: the worker process that runs its code did not start in "
+            f"{WORKER_START_SECONDS} s (a script that starts it needs the "
+            '`if __name__ == "__main__":` guard)'
+        )
+    if outcome[0] != "value":
+        worker.stop()
+        what = "the worker process that runs its code failed to import it"
+        raise BadInput(f"{task.path}: {what} ({outcome[1]})")
+    _WORKERS[task.path] = worker
+    return worker
+
+
 def score_all(task: TaskFile, texts: list[str], rows: list[dict]) -> list[Scored]:
-    """`score(text, row)` of the task file for every pair, in a worker process, each within the task's deadline."""
-    outcomes = run_each(task, [("score", text, row) for text, row in zip(texts, rows)], task.score_seconds)
+    """`score(text, row)` of the task file for every pair, in a worker process, each within the
+    task's deadline. A score that ends its process stops the run, at the first completion it does
+    it on."""
+
+    def exited(index: int, how: str) -> BadInput:
+        return BadInput(
+            f"{task.path}: score(completion, row) exited ({how}) on row {_short(rows[index])}: a "
+            "score must return a number, a bool or None, not end its process (sys.exit, os._exit, "
+            "a crash, or the out-of-memory killer)"
+        )
+
+    jobs = [("score", text, row) for text, row in zip(texts, rows)]
+    outcomes = run_each(task, jobs, task.score_seconds, on_exit=exited)
     for outcome, row in zip(outcomes, rows):
         if outcome is None:
             print(
@@ -218,6 +352,14 @@ def _checked(task: TaskFile, outcome: tuple[str, object], row: dict) -> Scored:
     return Scored(0.0, False) if value is None else Scored(float(value), True)
 
 
+def _cut(text: str, limit: int) -> str:
+    """`text`, or its first `limit` characters and a marker that says how long it was."""
+    if len(text) <= limit:
+        return text
+    marker = f"[... cut: the output had {len(text):,} characters, the first {limit:,} are shown]"
+    return text[:limit] + "\n" + marker
+
+
 def _short(row: dict) -> str:
     text = repr(row)
     return text if len(text) <= 160 else text[:157] + "..."
@@ -234,10 +376,12 @@ def _run_one(job: tuple) -> tuple[str, object]:
         value = module.score(first, second) if kind == "score" else module.TOOLS[first](second)
     except BadInput as error:
         return ("raised", str(error))
+    except SystemExit as error:  # sys.exit: it would end the worker (or, in-process, the trainer)
+        return ("exited", f"it called sys.exit({error.code!r})")
     except Exception as error:
         return ("raised", _describe(error))
     if kind == "tool":
-        return ("value", value if isinstance(value, str) else str(value))
+        return ("value", _cut(value if isinstance(value, str) else str(value), OUTPUT_CHARS))
     if value is None or isinstance(value, (bool, int, float)):
         return ("value", value)
     try:

@@ -119,6 +119,19 @@ MODEL_CHOICES = (
 )
 
 
+def tiny_model_problem(name: str, task: str) -> str | None:
+    """What is wrong with --model `name` for --task `task` where it is a built-in model with no
+    warm start of that built-in task (`tiny-moe` has none of the tool task `products`), else None.
+    A task that is not built in gets the `arith` model, as resolve_model says."""
+    if name != "tiny-moe" or task not in WARM_STARTS or task in MOE_WARM_STARTS:
+        return None
+    return (
+        f"--model tiny-moe has no built-in warm start for --task {task}: it has one for "
+        f"{' and '.join(MOE_WARM_STARTS)} only. Use --model tiny (the dense model, which has one "
+        f"for {task}), or --task {' / '.join(MOE_WARM_STARTS)}"
+    )
+
+
 def resolve_model(name: str, task: str = "arith", adapter: bool = False) -> str:
     """`tiny` / `tiny-moe` -> the folder of the built-in model warm-started on `task` (the `arith` one for a task
     that is not built in; built if needed); a Hugging Face model id or a local model
@@ -127,6 +140,9 @@ def resolve_model(name: str, task: str = "arith", adapter: bool = False) -> str:
     with a message about sentencepiece and tiktoken). A LoRA checkpoint (adapter_config.json) is a model only
     where `adapter` says so (evaluation: base and adapter merged)."""
     if name in ("tiny", "tiny-moe"):
+        problem = tiny_model_problem(name, task)
+        if problem:
+            raise BadInput(problem)
         return tiny_model_dir(task if task in WARM_STARTS else "arith", moe=name == "tiny-moe")
     if os.path.isdir(name):
         if os.path.isdir(os.path.join(name, "checkpoints")) or os.path.isfile(os.path.join(name, "metrics.jsonl")):

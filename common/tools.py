@@ -27,12 +27,15 @@ A tool's output is context, not an action: `Completion.tool_mask` marks its toke
 loss, no ratio and no place in any per-token statistic (their response mask is 0 there). --max-new-tokens bounds the
 policy's own tokens of an episode, --max-episode-tokens all of them (the tools' included); an output that would pass
 the episode's limit is cut there and ends the episode ("length"). A call that raises, names no tool, or runs out of
-time is answered with `error: ...` and counted (tools/errors, tools/timeouts).
+time is answered with `error: ...` and counted (tools/errors, tools/timeouts); a tool that ends its process is
+answered `error: the tool exited`, with a warning on the console once. An output is cut at 100,000 characters
+(common.task_files.OUTPUT_CHARS), and what a tool prints goes to stderr, bounded.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -198,9 +201,14 @@ class ToolEngine:
                 output = f"error: the tool ran past {toolbox.tool_seconds:g} s"
             elif outcome[0] == "raised":
                 output = f"error: {outcome[1]}"
+            elif outcome[0] == "exited":  # sys.exit, os._exit, a crash: a new worker takes the next
+                output = "error: the tool exited"
+                tool, argument = episode.call[:2]
+                what = f"exited ({outcome[1]}) on the argument {argument!r:.200}"
+                _warn_once(toolbox, tool, what)
             else:
                 output = outcome[1]
-            episode.errors += outcome is None or outcome[0] == "raised"
+            episode.errors += outcome is None or outcome[0] != "value"
             ids = self.tokenizer(toolbox.tool_result.format(output), add_special_tokens=False)["input_ids"]
             kept = ids[: self.max_episode_tokens - len(episode.tokens)]  # cut at the episode's limit
             episode.tokens += kept
@@ -226,6 +234,21 @@ class ToolEngine:
             tool_errors=episode.errors,
             tool_timeouts=episode.timeouts,
         )
+
+
+_WARNED: set[tuple[str, str]] = set()  # (task file, tool) already warned about
+
+
+def _warn_once(toolbox: TaskFile, tool: str, what: str) -> None:
+    """A tool's own failure, on the console once per tool: later ones count in tools/errors."""
+    if (toolbox.path, tool) in _WARNED:
+        return
+    _WARNED.add((toolbox.path, tool))
+    print(
+        f"warning: {toolbox.name}: the tool {tool} {what}; the policy reads `error: the tool "
+        "exited`, and each such call counts in tools/errors (this warning is not repeated)",
+        file=sys.stderr,
+    )
 
 
 def later_turns(completion: Completion) -> list[int]:

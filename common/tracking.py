@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 
 
@@ -137,7 +138,7 @@ class Tracker:
             return
         os.makedirs(run_dir, exist_ok=True)
         if resume_step is not None and os.path.exists(self.path):
-            kept = [line for line in open(self.path) if line.strip() and json.loads(line)["step"] <= resume_step]
+            kept = records_to_resume(self.path, resume_step)
             with open(self.path, "w") as f:
                 f.writelines(kept)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
@@ -175,6 +176,39 @@ class Tracker:
         plot = plot_curves(self.path, os.path.join(self.run_dir, "curves.png"), plot_keys)
         print(f"run folder: {self.run_dir}" + (f" (plot: {plot})" if plot else ""))
         return plot
+
+
+def records_to_resume(path: str, resume_step: int, verbose: bool = True) -> list[str]:
+    """The lines of a run's metrics.jsonl that a resume from `resume_step` keeps: its records up to
+    that step. A last line that is not a whole record is what a kill while it was being written
+    leaves: it is dropped (with a warning, `verbose`) and the run resumes. A damaged line before the
+    last is not a kill's doing: a BadInput names the file and the line (checks.check_resume calls
+    this before anything loads)."""
+    from common.errors import BadInput
+
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    kept = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            step = json.loads(line)["step"]
+            if isinstance(step, bool) or not isinstance(step, (int, float)):
+                raise TypeError(f"its step is {step!r}")
+        except (ValueError, KeyError, TypeError) as error:
+            if index == len(lines) - 1:  # torn by a kill mid-write: its step is recomputed
+                if verbose:
+                    print(f"warning: {path}:{number}: the last line is not a whole record (the run "
+                          "was killed while writing it?): dropped", file=sys.stderr)  # fmt: skip
+                break
+            what = "no 'step'" if isinstance(error, KeyError) else str(error).splitlines()[0]
+            raise BadInput(
+                f"{path}:{number}: not a metrics record ({what}), and not the last line (which a "
+                "killed run may leave torn): the file was damaged or edited. Fix or remove the "
+                "line, then resume"
+            ) from None
+        if step <= resume_step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
 
 
 def _plain(value):

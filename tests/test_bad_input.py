@@ -66,6 +66,26 @@ SHARED_CASES = [
     ({"lora_rank": 8, "lora_alpha": NAN}, "--lora-alpha must be > 0 and finite"),
     ({"lora_rank": 8, "lora_target_modules": ()}, "--lora-target-modules must be one or more module names"),
     ({"lora_alpha": 64.0}, "--lora-alpha applies with --lora-rank > 0 only"),
+    # flags the run would silently ignore (issue 44): each is refused with when it applies
+    ({"max_sampling_rounds": 4}, "--max-sampling-rounds applies with --dynamic-sampling only"),
+    (
+        {"rollout_engine": "hf", "vllm_sleep_mode": True},
+        "--vllm-sleep-mode applies to vLLM on a GPU only (--rollout-engine hf)",
+    ),
+    (
+        {"rollout_engine": "hf", "gpu_memory_utilization": 0.5},
+        "--gpu-memory-utilization applies to vLLM on a GPU only (--rollout-engine hf)",
+    ),
+    ({"cpu_offload": True}, "--cpu-offload applies with several ranks (torchrun) only"),  # one rank here
+    ({"wandb_entity": "me"}, "--wandb-entity applies with --track only"),
+    ({"wandb_project_name": "mine"}, "--wandb-project-name applies with --track only"),
+    ({"question_column": "q"}, "--question-column applies to a local data file (.jsonl, .json, .parquet) as --task"),
+    ({"task": "gsm8k", "answer_column": "a"}, "--answer-column applies to a local data file"),  # a hub task's own
+    ({"dtype": "float32", "fp32_lm_head": True}, "--fp32-lm-head applies with bfloat16 / float16 compute (--dtype)"),
+    # the output layer: the trainer's chunked log-probs would bypass its adapter
+    ({"lora_rank": 8, "lora_target_modules": ("q_proj", "lm_head")}, "--lora-target-modules lm_head: the output"),
+    # the built-in MoE model has no warm start of the tool task: was a KeyError deep in common/tiny.py
+    ({"model": "tiny-moe", "task": "products"}, "--model tiny-moe has no built-in warm start for --task products"),
 ]
 # each method's own flags: out of range, NaN, or set where the chosen variant ignores them
 METHOD_CASES = {
@@ -373,3 +393,332 @@ def test_a_resume_with_fewer_steps_than_the_run_has_is_refused(tmp_path):
     checkpoint = _fake_checkpoint(tmp_path, grpo.Args())
     with pytest.raises(BadInput, match="the run is at step 3 already, past --steps 1: pass --steps 4 or more"):
         checks.check_resume(flags.flat(flags.make(grpo.Args, steps=1, resume=checkpoint)), checkpoint)
+
+
+# --- issue 44: what common/ refuses, before anything heavy loads ------------------------------------
+
+
+def test_the_vllm_flags_with_auto_are_refused_where_auto_means_hf(monkeypatch):
+    """--rollout-engine auto is resolved as common.engines resolves it: hf without a GPU or without vLLM (the run
+    would ignore --vllm-sleep-mode there), vLLM with both (the flag is used)."""
+    from common import engines
+
+    grpo = importlib.import_module("algorithms.grpo")
+    args = flags.make(grpo.Args, vllm_sleep_mode=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "--vllm-sleep-mode applies to vLLM on a GPU only (--rollout-engine auto is hf here" in "".join(
+        checks.shared_flags(args)
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engines, "vllm_available", lambda: True)
+    assert not [p for p in checks.shared_flags(args) if "vllm-sleep-mode" in p]
+    # float32 compute on a GPU is asked for by name; auto there is bfloat16, which the head flag changes
+    assert not [p for p in checks.shared_flags(flags.replace(args, fp32_lm_head=True)) if "fp32" in p]
+
+
+def test_vllm_that_is_not_installed_is_one_line_naming_the_flag(monkeypatch, tmp_path):
+    """Was a RuntimeError chained to vLLM's ImportError: 17 lines of traceback."""
+    from common import engines
+
+    monkeypatch.setattr(engines, "vllm_available", lambda: False)
+    module, args = _args("grpo", output_dir=str(tmp_path / "runs"), rollout_engine="vllm", top_k=20)
+    with pytest.raises(BadInput, match=r"--rollout-engine vllm needs vLLM, which is not installed: `pip install"):
+        module.main(args)
+    assert not (tmp_path / "runs").exists()
+    monkeypatch.setitem(__import__("sys").modules, "vllm", None)  # `import vllm` raises ImportError
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # what VLLMEngine sets is put back after
+    with pytest.raises(BadInput, match="the vLLM engine cannot start: vllm does not import") as error:
+        engines.VLLMEngine("tiny", "float32", 64, 0)
+    assert error.value.__cause__ is None and error.value.__suppress_context__  # raised `from None`: one line
+
+
+def _evaluate(monkeypatch, capsys, *argv):
+    """`python -m common.evaluate ARGV`, in this process: the BadInput it raises, or (its JSON, its stderr)."""
+    from common import evaluate
+
+    monkeypatch.setattr("sys.argv", ["evaluate", *map(str, argv)])
+    try:
+        evaluate.main()
+    except BadInput as error:
+        return error
+    out, err = capsys.readouterr()
+    return json.loads(out[out.index("{") :]), err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-turns", 2], "--max-turns applies to a task with tools only (a task file's TOOLS)"),
+        (
+            ["--task", "products", "--max-new-tokens", 28, "--max-episode-tokens", 5],
+            "--max-episode-tokens must be 0 (twice --max-new-tokens) or >= --max-new-tokens",  # the scripts' rule
+        ),
+        (["--engine", "vllm"], "--engine vllm needs vLLM, which is not installed"),  # its own flag's name
+        (["--task", "products", "--model", "tiny-moe", "--max-new-tokens", 28], "--model tiny-moe has no built-in"),
+        (["--question-column", "q"], "--question-column applies to a local data file"),
+    ],
+)
+def test_evaluate_refuses_what_the_scripts_refuse(argv, message, monkeypatch, capsys):
+    from common import engines
+
+    monkeypatch.setattr(engines, "vllm_available", lambda: False)
+    error = _evaluate(monkeypatch, capsys, *argv)
+    assert isinstance(error, BadInput) and message in str(error), error
+
+
+def test_evaluate_scores_a_data_files_held_out_rows_and_says_so(tmp_path, monkeypatch, capsys):
+    """A local file has no test split: the held-out rows of a training run on it, not every row (which trained)."""
+    from common import evaluate
+
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"question": f"Q: {i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
+    scored = []
+    monkeypatch.setattr(evaluate, "evaluate", lambda engine, tokenizer, rows, *_: scored.extend(rows) or {})
+    result, err = _evaluate(monkeypatch, capsys, "--task", path, "--engine", "hf", "--k", 1)
+    held_out = tasks.load_train_and_eval(str(path), None, verbose=False)[1]
+    assert scored == held_out and len(scored) == 4 and result["split"] == "held-out" and result["prompts"] == 4
+    assert f"scoring 4 prompts of the held-out split of {path}" in err
+
+
+def test_evaluate_names_the_base_a_lora_checkpoint_needs(tmp_path, monkeypatch, capsys):
+    checkpoint = tmp_path / "step_00000002"
+    checkpoint.mkdir()
+    moved = str(tmp_path / "models" / "base-that-moved")
+    (checkpoint / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": moved}))
+    error = _evaluate(monkeypatch, capsys, "--model", checkpoint)
+    assert isinstance(error, BadInput), error
+    assert f"the adapter's base model {moved} is not there" in str(error)
+    assert f"put the base model back at {moved}, or point base_model_name_or_path in {checkpoint}" in str(error)
+
+
+def test_lora_shapes_are_checked_against_the_config_before_any_weight_loads(tiny_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from common import adapters
+    from common.flags import Systems
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights loaded before the check")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
+    # the tiny model's k_proj / v_proj are [128, 256]: B·A has rank 128 at most there
+    with pytest.raises(BadInput, match=r"--lora-rank 129 is larger than the narrowest targeted layer of .*k_proj"):
+        adapters.load_policy(tiny_dir, None, Systems(lora_rank=129))
+    with pytest.raises(
+        BadInput, match=r"--lora-rank 300 is larger .*self_attn.q_proj \[256, 256\]: B·A has rank 256 at most"
+    ):
+        adapters.load_policy(tiny_dir, None, Systems(lora_rank=300, lora_target_modules=("q_proj",)))
+    # the output layer, by the model's own module (whatever a fork or common.checks calls it)
+    with pytest.raises(BadInput, match="lm_head is .* output layer: the output layer takes no adapter"):
+        adapters.load_policy(tiny_dir, None, Systems(lora_rank=4, lora_target_modules=("model.lm_head", "lm_head")))
+    adapters.check_targets(tiny_dir, 128, ["all-linear"])  # the widest rank that means something passes
+
+
+def _model_folder(path, weights: bytes):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    (path / "model.safetensors").write_bytes(weights)
+    return str(path)
+
+
+def test_a_lora_run_resumes_on_its_own_model_only(tmp_path):
+    """The checkpoint holds the adapter alone: resuming it on another --model trains it beside other weights."""
+    grpo = importlib.import_module("algorithms.grpo")
+    base = _model_folder(tmp_path / "base", b"weights of the base" * 100)
+    other = _model_folder(tmp_path / "instruct", b"weights of another" * 100)
+    moved = _model_folder(tmp_path / "elsewhere" / "base", b"weights of the base" * 100)
+    checkpoint = _fake_checkpoint(tmp_path, flags.make(grpo.Args, lora_rank=4, model=base))
+    resume = lambda model: flags.flat(flags.make(grpo.Args, lora_rank=4, model=model, resume=checkpoint))  # noqa: E731
+    with pytest.raises(BadInput) as error:
+        checks.check_resume(resume(other), checkpoint, verbose=False)
+    assert f"adapter was trained on --model {base}, and --model {other} is another model" in str(error.value)
+    assert f"Resume with --model {base}" in str(error.value)
+    for same in (base, moved):  # the same folder, or a copy of it elsewhere: the resume goes on to the files
+        with pytest.raises(BadInput, match="the model weights is damaged or incomplete"):
+            checks.check_resume(resume(same), checkpoint, verbose=False)
+
+
+def test_the_built_in_moe_model_names_the_tasks_it_has():
+    with pytest.raises(BadInput, match="--model tiny-moe has no built-in warm start for --task products: it has one"):
+        resolve_model("tiny-moe", "products")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "models/qwen/typo"], "--model models/qwen/typo: no such model folder"),
+        (["--model", "{run}"], "is a run folder, not a model"),
+        (["--model", "{adapter}"], "is a LoRA adapter, not a model: pass its base as --model"),
+        (["--model", "no-such-owner/no-such-model"], "--model no-such-owner/no-such-model: not a local model folder"),
+        (["--micro-batch-size", 0], "--micro-batch-size must be >= 1"),
+        (["--max-new-tokens", -5], "--max-new-tokens must be >= 1"),
+        (["--lora-rank", -1], "--lora-rank must be >= 0 (0: full fine-tuning)"),
+        (["--gpu-memory-utilization", 2], "--gpu-memory-utilization must be in (0, 1)"),
+        (["--prompts-per-step", 0], "--prompts-per-step must be >= 1"),
+        (["--gpus", 3], "--prompts-per-step must be divisible by --gpus 3"),
+        (["--cpu-offload"], "--cpu-offload applies with --gpus > 1 only"),
+    ],
+)
+def test_the_memory_estimate_checks_its_flags_and_model_as_the_scripts_do(argv, message, tmp_path, monkeypatch):
+    from common import memory
+
+    run, adapter = tmp_path / "run", tmp_path / "adapter"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    argv = [str(a).format(run=run, adapter=adapter) for a in argv]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("sys.argv", ["memory", *argv])
+    with pytest.raises(BadInput) as error:
+        memory.main()
+    assert message in str(error.value), str(error.value)
+
+
+def test_the_memory_command_prints_one_line_and_no_traceback():
+    result = run_script("-m", "common.memory", "--model", "models/qwen/typo", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.startswith("error: --model models/qwen/typo: no such model folder")
+
+
+def test_the_memory_estimate_of_an_moe_model_says_it_is_for_dense_ones(tmp_path, monkeypatch, capsys):
+    from transformers import MixtralConfig
+
+    from common import memory
+
+    MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_local_experts=4).save_pretrained(
+        tmp_path
+    )
+    monkeypatch.setattr(memory, "estimate", lambda plan, config: config)  # the caveat, not the measurement
+    monkeypatch.setattr(memory, "report", lambda plan, result: f"report of {type(result).__name__}")
+    monkeypatch.setattr("sys.argv", ["memory", "--model", str(tmp_path)])
+    memory.main()
+    out, err = capsys.readouterr()
+    assert (
+        out.strip() == "report of MixtralConfig" and "is a mixture-of-experts model; this estimate is for dense" in err
+    )
+    monkeypatch.setattr("sys.argv", ["memory", "--model", "tiny"])
+    memory.main()
+    assert "mixture-of-experts" not in capsys.readouterr().err
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_garbage_before_it_is_named(tmp_path, capsys):
+    """A run killed while writing a record resumes (the record's step is recomputed); a damaged line in the middle
+    is not a kill's doing, and is named before anything loads."""
+    from common.tracking import Tracker
+
+    grpo = importlib.import_module("algorithms.grpo")
+    checkpoint = _fake_checkpoint(tmp_path, grpo.Args())  # step 3 of tmp_path/run
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    whole = "".join(json.dumps({"step": step, "charts/reward": 0.5}) + "\n" for step in (1, 2, 3, 4))
+    metrics.write_text(whole + '{"step": 5, "charts/rew')  # killed mid-write
+    Tracker(str(tmp_path / "run"), {}, resume_step=3)
+    assert metrics.read_text() == "".join(whole.splitlines(keepends=True)[:3])
+    assert f"warning: {metrics}:5: the last line is not a whole record" in capsys.readouterr().err
+    metrics.write_text(whole.replace('{"step": 2', 'x{"step": 2'))
+    settings = flags.flat(flags.make(grpo.Args, resume=checkpoint))
+    with pytest.raises(BadInput, match=rf"{metrics}:2: not a metrics record \(Expecting value.*Fix or remove the line"):
+        checks.check_resume(settings, checkpoint, verbose=False)
+    metrics.write_text(whole.replace('{"step": 3', '{"stop": 3'))
+    with pytest.raises(BadInput, match=rf"{metrics}:3: not a metrics record \(no 'step'"):
+        checks.check_resume(settings, checkpoint, verbose=False)
+
+
+def test_an_output_dir_the_system_will_not_create_is_refused_with_its_reason(tmp_path):
+    """/proc passes os.access for root, and makedirs failed later with a traceback."""
+    (problem,) = checks.output_dir_problems("/proc/runs")
+    assert problem.startswith("--output-dir /proc/runs cannot be created (making a folder in /proc: "), problem
+    module, args = _args("grpo", output_dir="/proc/runs")
+    with pytest.raises(BadInput, match="--output-dir /proc/runs cannot be created"):
+        module.main(args)
+    assert checks.output_dir_problems(str(tmp_path)) == [] and os.listdir(tmp_path) == []  # the probe is removed
+
+
+# --- task files: the user's code that exits or floods ------------------------------------------------
+
+
+def _task_file(tmp_path, body, name="task.py"):
+    import textwrap
+
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+TASK_ROWS = """
+import os, sys
+
+def rows(split):
+    return [{"question": "Q: 1+1="}]
+"""
+
+
+def test_a_task_file_that_exits_as_it_is_imported_is_named(tmp_path):
+    path = _task_file(tmp_path, TASK_ROWS + "sys.exit('not a script')\n", name="exits.py")
+    with pytest.raises(BadInput, match=r"task file .*exits.py called sys.exit\('not a script'\) while it was imp"):
+        tasks.load_task(path, "train")
+
+
+def test_a_score_that_ends_its_worker_stops_the_run_once(tmp_path, tiny, capsys):
+    """Was 8 warnings `score() ran past 10 s`, 80 s, and reward 0 for every completion."""
+    from common.scoring import score_completions
+
+    _, tokenizer = tiny
+    path = _task_file(tmp_path, TASK_ROWS + "def score(completion, row):\n    os._exit(3)\n", name="dies.py")
+    rows = tasks.load_task(path, "train")
+    completions = _completions(tokenizer, ["2"] * 8)
+    with pytest.raises(BadInput, match=r"dies.py: score\(completion, row\) exited \(its process ended with exit "):
+        score_completions(completions, rows, 8, tokenizer, path)
+    assert "ran past" not in capsys.readouterr().err
+
+
+def _completions(tokenizer, texts):
+    from common.engines import Completion
+
+    return [Completion(tokenizer(t, add_special_tokens=False)["input_ids"], [0.0] * len(t), "stop") for t in texts]
+
+
+TOOL = (
+    TASK_ROWS
+    + """
+def score(completion, row):
+    return 0.0
+
+def calc(argument):
+    if argument == "exit":
+        os._exit(5)
+    if argument == "sys.exit":
+        sys.exit(6)
+    if argument == "flood":
+        print("y" * 60_000_000)  # 60 MB on the trainer's stdout, once
+        return "x" * 60_000_000
+    return "7"
+
+TOOLS = {"calc": calc}
+TOOL_SECONDS = 20
+"""
+)
+
+
+def test_a_tool_that_exits_is_reported_as_exiting_and_a_flood_is_cut(tmp_path, tiny, capfd):
+    from test_tools import ScriptedPolicy
+
+    from common import task_files
+    from common.tools import ToolEngine
+
+    _, tokenizer = tiny
+    toolbox = task_files.load_task_file(_task_file(tmp_path, TOOL, name="tool.py"))
+    calls = iter(["<calc>exit</calc>", "<calc>sys.exit</calc>", "<calc>exit</calc>", "<calc>2</calc>", "done$"])
+    engine = ToolEngine(ScriptedPolicy(tokenizer, lambda _: next(calls)), tokenizer, toolbox, 5, 400)
+    (episode,) = engine.generate([tokenizer("Q: 1+1=")["input_ids"]], 1, 100, 1.0)
+    text = tokenizer.decode([t for t, tool in zip(episode.token_ids, episode.tool_mask) if tool])
+    assert text == "<result>error: the tool exited</result>" * 3 + "<result>7</result>"  # a new worker answers
+    assert (episode.tool_calls, episode.tool_errors, episode.tool_timeouts) == (4, 3, 0)  # not time-outs
+    err = capfd.readouterr().err
+    assert err.count("the tool calc exited") == 1 and "(its process ended with exit code 5)" in err
+    outcome = task_files.run_each(toolbox, [("tool", "calc", "flood")], 20)[0]
+    assert outcome[0] == "value" and len(outcome[1]) < task_files.OUTPUT_CHARS + 100
+    assert outcome[1].endswith("[... cut: the output had 60,000,000 characters, the first 100,000 are shown]")
+    out, err = capfd.readouterr()
+    assert out == "" and len(err) < task_files.PRINTED_CHARS + 200  # the print: its first 4,000 characters
+    assert "[... 59,996,001 more characters printed by the task file's code, not shown]" in err
