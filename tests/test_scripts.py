@@ -443,7 +443,7 @@ def test_a_fork_without_the_optional_features_runs(tmp_path):
         ("        top_p=args.top_p,\n        top_k=args.top_k,\n        sampling_mask=args.keep_sampling_mask,\n", ""),
         ("    kept = sampling_masks(completions, response_width, device)", "    return batch  #"),
         ('    return batch | ({"sampling_mask": kept} if kept is not None else {})\n', ""),
-        (", args.max_sampling_rounds)", ")"),
+        (", args.max_sampling_rounds\n", "\n"),
         ("        turns.append(later_turns(completion) + [0] * right)\n", ""),
         ('        batch["later_turns"] = torch.tensor(turns, device=device).float()\n', "        pass\n"),
     ):

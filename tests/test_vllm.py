@@ -272,7 +272,7 @@ def test_auto_picks_vllm_only_on_a_gpu(tiny):
 
 def test_a_missing_vllm_says_how_to_install_it(monkeypatch, tiny_dir):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail
-    with pytest.raises(RuntimeError, match="pip install vllm==0.33.0.*VLLM=cpu"):
+    with pytest.raises(BadInput, match="vllm does not import .*pip install vllm==0.33.0.*VLLM=cpu"):
         VLLMEngine(tiny_dir, "float32", 64, 0)
 
 
