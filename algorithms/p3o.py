@@ -60,17 +60,18 @@ from tqdm import tqdm
 
 from common import checks, fsdp
 from common.adapters import load_policy
+from common.batches import make_batch, micro_batches
 from common.checkpoint import StopSignals, load_checkpoint, run_folder, save_checkpoint, seed_everything
 from common.checks import require
-from common.engines import load_tokenizer, make_training_engine, sampling_masks
+from common.engines import load_tokenizer, make_training_engine
 from common.evaluate import Evaluator
 from common.flags import Evaluation, Group, Systems, TaskFormat, Tools, Tracking, flat
 from common.logprobs import output_layer_scores
-from common.rollouts import Groups, PromptSampler
+from common.rollouts import Groups, PromptSampler, record_rollouts
 from common.scoring import overlong_penalty, score_completions
 from common.tasks import load_prompts
 from common.tiny import resolve_model
-from common.tools import later_turns, record_tool_use, record_turn_mismatch, with_tools
+from common.tools import record_tool_use, record_turn_mismatch, with_tools
 from common.tracking import StepMetrics, Tracker
 
 
@@ -280,22 +281,22 @@ def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
 
 
-def aggregate(token_losses, mask, mode, minibatch_tokens, minibatch_sequences):
-    """This micro-batch's share of the minibatch loss (the shares of its
-    micro-batches add up to the mean).
-    token-mean (DAPO): every response token of the minibatch, on all ranks, weighs the same.
-    sequence-mean (GRPO): a mean over each completion, then over the
-    completions that have a token."""
+def aggregate(token_losses, mask, mode, minibatch):
+    """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to
+    the mean); `minibatch` holds the minibatch's counts over all ranks.
+    token-mean (DAPO): every response token of the minibatch weighs the same.
+    sequence-mean (GRPO): a mean over each completion, then over the completions that have a
+    token."""
     if mode == "token-mean":
-        return (token_losses * mask).sum() / minibatch_tokens
+        return (token_losses * mask).sum() / minibatch["tokens"]
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-    return per_sequence.sum() / minibatch_sequences
+    return per_sequence.sum() / minibatch["sequences"]
 
 
 # END ALGO LOGIC
 
 
-# TRY NOT TO MODIFY: log-probs, rollout batches, micro-batches and the train-inference mismatch
+# TRY NOT TO MODIFY: log-probs, rollouts and the train-inference mismatch
 def token_logprobs(model, micro, temperature, with_entropy=False):
     """log π(o_t | q, o_<t) [B, T] of each response token under `model` at `temperature`, and
     the entropy of π at each of those positions (no gradient; None unless `with_entropy`). The
@@ -353,64 +354,6 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
 
 
-def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None):
-    """Rollouts as tensors: [left-padded prompt | right-padded response]; position ids
-    skip padding. The response mask marks the tokens that train: the policy's own (not a
-    tool's output), of every completion or of those whose `trains` entry is True (the
-    sampler's: not a completion cut off with --mask-truncated, nor a filler group of a
-    batch left short by dynamic sampling)."""
-    prompt_width = max(len(p) for p in prompt_ids)
-    response_width = max(len(c.token_ids) for c in completions)
-    rows, masks, response_masks, sampler_logprobs, turns = [], [], [], [], []
-    for index, completion in enumerate(completions):
-        prompt, response = prompt_ids[index // group_size], completion.token_ids
-        left, right = prompt_width - len(prompt), response_width - len(response)
-        rows.append([pad_id] * left + prompt + response + [pad_id] * right)
-        masks.append([0] * left + [1] * (len(prompt) + len(response)) + [0] * right)
-        # a tool's output is context: no loss, no ratio, no statistic (common/tools.py)
-        tool = completion.tool_mask or [0] * len(response)
-        response_masks.append([int((trains is None or trains[index]) and not t) for t in tool] + [0] * right)
-        turns.append(later_turns(completion) + [0] * right)
-        sampler_logprobs.append(completion.logprobs + [0.0] * right)
-    attention_mask = torch.tensor(masks, device=device)
-    input_ids = torch.tensor(rows, device=device)
-    batch = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
-        "response_ids": input_ids[:, prompt_width:],
-        "response_mask": torch.tensor(response_masks, device=device).float(),
-        "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
-    }
-    if any(c.tool_mask is not None for c in completions):  # tools: 1 after the first tool output
-        batch["later_turns"] = torch.tensor(turns, device=device).float()
-    # top-p / top-k: the ids kept per position [B, T, K]
-    kept = sampling_masks(completions, response_width, device)
-    return batch | ({"sampling_mask": kept} if kept is not None else {})
-
-
-def micro_batches(batch, indices, size, by_length=True):
-    """Slices of the batch, each trimmed of columns that are padding in all of its rows: the
-    sequence tensors [B, prompt + response] and every per-response-token tensor [B, response]
-    alike. by_length: rows sorted by response length first, so a long response does not pad many
-    short ones (token sums do not depend on the order)."""
-    full_width, response_width = batch["input_ids"].shape[1], batch["response_ids"].shape[1]
-    if by_length:
-        indices = indices[batch["response_mask"][indices].sum(1).argsort(descending=True, stable=True)]
-    for start in range(0, len(indices), size):
-        rows = indices[start : start + size]
-        micro = {"rows": rows, **{k: v[rows] for k, v in batch.items()}}
-        first = int(micro["attention_mask"].any(0).nonzero()[0])  # leftmost non-pad prompt column
-        columns = micro["response_mask"].any(0).nonzero()
-        width = int(columns[-1]) + 1 if len(columns) else 0  # rightmost response column
-        for key, value in micro.items():
-            if value.dim() >= 2 and value.shape[1] == full_width:  # [B, prompt + response, ...]
-                micro[key] = value[:, first : full_width - response_width + width]
-            elif value.dim() >= 2 and value.shape[1] == response_width:
-                micro[key] = value[:, :width]
-        yield micro
-
-
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
     """token_logprobs of every response token of the batch [B, T] under `model`, without
     gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
@@ -437,21 +380,6 @@ def record_mismatch(metrics, batch, old_logprobs):
     record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))
 
 
-def record_rollouts(metrics, scores, completions, rewards):
-    """What the engine sampled this step (the batch's groups): the reward and how it came about."""
-    # EOS in, tool outputs out
-    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)
-    metrics.mean("charts/reward", rewards.sum(), rollouts)
-    metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
-    # no answer to extract
-    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)
-    metrics.mean("charts/response_length_mean", lengths.sum(), rollouts)
-    metrics.max("charts/response_length_max", lengths)
-    metrics.mean("charts/truncation_rate", sum(c.finish_reason == "length" for c in completions), rollouts)
-    # groups whose rewards are all equal: their advantages are 0, they carry no signal
-    metrics.mean("charts/zero_std_group_fraction", (rewards.std(dim=1) == 0).sum(), len(rewards))
-
-
 PLOTTED = [
     "charts/reward",
     "eval/greedy_accuracy",
@@ -468,9 +396,10 @@ PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"
 # END TRY NOT TO MODIFY
 
 
-def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics) -> int:
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics) -> int:
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
+    autocast, scaler = precision.autocast, precision.scaler  # bf16 / fp16 (fsdp.mixed_precision)
     # old log-probs only when π_θ will move away from π_old within this batch. P3O's ratio is to μ:
     # they serve the statistics (approx_kl, the mismatch) only
     multiple_updates = args.num_minibatches * args.update_epochs > 1
@@ -488,13 +417,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
         for minibatch in order.chunk(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
             # ranks, so each rank's share is scaled by the world size
-            # sequence-mean counts completions with a response token (an empty one adds nothing)
             response_mask = batch["response_mask"][minibatch]
-            counts = fsdp.all_reduce_dict(
-                {"tokens": response_mask.sum().item(), "sequences": response_mask.any(1).sum().item()}, dist
-            )
-            minibatch_tokens, minibatch_sequences = counts["tokens"], counts["sequences"]
-            if minibatch_tokens == 0:  # no token on any rank: no step (counted)
+            tokens, sequences = response_mask.sum().item(), response_mask.any(1).sum().item()
+            totals = fsdp.all_reduce_dict({"tokens": tokens, "sequences": sequences}, dist)
+            if totals["tokens"] == 0:  # no token on any rank: no step (counted)
                 skipped += 1
                 continue
             minibatch_loss = 0.0
@@ -532,7 +458,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, au
                     kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 of KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
-                loss = aggregate(token_losses, mask, args.loss_aggregation, minibatch_tokens, minibatch_sequences)
+                loss = aggregate(token_losses, mask, args.loss_aggregation, totals)
                 # END ALGO LOGIC
                 # float16: scaled up, or small gradients flush to zero
                 scaler.scale(loss * dist.world_size).backward()
@@ -605,9 +531,8 @@ def main(args: Args) -> None:
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
-    compute_dtype, autocast, scaler = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs
-    # a new run folder, or with --resume the run's own, whose settings a resume keeps
-    # (checks.RESUME_MAY_CHANGE)
+    precision = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs: dtype, autocast, scaler
+    # a new run folder, or with --resume the run's own (its settings kept: checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
@@ -617,24 +542,21 @@ def main(args: Args) -> None:
         args.model, tokenizer, args.task, args.max_prompt_tokens, args.max_new_tokens,
         args.task_format, args.tools, args.evaluation, dist.is_main,
     )  # fmt: skip
-
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
-    policy = load_policy(args.model, checkpoint, systems, compute_dtype)  # LoRA: base frozen
+    policy = load_policy(args.model, checkpoint, systems, precision.dtype)  # LoRA: base frozen
     own_copy = args.sync_every > 1  # ALGO LOGIC: the engine keeps stale weights between pushes
     engine = make_training_engine(
         systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed, share_weights=not own_copy
     )
     engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # episodes
     # train mode, no dropout; sharded from CPU memory: each GPU receives one unit at a time
-    policy = fsdp.shard_for_training(policy, dist, systems, compute_dtype)
-    reference = fsdp.load_reference(args.model, dist, systems, compute_dtype) if args.kl_coef > 0 else None
+    policy = fsdp.shard_for_training(policy, dist, systems, precision.dtype)
+    reference = fsdp.load_reference(args.model, dist, systems, precision.dtype) if args.kl_coef > 0 else None
     trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters alone
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    state = {"step": 0, "skipped_steps": 0}
-    if checkpoint:
-        state = load_checkpoint(checkpoint, policy, optimizer, scheduler, dist)
-    start_step, skipped_steps = state["step"], state["skipped_steps"]
+    state = load_checkpoint(checkpoint, policy, optimizer, scheduler, dist) if checkpoint else {}
+    start_step, skipped_steps = state.get("step", 0), state.get("skipped_steps", 0)
     tracker = Tracker(run_dir, flat(args), args.tracking, dist.is_main, resume_step=start_step if checkpoint else None)
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
     if start_step == 0 and evaluator.due(0, args.steps):
@@ -661,13 +583,13 @@ def main(args: Args) -> None:
             groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
         )
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
-        record_rollouts(metrics, groups.scores, groups.completions, groups.rewards)
+        record_rollouts(metrics, groups)
 
         # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps meanwhile)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(
-                policy, reference, optimizer, scheduler, batch, args, dist, autocast, scaler, metrics
+                policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics
             )
 
         # 5. push the new weights to the engine (every rank gathers them)

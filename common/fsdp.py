@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as torch_dist
@@ -40,14 +41,20 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def mixed_precision(name: str, device: torch.device):
+class Precision(NamedTuple):
+    dtype: torch.dtype  # the compute dtype: the engine's and autocast's
+    autocast: torch.autocast  # re-entered by every forward that trains or scores
+    scaler: torch.amp.GradScaler  # float16's dynamic loss scale; a pass-through otherwise
+
+
+def mixed_precision(name: str, device: torch.device) -> Precision:
     """(compute dtype, autocast context, gradient scaler) of --dtype `name`. bf16 / fp16 compute over float32
     weights; the scaler is float16's dynamic loss scale and does nothing otherwise. The autocast keeps no cast
     cache: with one, the cast of every float32 weight would live until the forward ends, checkpointing or not
     (a bf16 copy of the model); without it a cast lives as long as autograd needs it (one layer's, checkpointed)."""
     dtype = compute_dtype(name, device)
     autocast = torch.autocast(device.type, dtype, enabled=dtype != torch.float32, cache_enabled=False)
-    return dtype, autocast, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    return Precision(dtype, autocast, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16))
 
 
 def setup() -> Dist:

@@ -7,6 +7,7 @@ scored against its row's gold answer); this module says which prompts a step use
     prompt_ids, rows = sampler.step_prompts(step)                      # this rank's share of step `step`
     groups = rollout(prompt_ids, rows)                                   # Groups: completions, rewards [prompts, G]
     groups = sampler.dynamic_sampling(groups, step, rollout, metrics)    # --dynamic-sampling
+    record_rollouts(metrics, groups)                                     # charts/reward, accuracy, lengths
 
 Step s takes the prompts `tasks.sample_batch` gives it (epochs of seeded permutations). With DAPO's dynamic
 sampling (Yu et al. 2025, arXiv:2503.14476 §3.2), a group whose rewards are all equal has advantage 0 for
@@ -100,6 +101,20 @@ class PromptSampler:
         metrics.sum("sampling/groups_discarded", len(set_aside) - len(fillers))  # generated, not trained on
         metrics.sum("sampling/groups_short", len(fillers))  # at the round cap: all-equal fillers, not trained
         return _join(kept + fillers)
+
+
+def record_rollouts(metrics, groups: Groups) -> None:
+    """What the engine sampled this step (the batch's groups): the reward and how it came about (charts/*)."""
+    completions, scores, rewards = groups.completions, groups.scores, groups.rewards
+    lengths, rollouts = torch.tensor([c.policy_length for c in completions]), len(scores)  # EOS in, tool outputs out
+    metrics.mean("charts/reward", rewards.sum(), rollouts)
+    metrics.mean("charts/accuracy", sum(s.correct for s in scores), rollouts)
+    metrics.mean("charts/no_answer_rate", sum(not s.found for s in scores), rollouts)  # no answer to extract
+    metrics.mean("charts/response_length_mean", lengths.sum(), rollouts)
+    metrics.max("charts/response_length_max", lengths)
+    metrics.mean("charts/truncation_rate", sum(c.finish_reason == "length" for c in completions), rollouts)
+    # groups whose rewards are all equal: their advantages are 0, they carry no signal
+    metrics.mean("charts/zero_std_group_fraction", (rewards.std(dim=1) == 0).sum(), len(rewards))
 
 
 def _split(groups: Groups) -> list[Groups]:

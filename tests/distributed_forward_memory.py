@@ -37,7 +37,10 @@ def main(out_path, dtype):
         dist.device,
     )
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), precision(dtype)[0]:
+    with (
+        torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t),
+        precision(dtype).autocast,
+    ):
         logprobs, _ = grpo.token_logprobs(policy, batch, temperature=1.0)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
     saved_bytes = sum(size for pointer, size in storages.items() if pointer)

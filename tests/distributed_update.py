@@ -55,7 +55,6 @@ def update_policy(algorithm, policy, batch, args, dist, optimizer=None):
     optimizer = optimizer or torch.optim.SGD(policy.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     metrics = StepMetrics()
-    autocast, scaler = precision(args.systems.dtype)
     available = {
         "policy": policy,
         "reference": None,
@@ -64,8 +63,7 @@ def update_policy(algorithm, policy, batch, args, dist, optimizer=None):
         "batch": batch,
         "args": args,
         "dist": dist,
-        "autocast": autocast,
-        "scaler": scaler,
+        "precision": precision(args.systems.dtype),
         "metrics": metrics,
     }
     parameters = inspect.signature(algorithm.update_policy).parameters

@@ -64,13 +64,16 @@ def compute_dtype(dtype="float32"):
 
 
 def precision(dtype="float32"):
-    """(autocast, scaler) of the scripts' --dtype on the CPU: bf16 / fp16 autocast, and fp16's loss scale,
-    starting at 2^10 rather than the scripts' 2^16: the built-in model's first-step activation gradients
-    times 2^16 overflow float16, a skipped step that a one-update test cannot recover from."""
+    """fsdp.Precision (dtype, autocast, scaler) of the scripts' --dtype on the CPU: bf16 / fp16 autocast, and
+    fp16's loss scale, starting at 2^10 rather than the scripts' 2^16: the built-in model's first-step activation
+    gradients times 2^16 overflow float16, a skipped step that a one-update test cannot recover from."""
     import torch
 
+    from common.fsdp import Precision
+
     compute = compute_dtype(dtype)
-    return (
+    return Precision(
+        compute,
         torch.autocast("cpu", compute, enabled=compute != torch.float32),
         torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=compute == torch.float16),
     )

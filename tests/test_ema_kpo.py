@@ -297,7 +297,7 @@ def test_loss_gradient_matches_brute_force(tiny, smoother, aggregation):
         ratio = ema_kpo.filtered_ratio(logprobs, rho_hat)
         token_losses, clip_active = ema_kpo.clipped_surrogate_loss(ratio, micro["advantages"], EPS_LOW, EPS_HIGH)
         clipped_tokens += (clip_active.float() * mask).sum().item()
-        ema_kpo.aggregate(token_losses, mask, aggregation, tokens, sequences).backward()
+        ema_kpo.aggregate(token_losses, mask, aggregation, {"tokens": tokens, "sequences": sequences}).backward()
     script_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert 0 < clipped_tokens < tokens  # the example exercises both branches of the min
 
@@ -363,7 +363,7 @@ def test_update_policy_matches_two_epochs_of_sgd_by_hand(tiny, smoother, aggrega
     optimizer = torch.optim.SGD(policy.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     dist, metrics = ema_kpo.fsdp.setup(), StepMetrics()
-    skipped = ema_kpo.update_policy(policy, None, optimizer, scheduler, batch, args, dist, *precision(), metrics)
+    skipped = ema_kpo.update_policy(policy, None, optimizer, scheduler, batch, args, dist, precision(), metrics)
     logged = metrics.reduce()
     assert skipped == 0 and metrics.means["losses/policy_loss"][1] == 2  # two optimizer steps, none skipped
     assert 0 < logged["losses/clip_fraction"] < 1 and logged["losses/rho_hat_abs_mean"] > 0

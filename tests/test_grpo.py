@@ -69,14 +69,15 @@ def test_clipped_surrogate_by_hand(ratio, advantage, loss, active, gradient):
 def test_aggregation_token_mean_sequence_mean_and_token_sum():
     losses = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    constant = 2 * 16  # Dr. GRPO: 2 completions × --max-new-tokens 16, whatever their lengths
-    assert grpo.aggregate(losses, mask, "token-mean", 4, 2, constant).item() == pytest.approx(10 / 4)
-    assert grpo.aggregate(losses, mask, "sequence-mean", 4, 2, constant).item() == pytest.approx((2 + 4) / 2)
-    assert grpo.aggregate(losses, mask, "token-sum", 4, 2, constant).item() == pytest.approx(10 / 32)
+    # Dr. GRPO's constant: 2 completions × --max-new-tokens 16, whatever their lengths
+    totals = {"tokens": 4, "sequences": 2, "max_tokens": 2 * 16}
+    assert grpo.aggregate(losses, mask, "token-mean", totals).item() == pytest.approx(10 / 4)
+    assert grpo.aggregate(losses, mask, "sequence-mean", totals).item() == pytest.approx((2 + 4) / 2)
+    assert grpo.aggregate(losses, mask, "token-sum", totals).item() == pytest.approx(10 / 32)
     # micro-batches each contribute their share; the shares add up to the minibatch's loss
     for mode in ("token-mean", "sequence-mean", "token-sum"):
-        parts = sum(grpo.aggregate(losses[i : i + 1], mask[i : i + 1], mode, 4, 2, constant) for i in range(2))
-        assert parts.item() == pytest.approx(grpo.aggregate(losses, mask, mode, 4, 2, constant).item())
+        parts = sum(grpo.aggregate(losses[i : i + 1], mask[i : i + 1], mode, totals) for i in range(2))
+        assert parts.item() == pytest.approx(grpo.aggregate(losses, mask, mode, totals).item())
 
 
 def test_gspo_sequence_ratio_by_hand():
@@ -170,7 +171,8 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation, ratio_level):
             ratio_inputs = tuple(grpo.sequence_mean(x, micro["response_mask"]) for x in ratio_inputs)
         token_losses, _, clip_active = grpo.clipped_surrogate_loss(*ratio_inputs, micro["advantages"], 0.2, 0.28)
         clipped_tokens += (clip_active.float() * micro["response_mask"]).sum().item()
-        grpo.aggregate(token_losses, micro["response_mask"], aggregation, tokens, sequences, constant).backward()
+        totals = {"tokens": tokens, "sequences": sequences, "max_tokens": constant}
+        grpo.aggregate(token_losses, micro["response_mask"], aggregation, totals).backward()
     script_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert 0 < clipped_tokens < tokens  # the example exercises both branches of the min
 

@@ -265,7 +265,8 @@ def test_balance_on_a_shared_prefix_and_suffix(rewards, scale):
     def push(weights):
         logprobs = torch.zeros(ids.shape, requires_grad=True)
         token_losses, _, _ = gtpo.clipped_surrogate_loss(logprobs, logprobs.detach(), advantages, 0.2, 0.28)
-        gtpo.aggregate(token_losses * weights, mask, "sequence-mean", mask.sum(), len(rewards)).backward()
+        totals = {"tokens": mask.sum(), "sequences": len(rewards)}
+        gtpo.aggregate(token_losses * weights, mask, "sequence-mean", totals).backward()
         return -logprobs.grad
 
     gtpo_push = push(gtpo.conflict_weights(forward, backward, advantages))
@@ -324,7 +325,7 @@ def _update(model, batch, args, initial_entropy, module=gtpo):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     metrics = StepMetrics()
-    common = (optimizer, scheduler, batch, args, CPU, *precision())
+    common = (optimizer, scheduler, batch, args, CPU, precision())
     if module is gtpo:
         skipped = gtpo.update_policy(model, *common, metrics, initial_entropy)
     else:

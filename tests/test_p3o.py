@@ -105,7 +105,7 @@ def test_ess_fallback_without_tokens_or_with_non_finite_sums():
 def _token_gradient(logprobs, sampler, advantages, mask, ess):
     logprobs = logprobs.clone().requires_grad_()
     token_losses, ratio, capped, kl = p3o.p3o_loss(logprobs, sampler, advantages, mask, ess)
-    p3o.aggregate(token_losses, mask, "token-mean", mask.sum(), len(mask)).backward()
+    p3o.aggregate(token_losses, mask, "token-mean", {"tokens": mask.sum(), "sequences": len(mask)}).backward()
     return logprobs.grad * mask.sum(), ratio, capped, kl  # per-token gradient of the token sum
 
 
@@ -206,7 +206,7 @@ def _update(model, batch, dist=ONE_CPU_RANK, **overrides):
     args = flags.make(p3o.Args, max_grad_norm=1e9, **overrides)
     recorder, metrics = GradRecorder(model), StepMetrics()
     skipped = p3o.update_policy(
-        model, None, recorder, types.SimpleNamespace(step=lambda: None), batch, args, dist, *precision(), metrics
+        model, None, recorder, types.SimpleNamespace(step=lambda: None), batch, args, dist, precision(), metrics
     )
     return {"skipped": skipped, **metrics.reduce(dist)}, recorder.grads
 
@@ -280,7 +280,7 @@ def test_several_updates_tighten_as_pi_drifts_from_mu(tiny):
     torch.manual_seed(0)
     metrics = StepMetrics()
     skipped = p3o.update_policy(
-        model, None, optimizer, scheduler, batch, args, fsdp.Dist(0, 1, 0, torch.device("cpu")), *precision(), metrics
+        model, None, optimizer, scheduler, batch, args, fsdp.Dist(0, 1, 0, torch.device("cpu")), precision(), metrics
     )
     logged = metrics.reduce()
     assert scheduler.last_epoch == 4 and skipped == 0  # four optimizer steps, none skipped
@@ -305,7 +305,7 @@ def _distributed_update(out_path):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     args = flags.make(p3o.Args, micro_batch_size=3, max_grad_norm=1e9)
     metrics = StepMetrics()
-    skipped = p3o.update_policy(policy, None, optimizer, scheduler, batch, args, dist, *precision(), metrics)
+    skipped = p3o.update_policy(policy, None, optimizer, scheduler, batch, args, dist, precision(), metrics)
     logged = {
         "skipped": skipped,
         "tokens": fsdp.all_reduce(batch["response_mask"].sum().item(), dist),

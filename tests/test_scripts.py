@@ -441,11 +441,8 @@ def test_a_fork_without_the_optional_features_runs(tmp_path):
         source = _delete_field(source, name)
     for text, replacement in (
         ("        top_p=args.top_p,\n        top_k=args.top_k,\n        sampling_mask=args.keep_sampling_mask,\n", ""),
-        ("    kept = sampling_masks(completions, response_width, device)", "    return batch  #"),
-        ('    return batch | ({"sampling_mask": kept} if kept is not None else {})\n', ""),
         (", args.max_sampling_rounds\n", "\n"),
-        ("        turns.append(later_turns(completion) + [0] * right)\n", ""),
-        ('        batch["later_turns"] = torch.tensor(turns, device=device).float()\n', "        pass\n"),
+        ('    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))\n', ""),
     ):
         assert text in source, text  # a deletion that finds nothing would test nothing
         source = source.replace(text, replacement)

@@ -268,7 +268,7 @@ def test_masked_tokens_stay_in_the_token_mean_denominator():
     old, sampler, mask = _pair([[0.1, 3.0, -3.0, 0.0]], [[1, 1, 1, 0]])
     weights, _, _ = _weights("icepop", old, sampler, mask)  # only the first token survives
     token_losses = torch.full((1, 4), 2.0, dtype=F64)
-    loss = tim.aggregate(weights * token_losses, mask, "token-mean", mask.sum(), 1)
+    loss = tim.aggregate(weights * token_losses, mask, "token-mean", {"tokens": mask.sum(), "sequences": 1})
     assert loss.item() == pytest.approx(math.exp(0.1) * 2.0 / 3)  # divided by the 3 response tokens, not by 1
 
 
@@ -358,7 +358,7 @@ def test_update_policy_applies_the_weights(tiny, correction):
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     dist = tim.fsdp.setup()
     metrics = StepMetrics()
-    assert tim.update_policy(policy, None, optimizer, scheduler, batch, args, dist, *precision(), metrics) == 0
+    assert tim.update_policy(policy, None, optimizer, scheduler, batch, args, dist, precision(), metrics) == 0
     moved = {n: before[n] - p.detach() for n, p in policy.named_parameters()}
 
     tokens = sum(len(r) for r in responses)
