@@ -9,10 +9,10 @@ Objective. GRPO's, with each token's ratio replaced by a causal low-pass filter 
 token log-ratios along its response (equation numbers are the EMA-KPO paper's; A_i:
 GRPO's group-normalized advantages):
 
-    z_t   = log π_θ(o_t | q, o_<t) − log π_old(o_t | q, o_<t)                   (Eq. 1; detached)
-    ρ̂_t   = (1 − α_t) ρ̂_t−1 + α_t z_t,  ρ̂_0 = 0,  α_t = K_t, the Kalman gains of Eqs. 4, 5, 7   (Eqs. 6, 9)
-    r̃_t   = exp( log π_θ(o_t) − sg(log π_θ(o_t)) + sg(ρ̂_t) )     value exp(ρ̂_t), gradient exp(ρ̂_t)·∇log π_θ(o_t)
-    J(θ)  = 1/N Σ_i 1/|o_i| Σ_t min( r̃_it A_i , clip(r̃_it, 1 − ε_low, 1 + ε_high) A_i )   (the paper's ε−, ε+)
+    z_t   = log π_θ(o_t | q, o_<t) − log π_old(o_t | q, o_<t)              (Eq. 1; detached)
+    ρ̂_t   = (1 − α_t) ρ̂_t−1 + α_t z_t,  ρ̂_0 = 0,  α_t = K_t (Eqs. 4, 5, 7)   (Eqs. 6, 9)
+    r̃_t   = exp(log π_θ(o_t) − sg(log π_θ(o_t)) + sg(ρ̂_t))   value exp(ρ̂_t), gradient exp(ρ̂_t)·∇log π_θ
+    J(θ)  = 1/N Σ_i 1/|o_i| Σ_t min(r̃_it A_i, clip(r̃_it, 1 − ε_low, 1 + ε_high) A_i)   (ε_low, ε_high: ε−, ε+)
 
 The model behind it: a random walk ρ_t = ρ_t−1 + η (variance Q = 1e-6) observed as
 z_t = ρ_t + ε (variance V = 1) (Eqs. 2-3). The covariance recursion never sees z, so
@@ -35,11 +35,11 @@ tokens. The filter of Eq. 9 runs along the policy's own tokens, skipping an outp
 absent (α_t indexed by the policy's tokens).
 
 Run it
-  python algorithms/ema_kpo.py                               # the built-in task on a CPU, a few minutes
-  python algorithms/ema_kpo.py --help                        # every flag, with its default
-  python algorithms/ema_kpo.py --smoother kalman             # KPO's Kalman filter (same numbers, slower)
-  python algorithms/ema_kpo.py --smoother fixed --alpha 1e-2 # the paper's fixed-gain ablation (and 1e-4)
-  ./run.sh bench ema_kpo                                     # the paper's claims on the built-in task (README)
+  python algorithms/ema_kpo.py                                # the built-in task on a CPU, minutes
+  python algorithms/ema_kpo.py --help                         # every flag, with its default
+  python algorithms/ema_kpo.py --smoother kalman              # KPO's Kalman filter (slower)
+  python algorithms/ema_kpo.py --smoother fixed --alpha 1e-2  # the fixed-gain ablation (and 1e-4)
+  ./run.sh bench ema_kpo                                      # the paper's claims, built-in task
 """
 
 import math
@@ -210,11 +210,11 @@ def gain_schedule(args, length: int) -> torch.Tensor:
 
 
 def ema_filter(z: torch.Tensor, alphas: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """ρ̂_t = (1 − α_t) ρ̂_t−1 + α_t z_t with ρ̂_0 = 0 (Eq. 9) along each row of z [B, T], no loop
-    over tokens. alphas: at least T gains in [0, 1), shared by the rows. Unrolled,
-    ρ̂_t = Σ_i≤t α_i exp(L_t − L_i) z_i with L_t = Σ_j≤t log(1 − α_j), a matrix product within
-    blocks of `block` tokens, then across them. Every exponent is ≤ 0: nothing overflows. Float64
-    inside: relative error < 1e-7 against a loop at 8192 tokens."""
+    """ρ̂_t = (1 − α_t) ρ̂_t−1 + α_t z_t with ρ̂_0 = 0 (Eq. 9) along each row of z [B, T], no
+    loop over tokens. alphas: at least T gains in [0, 1), shared by the rows. Unrolled,
+    ρ̂_t = Σ_i≤t α_i exp(L_t − L_i) z_i with L_t = Σ_j≤t log(1 − α_j), a matrix product
+    within blocks of `block` tokens, then across them. Every exponent is ≤ 0: nothing
+    overflows. Float64 inside: relative error < 1e-7 against a loop at 8192 tokens."""
     rows, length = z.shape
     if len(alphas) < length:
         raise ValueError(f"ema_filter: {len(alphas)} gains for {length} tokens")
@@ -258,9 +258,9 @@ def kalman_filter(z: torch.Tensor, q: float, v: float, p0: float) -> torch.Tenso
     return filtered.to(z.dtype)
 
 
-def filtered_ratio(logprobs: torch.Tensor, rho_hat: torch.Tensor, max_log_ratio: float = 10.0) -> torch.Tensor:
-    """r̃ = exp(log π − sg(log π) + sg(ρ̂)): value exp(ρ̂), gradient exp(ρ̂)·∇log π; no gradient
-    through the filter (KPO's construction, as GSPO-token's). log r̃ is clamped at
+def filtered_ratio(logprobs, rho_hat, max_log_ratio=10.0):
+    """r̃ = exp(log π − sg(log π) + sg(ρ̂)): value exp(ρ̂), gradient exp(ρ̂)·∇log π; no
+    gradient through the filter (KPO's construction, as GSPO-token's). log r̃ is clamped at
     `max_log_ratio`, as in the KPO code."""
     return torch.exp(torch.clamp(logprobs - logprobs.detach() + rho_hat.detach(), max=max_log_ratio))
 
@@ -273,11 +273,12 @@ def clipped_surrogate_loss(ratio, advantages, clip_low, clip_high):
     advantages = advantages[:, None]
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
-    clip_active = ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
-    return -torch.minimum(unclipped, clipped), clip_active
+    clipped_below = (ratio < 1 - clip_low) & (advantages < 0)
+    clipped_above = (ratio > 1 + clip_high) & (advantages > 0)
+    return -torch.minimum(unclipped, clipped), clipped_below | clipped_above
 
 
-def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+def compute_advantages(rewards, scale=True, eps=1e-4):
     """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
@@ -305,11 +306,12 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     logits are divided by the sampling temperature, so the trainer scores the very
     distribution the engine sampled from."""
     response_ids = micro["response_ids"]  # [B, T]
-    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
-    # logits at the position before o_t. Inside the context the output layer returns these two
-    # numbers per position instead of the logits, a chunk of positions at a time: no
-    # [B, T, vocabulary] tensor (common/logprobs.py)
-    with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
+    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t
+    # the logits at the position before o_t. Inside the context the output layer returns these
+    # two numbers per position instead of the logits, a chunk of positions at a time: no
+    # [B, T, vocabulary] tensor (common/logprobs.py). Top-p / top-k: over the kept ids [B, T, K]
+    kept = micro.get("sampling_mask")
+    with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=kept):
         scores = model(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],
@@ -347,17 +349,19 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     ]
     # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
     # length limit gets no gradient
-    trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
+    trains = [not (args.mask_truncated and c.finish_reason == "length") for c in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
     # completions generated, all ranks (and rounds)
     metrics.sum("sampling/rollouts", len(completions))
-    return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
+    rewards = torch.tensor(rewards).view(-1, args.group_size)  # [prompts, G]
+    return Groups(prompt_ids, rows, completions, scores, rewards, trains)
 
 
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
     """token_logprobs of every response token of the batch [B, T] under `model`, without
     gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
-    logprobs, entropy = torch.zeros_like(batch["sampler_logprobs"]), torch.zeros_like(batch["sampler_logprobs"])
+    logprobs = torch.zeros_like(batch["sampler_logprobs"])
+    entropy = torch.zeros_like(logprobs)
     every_row = torch.arange(len(logprobs), device=logprobs.device)
     with torch.no_grad(), autocast:
         for micro in micro_batches(batch, every_row, args.micro_batch_size):
@@ -396,7 +400,7 @@ PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"
 # END TRY NOT TO MODIFY
 
 
-def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics) -> int:
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics):
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     autocast, scaler = precision.autocast, precision.scaler  # bf16 / fp16 (fsdp.mixed_precision)
@@ -406,7 +410,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     if multiple_updates:
-        batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old [B, T]
+        batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old
         record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
         batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
@@ -423,7 +427,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
             # ranks, so each rank's share is scaled by the world size
             response_mask = batch["response_mask"][minibatch]
             tokens, sequences = response_mask.sum().item(), response_mask.any(1).sum().item()
-            totals = fsdp.all_reduce_dict({"tokens": tokens, "sequences": sequences}, dist)
+            counts = {"tokens": tokens, "sequences": sequences}
+            totals = fsdp.all_reduce_dict(counts, dist)
             if totals["tokens"] == 0:  # no token on any rank: no step (counted)
                 skipped += 1
                 continue
@@ -454,7 +459,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                 )
                 if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
-                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 of KL(π_θ ‖ π_ref)
+                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 loss = aggregate(token_losses, mask, args.loss_aggregation, totals)

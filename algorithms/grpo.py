@@ -9,9 +9,9 @@ Objective. For each prompt q, sample a group of G completions o_1..o_G from the 
 score them (r_i = 1 for a correct answer, else 0, plus DAPO's overlong penalty with
 --overlong-buffer), and maximize
 
-    J(θ) = 1/Σ|o_i| · Σ_i Σ_t min( ρ_it A_i , clip(ρ_it, 1-ε_low, 1+ε_high) A_i )  −  β · KL_k3(π_θ ‖ π_ref)
+    J(θ) = 1/Σ|o_i| · Σ_i Σ_t min(ρ_it A_i, clip(ρ_it, 1−ε_low, 1+ε_high) A_i) − β·KL_k3(π_θ ‖ π_ref)
     ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t)
-    A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
+    A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)     (--no-scale-advantages: no division)
 
 Variants, each a flag (the first three concern rollouts and rewards, so every fork has them too):
   --dynamic-sampling (DAPO §3.2): a group whose rewards are all equal (A_i = 0)
@@ -44,7 +44,7 @@ Run it
   python algorithms/grpo.py --help               # every flag, with its default
   python algorithms/grpo.py --resume auto        # continue the newest run of this task/name/seed
   python algorithms/grpo.py --dynamic-sampling --overlong-buffer 4   # DAPO
-  ./run.sh bench                                 # every method × 3 seeds, the built-in task (README)
+  ./run.sh bench                                 # every method × 3 seeds on the built-in task
 """
 
 import math
@@ -179,17 +179,18 @@ class Args:
 
 # ALGO LOGIC: the clipped surrogate, advantages, and how token losses are averaged
 def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
-    """Per-token −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), and where the clip is active (no gradient).
-    logprobs / old_logprobs: [B, T]; advantages: [B] (one per completion)."""
+    """Per-token −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), and where the clip is active (no
+    gradient). logprobs / old_logprobs: [B, T]; advantages: [B] (one per completion)."""
     ratio = torch.exp(logprobs - old_logprobs)
     advantages = advantages[:, None]
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
-    clip_active = ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
-    return -torch.minimum(unclipped, clipped), ratio, clip_active
+    clipped_below = (ratio < 1 - clip_low) & (advantages < 0)
+    clipped_above = (ratio > 1 + clip_high) & (advantages > 0)
+    return -torch.minimum(unclipped, clipped), ratio, clipped_below | clipped_above
 
 
-def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+def compute_advantages(rewards, scale=True, eps=1e-4):
     """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
@@ -199,7 +200,8 @@ def sequence_mean(values, mask):
     """Each completion's mean of [B, T] values, on each of its tokens: from log-probs, GSPO's
     (arXiv:2507.18071) s_i = (π_θ(o_i|q) / π_old(o_i|q))^(1/|o_i|) = exp(mean_t log ρ_it),
     clipped per completion (its Eq. 5)."""
-    return ((values * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(values)
+    per_completion = (values * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    return per_completion.expand_as(values)
 
 
 def aggregate(token_losses, mask, mode, minibatch):
@@ -227,11 +229,12 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     logits are divided by the sampling temperature, so the trainer scores the very
     distribution the engine sampled from."""
     response_ids = micro["response_ids"]  # [B, T]
-    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
-    # logits at the position before o_t. Inside the context the output layer returns these two
-    # numbers per position instead of the logits, a chunk of positions at a time: no
-    # [B, T, vocabulary] tensor (common/logprobs.py)
-    with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
+    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t
+    # the logits at the position before o_t. Inside the context the output layer returns these
+    # two numbers per position instead of the logits, a chunk of positions at a time: no
+    # [B, T, vocabulary] tensor (common/logprobs.py). Top-p / top-k: over the kept ids [B, T, K]
+    kept = micro.get("sampling_mask")
+    with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=kept):
         scores = model(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],
@@ -269,17 +272,19 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     ]
     # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
     # length limit gets no gradient
-    trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
+    trains = [not (args.mask_truncated and c.finish_reason == "length") for c in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
     # completions generated, all ranks (and rounds)
     metrics.sum("sampling/rollouts", len(completions))
-    return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
+    rewards = torch.tensor(rewards).view(-1, args.group_size)  # [prompts, G]
+    return Groups(prompt_ids, rows, completions, scores, rewards, trains)
 
 
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
     """token_logprobs of every response token of the batch [B, T] under `model`, without
     gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
-    logprobs, entropy = torch.zeros_like(batch["sampler_logprobs"]), torch.zeros_like(batch["sampler_logprobs"])
+    logprobs = torch.zeros_like(batch["sampler_logprobs"])
+    entropy = torch.zeros_like(logprobs)
     every_row = torch.arange(len(logprobs), device=logprobs.device)
     with torch.no_grad(), autocast:
         for micro in micro_batches(batch, every_row, args.micro_batch_size):
@@ -317,7 +322,7 @@ PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"
 # END TRY NOT TO MODIFY
 
 
-def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics) -> int:
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics):
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     autocast, scaler = precision.autocast, precision.scaler  # bf16 / fp16 (fsdp.mixed_precision)
@@ -327,7 +332,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     if multiple_updates:
-        batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old [B, T]
+        batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old
         record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
         batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
@@ -340,8 +345,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
             # ranks, so each rank's share is scaled by the world size
             response_mask = batch["response_mask"][minibatch]
             tokens, sequences = response_mask.sum().item(), response_mask.any(1).sum().item()
-            max_tokens = len(minibatch) * args.max_new_tokens  # token-sum's constant (Dr. GRPO)
-            totals = fsdp.all_reduce_dict({"tokens": tokens, "sequences": sequences, "max_tokens": max_tokens}, dist)
+            counts = {"tokens": tokens, "sequences": sequences}
+            counts["max_tokens"] = len(minibatch) * args.max_new_tokens  # Dr. GRPO's constant
+            totals = fsdp.all_reduce_dict(counts, dist)
             if totals["tokens"] == 0:  # no token on any rank: no step (counted)
                 skipped += 1
                 continue
@@ -360,7 +366,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                 )
                 if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
-                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 of KL(π_θ ‖ π_ref)
+                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 loss = aggregate(token_losses, mask, args.loss_aggregation, totals)

@@ -5,16 +5,17 @@ Paper: GTPO (Simoni et al., 2025, arXiv:2508.03772); authors' code: github.com/w
 Objective. For each prompt q, sample a group of G completions o_1..o_G from the old policy, score
 them (reward r_i in {0, 1}), and maximize
 
-    J(θ) = 1/G · Σ_i δ_i/|o_i| · Σ_t λ_it · min( ρ_it Ã_i , clip(ρ_it, 1-ε_low, 1+ε_high) Ã_i )      (Eq. 7)
+    J(θ) = 1/G · Σ_i δ_i/|o_i| · Σ_t λ_it · min(ρ_it Ã_i, clip(ρ_it, 1−ε_low, 1+ε_high) Ã_i) (Eq. 7)
     ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t)
-    A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
-    Ã_i  = A_i − γ · sg(⟨H⟩_i),  ⟨H⟩_i = 1/|o_i| Σ_t H(π_old(· | q, o_i,<t)), the mean entropy (§4.2)
-    λ_it = 1 outside M_i; inside, 0 if A_i < 0 and 2 if A_i > 0                                (Eq. 5)
-    M_i  = M_i^fw ∨ M_i^bw: the first span of conflict tokens from the start / from the end   (§5.1)
-    δ_i  = 0 if ⟨H⟩_ini < ln 2 and ⟨H⟩_i > ln 2, else 1; ⟨H⟩_ini: the initial policy's (§6)  (Eq. 6)
+    A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)     (--no-scale-advantages: no division)
+    Ã_i  = A_i − γ · sg(⟨H⟩_i),  ⟨H⟩_i = 1/|o_i| Σ_t H(π_old(· | q, o_i,<t)): mean entropy (§4.2)
+    λ_it = 1 outside M_i; inside, 0 if A_i < 0 and 2 if A_i > 0                         (Eq. 5)
+    M_i  = M_i^fw ∨ M_i^bw: the first span of conflict tokens from the start / the end  (§5.1)
+    δ_i  = 0 if ⟨H⟩_ini < ln 2 and ⟨H⟩_i > ln 2, else 1 (⟨H⟩_ini: the initial policy's, §6)  (Eq. 6)
 
 A conflict token is a (position, token) pair in completions of the group with A > 0 and with
-A < 0; λ gives the positives there what it takes from the negatives (Σ_{A>0} A_i = Σ_{A<0} |A_i|).
+A < 0; λ gives the positives there what it takes from the negatives
+(Σ_{A>0} A_i = Σ_{A<0} |A_i|).
 The shift −γ⟨H⟩_i is detached, as in the authors' code: its literal gradient would lower the
 entropy, but a larger γ raises it (§6.2).
 
@@ -30,15 +31,16 @@ are defined where recorded; the paper-scale command and a list of differences en
 
 Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
-tokens. The conflict spans of §5.1 run along the policy's own tokens, skipping an output; ⟨H⟩_i and
-the entropy filter average the policy's tokens.
+tokens. The conflict spans of §5.1 run along the policy's own tokens, skipping an output; ⟨H⟩_i
+and the entropy filter average the policy's tokens.
 
 Run it
   python algorithms/gtpo.py                      # the built-in task on a CPU, about two minutes
   python algorithms/gtpo.py --help               # every flag, with its default
-  ./run.sh bench                                 # every method × 3 seeds, the built-in task (README)
-  python algorithms/gtpo.py --no-scale-advantages --mask-combine product --divide-by-conflict-count \\
-      --entropy-filter on --entropy-threshold 0.7  # the authors' configuration (end of this file)
+  ./run.sh bench                                 # every method × 3 seeds on the built-in task
+  python algorithms/gtpo.py --no-scale-advantages --mask-combine product \\
+      --divide-by-conflict-count --entropy-filter on --entropy-threshold 0.7
+                                                 # the authors' configuration (end of this file)
 """
 
 import math
@@ -134,7 +136,8 @@ class Args:
     loss_aggregation: Literal["token-mean", "sequence-mean"] = "sequence-mean"
     """token-mean over the minibatch (DAPO), or mean per completion then over completions (GRPO)"""
     conflict_masks: bool = True
-    """reweight conflict tokens with λ (Eq. 5); --no-conflict-masks: λ ≡ 1, masks still logged"""
+    """reweight conflict tokens with λ (Eq. 5); --no-conflict-masks: λ ≡ 1, masks still
+    logged"""
     mask_combine: Literal["or", "product"] = "or"
     """or: λ from M = M^fw ∨ M^bw (the paper, λ ≤ 2); product: λ^fw·λ^bw
     (the authors' code, 4 where spans overlap)"""
@@ -147,7 +150,8 @@ class Args:
     """δ_i (Eq. 6): auto drops completions with ⟨H⟩_i > threshold iff ⟨H⟩_ini < threshold;
     on: always (the code); off: never"""
     entropy_threshold: float = math.log(2)
-    """δ_i's entropy threshold: ln 2 ≈ 0.693 (the paper, Eq. 6); the authors' code filters at 0.7"""
+    """δ_i's entropy threshold: ln 2 ≈ 0.693 (the paper, Eq. 6); the authors' code filters at
+    0.7"""
     entropy_ini_prompts: int = 100
     """⟨H⟩_ini is measured on this many of the first training prompts, one
     completion each, before training"""
@@ -191,28 +195,31 @@ def conflict_masks(response_ids, response_mask, advantages, group_size):
     a tool's output is skipped, as if absent."""
     order = policy_first(response_mask)  # the identity without tools
     response_ids, response_mask = response_ids.gather(1, order), response_mask.gather(1, order)
-    valid, columns = response_mask.bool(), torch.arange(response_mask.shape[1], device=response_mask.device)
+    valid = response_mask.bool()
+    columns = torch.arange(response_mask.shape[1], device=response_mask.device)
     lengths = valid.sum(dim=1, keepdim=True)
     # backward alignment: column r holds the token r places before the last valid one
     # (EOS, if any, included)
     from_end = (lengths - 1 - columns).clamp(min=0)
     forward = _leading_conflict_span(response_ids, valid, advantages, group_size)
-    backward = _leading_conflict_span(response_ids.gather(1, from_end), columns < lengths, advantages, group_size)
+    from_the_end = response_ids.gather(1, from_end)
+    backward = _leading_conflict_span(from_the_end, columns < lengths, advantages, group_size)
     backward = backward.gather(1, from_end) & valid  # back to positions counted from the start
     return restore_order(forward, order), restore_order(backward, order)
 
 
 def _leading_conflict_span(ids, valid, advantages, group_size):
     """Conflict tokens in aligned columns, then each completion's run of them from column 0."""
-    ids, valid, sign = (x.unflatten(0, (-1, group_size)) for x in (ids, valid, torch.sign(advantages)))
+    # ids, valid: [groups, G, T]; sign: [groups, G]
+    ids, valid, sign = (x.unflatten(0, (-1, group_size)) for x in (ids, valid, advantages.sign()))
     # same[g, i, j, t]: completions i and j of group g hold the same token in column t
     same = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :]
     # one has A > 0, the other A < 0 (A = 0: none)
     opposite = (sign[:, :, None] * sign[:, None, :] < 0)[..., None]
     # (column, token) occurs in G+ and in G-: a conflict token
     conflict = (same & opposite).any(dim=2)
-    # the span anchored at the first token (M^fw; M^bw: the last), as the authors' code reads §5.1's
-    # "initial and final conflict regions": conflict tokens in the middle are never masked
+    # the span anchored at the first token (M^fw; M^bw: the last), as the authors' code reads
+    # §5.1's "initial and final conflict regions": conflict tokens in the middle are never masked
     return conflict.long().cumprod(dim=-1).bool().flatten(0, 1)
 
 
@@ -246,7 +253,7 @@ def shaped_advantages(advantages, entropy, delta, entropy_coef):
     return delta * (advantages - entropy_coef * entropy.detach())
 
 
-def measure_initial_entropy(policy, engine, prompt_ids, args, dist, autocast, pad_id, entropy_ini=None) -> float:
+def measure_initial_entropy(policy, engine, prompt_ids, args, dist, autocast, pad_id, entropy_ini=None):
     """⟨H⟩_ini (§6): the mean ⟨H⟩_i of one sampled completion per prompt (ranks
     share them), or a resumed run's."""
     if entropy_ini is None:
@@ -259,37 +266,42 @@ def measure_initial_entropy(policy, engine, prompt_ids, args, dist, autocast, pa
         batch = make_batch(prompts, completions, 1, pad_id, dist.device)
         # wrapped repeats do not count
         counts, total = (positions < len(prompt_ids)).float().to(dist.device), 0.0
-        # ⟨H⟩_i is per completion, so the grouping of rows does not change the sum. They go at most
-        # as many at a time as an update's micro-batch holds (of one minibatch of this rank's
+        # ⟨H⟩_i is per completion, so the grouping of rows does not change the sum. They go at
+        # most as many at a time as an update's micro-batch holds (of one minibatch of this rank's
         # rollouts), not --micro-batch-size: 64 of the 100 completions at once hold
         # [rows, heads, T, T] attention scores and MLP activations that set the run's peak memory
         # once responses are long (2.8 GB at 512 tokens; 4 rows, the update's there: 1.0)
-        update_rows = -(-(args.prompts_per_step // dist.world_size) * args.group_size // args.num_minibatches)
+        rank_rows = args.prompts_per_step // dist.world_size * args.group_size
+        update_rows = -(-rank_rows // args.num_minibatches)  # rows of one minibatch, rounded up
         rows_per_forward = max(1, min(args.micro_batch_size, update_rows))
+        every_row = torch.arange(len(prompts), device=dist.device)
         with torch.no_grad(), autocast:
-            for micro in micro_batches(batch, torch.arange(len(prompts), device=dist.device), rows_per_forward):
+            for micro in micro_batches(batch, every_row, rows_per_forward):
                 entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)[1]
-                total += (completion_entropy(entropy, micro["response_mask"]) * counts[micro["rows"]]).sum().item()
+                entropy_i = completion_entropy(entropy, micro["response_mask"])
+                total += (entropy_i * counts[micro["rows"]]).sum().item()
         entropy_ini = fsdp.all_reduce(total, dist) / len(prompt_ids)
     if dist.is_main:
-        active = args.entropy_filter == "on" or (args.entropy_filter == "auto" and entropy_ini < args.entropy_threshold)
+        auto_on = args.entropy_filter == "auto" and entropy_ini < args.entropy_threshold
+        active = args.entropy_filter == "on" or auto_on
         threshold = f"threshold {args.entropy_threshold:.4f}"
         print(f"<H>_ini = {entropy_ini:.4f} ({threshold}): entropy filter {'on' if active else 'off'}")
     return entropy_ini
 
 
 def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
-    """Per-token −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), and where the clip is active (no gradient).
-    logprobs / old_logprobs: [B, T]; advantages: [B] (one per completion)."""
+    """Per-token −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), and where the clip is active (no
+    gradient). logprobs / old_logprobs: [B, T]; advantages: [B] (one per completion)."""
     ratio = torch.exp(logprobs - old_logprobs)
     advantages = advantages[:, None]
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
-    clip_active = ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
-    return -torch.minimum(unclipped, clipped), ratio, clip_active
+    clipped_below = (ratio < 1 - clip_low) & (advantages < 0)
+    clipped_above = (ratio > 1 + clip_high) & (advantages > 0)
+    return -torch.minimum(unclipped, clipped), ratio, clipped_below | clipped_above
 
 
-def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+def compute_advantages(rewards, scale=True, eps=1e-4):
     """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
@@ -317,11 +329,12 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     logits are divided by the sampling temperature, so the trainer scores the very
     distribution the engine sampled from."""
     response_ids = micro["response_ids"]  # [B, T]
-    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
-    # logits at the position before o_t. Inside the context the output layer returns these two
-    # numbers per position instead of the logits, a chunk of positions at a time: no
-    # [B, T, vocabulary] tensor (common/logprobs.py)
-    with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
+    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t
+    # the logits at the position before o_t. Inside the context the output layer returns these
+    # two numbers per position instead of the logits, a chunk of positions at a time: no
+    # [B, T, vocabulary] tensor (common/logprobs.py). Top-p / top-k: over the kept ids [B, T, K]
+    kept = micro.get("sampling_mask")
+    with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=kept):
         scores = model(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],
@@ -359,17 +372,19 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     ]
     # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
     # length limit gets no gradient
-    trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
+    trains = [not (args.mask_truncated and c.finish_reason == "length") for c in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
     # completions generated, all ranks (and rounds)
     metrics.sum("sampling/rollouts", len(completions))
-    return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
+    rewards = torch.tensor(rewards).view(-1, args.group_size)  # [prompts, G]
+    return Groups(prompt_ids, rows, completions, scores, rewards, trains)
 
 
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
     """token_logprobs of every response token of the batch [B, T] under `model`, without
     gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
-    logprobs, entropy = torch.zeros_like(batch["sampler_logprobs"]), torch.zeros_like(batch["sampler_logprobs"])
+    logprobs = torch.zeros_like(batch["sampler_logprobs"])
+    entropy = torch.zeros_like(logprobs)
     every_row = torch.arange(len(logprobs), device=logprobs.device)
     with torch.no_grad(), autocast:
         for micro in micro_batches(batch, every_row, args.micro_batch_size):
@@ -409,7 +424,7 @@ PLOTTED += ["charts/completion_entropy", "charts/filtered_fraction", "conflict/m
 # END TRY NOT TO MODIFY
 
 
-def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, metrics, initial_entropy) -> int:
+def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, metrics, initial_entropy):
     """λ, old log-probs and ⟨H⟩_i, then the minibatch updates on one rollout batch (this rank's
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     autocast, scaler = precision.autocast, precision.scaler  # bf16 / fp16 (fsdp.mixed_precision)
@@ -425,7 +440,8 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, me
     )
     # the authors' code: 1/n_i with n_i = max(|M^fw_i|, |M^bw_i|, 1)
     if args.divide_by_conflict_count:
-        batch["conflict_weights"] /= torch.maximum(forward.sum(1), backward.sum(1)).clamp(min=1)[:, None]
+        conflict_count = torch.maximum(forward.sum(1), backward.sum(1)).clamp(min=1)  # n_i
+        batch["conflict_weights"] /= conflict_count[:, None]
     # response tokens in M^fw
     metrics.mean("conflict/forward_fraction", forward.sum(), batch["response_mask"].sum())
     # ... in M^bw
@@ -452,7 +468,8 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, me
             # ranks, so each rank's share is scaled by the world size
             response_mask = batch["response_mask"][minibatch]
             tokens, sequences = response_mask.sum().item(), response_mask.any(1).sum().item()
-            totals = fsdp.all_reduce_dict({"tokens": tokens, "sequences": sequences}, dist)
+            counts = {"tokens": tokens, "sequences": sequences}
+            totals = fsdp.all_reduce_dict(counts, dist)
             if totals["tokens"] == 0:  # no token on any rank: no step (counted)
                 skipped += 1
                 continue
@@ -508,9 +525,10 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, me
             optimizer.zero_grad(set_to_none=True)
             metrics.mean("losses/policy_loss", minibatch_loss, 1)  # the same numbers on every rank
             metrics.mean("losses/grad_norm", grad_norm, 1)
-    delta = entropy_filter(batch["completion_entropy"], initial_entropy, args.entropy_filter, args.entropy_threshold)
+    entropy_i = batch["completion_entropy"]
+    delta = entropy_filter(entropy_i, initial_entropy, args.entropy_filter, args.entropy_threshold)
     # ⟨H⟩_i, δ_i's test
-    metrics.mean("charts/completion_entropy", batch["completion_entropy"].sum(), len(delta))
+    metrics.mean("charts/completion_entropy", entropy_i.sum(), len(delta))
     # completions with δ_i = 0
     metrics.mean("charts/filtered_fraction", (delta == 0).sum(), len(delta))
     # ⟨H⟩_ini (auto: δ_i acts iff it is < threshold)
@@ -529,9 +547,10 @@ def check_args(args: Args) -> None:
     problems += require(args.entropy_ini_prompts >= 1, "--entropy-ini-prompts", ">= 1")
     problems += require(0 < args.entropy_threshold < math.inf, "--entropy-threshold", "> 0 and finite (nats)")
     if not args.conflict_masks:
-        problems += checks.unused(args, ["mask_combine", "divide_by_conflict_count"], "applies with conflict masks")
+        conflict_flags = ["mask_combine", "divide_by_conflict_count"]
+        problems += checks.unused(args, conflict_flags, "applies with conflict masks")
     if args.entropy_filter == "off":
-        problems += checks.unused(args, ["entropy_threshold"], "applies to --entropy-filter auto / on only")
+        problems += checks.unused(args, ["entropy_threshold"], "applies to --entropy-filter auto / on")
     # END ALGO LOGIC
     checks.refuse(problems)
 
@@ -565,7 +584,7 @@ def main(args: Args) -> None:
     state = load_checkpoint(checkpoint, policy, optimizer, scheduler, dist) if checkpoint else {}
     start_step, skipped_steps = state.get("step", 0), state.get("skipped_steps", 0)
     tracker = Tracker(run_dir, flat(args), args.tracking, dist.is_main, resume_step=start_step if checkpoint else None)
-    # ALGO LOGIC: ⟨H⟩_ini of the initial policy (Eq. 6), measured once and kept in the checkpoints
+    # ALGO LOGIC: ⟨H⟩_ini of the initial policy (Eq. 6), measured once, kept in the checkpoints
     first_prompts, pad_id = data.prompts[: args.entropy_ini_prompts], tokenizer.pad_token_id
     initial_entropy = measure_initial_entropy(
         policy, engine, first_prompts, args, dist, precision.autocast, pad_id, state.get("entropy_ini")
@@ -598,7 +617,7 @@ def main(args: Args) -> None:
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
         record_rollouts(metrics, groups)
 
-        # 3-4. λ, old log-probs and ⟨H⟩_i, then the minibatch updates (the engine sleeps meanwhile)
+        # 3-4. λ, old log-probs and ⟨H⟩_i, then the minibatch updates (the engine sleeps)
         with metrics.timer("time/train"):
             engine.sleep()
             skipped_steps += update_policy(

@@ -9,17 +9,18 @@ them (reward r_i in {0, 1}), and maximize E[r] by plain gradient steps (no π_ol
 built per Linear layer l (lm_head too): with v_i = ∇_{θ_l} log π_θ(o_i | q_i) (V_i as a matrix),
 M the minibatch's non-empty sequences,
 
-    A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
+    A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)     (--no-scale-advantages: no division)
 
 the policy gradient g_l = (1/M) Σ_i A_i v_i (§1.2) becomes, non-interacting
 (default; §2, Alg. 2, Fig. 3),
     u_l = (1/M) Σ_i A_i s_i v_i,    s_i = reg2(‖v_i‖_F)^p · reg2(‖v_i‖)^q · reg2(‖v_i‖_F / ‖v_i‖)^r
-    ‖v_i‖_F ≈ sqrt(Σ_j (g0_j · V_i a0_j)²) / sqrt(Σ_j (‖g0_j‖ ‖a0_j‖)²)  (Eq. 6; g0_j, a0_j: --n-overlap token rows
-    of i's block of --block-size sequences), reg2(x) = sqrt(x² + λ·E[x²] + 1e-8), E = EMA (decay 0.9) of trailing
-    minibatch means, per layer
+    ‖v_i‖_F ≈ sqrt(Σ_j (g0_j · V_i a0_j)²) / sqrt(Σ_j (‖g0_j‖ ‖a0_j‖)²)   (Eq. 6; g0_j, a0_j:
+    --n-overlap token rows of i's block of --block-size sequences),
+    reg2(x) = sqrt(x² + λ·E[x²] + 1e-8), E = EMA (decay 0.9) of trailing minibatch means, per layer
 (p, q, r: see --help) or, interacting (--variant interacting; §3, Alg. 6), with
 J = [v_1; ..; v_m] over a block,
-    u_l = (1/M) Σ_blocks Jᵀ (K + cI)⁻¹ A,  K = J Jᵀ (the layer's NTK),  c = --ntk-reg-coef × E[mean eig K]
+    u_l = (1/M) Σ_blocks Jᵀ (K + cI)⁻¹ A,  K = J Jᵀ (the layer's NTK),
+    c = --ntk-reg-coef × E[mean eig K]
 AdamW steps on −u_l; every other parameter (embeddings, norms, biases) takes
 (1/M) Σ_i A_i ∇ log π (REINFORCE).
 
@@ -47,9 +48,10 @@ lm_head, embeddings and norms are frozen.
 Run it
   python algorithms/isopo.py                      # the built-in task on a CPU, a few minutes
   python algorithms/isopo.py --help               # every flag, with its default
-  python algorithms/isopo.py --variant interacting    # the NTK variant (Alg. 6); --p 0 --q -1 --r -2: Fig. 4's scales
+  python algorithms/isopo.py --variant interacting  # the NTK variant (Alg. 6)
+  python algorithms/isopo.py --p 0 --q -1 --r -2  # Fig. 4's scales
   python algorithms/isopo.py --resume auto        # continue the newest run of this task/name/seed
-  ./run.sh bench isopo                            # ISOPO vs REINFORCE vs GRPO: accuracy against KL drift (README)
+  ./run.sh bench isopo                            # ISOPO vs REINFORCE vs GRPO: accuracy vs KL drift
 """
 
 import contextlib
@@ -430,7 +432,8 @@ class IsopoGradients:
     def capture(
         self, attention_mask, weights
     ):  # arm the forwards for one micro-batch: [B, T] non-pad mask, [B] weights
-        self.micro = {"valid": attention_mask.bool(), "weights": weights.detach(), "ran": set(), "backward": False}
+        valid, weights = attention_mask.bool(), weights.detach()
+        self.micro = {"valid": valid, "weights": weights, "ran": set(), "backward": False}
         try:
             yield
         finally:
@@ -546,7 +549,8 @@ class IsopoGradients:
             self.stats.add((name, key), x.square())
             # isopo/<group>/fisher_norm, euclid_norm, rel_fisher_norm: mean ‖v_i‖_F
             # (Eq. 6), ‖v_i‖, ‖v_i‖_F/‖v_i‖
-            self._log(group, {"fisher": "fisher_norm", "euclid": "euclid_norm", "rel": "rel_fisher_norm"}[key], x)
+            metric = {"fisher": "fisher_norm", "euclid": "euclid_norm", "rel": "rel_fisher_norm"}[key]
+            self._log(group, metric, x)
             # λ·E[x²], added under reg2's root
             self._log(group, f"reg_{key}", args.reg_coef * expectations[key])
         scales = sequence_scales(quantities, args.p, args.q, args.r, args.reg_coef, expectations, args.reg_form)
@@ -617,7 +621,7 @@ def isopo_backward(
     return logprobs, entropy, (weights * sequence_logprobs.detach()).sum()
 
 
-def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+def compute_advantages(rewards, scale=True, eps=1e-4):
     """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
@@ -664,7 +668,8 @@ def check_full_logits(args) -> None:
     holds about four float32 [B, T, vocabulary] tensors beside the training state (16 bytes
     per parameter over the ranks) and an awake vLLM engine's share. The model's config is
     read, not its weights."""
-    world_size, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     # the built-in model of --task for tiny
     config = memory.load_config(resolve_model(args.model, args.task))
@@ -714,17 +719,19 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     ]
     # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
     # length limit gets no gradient
-    trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
+    trains = [not (args.mask_truncated and c.finish_reason == "length") for c in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
     # completions generated, all ranks (and rounds)
     metrics.sum("sampling/rollouts", len(completions))
-    return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
+    rewards = torch.tensor(rewards).view(-1, args.group_size)  # [prompts, G]
+    return Groups(prompt_ids, rows, completions, scores, rewards, trains)
 
 
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
     """token_logprobs of every response token of the batch [B, T] under `model`, without
     gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
-    logprobs, entropy = torch.zeros_like(batch["sampler_logprobs"]), torch.zeros_like(batch["sampler_logprobs"])
+    logprobs = torch.zeros_like(batch["sampler_logprobs"])
+    entropy = torch.zeros_like(logprobs)
     every_row = torch.arange(len(logprobs), device=logprobs.device)
     with torch.no_grad(), autocast:
         for micro in micro_batches(batch, every_row, args.micro_batch_size):
@@ -763,7 +770,7 @@ PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"
 # END TRY NOT TO MODIFY
 
 
-def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics, isopo) -> int:
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics, isopo):
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     autocast, scaler = precision.autocast, precision.scaler  # bf16 / fp16 (fsdp.mixed_precision)
@@ -772,7 +779,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     if multiple_updates:
-        batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old [B, T]
+        batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old
         record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
         batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
@@ -789,7 +796,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
             # ranks, so each rank's share is scaled by the world size
             response_mask = batch["response_mask"][minibatch]
             tokens, sequences = response_mask.sum().item(), response_mask.any(1).sum().item()
-            totals = fsdp.all_reduce_dict({"tokens": tokens, "sequences": sequences}, dist)
+            counts = {"tokens": tokens, "sequences": sequences}
+            totals = fsdp.all_reduce_dict(counts, dist)
             if totals["tokens"] == 0:  # no token on any rank: no step (counted)
                 skipped += 1
                 continue
@@ -813,7 +821,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                 # --log-kl-ref: the drift from the initial policy (Fig. 5), a metric only
                 if reference is not None:
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
-                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 of KL(π_θ ‖ π_ref)
+                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 KL(π_θ ‖ π_ref)
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 # END ALGO LOGIC
                 minibatch_loss += loss.item()

@@ -10,10 +10,10 @@ Objective. The behavior policy μ (the rollout engine, recording its log-probs o
 tokens) samples the completions; B: the N valid response tokens of one optimizer step (all
 micro-batches, all ranks). Minimize
 
-    L(θ) = 1/N · Σ_t [ −sg(min(ρ_t, e_B)) · A_t · log π_θ(y_t)  +  (1 − e_B) · (log ρ_t + 1/ρ_t − 1) ]
-    ρ_t  = π_θ(y_t | x, y_<t) / μ(y_t | x, y_<t)                                   the ratio to the behavior policy
-    e_B  = (Σ_B ρ_t)² / (N · Σ_B ρ_t²)  ∈ [1/N, 1]                    normalized ESS of the batch, a constant
-    A_t  = A_i = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        of the completion i owning token t
+    L(θ) = 1/N · Σ_t [−sg(min(ρ_t, e_B)) · A_t · log π_θ(y_t) + (1 − e_B) · (log ρ_t + 1/ρ_t − 1)]
+    ρ_t  = π_θ(y_t | x, y_<t) / μ(y_t | x, y_<t)          the ratio to the behavior policy
+    e_B  = (Σ_B ρ_t)² / (N · Σ_B ρ_t²)  ∈ [1/N, 1]        normalized ESS of the batch, a constant
+    A_t  = A_i = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)   of the completion i owning t
 
 The first term is REINFORCE with a detached weight capped at the batch ESS (Eq. 11: the
 "ESS-driven cap"); the second, the k3 estimate of KL(π_θ ‖ μ), switches on as the ratios spread;
@@ -37,10 +37,10 @@ inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts
 tokens. The batch ESS e_B and its N are over the policy's tokens only.
 
 Run it
-  python algorithms/p3o.py                       # the built-in task on a CPU: on-policy (shared float32 weights)
+  python algorithms/p3o.py                       # the built-in task on a CPU, on-policy
   python algorithms/p3o.py --help                # every flag, with its default
-  ./run.sh bench p3o                             # P3O vs GRPO ε = 0.2/0.4/0.6, three settings (README)
-  python algorithms/p3o.py --sampling-temperature 1.2    # off-policy: rollouts at T = 1.2, π_θ at 1.0
+  ./run.sh bench p3o                             # P3O vs GRPO ε = 0.2/0.4/0.6, three settings
+  python algorithms/p3o.py --sampling-temperature 1.2    # off-policy: rollouts at T = 1.2, π_θ at 1
   python algorithms/p3o.py --sync-every 2                # stale rollouts, every other step
 """
 
@@ -142,7 +142,8 @@ class Args:
     """p3o: the P3O loss; clip: the paper's GRPO baseline, the clipped
     surrogate on the same ratio ρ = π_θ/μ"""
     clip_eps: float = 0.2
-    """ε of --loss clip: ρ clipped to [1 − ε, 1 + ε] (the paper's GRPO baselines: 0.2, 0.4, 0.6)"""
+    """ε of --loss clip: ρ clipped to [1 − ε, 1 + ε] (the paper's GRPO baselines: 0.2, 0.4,
+    0.6)"""
     scale_advantages: bool = True
     """divide group-centred rewards by the group's std (GRPO); --no-scale-advantages is Dr. GRPO"""
     loss_aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
@@ -204,8 +205,8 @@ def ratio_sums(logprobs, sampler_logprobs, mask) -> dict[str, float]:
 
 
 def effective_sample_size(sums: dict[str, float]) -> tuple[float, bool]:
-    """Normalized ESS e_B = (Σρ)² / (N·Σρ²) ∈ [1/N, 1], a float (no gradient), and whether it
-    fell back to 1 (as the authors): no valid token, or a sum not finite (a NaN log-prob: its
+    """Normalized ESS e_B = (Σρ)² / (N·Σρ²) ∈ [1/N, 1], a float (no gradient), and whether
+    it fell back to 1 (as the authors): no valid token, or a sum not finite (a NaN log-prob: its
     NaN loss then skips the step)."""
     total, squares, tokens = sums["ratio_sum"], sums["ratio_sq_sum"], sums["tokens"]
     if tokens == 0 or not (math.isfinite(total) and math.isfinite(squares)):
@@ -229,8 +230,8 @@ def minibatch_ess(policy, batch, minibatch, args, dist, autocast) -> tuple[float
 
 
 def p3o_loss(logprobs, sampler_logprobs, advantages, mask, ess):
-    """Per-token P3O loss −sg(min(ρ, e_B))·A·log π_θ + (1 − e_B)·(log ρ + 1/ρ − 1), ρ = π_θ/μ;
-    its gradient per token is [−min(ρ, e_B)·A + (1 − e_B)(1 − 1/ρ)]·∇log π_θ (its value
+    """Per-token P3O loss −sg(min(ρ, e_B))·A·log π_θ + (1 − e_B)·(log ρ + 1/ρ − 1), with
+    ρ = π_θ/μ; its gradient per token is [−min(ρ, e_B)·A + (1 − e_B)(1 − 1/ρ)]·∇log π_θ (its value
     contains −A·log π: only the gradient means something). Shapes: logprobs, sampler_logprobs
     and mask [B, T], advantages [B]; ess: a float. Returns the token losses, ρ, where the cap is
     active (ρ > e_B: noise on-policy, where ρ, e_B = 1 ± 1e-6), k3 values."""
@@ -265,17 +266,18 @@ def push_weights(args, step) -> bool:
 
 
 def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
-    """Per-token −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), and where the clip is active (no gradient).
-    logprobs / old_logprobs: [B, T]; advantages: [B] (one per completion)."""
+    """Per-token −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), and where the clip is active (no
+    gradient). logprobs / old_logprobs: [B, T]; advantages: [B] (one per completion)."""
     ratio = torch.exp(logprobs - old_logprobs)
     advantages = advantages[:, None]
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
-    clip_active = ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
-    return -torch.minimum(unclipped, clipped), ratio, clip_active
+    clipped_below = (ratio < 1 - clip_low) & (advantages < 0)
+    clipped_above = (ratio > 1 + clip_high) & (advantages > 0)
+    return -torch.minimum(unclipped, clipped), ratio, clipped_below | clipped_above
 
 
-def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+def compute_advantages(rewards, scale=True, eps=1e-4):
     """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
@@ -303,11 +305,12 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     logits are divided by the sampling temperature, so the trainer scores the very
     distribution the engine sampled from."""
     response_ids = micro["response_ids"]  # [B, T]
-    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
-    # logits at the position before o_t. Inside the context the output layer returns these two
-    # numbers per position instead of the logits, a chunk of positions at a time: no
-    # [B, T, vocabulary] tensor (common/logprobs.py)
-    with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
+    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t
+    # the logits at the position before o_t. Inside the context the output layer returns these
+    # two numbers per position instead of the logits, a chunk of positions at a time: no
+    # [B, T, vocabulary] tensor (common/logprobs.py). Top-p / top-k: over the kept ids [B, T, K]
+    kept = micro.get("sampling_mask")
+    with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=kept):
         scores = model(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],
@@ -347,17 +350,19 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     ]
     # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
     # length limit gets no gradient
-    trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
+    trains = [not (args.mask_truncated and c.finish_reason == "length") for c in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
     # completions generated, all ranks (and rounds)
     metrics.sum("sampling/rollouts", len(completions))
-    return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
+    rewards = torch.tensor(rewards).view(-1, args.group_size)  # [prompts, G]
+    return Groups(prompt_ids, rows, completions, scores, rewards, trains)
 
 
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
     """token_logprobs of every response token of the batch [B, T] under `model`, without
     gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
-    logprobs, entropy = torch.zeros_like(batch["sampler_logprobs"]), torch.zeros_like(batch["sampler_logprobs"])
+    logprobs = torch.zeros_like(batch["sampler_logprobs"])
+    entropy = torch.zeros_like(logprobs)
     every_row = torch.arange(len(logprobs), device=logprobs.device)
     with torch.no_grad(), autocast:
         for micro in micro_batches(batch, every_row, args.micro_batch_size):
@@ -396,7 +401,7 @@ PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"
 # END TRY NOT TO MODIFY
 
 
-def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics) -> int:
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics):
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     autocast, scaler = precision.autocast, precision.scaler  # bf16 / fp16 (fsdp.mixed_precision)
@@ -405,7 +410,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     if multiple_updates:
-        batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old [B, T]
+        batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old
         record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
         batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
@@ -419,7 +424,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
             # ranks, so each rank's share is scaled by the world size
             response_mask = batch["response_mask"][minibatch]
             tokens, sequences = response_mask.sum().item(), response_mask.any(1).sum().item()
-            totals = fsdp.all_reduce_dict({"tokens": tokens, "sequences": sequences}, dist)
+            counts = {"tokens": tokens, "sequences": sequences}
+            totals = fsdp.all_reduce_dict(counts, dist)
             if totals["tokens"] == 0:  # no token on any rank: no step (counted)
                 skipped += 1
                 continue
@@ -455,7 +461,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     )
                 if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
-                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 of KL(π_θ ‖ π_ref)
+                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 loss = aggregate(token_losses, mask, args.loss_aggregation, totals)

@@ -15,26 +15,26 @@ masking: DeepSeek-V3.2 (arXiv:2512.02556, eq. 9); π_θ/μ = (π_old/μ)(π_θ/�
 Objective (survey eq. 3, decoupled: three policies μ, π_old, π_θ). G completions o_i ~ μ per
 prompt q, rewards r_i:
 
-    J(θ) = 1/Σ|o_i| · Σ_i Σ_t w_it · min( ρ_it A_i , clip(ρ_it, 1-ε_low, 1+ε_high) A_i )  −  β · KL_k3(π_θ ‖ π_ref)
+    J(θ) = 1/Σ|o_i| · Σ_i Σ_t w_it · min(ρ_it A_i, clip(ρ_it, 1−ε_low, 1+ε_high) A_i) − β·KL_k3
     ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t)
-    A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (--no-scale-advantages: no division)
-    k_it = π_old(o_it)/μ(o_it), the mismatch ratio (ρ_it: the staleness), exp(clamp(log π_old − log μ, ±20))
+    A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)     (--no-scale-advantages: no division)
+    k_it = π_old(o_it)/μ(o_it), the mismatch ratio (ρ_it: the staleness), clamped at exp(±20)
     w_it = sg(·), by --correction (none: 1):
-      tis       min(k_it, C)                                     token TIS (survey eq. 2-3), C = --tis-cap = 2
-      tis-seq   min(k_i, C),  k_i = Π_t k_it                     sequence TIS: one weight per completion
-      mis       k_it · 1[lo ≤ k_it ≤ hi]                         token MIS, [lo, hi] = [0.5, 2] (slime's mis.yaml)
-      mis-seq   k_i · 1[k_i ≤ C]                                 sequence MIS (survey J_seq-mis), C = --tis-cap
-      icepop    k_it · 1[α ≤ k_it ≤ β]                           IcePop's M(k; α, β) (survey J_IcePop), α = 0.5, β = 5
-      kpop      k_it · 1[D_B(p‖q) ≤ φ] · 1[D_B(q‖p) ≤ φ]         KPop (survey M(y_t; φ)), φ = 0.1,
+      tis       min(k_it, C)                               token TIS (survey eq. 2-3), --tis-cap C = 2
+      tis-seq   min(k_i, C),  k_i = Π_t k_it               sequence TIS: one weight per completion
+      mis       k_it · 1[lo ≤ k_it ≤ hi]                   token MIS, [lo, hi] = [0.5, 2] (slime)
+      mis-seq   k_i · 1[k_i ≤ C]                           sequence MIS (survey J_seq-mis), --tis-cap C
+      icepop    k_it · 1[α ≤ k_it ≤ β]                     IcePop's M(k; α, β), α = 0.5, β = 5
+      kpop      k_it · 1[D_B(p‖q) ≤ φ] · 1[D_B(q‖p) ≤ φ]   KPop (survey M(y_t; φ)), φ = 0.1,
                 D_B(p‖q) = p log(p/q) + (1−p) log((1−p)/(1−q)),  p = π_old(o_it), q = μ(o_it)
-      seq-mask  M_i = 0 if A_i < 0 and 1/|o_i| Σ_t log(μ(o_it)/π_θ(o_it)) > δ, else 1    DeepSeek-V3.2 eq. 9, δ = 0.5
+      seq-mask  M_i = 0 if A_i < 0 and 1/|o_i| Σ_t log(μ(o_it)/π_θ(o_it)) > δ, else 1  (V3.2 eq. 9)
 
 Mixture-of-experts models (--model tiny-moe; Qwen3-MoE, Mixtral, OLMoE) route each token to k
 experts per layer: a rounding difference flips a choice and changes every later layer, where the
 survey finds the mismatch severe. --router-replay routes the policy's tokens as recorded
 (common/moe.py, routing/* metrics), the router keeping its gradient at the replayed experts:
-  r2   the experts of the π_old pass, in every update (GSPO, arXiv:2507.18071): ρ compares the same experts
-  r3   the experts the engine chose, in the π_old pass and every update (arXiv:2510.11370): k compares them too
+  r2   the π_old pass's experts, in every update (GSPO, arXiv:2507.18071): ρ compares the same ones
+  r3   the engine's experts, in the π_old pass and each update (arXiv:2510.11370): k compares them too
 
 What this file changes relative to grpo.py: --correction and its thresholds (ALGO LOGIC's top);
 update_policy weights each token's clipped loss by w (correction/*); record_mismatch neutralizes
@@ -52,12 +52,12 @@ tokens. The token weights are the policy's tokens'; the sequence ratios (tis-seq
 sum log-ratios over the policy's tokens only.
 
 Run it
-  python algorithms/tis_icepop.py                # TIS on the built-in task on a CPU: no mismatch to correct (below)
+  python algorithms/tis_icepop.py                # TIS, built-in task, CPU: no mismatch (below)
   python algorithms/tis_icepop.py --help         # every flag, with its default
   python algorithms/tis_icepop.py --resume auto  # continue the newest run of this task/name/seed
-  ./run.sh bench tis_icepop                      # none vs tis / icepop / kpop / seq-mask, bf16 engine (README)
-  python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction none --steps 200   # collapse-prone (below)
-  python algorithms/tis_icepop.py --model tiny-moe --engine-dtype bfloat16 --router-replay r3   # routing agreement 1
+  ./run.sh bench tis_icepop                      # none vs tis / icepop / kpop / seq-mask, bf16 engine
+  python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction none --steps 200   # collapse-prone
+  python algorithms/tis_icepop.py --model tiny-moe --engine-dtype bfloat16 --router-replay r3
 By default the hf engine shares the trainer's float32 module (μ = π_old up to float noise: no
 correction acts); --engine-dtype bfloat16 gives it its own bf16 copy, a bf16 vLLM engine beside an
 fp32 trainer in small. Against its float32-engine control, watch mismatch/kl_k3,
@@ -318,17 +318,18 @@ def effective_sample_size(weight_sum, weight_sq_sum, count):
 
 
 def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
-    """Per-token −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), and where the clip is active (no gradient).
-    logprobs / old_logprobs: [B, T]; advantages: [B] (one per completion)."""
+    """Per-token −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), and where the clip is active (no
+    gradient). logprobs / old_logprobs: [B, T]; advantages: [B] (one per completion)."""
     ratio = torch.exp(logprobs - old_logprobs)
     advantages = advantages[:, None]
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
-    clip_active = ((ratio < 1 - clip_low) & (advantages < 0)) | ((ratio > 1 + clip_high) & (advantages > 0))
-    return -torch.minimum(unclipped, clipped), ratio, clip_active
+    clipped_below = (ratio < 1 - clip_low) & (advantages < 0)
+    clipped_above = (ratio > 1 + clip_high) & (advantages > 0)
+    return -torch.minimum(unclipped, clipped), ratio, clipped_below | clipped_above
 
 
-def compute_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+def compute_advantages(rewards, scale=True, eps=1e-4):
     """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
@@ -390,11 +391,12 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     logits are divided by the sampling temperature, so the trainer scores the very
     distribution the engine sampled from."""
     response_ids = micro["response_ids"]  # [B, T]
-    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t the
-    # logits at the position before o_t. Inside the context the output layer returns these two
-    # numbers per position instead of the logits, a chunk of positions at a time: no
-    # [B, T, vocabulary] tensor (common/logprobs.py)
-    with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=micro.get("sampling_mask")):
+    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t
+    # the logits at the position before o_t. Inside the context the output layer returns these
+    # two numbers per position instead of the logits, a chunk of positions at a time: no
+    # [B, T, vocabulary] tensor (common/logprobs.py). Top-p / top-k: over the kept ids [B, T, K]
+    kept = micro.get("sampling_mask")
+    with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=kept):
         scores = model(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],
@@ -432,17 +434,19 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     ]
     # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
     # length limit gets no gradient
-    trains = [not (args.mask_truncated and completion.finish_reason == "length") for completion in completions]
+    trains = [not (args.mask_truncated and c.finish_reason == "length") for c in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
     # completions generated, all ranks (and rounds)
     metrics.sum("sampling/rollouts", len(completions))
-    return Groups(prompt_ids, rows, completions, scores, torch.tensor(rewards).view(-1, args.group_size), trains)
+    rewards = torch.tensor(rewards).view(-1, args.group_size)  # [prompts, G]
+    return Groups(prompt_ids, rows, completions, scores, rewards, trains)
 
 
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
     """token_logprobs of every response token of the batch [B, T] under `model`, without
     gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
-    logprobs, entropy = torch.zeros_like(batch["sampler_logprobs"]), torch.zeros_like(batch["sampler_logprobs"])
+    logprobs = torch.zeros_like(batch["sampler_logprobs"])
+    entropy = torch.zeros_like(logprobs)
     every_row = torch.arange(len(logprobs), device=logprobs.device)
     with torch.no_grad(), autocast:
         for micro in micro_batches(batch, every_row, args.micro_batch_size):
@@ -494,7 +498,7 @@ PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"
 # END TRY NOT TO MODIFY
 
 
-def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics) -> int:
+def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics):
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     autocast, scaler = precision.autocast, precision.scaler  # bf16 / fp16 (fsdp.mixed_precision)
@@ -518,7 +522,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
             moe.record_agreement(metrics, *routings, moe.scored_positions(batch), moe_layers)
     # END ALGO LOGIC
     if multiple_updates and not routing:
-        batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old [B, T]
+        batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old
     if multiple_updates:
         record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
@@ -538,7 +542,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
             # ranks, so each rank's share is scaled by the world size
             response_mask = batch["response_mask"][minibatch]
             tokens, sequences = response_mask.sum().item(), response_mask.any(1).sum().item()
-            totals = fsdp.all_reduce_dict({"tokens": tokens, "sequences": sequences}, dist)
+            counts = {"tokens": tokens, "sequences": sequences}
+            totals = fsdp.all_reduce_dict(counts, dist)
             if totals["tokens"] == 0:  # no token on any rank: no step (counted)
                 skipped += 1
                 continue
@@ -570,7 +575,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                 token_losses = weights * token_losses
                 if reference is not None:  # β > 0 (with β = 0 no reference model is loaded)
                     log_ref_ratio = micro["ref_logprobs"] - logprobs
-                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 of KL(π_θ ‖ π_ref)
+                    kl_ref = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 KL(π_θ ‖ π_ref)
                     token_losses = token_losses + args.kl_coef * kl_ref
                     metrics.mean("losses/kl_ref", (kl_ref.detach() * mask).sum(), mask.sum())
                 loss = aggregate(token_losses, mask, args.loss_aggregation, totals)

@@ -22,7 +22,7 @@ SCRIPTS = sorted(glob.glob(os.path.join(REPO, "algorithms", "[!_]*.py")))  # a n
 # code lines, closing notes apart; tis_icepop.py also carries routing replay for mixture-of-experts models (R2, R3).
 # Each docstring says how its method treats a tool's output (EMA-KPO's filter and GTPO's spans skip it: 4 lines)
 # Prose is wrapped at 100 columns: a method's paragraphs take more lines than at 120 (and so does its diff).
-MAX_DIFF = {"ema_kpo": 262, "p3o": 289, "gtpo": 292, "tis_icepop": 398, "isopo": 749}
+MAX_DIFF = {"ema_kpo": 253, "p3o": 281, "gtpo": 297, "tis_icepop": 390, "isopo": 749}
 
 
 def _read(path):
@@ -42,9 +42,14 @@ def test_docstring_main_and_closing_notes(path):
     # counted in statements, not lines: the formatter decides how many lines a call with many arguments takes
     statements = sum(isinstance(node, ast.stmt) for node in ast.walk(main)) - 1
     assert statements <= 90, f"main() should read as one story: {statements} statements"
-    # and fits a screen: the set-up in a few named calls of common/ (grpo.py: 101 lines, 45 before the loop)
+    # and fits a screen: the set-up in a few named calls of common/ (grpo.py: 96 lines, 40 before the loop)
     loop = next(node for node in main.body if isinstance(node, ast.For))
-    assert main.end_lineno - main.lineno + 1 <= 110 and loop.lineno - main.lineno <= 50
+    assert main.end_lineno - main.lineno + 1 <= 105 and loop.lineno - main.lineno <= 45
+    # code keeps the formatter's 120 columns, prose 100: few lines pass 100 (grpo.py 4.3%; isopo.py, whose
+    # ISOPO backward is dense machinery, 5.8%)
+    lines = source.splitlines()
+    wide = sum(len(line) > 100 for line in lines)
+    assert wide <= (0.05 if path.endswith("grpo.py") else 0.06) * len(lines), f"{wide} of {len(lines)} lines over 100"
     closing = source[source.index('if __name__ == "__main__":') :]
     assert "# Paper scale" in closing
     if not path.endswith("grpo.py"):  # the baseline has no authors' code to differ from
