@@ -85,7 +85,6 @@ from common.batches import make_batch, micro_batches
 from common.checkpoint import StopSignals, load_checkpoint, run_folder, save_checkpoint, seed_everything
 from common.checks import require
 from common.engines import engine_kind, load_tokenizer, make_training_engine
-from common.errors import BadInput
 from common.evaluate import Evaluator
 from common.flags import Evaluation, Group, Systems, TaskFormat, Tools, Tracking, flat
 from common.logprobs import output_layer_scores
@@ -347,40 +346,6 @@ def aggregate(token_losses, mask, mode, minibatch):
     return per_sequence.sum() / minibatch["sequences"]
 
 
-def engine_records_routing(policy, args) -> bool:
-    """Whether the engine records its routing: an MoE model, for r3 and, where the engine can
-    (hf; vLLM on a GPU), for the routing/* metrics. vLLM on a CPU cannot: r3 is refused there,
-    with the reason; the metrics are left out."""
-    if args.router_replay != "none" and not moe.is_moe(policy):
-        raise BadInput(f"--router-replay {args.router_replay}: {args.model} is not a mixture-of-experts model")
-    can_record = engine_kind(args.systems.rollout_engine) == "hf" or torch.cuda.is_available()
-    return moe.is_moe(policy) and (can_record or args.router_replay == "r3")
-
-
-def routed_logprobs(model, batch, args, autocast, replayed=None):
-    """batch_logprobs of the policy with its routing recorded, and replayed from
-    batch[replayed] when given: (log π [B, T], the experts used [B, S, L, k], the
-    routers' own choice [B, S, L, k])."""
-    routing, logprobs = moe.routing_of(model), torch.zeros_like(batch["sampler_logprobs"])
-    shape = (*batch["input_ids"].shape, routing.layers, routing.top_k)
-    used, own = (torch.zeros(shape, dtype=routing.dtype, device=logprobs.device) for _ in range(2))
-    every_row = torch.arange(len(logprobs), device=logprobs.device)
-    with torch.no_grad(), autocast:
-        for micro in micro_batches(batch, every_row, args.micro_batch_size):
-            routing.replay(micro[replayed] if replayed else None)
-            with routing.recording():
-                micro_logprobs = token_logprobs(model, micro, args.temperature)[0]
-            logprobs[micro["rows"], : micro_logprobs.shape[1]] = micro_logprobs
-            micro_used, micro_own = routing.take(len(micro["rows"]))
-            # micro_batches trims padding: the micro-batch's prompt part ends where the batch's does
-            first = batch["input_ids"].shape[1] - batch["response_ids"].shape[1] - micro["attention_mask"].shape[1]
-            first += micro["response_ids"].shape[1]
-            used[micro["rows"], first : first + micro_used.shape[1]] = micro_used
-            own[micro["rows"], first : first + micro_own.shape[1]] = micro_own
-    routing.replay(None)
-    return logprobs, used, own
-
-
 # END ALGO LOGIC
 
 
@@ -513,9 +478,12 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
     moe_layers = [layer for layer, _ in routing.routers] if routing else []
     # log π_old [B, T] (r3: routed as the engine did); r2 replays this pass's routing
     if multiple_updates and routing:
-        batch["old_logprobs"], batch["old_routing"], batch["old_own_routing"] = routed_logprobs(
-            policy, batch, args, autocast, replayed if args.router_replay == "r3" else None
-        )
+        micros = micro_batches(batch, every_row, args.micro_batch_size)
+        score = partial(token_logprobs, temperature=args.temperature)
+        with torch.no_grad(), autocast:  # r3: the engine's routing replayed already here
+            batch["old_logprobs"], batch["old_routing"], batch["old_own_routing"] = moe.routed_logprobs(
+                policy, batch, micros, score, replayed if args.router_replay == "r3" else None
+            )
         # engine vs trainer: the experts used, and those the trainer's routers chose
         if "engine_routing" in batch:
             routings = batch["engine_routing"], batch["old_routing"], batch["old_own_routing"]
@@ -688,7 +656,8 @@ def main(args: Args) -> None:
     )  # fmt: skip
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
     policy = load_policy(args.model, checkpoint, systems, precision.dtype)  # LoRA: base frozen
-    routing = engine_records_routing(policy, args)  # ALGO LOGIC: MoE models, see --router-replay
+    # ALGO LOGIC: MoE models, see --router-replay
+    routing = moe.engine_records_routing(policy, args.router_replay, engine_kind(systems.rollout_engine), args.model)
     engine = make_training_engine(
         systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed, routing=routing
     )

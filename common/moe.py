@@ -154,6 +154,41 @@ def routing_of(model) -> Routing:
     return _ROUTINGS[model]
 
 
+def engine_records_routing(policy, router_replay: str, engine_kind: str, model_name: str) -> bool:
+    """Whether the rollout engine should record its routing: for an MoE policy, with --router-replay r3 (the
+    replayed experts) and, where the engine can (hf; vLLM on a GPU), for the routing/* metrics. vLLM on a CPU
+    cannot: r3 is refused there with the reason, and the metrics are left out. A replay asked of a dense
+    model is refused. `engine_kind`: "hf" or "vllm" (engines.engine_kind)."""
+    if router_replay != "none" and not is_moe(policy):
+        raise BadInput(f"--router-replay {router_replay}: {model_name} is not a mixture-of-experts model")
+    can_record = engine_kind == "hf" or torch.cuda.is_available()
+    return is_moe(policy) and (can_record or router_replay == "r3")
+
+
+def routed_logprobs(model, batch, micros, score, replayed: str | None = None):
+    """Log-probs [B, T] of every response token of `batch` under an MoE `model`, one micro-batch of `micros` at a
+    time (`score(model, micro)` -> (log-probs [rows, T'], ...), under the caller's no_grad and autocast), with the
+    routing recorded and, when `replayed` names a key of the batch, replayed from it. Returns (log π, the experts
+    used [B, S, L, k], the routers' own choice [B, S, L, k]), S the batch's columns: a micro-batch trimmed of
+    padding lands in its place."""
+    routing, logprobs = routing_of(model), torch.zeros_like(batch["sampler_logprobs"])
+    shape = (*batch["input_ids"].shape, routing.layers, routing.top_k)
+    used, own = (torch.zeros(shape, dtype=routing.dtype, device=logprobs.device) for _ in range(2))
+    for micro in micros:
+        routing.replay(micro[replayed] if replayed else None)
+        with routing.recording():
+            micro_logprobs = score(model, micro)[0]
+        logprobs[micro["rows"], : micro_logprobs.shape[1]] = micro_logprobs
+        micro_used, micro_own = routing.take(len(micro["rows"]))
+        # a micro-batch is trimmed of padding: its prompt part ends where the batch's does
+        first = batch["input_ids"].shape[1] - batch["response_ids"].shape[1] - micro["attention_mask"].shape[1]
+        first += micro["response_ids"].shape[1]
+        used[micro["rows"], first : first + micro_used.shape[1]] = micro_used
+        own[micro["rows"], first : first + micro_own.shape[1]] = micro_own
+    routing.replay(None)
+    return logprobs, used, own
+
+
 def batch_routing(prompt_ids, completions, group_size, batch) -> torch.Tensor | None:
     """The experts the engine routed each token of a batch to, [B, prompt + response, L, k] aligned with
     batch["input_ids"] ([left-padded prompt | right-padded response]; completion i answers prompt i // group_size).

@@ -345,13 +345,18 @@ def test_qwen3_moe_and_olmoe_checkpoints_train_with_replay(kind, tmp_path, tiny)
             assert not torch.equal(trained.get_parameter(name), parameter), name
 
 
-def test_router_replay_refusals(tiny):
+def test_router_replay_refusals(tiny, tiny_moe):
     with pytest.raises(BadInput, match="--router-replay r2 must be used with several updates"):
         tim.check_args(flags.make(tim.Args, router_replay="r2"))  # one update per batch: nothing to replay
     tim.check_args(flags.make(tim.Args, router_replay="r2", num_minibatches=2))
     with pytest.raises(BadInput, match="not a mixture-of-experts model"):
-        tim.engine_records_routing(tiny[0], flags.make(tim.Args, router_replay="r3"))
-    assert not tim.engine_records_routing(tiny[0], tim.Args())  # a dense model: no routing to record
+        moe.engine_records_routing(tiny[0], "r3", "hf", "tiny")
+    assert not moe.engine_records_routing(tiny[0], "none", "hf", "tiny")  # a dense model: no routing to record
+    model = tiny_moe[0]
+    assert moe.engine_records_routing(model, "none", "hf", "tiny-moe")  # the hf engine records for routing/*
+    # vLLM on a CPU cannot record: the routing/* metrics are left out, and r3 asks for it (refused by the engine)
+    assert moe.engine_records_routing(model, "none", "vllm", "tiny-moe") == torch.cuda.is_available()
+    assert moe.engine_records_routing(model, "r3", "vllm", "tiny-moe")
 
 
 @pytest.mark.slow
