@@ -299,18 +299,26 @@ def aggregate(token_losses, mask, mode, minibatch):
 
 
 # TRY NOT TO MODIFY: log-probs, rollouts and the train-inference mismatch
+def sampled_logprobs(logits, targets, temperature):
+    """log π(o_t | q, o_<t) = log_softmax(z_t / temperature)[o_t] for a chunk of positions:
+    logits z [N, V] (float32), sampled tokens o [N]. Dividing by the sampling temperature scores
+    the very distribution the engine sampled from. Also returns the whole log-softmax [N, V]:
+    common/ takes the entropy, and the top-p / top-k renormalisation, from it."""
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), logp
+
+
 def token_logprobs(model, micro, temperature, with_entropy=False):
     """log π(o_t | q, o_<t) [B, T] of each response token under `model` at `temperature`, and
-    the entropy of π at each of those positions (no gradient; None unless `with_entropy`). The
-    logits are divided by the sampling temperature, so the trainer scores the very
-    distribution the engine sampled from."""
+    the entropy of π at each of those positions (no gradient; None unless `with_entropy`)."""
     response_ids = micro["response_ids"]  # [B, T]
-    # log π(o_t) = log_softmax(z_t / temperature)[o_t] and H_t = −Σ_v π_v log π_v, with z_t
-    # the logits at the position before o_t. Inside the context the output layer returns these
-    # two numbers per position instead of the logits, a chunk of positions at a time: no
-    # [B, T, vocabulary] tensor (common/logprobs.py). Top-p / top-k: over the kept ids [B, T, K]
+    # Inside the context the output layer takes its hidden states, a chunk of positions at a
+    # time, to logits, to sampled_logprobs and to the entropy H_t = −Σ_v π_v log π_v, and
+    # returns those two numbers per position instead of the logits: no [B, T, vocabulary]
+    # tensor (common/logprobs.py). Top-p / top-k: π renormalised over the kept ids [B, T, K]
     kept = micro.get("sampling_mask")
-    with output_layer_scores(model, response_ids, temperature, with_entropy, sampling_mask=kept):
+    score = partial(sampled_logprobs, temperature=temperature)
+    with output_layer_scores(model, response_ids, score, with_entropy, sampling_mask=kept):
         scores = model(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],

@@ -1,9 +1,14 @@
 """Log-probs of given tokens (and the entropy) through a model's output layer, a chunk of positions at a
 time, so that memory does not grow with vocabulary x response length.
 
-    with output_layer_scores(model, response_ids, temperature, with_entropy=True):   # response_ids [B, T]
+    score = partial(log_softmax_gather, temperature=0.7)   # or a script's own: (logits, targets) -> (log π, logp)
+    with output_layer_scores(model, response_ids, score, with_entropy=True):   # response_ids [B, T]
         scores = model(input_ids=..., logits_to_keep=T + 1).logits[:, :-1]   # [B, T, 2], not [B, T, V]
     logprobs, entropy = scores.unbind(-1)
+
+`score` is the per-chunk math, log_softmax(z / temperature)[o]: the scripts pass their own function, so that
+the log-prob a method trains on is written in the method's file; a number instead is the temperature of this
+module's `log_softmax_gather`.
 
 A plain forward keeps float32 logits [B, T, V], their log-softmax and, for the entropy, two more tensors of
 that size (with Qwen's 151,936-token vocabulary: 1.2 GB per 1,000 response tokens each). Here the output
@@ -31,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,15 +50,15 @@ CHUNK_BYTES = 128 * 2**20  # float32 logits of one chunk (a few such tensors liv
 def output_layer_scores(
     model,
     targets: torch.Tensor,
-    temperature: float,
+    score: Callable | float,
     with_entropy: bool = False,
     chunk_bytes: int | None = None,
     sampling_mask: torch.Tensor | None = None,
 ):
     """Within the context, the model's output layer returns [B, T + 1, 2] for the hidden states [B, T + 1, H] that
-    reach it (call the model with logits_to_keep = T + 1): at position t < T the log-prob of targets[b, t] at
-    `temperature` and the full-vocabulary entropy (no gradient; 0 unless `with_entropy`); the last position,
-    which predicts past the end, is scored against token 0 (drop it)."""
+    reach it (call the model with logits_to_keep = T + 1): at position t < T the log-prob of targets[b, t] by
+    `score` (a number: the temperature of `log_softmax_gather`) and the full-vocabulary entropy (no gradient; 0
+    unless `with_entropy`); the last position, which predicts past the end, is scored against token 0 (drop it)."""
     head = model.get_output_embeddings()
     targets = F.pad(targets, (0, 1))
     float32 = getattr(head, "in_float32", False)
@@ -60,7 +67,7 @@ def output_layer_scores(
     def scores(hidden):
         bias = getattr(head, "bias", None)
         return chunked_scores(
-            hidden, head.weight, bias, targets, temperature, with_entropy, chunk_bytes or CHUNK_BYTES, float32, kept
+            hidden, head.weight, bias, targets, score, with_entropy, chunk_bytes or CHUNK_BYTES, float32, kept
         )
 
     head.forward = scores  # an instance attribute: nn.Module.__call__ finds it before the class's forward
@@ -71,7 +78,7 @@ def output_layer_scores(
 
 
 def chunked_scores(
-    hidden, weight, bias, targets, temperature, with_entropy, chunk_bytes=CHUNK_BYTES, float32: bool = False, kept=None
+    hidden, weight, bias, targets, score, with_entropy, chunk_bytes=CHUNK_BYTES, float32: bool = False, kept=None
 ):
     """[B, T, 2] log-prob of `targets` and entropy from hidden states [B, T, H] and the output layer's
     weight [V, H] (and bias), over chunks of about `chunk_bytes` of float32 logits (`float32`: the layer's
@@ -83,7 +90,7 @@ def chunked_scores(
     flat_kept = None if kept is None else kept.reshape(rows * width, -1)
     per_chunk = max(1, chunk_bytes // (4 * weight.shape[0]))
     if len(flat_targets) <= per_chunk:  # one chunk: nothing to save by recomputing
-        scores = _scores(flat_hidden, weight, bias, flat_targets, temperature, with_entropy, float32, flat_kept)
+        scores = _scores(flat_hidden, weight, bias, flat_targets, score, with_entropy, float32, flat_kept)
         return scores.view(rows, width, 2)
     pieces = []
     for start in range(0, len(flat_targets), per_chunk):
@@ -92,7 +99,7 @@ def chunked_scores(
             weight,
             bias,
             flat_targets[start : start + per_chunk],
-            temperature,
+            score,
             with_entropy,
             float32,
             None if flat_kept is None else flat_kept[start : start + per_chunk],
@@ -104,13 +111,21 @@ def chunked_scores(
     return torch.cat(pieces).view(rows, width, 2)
 
 
-def _scores(hidden, weight, bias, targets, temperature, with_entropy, float32=False, kept=None):
-    """[N, 2]: log-prob of each target and entropy (no gradient) of logits / temperature, in float32 at
+def log_softmax_gather(logits, targets, temperature=1.0):
+    """log π(o) = log_softmax(z / temperature)[o] of one chunk of positions, logits z [N, V] and targets o [N]:
+    (the targets' log-probs [N], the whole log-softmax [N, V])."""
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), logp
+
+
+def _scores(hidden, weight, bias, targets, score, with_entropy, float32=False, kept=None):
+    """[N, 2]: log-prob of each target and entropy (no gradient) of `score`'s log-softmax, in float32 at
     least (bf16 logits are upcast; float64 stays float64); over the ids in `kept` [N, K] where given."""
     logits = float32_linear(hidden, weight, bias) if float32 else F.linear(hidden, weight, bias)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    target_logp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if not callable(score):  # a temperature
+        score = partial(log_softmax_gather, temperature=score)
+    target_logp, logp = score(logits, targets)
     if kept is not None:  # log π_kept(o) = log π(o) − log Σ_{v kept} π(v); all −1: the full vocabulary
         in_set = kept >= 0
         kept_logp = logp.gather(-1, kept.clamp(min=0).long()).masked_fill(~in_set, -math.inf)

@@ -52,6 +52,38 @@ def test_help_documents_every_flag(name):
     help_text(f"algorithms/{name}.py", importlib.import_module(f"algorithms.{name}").Args)
 
 
+# ISOPO keeps full logits in its own token_logprobs (test_isopo.py checks it against the same reference)
+@pytest.mark.parametrize("name", [name for name in ALGORITHMS if name != "isopo"])
+def test_token_logprobs_are_the_scripts_log_softmax_gather(name, tiny, monkeypatch):
+    """token_logprobs at temperature 0.7 with the output layer scored 5 positions at a time: the log-probs and
+    entropies of a float64 log_softmax(logits / 0.7) of a plain forward, per completion without padding. And they
+    are the script's own `sampled_logprobs`: a fork that changes it changes what the policy is scored by."""
+    import common.logprobs
+
+    algorithm = importlib.import_module(f"algorithms.{name}")
+    model, tokenizer = tiny
+    prompts, completions = two_group_rollouts(tokenizer)
+    batch = algorithm.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
+    monkeypatch.setattr(common.logprobs, "CHUNK_BYTES", 4 * model.config.vocab_size * 5)  # several chunks
+    with torch.no_grad():
+        logprobs, entropy = algorithm.token_logprobs(model, batch, 0.7, with_entropy=True)
+        for i, completion in enumerate(completions):
+            prompt, response = prompts[i // 4], completion.token_ids
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].double()
+            logp = torch.log_softmax(logits / 0.7, -1)
+            expected = logp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+            torch.testing.assert_close(logprobs[i, : len(response)].double(), expected, rtol=0, atol=1e-5)
+            expected_entropy = -(logp.exp() * logp).sum(-1)
+            torch.testing.assert_close(entropy[i, : len(response)].double(), expected_entropy, rtol=0, atol=1e-5)
+        original = algorithm.sampled_logprobs
+        monkeypatch.setattr(
+            algorithm, "sampled_logprobs", lambda *a, **k: (original(*a, **k)[0] + 1.0, original(*a, **k)[1])
+        )
+        shifted = algorithm.token_logprobs(model, batch, 0.7)[0]
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(shifted[mask], logprobs[mask] + 1.0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_two_steps_end_to_end(name, tmp_path, tiny_products_dir):
