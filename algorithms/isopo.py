@@ -631,26 +631,29 @@ def compute_advantages(rewards, scale=True, eps=1e-4):
 
 
 # TRY NOT TO MODIFY: log-probs, rollouts and the train-inference mismatch
+def sampled_logprobs(logits, targets, temperature):
+    """log π(o_t | q, o_<t) = log_softmax(z_t / temperature)[o_t] for a chunk of positions:
+    logits z [N, V] (float32), sampled tokens o [N]. Dividing by the sampling temperature scores
+    the very distribution the engine sampled from. Also returns the whole log-softmax [N, V],
+    from which the entropy and the top-p / top-k renormalisation are taken."""
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, targets[..., None]).squeeze(-1), logp
+
+
 def token_logprobs(model, micro, temperature, with_entropy=False):
     """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their
-    entropy, no gradient). The logits are divided by the sampling temperature, so the trainer
-    scores the very distribution the engine sampled from. Full [B, T, vocabulary] logits: ISOPO
-    needs lm_head's output gradient."""
+    entropy, no gradient). Full [B, T, vocabulary] logits: ISOPO needs lm_head's output
+    gradient."""
     # the last position predicts past the end
     targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))
-    logp_all = torch.log_softmax(
-        model(
-            input_ids=micro["input_ids"],
-            attention_mask=micro["attention_mask"],
-            position_ids=micro["position_ids"],
-            logits_to_keep=targets.shape[1],
-            use_cache=False,  # the output layer only runs where a response token is predicted
-        )
-        .logits[:, :-1]
-        .float()
-        / temperature,
-        dim=-1,
-    )
+    logits = model(
+        input_ids=micro["input_ids"],
+        attention_mask=micro["attention_mask"],
+        position_ids=micro["position_ids"],
+        logits_to_keep=targets.shape[1],
+        use_cache=False,  # the output layer only runs where a response token is predicted
+    ).logits[:, :-1]
+    logprobs, logp_all = sampled_logprobs(logits.float(), micro["response_ids"], temperature)
     # top-p / top-k: π renormalised over the kept ids of each position (−1: padding)
     if "sampling_mask" in micro:
         kept = micro["sampling_mask"].long()
@@ -658,7 +661,7 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
         member = counts > 0
         member |= ~member.any(-1, keepdim=True)  # no kept set: the full vocabulary
         logp_all = torch.log_softmax(logp_all.masked_fill(~member, -math.inf), dim=-1)
-    logprobs = logp_all.gather(-1, micro["response_ids"][..., None]).squeeze(-1)
+        logprobs = logp_all.gather(-1, micro["response_ids"][..., None]).squeeze(-1)
     plogp = (logp_all.exp() * logp_all.nan_to_num(neginf=0.0)).sum(-1)
     return logprobs, (-plogp.detach() if with_entropy else None)
 

@@ -353,10 +353,10 @@ def aggregate(token_losses, mask, mode, minibatch):
 def sampled_logprobs(logits, targets, temperature):
     """log π(o_t | q, o_<t) = log_softmax(z_t / temperature)[o_t] for a chunk of positions:
     logits z [N, V] (float32), sampled tokens o [N]. Dividing by the sampling temperature scores
-    the very distribution the engine sampled from. Also returns the whole log-softmax [N, V]:
-    common/ takes the entropy, and the top-p / top-k renormalisation, from it."""
+    the very distribution the engine sampled from. Also returns the whole log-softmax [N, V],
+    from which the entropy and the top-p / top-k renormalisation are taken."""
     logp = torch.log_softmax(logits / temperature, dim=-1)
-    return logp.gather(-1, targets[:, None]).squeeze(-1), logp
+    return logp.gather(-1, targets[..., None]).squeeze(-1), logp
 
 
 def token_logprobs(model, micro, temperature, with_entropy=False):
