@@ -204,19 +204,20 @@ def sequence_mean(values, mask):
     return per_completion.expand_as(values)
 
 
-def aggregate(token_losses, mask, mode, minibatch):
+def aggregate(token_losses, mask, mode, totals):
     """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to
-    the mean); `minibatch` holds the minibatch's counts over all ranks.
+    the mean). `totals`: the minibatch's counts over all ranks, "tokens" (response tokens),
+    "sequences" (completions with a response token) and "token_budget" (completions ×
+    --max-new-tokens).
     token-mean (DAPO): every response token of the minibatch weighs the same.
     sequence-mean (GRPO): a mean over each completion, then over the completions that have a token.
-    token-sum (Dr. GRPO, arXiv:2503.20783 §3.2): the sum over a constant,
-    completions × --max-new-tokens."""
+    token-sum (Dr. GRPO, arXiv:2503.20783 §3.2): the sum over the constant token budget."""
     if mode == "token-mean":
-        return (token_losses * mask).sum() / minibatch["tokens"]
+        return (token_losses * mask).sum() / totals["tokens"]
     if mode == "token-sum":
-        return (token_losses * mask).sum() / minibatch["max_tokens"]
+        return (token_losses * mask).sum() / totals["token_budget"]
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-    return per_sequence.sum() / minibatch["sequences"]
+    return per_sequence.sum() / totals["sequences"]
 
 
 # END ALGO LOGIC
@@ -224,10 +225,10 @@ def aggregate(token_losses, mask, mode, minibatch):
 
 # TRY NOT TO MODIFY: log-probs, rollouts and the train-inference mismatch
 def sampled_logprobs(logits, targets, temperature):
-    """log π(o_t | q, o_<t) = log_softmax(z_t / temperature)[o_t] for a chunk of positions:
-    logits z [N, V] (float32), sampled tokens o [N]. Dividing by the sampling temperature scores
-    the very distribution the engine sampled from. Also returns the whole log-softmax [N, V],
-    from which the entropy and the top-p / top-k renormalisation are taken."""
+    """log π(o_t | q, o_<t) = log_softmax(z_t / temperature)[o_t] of the sampled tokens: logits
+    z [..., V] (float32), tokens o [...]. Divided by the temperature, the logits give the
+    distribution an engine samples from at that temperature. Also returns the whole log-softmax
+    [..., V], from which the entropy and the top-p / top-k renormalisation are taken."""
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return logp.gather(-1, targets[..., None]).squeeze(-1), logp
 
@@ -352,9 +353,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
             # ranks, so each rank's share is scaled by the world size
             response_mask = batch["response_mask"][minibatch]
-            tokens, sequences = response_mask.sum().item(), response_mask.any(1).sum().item()
-            counts = {"tokens": tokens, "sequences": sequences}
-            counts["max_tokens"] = len(minibatch) * args.max_new_tokens  # Dr. GRPO's constant
+            rank_tokens, rank_sequences = response_mask.sum().item(), response_mask.any(1).sum().item()
+            counts = {"tokens": rank_tokens, "sequences": rank_sequences}
+            counts["token_budget"] = len(minibatch) * args.max_new_tokens  # Dr. GRPO's constant
             totals = fsdp.all_reduce_dict(counts, dist)
             if totals["tokens"] == 0:  # no token on any rank: no step (counted)
                 skipped += 1

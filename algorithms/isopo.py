@@ -632,10 +632,10 @@ def compute_advantages(rewards, scale=True, eps=1e-4):
 
 # TRY NOT TO MODIFY: log-probs, rollouts and the train-inference mismatch
 def sampled_logprobs(logits, targets, temperature):
-    """log π(o_t | q, o_<t) = log_softmax(z_t / temperature)[o_t] for a chunk of positions:
-    logits z [N, V] (float32), sampled tokens o [N]. Dividing by the sampling temperature scores
-    the very distribution the engine sampled from. Also returns the whole log-softmax [N, V],
-    from which the entropy and the top-p / top-k renormalisation are taken."""
+    """log π(o_t | q, o_<t) = log_softmax(z_t / temperature)[o_t] of the sampled tokens: logits
+    z [..., V] (float32), tokens o [...]. Divided by the temperature, the logits give the
+    distribution an engine samples from at that temperature. Also returns the whole log-softmax
+    [..., V], from which the entropy and the top-p / top-k renormalisation are taken."""
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return logp.gather(-1, targets[..., None]).squeeze(-1), logp
 
@@ -644,24 +644,26 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     """Log-probs [B, T] of the response tokens under `model` at `temperature` (and their
     entropy, no gradient). Full [B, T, vocabulary] logits: ISOPO needs lm_head's output
     gradient."""
-    # the last position predicts past the end
-    targets = torch.nn.functional.pad(micro["response_ids"], (0, 1))
+    response_ids = micro["response_ids"]  # [B, T]
     logits = model(
         input_ids=micro["input_ids"],
         attention_mask=micro["attention_mask"],
         position_ids=micro["position_ids"],
-        logits_to_keep=targets.shape[1],
-        use_cache=False,  # the output layer only runs where a response token is predicted
-    ).logits[:, :-1]
-    logprobs, logp_all = sampled_logprobs(logits.float(), micro["response_ids"], temperature)
-    # top-p / top-k: π renormalised over the kept ids of each position (−1: padding)
+        # the output layer runs only where a response token is predicted
+        logits_to_keep=response_ids.shape[1] + 1,
+        use_cache=False,
+    ).logits[:, :-1]  # the last position predicts past the end
+    logprobs, logp_all = sampled_logprobs(logits.float(), response_ids, temperature)
+    # top-p / top-k: π renormalised over the kept ids of each position (−1: padding),
+    # log π_kept(o) = log π(o) − log Σ_kept π
     if "sampling_mask" in micro:
         kept = micro["sampling_mask"].long()
         counts = torch.zeros_like(logp_all, dtype=torch.long).scatter_add_(-1, kept.clamp(min=0), (kept >= 0).long())
         member = counts > 0
         member |= ~member.any(-1, keepdim=True)  # no kept set: the full vocabulary
-        logp_all = torch.log_softmax(logp_all.masked_fill(~member, -math.inf), dim=-1)
-        logprobs = logp_all.gather(-1, micro["response_ids"][..., None]).squeeze(-1)
+        kept_mass = torch.logsumexp(logp_all.masked_fill(~member, -math.inf), dim=-1)
+        logp_all = (logp_all - kept_mass[..., None]).masked_fill(~member, -math.inf)
+        logprobs = logprobs - kept_mass
     plogp = (logp_all.exp() * logp_all.nan_to_num(neginf=0.0)).sum(-1)
     return logprobs, (-plogp.detach() if with_entropy else None)
 
@@ -798,8 +800,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
             # ranks, so each rank's share is scaled by the world size
             response_mask = batch["response_mask"][minibatch]
-            tokens, sequences = response_mask.sum().item(), response_mask.any(1).sum().item()
-            counts = {"tokens": tokens, "sequences": sequences}
+            rank_tokens, rank_sequences = response_mask.sum().item(), response_mask.any(1).sum().item()
+            counts = {"tokens": rank_tokens, "sequences": rank_sequences}
             totals = fsdp.all_reduce_dict(counts, dist)
             if totals["tokens"] == 0:  # no token on any rank: no step (counted)
                 skipped += 1

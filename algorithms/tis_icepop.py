@@ -334,16 +334,17 @@ def compute_advantages(rewards, scale=True, eps=1e-4):
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
 
 
-def aggregate(token_losses, mask, mode, minibatch):
+def aggregate(token_losses, mask, mode, totals):
     """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to
-    the mean); `minibatch` holds the minibatch's counts over all ranks.
+    the mean). `totals`: the minibatch's counts over all ranks, "tokens" (response tokens) and
+    "sequences" (completions with a response token).
     token-mean (DAPO): every response token of the minibatch weighs the same.
     sequence-mean (GRPO): a mean over each completion, then over the completions that have a
     token."""
     if mode == "token-mean":
-        return (token_losses * mask).sum() / minibatch["tokens"]
+        return (token_losses * mask).sum() / totals["tokens"]
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-    return per_sequence.sum() / minibatch["sequences"]
+    return per_sequence.sum() / totals["sequences"]
 
 
 # END ALGO LOGIC
@@ -351,10 +352,10 @@ def aggregate(token_losses, mask, mode, minibatch):
 
 # TRY NOT TO MODIFY: log-probs, rollouts and the train-inference mismatch
 def sampled_logprobs(logits, targets, temperature):
-    """log π(o_t | q, o_<t) = log_softmax(z_t / temperature)[o_t] for a chunk of positions:
-    logits z [N, V] (float32), sampled tokens o [N]. Dividing by the sampling temperature scores
-    the very distribution the engine sampled from. Also returns the whole log-softmax [N, V],
-    from which the entropy and the top-p / top-k renormalisation are taken."""
+    """log π(o_t | q, o_<t) = log_softmax(z_t / temperature)[o_t] of the sampled tokens: logits
+    z [..., V] (float32), tokens o [...]. Divided by the temperature, the logits give the
+    distribution an engine samples from at that temperature. Also returns the whole log-softmax
+    [..., V], from which the entropy and the top-p / top-k renormalisation are taken."""
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return logp.gather(-1, targets[..., None]).squeeze(-1), logp
 
@@ -486,11 +487,11 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
     moe_layers = [layer for layer, _ in routing.routers] if routing else []
     # log π_old [B, T] (r3: routed as the engine did); r2 replays this pass's routing
     if multiple_updates and routing:
-        micros = micro_batches(batch, every_row, args.micro_batch_size)
-        score = partial(token_logprobs, temperature=args.temperature)
+        logprobs_of = partial(token_logprobs, temperature=args.temperature)
         with torch.no_grad(), autocast:  # r3: the engine's routing replayed already here
+            micros = micro_batches(batch, every_row, args.micro_batch_size)
             batch["old_logprobs"], batch["old_routing"], batch["old_own_routing"] = moe.routed_logprobs(
-                policy, batch, micros, score, replayed if args.router_replay == "r3" else None
+                policy, batch, micros, logprobs_of, replayed if args.router_replay == "r3" else None
             )
         # engine vs trainer: the experts used, and those the trainer's routers chose
         if "engine_routing" in batch:
@@ -517,8 +518,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
             # ranks, so each rank's share is scaled by the world size
             response_mask = batch["response_mask"][minibatch]
-            tokens, sequences = response_mask.sum().item(), response_mask.any(1).sum().item()
-            counts = {"tokens": tokens, "sequences": sequences}
+            rank_tokens, rank_sequences = response_mask.sum().item(), response_mask.any(1).sum().item()
+            counts = {"tokens": rank_tokens, "sequences": rank_sequences}
             totals = fsdp.all_reduce_dict(counts, dist)
             if totals["tokens"] == 0:  # no token on any rank: no step (counted)
                 skipped += 1

@@ -2,11 +2,12 @@
 
     batch = make_batch(prompt_ids, completions, group_size, pad_id, device, trains)
     for micro in micro_batches(batch, minibatch_rows, micro_batch_size):
-        logprobs = token_logprobs(policy, micro, temperature)          # [rows, response columns]
+        logprobs, _ = token_logprobs(policy, micro, temperature)       # [rows, response columns]
 
 Each row is one completion, [left-padded prompt | right-padded response], so every response starts in the
-same column and the per-token tensors ([B, T]: the response mask, the engine's log-probs, advantages
-broadcast over tokens, the old and reference log-probs a script adds) line up with `response_ids`. The
+same column and the per-token tensors ([B, T]: the response mask, the engine's log-probs, the old and
+reference log-probs a script adds) line up with `response_ids`; per-row tensors ([B]: the advantages) are
+sliced by row only. The
 response mask is 1 on the tokens that train: the policy's own tokens (a tool's output is context), of the
 completions the sampler lets train (`trains`). A micro-batch is trimmed of the columns that are padding in
 all of its rows, so its cost follows its own longest sequence, not the batch's.

@@ -42,7 +42,7 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Precision(NamedTuple):
-    dtype: torch.dtype  # the compute dtype: the engine's and autocast's
+    dtype: torch.dtype  # --dtype: autocast's, LoRA's frozen weights', the reference's (the engine: --engine-dtype)
     autocast: torch.autocast  # re-entered by every forward that trains or scores
     scaler: torch.amp.GradScaler  # float16's dynamic loss scale; a pass-through otherwise
 

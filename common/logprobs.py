@@ -115,7 +115,7 @@ def log_softmax_gather(logits, targets, temperature=1.0):
     """log π(o) = log_softmax(z / temperature)[o] of one chunk of positions, logits z [N, V] and targets o [N]:
     (the targets' log-probs [N], the whole log-softmax [N, V])."""
     logp = torch.log_softmax(logits / temperature, dim=-1)
-    return logp.gather(-1, targets[:, None]).squeeze(-1), logp
+    return logp.gather(-1, targets[..., None]).squeeze(-1), logp
 
 
 def _scores(hidden, weight, bias, targets, score, with_entropy, float32=False, kept=None):

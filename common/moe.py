@@ -19,6 +19,9 @@ forward's own routing therefore reproduces that forward exactly, and the router'
 gradient of the replayed experts' weights. The replay is a setting of the model, not of one call, so that
 gradient checkpointing's recomputation (in the backward, after the forward returned) routes as the forward did.
 
+A script's side: `engine_records_routing` (whether the engine should record its routing) and
+`routed_logprobs` (a batch's log-probs with its routing recorded and replayed), for --router-replay.
+
 Routers are found by class: transformers 5.x's `...TopKRouter` modules, which return (logits, top-k weights,
 top-k ids) from a softmax then top-k. A router that scores differently (GPT-OSS: top-k of the logits, then a
 softmax over the k) is refused by name rather than replayed wrongly.
@@ -157,17 +160,17 @@ def routing_of(model) -> Routing:
 def engine_records_routing(policy, router_replay: str, engine_kind: str, model_name: str) -> bool:
     """Whether the rollout engine should record its routing: for an MoE policy, with --router-replay r3 (the
     replayed experts) and, where the engine can (hf; vLLM on a GPU), for the routing/* metrics. vLLM on a CPU
-    cannot: r3 is refused there with the reason, and the metrics are left out. A replay asked of a dense
-    model is refused. `engine_kind`: "hf" or "vllm" (engines.engine_kind)."""
+    cannot: without r3 the metrics are left out (False); with r3 this is True and the vLLM engine refuses it,
+    with the reason. A replay asked of a dense model is refused here. `engine_kind`: "hf" or "vllm"."""
     if router_replay != "none" and not is_moe(policy):
         raise BadInput(f"--router-replay {router_replay}: {model_name} is not a mixture-of-experts model")
     can_record = engine_kind == "hf" or torch.cuda.is_available()
     return is_moe(policy) and (can_record or router_replay == "r3")
 
 
-def routed_logprobs(model, batch, micros, score, replayed: str | None = None):
+def routed_logprobs(model, batch, micros, logprobs_of, replayed: str | None = None):
     """Log-probs [B, T] of every response token of `batch` under an MoE `model`, one micro-batch of `micros` at a
-    time (`score(model, micro)` -> (log-probs [rows, T'], ...), under the caller's no_grad and autocast), with the
+    time (`logprobs_of(model, micro)` -> (log-probs [rows, T'], ...), under the caller's no_grad and autocast), with the
     routing recorded and, when `replayed` names a key of the batch, replayed from it. Returns (log π, the experts
     used [B, S, L, k], the routers' own choice [B, S, L, k]), S the batch's columns: a micro-batch trimmed of
     padding lands in its place."""
@@ -177,7 +180,7 @@ def routed_logprobs(model, batch, micros, score, replayed: str | None = None):
     for micro in micros:
         routing.replay(micro[replayed] if replayed else None)
         with routing.recording():
-            micro_logprobs = score(model, micro)[0]
+            micro_logprobs = logprobs_of(model, micro)[0]
         logprobs[micro["rows"], : micro_logprobs.shape[1]] = micro_logprobs
         micro_used, micro_own = routing.take(len(micro["rows"]))
         # a micro-batch is trimmed of padding: its prompt part ends where the batch's does

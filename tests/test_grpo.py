@@ -70,7 +70,7 @@ def test_aggregation_token_mean_sequence_mean_and_token_sum():
     losses = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     # Dr. GRPO's constant: 2 completions × --max-new-tokens 16, whatever their lengths
-    totals = {"tokens": 4, "sequences": 2, "max_tokens": 2 * 16}
+    totals = {"tokens": 4, "sequences": 2, "token_budget": 2 * 16}
     assert grpo.aggregate(losses, mask, "token-mean", totals).item() == pytest.approx(10 / 4)
     assert grpo.aggregate(losses, mask, "sequence-mean", totals).item() == pytest.approx((2 + 4) / 2)
     assert grpo.aggregate(losses, mask, "token-sum", totals).item() == pytest.approx(10 / 32)
@@ -171,7 +171,7 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation, ratio_level):
             ratio_inputs = tuple(grpo.sequence_mean(x, micro["response_mask"]) for x in ratio_inputs)
         token_losses, _, clip_active = grpo.clipped_surrogate_loss(*ratio_inputs, micro["advantages"], 0.2, 0.28)
         clipped_tokens += (clip_active.float() * micro["response_mask"]).sum().item()
-        totals = {"tokens": tokens, "sequences": sequences, "max_tokens": constant}
+        totals = {"tokens": tokens, "sequences": sequences, "token_budget": constant}
         grpo.aggregate(token_losses, micro["response_mask"], aggregation, totals).backward()
     script_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert 0 < clipped_tokens < tokens  # the example exercises both branches of the min

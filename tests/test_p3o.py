@@ -78,7 +78,7 @@ def test_ess_is_the_same_whether_the_batch_is_split_or_not():
     for parts in ([slice(0, 9)], [slice(0, 4), slice(4, 9)], [slice(i, i + 1) for i in range(9)]):
         sums = {"ratio_sum": 0.0, "ratio_sq_sum": 0.0, "tokens": 0.0}
         for part in parts:
-            width = int(mask[part].any(0).nonzero()[-1]) + 1  # trimmed like p3o.micro_batches
+            width = int(mask[part].any(0).nonzero()[-1]) + 1  # trimmed like common.batches.micro_batches
             for key, value in p3o.ratio_sums(logprobs[part, :width], sampler[part, :width], mask[part, :width]).items():
                 sums[key] += value
         assert p3o.effective_sample_size(sums)[0] == pytest.approx(whole, rel=1e-12)

@@ -3,7 +3,9 @@ non-finite step, two ranks against one, and empty completions. A method's own ma
 test_<method>.py."""
 
 import copy
+import dataclasses
 import importlib
+import math
 import os
 import re
 
@@ -52,12 +54,11 @@ def test_help_documents_every_flag(name):
     help_text(f"algorithms/{name}.py", importlib.import_module(f"algorithms.{name}").Args)
 
 
-# ISOPO keeps full logits in its own token_logprobs (test_isopo.py checks it against the same reference)
-@pytest.mark.parametrize("name", [name for name in ALGORITHMS if name != "isopo"])
-def test_token_logprobs_are_the_scripts_log_softmax_gather(name, tiny, monkeypatch):
-    """token_logprobs at temperature 0.7 with the output layer scored 5 positions at a time: the log-probs and
-    entropies of a float64 log_softmax(logits / 0.7) of a plain forward, per completion without padding. And they
-    are the script's own `sampled_logprobs`: a fork that changes it changes what the policy is scored by."""
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_token_logprobs_are_the_scripts_sampled_logprobs(name, tiny, monkeypatch):
+    """token_logprobs at temperature 0.7, the output layer scored 5 positions at a time (ISOPO: full logits): the
+    log-probs and entropies of a float64 log_softmax(logits / 0.7) of a plain forward, per completion without
+    padding. And they are the script's own `sampled_logprobs`: a fork that changes it changes what trains."""
     import common.logprobs
 
     algorithm = importlib.import_module(f"algorithms.{name}")
@@ -75,13 +76,37 @@ def test_token_logprobs_are_the_scripts_log_softmax_gather(name, tiny, monkeypat
             torch.testing.assert_close(logprobs[i, : len(response)].double(), expected, rtol=0, atol=1e-5)
             expected_entropy = -(logp.exp() * logp).sum(-1)
             torch.testing.assert_close(entropy[i, : len(response)].double(), expected_entropy, rtol=0, atol=1e-5)
+        # top-p / top-k: π renormalised over the engine's kept ids (the sampled one and 3 others at each
+        # position; a position with no kept set, all −1, is scored over the whole vocabulary)
+        generator = torch.Generator().manual_seed(0)
+        kept_sets = []
+        for completion in completions:
+            others = torch.randint(0, model.config.vocab_size, (len(completion.token_ids), 3), generator=generator)
+            kept = torch.cat([torch.tensor(completion.token_ids)[:, None], others], dim=1)
+            kept[0] = -1
+            kept_sets.append(kept)
+        masked = [dataclasses.replace(c, sampling_mask=k) for c, k in zip(completions, kept_sets)]
+        batch_kept = algorithm.make_batch(prompts, masked, 4, tokenizer.pad_token_id, torch.device("cpu"))
+        kept_logprobs, kept_entropy = algorithm.token_logprobs(model, batch_kept, 0.7, with_entropy=True)
+        for i, (completion, kept) in enumerate(zip(completions, kept_sets)):
+            prompt, response = prompts[i // 4], completion.token_ids
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].double()
+            member = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, kept.clamp(min=0), True)
+            member[0] = True
+            logp = torch.log_softmax((logits / 0.7).masked_fill(~member, -math.inf), -1)
+            expected = logp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+            torch.testing.assert_close(kept_logprobs[i, : len(response)].double(), expected, rtol=0, atol=1e-5)
+            expected_entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+            torch.testing.assert_close(kept_entropy[i, : len(response)].double(), expected_entropy, rtol=0, atol=1e-5)
         original = algorithm.sampled_logprobs
         monkeypatch.setattr(
             algorithm, "sampled_logprobs", lambda *a, **k: (original(*a, **k)[0] + 1.0, original(*a, **k)[1])
         )
         shifted = algorithm.token_logprobs(model, batch, 0.7)[0]
+        kept_shifted = algorithm.token_logprobs(model, batch_kept, 0.7)[0]
     mask = batch["response_mask"].bool()
     torch.testing.assert_close(shifted[mask], logprobs[mask] + 1.0)
+    torch.testing.assert_close(kept_shifted[mask], kept_logprobs[mask] + 1.0)
 
 
 @pytest.mark.slow
