@@ -27,6 +27,11 @@ position whose mask is all −1 is scored over the full vocabulary.
 arXiv:2506.13585: the bf16 rounding of logits over a large vocabulary is a large share of the train-inference
 mismatch): the hidden states and the weight are upcast and the product is taken with autocast off.
 
+A model whose forward transforms the logits after the output layer (Gemma's final soft-capping, Granite's
+logits_scaling, Cohere's logit_scale) has that transform moved into the chunks: its own setting is made the
+identity inside the context, and each chunk's logits are transformed before the log-softmax. Any other change
+of what the output layer returned is refused with the model's name (it would transform [log-prob, entropy]).
+
 The replacement runs inside the model's own forward, so under FSDP2 the root unit's hooks gather the
 output layer's weight (tied to the embedding or not) and reduce its gradient as usual; outside the context
 the output layer returns logits (generation, evaluation).
@@ -42,6 +47,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from common.errors import BadInput
 
 CHUNK_BYTES = 128 * 2**20  # float32 logits of one chunk (a few such tensors live at once in its backward)
 
@@ -63,18 +70,75 @@ def output_layer_scores(
     targets = F.pad(targets, (0, 1))
     float32 = getattr(head, "in_float32", False)
     kept = None if sampling_mask is None else F.pad(sampling_mask, (0, 0, 0, 1), value=-1)
+    returned = []
 
     def scores(hidden):
         bias = getattr(head, "bias", None)
-        return chunked_scores(
-            hidden, head.weight, bias, targets, score, with_entropy, chunk_bytes or CHUNK_BYTES, float32, kept
-        )
+        returned[:] = [
+            chunked_scores(
+                hidden, head.weight, bias, targets, transformed(score), with_entropy, chunk_bytes or CHUNK_BYTES,
+                float32, kept,
+            )
+        ]  # fmt: skip
+        return returned[0]
 
-    head.forward = scores  # an instance attribute: nn.Module.__call__ finds it before the class's forward
+    def unchanged(module, args, output):
+        """The model must hand back what its output layer returned: a transform after it would be applied to
+        [log-prob, entropy] pairs, not to logits (a model this module does not know to move into the chunks)."""
+        logits = getattr(output, "logits", None)
+        if returned and logits is not None and not (logits is returned[0] or torch.equal(logits, returned[0])):
+            raise BadInput(
+                f"{type(model).__name__} changes its logits after the output layer (in its forward), which the "
+                "trainer's chunked log-probs cannot follow; common/logprobs.py knows Gemma's soft-capping, "
+                "Granite's logits_scaling and Cohere's logit_scale"
+            )
+
+    with _post_head_transform(model) as transformed:
+        head.forward = scores  # an instance attribute: nn.Module.__call__ finds it before the class's forward
+        check = model.register_forward_hook(unchanged)
+        try:
+            yield
+        finally:
+            check.remove()
+            del head.forward
+
+
+@contextlib.contextmanager
+def _post_head_transform(model):
+    """Some models transform their logits after the output layer, in their forward (transformers 5.x): Gemma 2-4's
+    final soft-capping c·tanh(z / c) (config.final_logit_softcapping), Granite's z / config.logits_scaling, Cohere's
+    z · model.logit_scale. Within the context the model's own transform is made the identity, and the yielded
+    function wraps a chunk scorer so that it applies the transform to each chunk's logits first: the log-probs are
+    those of the model's real distribution, the one its engine samples from."""
+    config = model.config
+    cap = getattr(config, "final_logit_softcapping", None)
+    scaling = getattr(config, "logits_scaling", 1.0)
+    scale = getattr(model, "logit_scale", 1.0)
+    scale = scale if isinstance(scale, (int, float)) else 1.0  # Cohere's number (not, say, a learned parameter)
+    if cap is None and scaling == 1 and scale == 1:
+        yield lambda score: score
+        return
+
+    def transform(logits):
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits / scaling * scale
+
+    def transformed(score):
+        if not callable(score):  # a temperature
+            score = partial(log_softmax_gather, temperature=score)
+        return lambda logits, targets: score(transform(logits), targets)
+
+    settings = [(config, "final_logit_softcapping", cap, None), (config, "logits_scaling", scaling, 1.0)]
+    settings += [(model, "logit_scale", scale, 1.0)]
+    changed = [(owner, name, value) for owner, name, value, identity in settings if value != identity]
+    for owner, name, _ in changed:
+        setattr(owner, name, 1.0 if name != "final_logit_softcapping" else None)
     try:
-        yield
+        yield transformed
     finally:
-        del head.forward
+        for owner, name, value in changed:
+            setattr(owner, name, value)
 
 
 def chunked_scores(

@@ -96,6 +96,80 @@ def test_token_logprobs_through_the_model_equal_full_logits(tied, monkeypatch):
     assert model(input_ids=ids).logits.shape == (3, 12, 37)
 
 
+def _transforming_model(kind):
+    """A tiny random float64 model whose forward transforms the logits after its output layer (transformers 5.x),
+    made strong enough to matter: Gemma 2's soft-capping at 0.5, Granite's division by 4, Cohere's × 0.25."""
+    import transformers
+
+    sizes = dict(
+        vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "gemma2":
+        config = transformers.Gemma2Config(**sizes, head_dim=8, final_logit_softcapping=0.5)
+        return transformers.Gemma2ForCausalLM(config).to(F64), ("final_logit_softcapping", 0.5)
+    if kind == "granite":
+        config = transformers.GraniteConfig(**sizes, logits_scaling=4.0)
+        return transformers.GraniteForCausalLM(config).to(F64), ("logits_scaling", 4.0)
+    config = transformers.CohereConfig(**sizes, logit_scale=0.25)
+    return transformers.CohereForCausalLM(config).to(F64), ("logit_scale", 0.25)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "granite", "cohere"])
+def test_a_transform_after_the_output_layer_is_applied_to_each_chunk(kind, monkeypatch):
+    """Gemma's soft-capping, Granite's logits_scaling, Cohere's logit_scale: the model's forward applies them to
+    what its output layer returns. grpo.token_logprobs (chunks of 2 positions) scores the model's real
+    distribution, that of its own full logits, and leaves the model's setting as it was."""
+    model, (name, value) = _transforming_model(kind)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(30)  # logits of a few units, where the transform bends them
+    ids = torch.randint(3, 37, (2, 10))
+    micro = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(10).expand(2, 10),
+        "response_ids": ids[:, 6:],
+    }
+    monkeypatch.setattr("common.logprobs.CHUNK_BYTES", 4 * 37 * 2)
+    with torch.no_grad():
+        logprobs, entropy = grpo.token_logprobs(model, micro, 0.8, with_entropy=True)
+        full = model(input_ids=ids).logits[:, 5:-1]
+    owner = model if name == "logit_scale" else model.config
+    assert getattr(owner, name) == value  # restored
+    logp_all = torch.log_softmax(full / 0.8, -1)
+    expected = logp_all.gather(-1, ids[:, 6:, None]).squeeze(-1)
+    torch.testing.assert_close(logprobs, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(entropy, -(logp_all.exp() * logp_all).sum(-1), rtol=1e-10, atol=1e-12)
+    plain = torch.log_softmax(model.lm_head(model.model(input_ids=ids).last_hidden_state)[:, 5:-1] / 0.8, -1)
+    assert (plain.gather(-1, ids[:, 6:, None]).squeeze(-1) - expected).abs().max() > 0.1  # the transform matters
+
+
+def test_an_unknown_transform_after_the_output_layer_is_refused(monkeypatch):
+    """A model whose forward changes the logits in a way this module does not know: one clear error, not
+    log-probs of [log-prob, entropy] pairs put through the model's transform."""
+    from common.errors import BadInput
+
+    model = _llama(tied=False)
+    forward = type(model).forward
+
+    def doubled(self, *args, **kwargs):
+        output = forward(self, *args, **kwargs)
+        output.logits = output.logits * 2
+        return output
+
+    monkeypatch.setattr(type(model), "forward", doubled)
+    ids = torch.randint(3, 37, (1, 8))
+    micro = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(8)[None],
+        "response_ids": ids[:, 4:],
+    }
+    with pytest.raises(BadInput, match="LlamaForCausalLM changes its logits after the output layer"):
+        grpo.token_logprobs(model, micro, 1.0)
+
+
 def test_targets_must_match_the_positions():
     with pytest.raises(ValueError, match="do not match"):
         chunked_scores(torch.randn(2, 3, 4), torch.randn(5, 4), None, torch.zeros(2, 4, dtype=torch.long), 1.0, False)
