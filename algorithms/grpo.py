@@ -206,12 +206,12 @@ def sequence_mean(values, mask):
 
 def aggregate(token_losses, mask, mode, totals):
     """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to
-    the mean). `totals`: the minibatch's counts over all ranks, "tokens" (response tokens),
-    "sequences" (completions with a response token) and "token_budget" (completions ×
-    --max-new-tokens).
-    token-mean (DAPO): every response token of the minibatch weighs the same.
-    sequence-mean (GRPO): a mean over each completion, then over the completions that have a token.
-    token-sum (Dr. GRPO, arXiv:2503.20783 §3.2): the sum over the constant token budget."""
+    the mean); `totals` holds the minibatch's counts over all ranks.
+    token-mean (DAPO): every response token of the minibatch weighs the same (totals["tokens"]).
+    sequence-mean (GRPO): a mean over each completion, then over the completions that have a
+    token (totals["sequences"]).
+    token-sum (Dr. GRPO, arXiv:2503.20783 §3.2): the sum over a constant, completions ×
+    --max-new-tokens (totals["token_budget"])."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / totals["tokens"]
     if mode == "token-sum":

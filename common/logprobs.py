@@ -68,6 +68,7 @@ def output_layer_scores(
     unless `with_entropy`); the last position, which predicts past the end, is scored against token 0 (drop it)."""
     head = model.get_output_embeddings()
     targets = F.pad(targets, (0, 1))
+    score = score if callable(score) else partial(log_softmax_gather, temperature=score)
     float32 = getattr(head, "in_float32", False)
     kept = None if sampling_mask is None else F.pad(sampling_mask, (0, 0, 0, 1), value=-1)
     returned = []
@@ -125,8 +126,6 @@ def _post_head_transform(model):
         return logits / scaling * scale
 
     def transformed(score):
-        if not callable(score):  # a temperature
-            score = partial(log_softmax_gather, temperature=score)
         return lambda logits, targets: score(transform(logits), targets)
 
     settings = [(config, "final_logit_softcapping", cap, None), (config, "logits_scaling", scaling, 1.0)]
@@ -149,6 +148,7 @@ def chunked_scores(
     product in float32, autocast off; `kept` [B, T, K]: renormalised over those ids, −1 padding)."""
     if targets.shape != hidden.shape[:2]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match the hidden states {tuple(hidden.shape[:2])}")
+    score = score if callable(score) else partial(log_softmax_gather, temperature=score)  # a number: a temperature
     rows, width = targets.shape
     flat_hidden, flat_targets = hidden.reshape(rows * width, -1), targets.reshape(-1)
     flat_kept = None if kept is None else kept.reshape(rows * width, -1)
@@ -187,8 +187,6 @@ def _scores(hidden, weight, bias, targets, score, with_entropy, float32=False, k
     least (bf16 logits are upcast; float64 stays float64); over the ids in `kept` [N, K] where given."""
     logits = float32_linear(hidden, weight, bias) if float32 else F.linear(hidden, weight, bias)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if not callable(score):  # a temperature
-        score = partial(log_softmax_gather, temperature=score)
     target_logp, logp = score(logits, targets)
     if kept is not None:  # log π_kept(o) = log π(o) − log Σ_{v kept} π(v); all −1: the full vocabulary
         in_set = kept >= 0
