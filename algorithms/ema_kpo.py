@@ -63,7 +63,7 @@ from common.checkpoint import StopSignals, load_checkpoint, run_folder, save_che
 from common.checks import require
 from common.engines import load_tokenizer, make_training_engine
 from common.evaluate import Evaluator
-from common.flags import Evaluation, Group, Systems, TaskFormat, Tools, Tracking, flat
+from common.flags import Checkpoints, Evaluation, Group, Systems, TaskFormat, Tools, Tracking, flat
 from common.logprobs import output_layer_scores
 from common.rollouts import Groups, PromptSampler, record_rollouts
 from common.scoring import overlong_penalty, score_completions
@@ -167,18 +167,13 @@ class Args:
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation; memory only, not the math)"""
 
-    # checkpoints
-    save_every: int = 50
-    """checkpoint every this many steps (and at the end; 0: only at the end)"""
-    keep_checkpoints: int = 2
-    """how many of the newest checkpoints to keep (0: all)"""
-
     # the groups a method never changes (common/flags.py), each under its own heading in --help;
     # their flags keep their plain names (--lora-rank 16)
     task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
     tools: Group[Tools] = field(default_factory=Tools)
     evaluation: Group[Evaluation] = field(default_factory=Evaluation)
     tracking: Group[Tracking] = field(default_factory=Tracking)
+    checkpoints: Group[Checkpoints] = field(default_factory=Checkpoints)
     systems: Group[Systems] = field(default_factory=Systems)
 
 
@@ -618,10 +613,10 @@ def main(args: Args) -> None:
         watch.step(logged, step + 1)  # warns of steps changing nothing, a uniform policy, no answer
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
-        if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
+        if stopping or args.checkpoints.due(step + 1, args.steps):
             trainer_state = {"skipped_steps": skipped_steps, "args": flat(args)}
             save_checkpoint(
-                run_dir, step + 1, policy, tokenizer, optimizer, scheduler, trainer_state, dist, args.keep_checkpoints
+                run_dir, step + 1, policy, tokenizer, optimizer, scheduler, trainer_state, dist, args.checkpoints
             )
         if stopping:
             break

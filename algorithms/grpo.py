@@ -68,7 +68,7 @@ from common.checkpoint import StopSignals, load_checkpoint, run_folder, save_che
 from common.checks import require
 from common.engines import load_tokenizer, make_training_engine
 from common.evaluate import Evaluator
-from common.flags import Evaluation, Group, Systems, TaskFormat, Tools, Tracking, flat
+from common.flags import Checkpoints, Evaluation, Group, Systems, TaskFormat, Tools, Tracking, flat
 from common.logprobs import output_layer_scores
 from common.rollouts import Groups, PromptSampler, record_rollouts
 from common.scoring import overlong_penalty, score_completions
@@ -162,18 +162,13 @@ class Args:
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation; memory only, not the math)"""
 
-    # checkpoints
-    save_every: int = 50
-    """checkpoint every this many steps (and at the end; 0: only at the end)"""
-    keep_checkpoints: int = 2
-    """how many of the newest checkpoints to keep (0: all)"""
-
     # the groups a method never changes (common/flags.py), each under its own heading in --help;
     # their flags keep their plain names (--lora-rank 16)
     task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
     tools: Group[Tools] = field(default_factory=Tools)
     evaluation: Group[Evaluation] = field(default_factory=Evaluation)
     tracking: Group[Tracking] = field(default_factory=Tracking)
+    checkpoints: Group[Checkpoints] = field(default_factory=Checkpoints)
     systems: Group[Systems] = field(default_factory=Systems)
 
 
@@ -511,10 +506,10 @@ def main(args: Args) -> None:
         watch.step(logged, step + 1)  # warns of steps changing nothing, a uniform policy, no answer
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
-        if stopping or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
+        if stopping or args.checkpoints.due(step + 1, args.steps):
             trainer_state = {"skipped_steps": skipped_steps, "args": flat(args)}
             save_checkpoint(
-                run_dir, step + 1, policy, tokenizer, optimizer, scheduler, trainer_state, dist, args.keep_checkpoints
+                run_dir, step + 1, policy, tokenizer, optimizer, scheduler, trainer_state, dist, args.checkpoints
             )
         if stopping:
             break
@@ -542,15 +537,6 @@ if __name__ == "__main__":
 # checkpointed activations 4.0 (116 KiB per token per layer, one layer at a time), bf16 weight
 # casts 0.5, output-layer chunks 0.5, vLLM 24.0 (0.3 × 80), CUDA 1.5: peak 54 of 80 GiB (without
 # --gradient-checkpointing, 91: it does not fit). 8 GPUs: 32 GiB (state 2.9 each).
-# An 8B model on one 80 GB GPU with LoRA (rank 16 on every Linear of the decoder layers, 43.6 M
-# of 8.19 B parameters; the frozen weights in bf16; LoRA's learning rate ~10× full fine-tuning's):
-#   python algorithms/grpo.py --model Qwen/Qwen3-8B-Base --task gsm8k --eval-task gsm8k --lora-rank 16 --lr 1e-5 \
-#       --steps 500 --prompts-per-step 32 --group-size 8 --max-new-tokens 1024 --num-minibatches 4 \
-#       --micro-batch-size 8 --gradient-checkpointing --dtype bfloat16 --gpu-memory-utilization 0.35 --track
-# Memory (`python -m common.memory` with these flags): frozen weights 15.3 GiB, the adapters'
-# training state 0.65, checkpointed activations 7.1 (210 KiB per token per layer; bf16 residual
-# stream), output-layer chunks 0.5, vLLM 28.0 (0.35 × 80: its bf16 weights and KV cache), CUDA 1.5:
-# peak 53 of 80 GiB. Full fine-tuning of it: 182 GiB on one GPU.
 #
 # Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and
 # clip-higher (ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip

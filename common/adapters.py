@@ -19,6 +19,17 @@ frozen tensors, a fraction of a second of a step's time on one GPU.
 A checkpoint holds the adapter in peft's format (adapter_config.json, adapter_model.safetensors; its
 base_model_name_or_path names the base) beside the trainer state: `PeftModel.from_pretrained(base, folder)`
 loads it anywhere, `python -m common.evaluate --model folder` scores it.
+
+An 8B model on one 80 GB GPU (rank 16 on every Linear of the decoder layers: 43.6 M of 8.19 B parameters; the
+frozen weights in bf16; LoRA's learning rate about 10× full fine-tuning's), with any script:
+
+    python algorithms/grpo.py --model Qwen/Qwen3-8B-Base --task gsm8k --eval-task gsm8k --lora-rank 16 --lr 1e-5 \
+        --steps 500 --prompts-per-step 32 --group-size 8 --max-new-tokens 1024 --num-minibatches 4 \
+        --micro-batch-size 8 --gradient-checkpointing --dtype bfloat16 --gpu-memory-utilization 0.35 --track
+
+Memory per GPU (`python -m common.memory` with these flags): frozen weights 15.3 GiB, the adapters' training state
+0.65, checkpointed activations 7.1 (210 KiB per token per layer; bf16 residual stream), output-layer chunks 0.5, vLLM
+28.0 (0.35 × 80: its bf16 weights and KV cache), CUDA 1.5: peak 53 of 80 GiB. Full fine-tuning of it: 182 GiB.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Checkpoints and seeding: a killed run resumes from its last checkpoint with nothing lost.
 
     seed_everything(seed)                                   # python, numpy and torch generators
-    save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, trainer_state, dist, keep=2)
+    save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, trainer_state, dist, args.checkpoints)
     path = find_checkpoint("auto", output_dir, run_prefix)  # --resume: the newest complete checkpoint
     trainer_state = load_checkpoint(path, model, optimizer, scheduler, dist)
 
@@ -56,16 +56,19 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])  # a list (all devices) is from an older checkpoint: skipped
 
 
-def save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, trainer_state, dist: Dist, keep) -> str:
-    """Write checkpoints/step_{step:08d} atomically (every rank calls this) and keep the newest `keep`.
+def save_checkpoint(
+    run_dir, step, model, tokenizer, optimizer, scheduler, trainer_state, dist: Dist, checkpoints
+) -> str:
+    """Write checkpoints/step_{step:08d} atomically (every rank calls this) and keep the newest
+    `checkpoints.keep_checkpoints` (the Checkpoints group of common.flags; 0: all).
     `trainer_state`: what the script needs to continue (skipped steps, its settings, ...); the step and the
     scheduler's state are added to it."""
     trainer_state = {"step": step, **trainer_state, "scheduler": scheduler.state_dict()}
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    checkpoints = os.path.join(run_dir, "checkpoints")
-    final = os.path.join(checkpoints, f"step_{step:08d}")
+    folder = os.path.join(run_dir, "checkpoints")
+    final = os.path.join(folder, f"step_{step:08d}")
     temporary = final + ".tmp"
     if dist.is_main:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -92,7 +95,7 @@ def save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, train
     if dist.is_main:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(temporary, final)  # the checkpoint exists only once it is complete
-        for old in sorted(glob.glob(os.path.join(checkpoints, "step_*[0-9]")))[:-keep]:
+        for old in sorted(glob.glob(os.path.join(folder, "step_*[0-9]")))[: -checkpoints.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     barrier(dist)
     return final

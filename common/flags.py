@@ -77,6 +77,20 @@ class Tracking:
 
 
 @dataclass
+class Checkpoints:
+    """Checkpoints (common/checkpoint.py): the policy, the optimizer and the step, to resume from."""
+
+    save_every: int = 50
+    """checkpoint every this many steps (and at the end; 0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep (0: all)"""
+
+    def due(self, step: int, steps: int) -> bool:
+        """Whether the run saves after step `step` (counted from 1) of `steps`: every --save-every, and the last."""
+        return bool(self.save_every) and step % self.save_every == 0 or step == steps
+
+
+@dataclass
 class Systems:
     """The engine and the systems: where and how the run executes (engine, precision, memory, adapters)."""
 

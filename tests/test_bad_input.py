@@ -2,7 +2,6 @@
 or model and what to do (none is accepted and silently misused), before a run folder is made; a resumed run keeps
 its own settings; a damaged checkpoint is named. Also the warnings a running job gives, and `common.evaluate`."""
 
-import dataclasses
 import importlib
 import json
 import math
@@ -177,7 +176,7 @@ def test_the_defaults_pass_and_every_problem_is_listed_at_once(name):
     module, args = _args(name)
     module.check_args(args)
     with pytest.raises(BadInput) as error:
-        module.check_args(dataclasses.replace(args, steps=-1, lr=NAN, keep_checkpoints=-1))
+        module.check_args(flags.replace(args, steps=-1, lr=NAN, keep_checkpoints=-1))
     assert str(error.value).count("\n") == 3  # the header and the three problems
 
 

@@ -347,7 +347,7 @@ def test_every_suite_gives_its_scripts_flags_they_accept(name, quick, tmp_path):
         module = importlib.import_module(f"algorithms.{config.script}")
         args = tyro.cli(module.Args, args=command)
         module.check_args(args)
-        assert args.exp_name == run.exp_name and args.steps == run.steps and args.keep_checkpoints == 3
+        assert args.exp_name == run.exp_name and args.steps == run.steps and args.checkpoints.keep_checkpoints == 3
 
 
 @pytest.mark.parametrize(

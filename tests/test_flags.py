@@ -2,6 +2,8 @@
 and the helpers that read and build such an Args by flag name (what common/ and the tests use instead of fields)."""
 
 import dataclasses
+import os
+import types
 
 import pytest
 import tyro
@@ -53,3 +55,28 @@ def test_a_fork_without_a_group_has_none_of_its_flags():
     assert flags.names(Small) == {"lr"}
     with pytest.raises(TypeError):
         flags.make(Small, lora_rank=4)
+
+
+def test_checkpoints_are_due_every_save_every_steps_and_at_the_end():
+    due = [step for step in range(1, 8) if flags.Checkpoints(save_every=3).due(step, 7)]
+    assert due == [3, 6, 7]
+    assert [step for step in range(1, 8) if flags.Checkpoints(save_every=0).due(step, 7)] == [7]
+
+
+@pytest.mark.parametrize("keep, kept", [(2, [3, 4]), (0, [1, 2, 3, 4])])
+def test_save_checkpoint_keeps_the_newest_keep_checkpoints(tmp_path, keep, kept):
+    import torch
+    from helpers import one_process
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.checkpoint import save_checkpoint
+
+    shape = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, num_key_value_heads=2, **shape))
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    tokenizer = types.SimpleNamespace(save_pretrained=lambda folder: None)  # the weights are what is pruned
+    checkpoints = flags.Checkpoints(keep_checkpoints=keep)
+    for step in range(1, 5):
+        save_checkpoint(tmp_path, step, model, tokenizer, optimizer, scheduler, {}, one_process(), checkpoints)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [f"step_{step:08d}" for step in kept]
