@@ -77,7 +77,7 @@ from common.checks import require
 from common.engines import load_tokenizer, make_training_engine
 from common.errors import BadInput
 from common.evaluate import Evaluator
-from common.flags import Checkpoints, Evaluation, Group, Systems, TaskFormat, Tools, Tracking, flat
+from common.flags import Checkpoints, Evaluation, Group, Sampling, Systems, TaskFormat, Tools, Tracking, flat
 from common.rollouts import Groups, PromptSampler, record_rollouts
 from common.scoring import overlong_penalty, score_completions
 from common.tasks import load_prompts
@@ -116,16 +116,6 @@ class Args:
     """maximum completion length"""
     temperature: float = 1.0
     """sampling temperature (the trainer divides its logits by it too)"""
-    top_p: float = 1.0
-    """nucleus sampling: each token from the most likely ones whose
-    probability reaches top_p (1: off)"""
-    top_k: int = 0
-    """each token from the k most likely (0: off); vLLM returns at most 20 kept
-    tokens, so --top-p needs it there"""
-    keep_sampling_mask: bool = True
-    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the
-    tokens the engine kept (DeepSeek-V3.2); --no-keep-sampling-mask scores the full
-    vocabulary: the naive mismatch"""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0) are
     replaced by newly drawn prompts"""
@@ -194,6 +184,7 @@ class Args:
     # the groups a method never changes (common/flags.py), each under its own heading in --help;
     # their flags keep their plain names (--lora-rank 16)
     task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
+    sampling: Group[Sampling] = field(default_factory=Sampling)
     tools: Group[Tools] = field(default_factory=Tools)
     evaluation: Group[Evaluation] = field(default_factory=Evaluation)
     tracking: Group[Tracking] = field(default_factory=Tracking)
@@ -705,9 +696,9 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
         args.group_size,
         args.max_new_tokens,
         args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        sampling_mask=args.keep_sampling_mask,
+        top_p=args.sampling.top_p,
+        top_k=args.sampling.top_k,
+        sampling_mask=args.sampling.keep_sampling_mask,
     )
     # prompt i: [iG, (i+1)G)
     scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)

@@ -40,6 +40,19 @@ class TaskFormat:
 
 
 @dataclass
+class Sampling:
+    """Top-p / top-k sampling, and the kept sets the trainer scores with (common/logprobs.py)."""
+
+    top_p: float = 1.0
+    """nucleus sampling: each token from the most likely ones whose probability reaches top_p (1: off)"""
+    top_k: int = 0
+    """each token from the k most likely (0: off); vLLM returns at most 20 kept tokens, so --top-p needs it there"""
+    keep_sampling_mask: bool = True
+    """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the tokens the engine kept
+    (DeepSeek-V3.2); --no-keep-sampling-mask scores the full vocabulary: the naive mismatch"""
+
+
+@dataclass
 class Tools:
     """Episodes with tools (a task file's TOOLS; common/tools.py)."""
 

@@ -494,10 +494,15 @@ def test_a_fork_without_the_optional_features_runs(tmp_path):
     dynamic sampling, the tool-turn mismatch split): its flags, their lines, nothing in common/. Its checks pass and
     it trains, because common/ receives groups and plain values, never a script's fields by name."""
     source = open(os.path.join(REPO, "algorithms", "grpo.py")).read()
-    for name in ("top_p", "top_k", "keep_sampling_mask", "dynamic_sampling", "max_sampling_rounds"):
+    for name in ("dynamic_sampling", "max_sampling_rounds"):
         source = _delete_field(source, name)
     for text, replacement in (
-        ("        top_p=args.top_p,\n        top_k=args.top_k,\n        sampling_mask=args.keep_sampling_mask,\n", ""),
+        ("    sampling: Group[Sampling] = field(default_factory=Sampling)\n", ""),  # --top-p, --top-k, the mask
+        (
+            "        top_p=args.sampling.top_p,\n        top_k=args.sampling.top_k,\n"
+            "        sampling_mask=args.sampling.keep_sampling_mask,\n",
+            "",
+        ),
         (", args.max_sampling_rounds\n", "\n"),
         ('    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))\n', ""),
     ):
