@@ -100,7 +100,7 @@ class Checkpoints:
 
     def due(self, step: int, steps: int) -> bool:
         """Whether the run saves after step `step` (counted from 1) of `steps`: every --save-every, and the last."""
-        return bool(self.save_every) and step % self.save_every == 0 or step == steps
+        return (self.save_every > 0 and step % self.save_every == 0) or step == steps
 
 
 @dataclass

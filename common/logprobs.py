@@ -68,20 +68,9 @@ def output_layer_scores(
     unless `with_entropy`); the last position, which predicts past the end, is scored against token 0 (drop it)."""
     head = model.get_output_embeddings()
     targets = F.pad(targets, (0, 1))
-    score = score if callable(score) else partial(log_softmax_gather, temperature=score)
     float32 = getattr(head, "in_float32", False)
     kept = None if sampling_mask is None else F.pad(sampling_mask, (0, 0, 0, 1), value=-1)
-    returned = []
-
-    def scores(hidden):
-        bias = getattr(head, "bias", None)
-        returned[:] = [
-            chunked_scores(
-                hidden, head.weight, bias, targets, transformed(score), with_entropy, chunk_bytes or CHUNK_BYTES,
-                float32, kept,
-            )
-        ]  # fmt: skip
-        return returned[0]
+    returned = []  # what the output layer returned last: the model must hand it back unchanged
 
     def unchanged(module, args, output):
         """The model must hand back what its output layer returned: a transform after it would be applied to
@@ -95,6 +84,14 @@ def output_layer_scores(
             )
 
     with _post_head_transform(model) as transformed:
+        chunk_score = transformed(_scorer(score))  # the model's own logit transform, then `score`
+
+        def scores(hidden):
+            bias, chunk = getattr(head, "bias", None), chunk_bytes or CHUNK_BYTES
+            result = chunked_scores(hidden, head.weight, bias, targets, chunk_score, with_entropy, chunk, float32, kept)
+            returned[:] = [result]
+            return result
+
         head.forward = scores  # an instance attribute: nn.Module.__call__ finds it before the class's forward
         check = model.register_forward_hook(unchanged)
         try:
@@ -102,6 +99,12 @@ def output_layer_scores(
         finally:
             check.remove()
             del head.forward
+
+
+def _scorer(score):
+    """`score` as a function (logits, targets) -> (log π of the targets, log π); a number is the temperature of
+    `log_softmax_gather`."""
+    return score if callable(score) else partial(log_softmax_gather, temperature=score)
 
 
 @contextlib.contextmanager
@@ -148,7 +151,7 @@ def chunked_scores(
     product in float32, autocast off; `kept` [B, T, K]: renormalised over those ids, −1 padding)."""
     if targets.shape != hidden.shape[:2]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match the hidden states {tuple(hidden.shape[:2])}")
-    score = score if callable(score) else partial(log_softmax_gather, temperature=score)  # a number: a temperature
+    score = _scorer(score)
     rows, width = targets.shape
     flat_hidden, flat_targets = hidden.reshape(rows * width, -1), targets.reshape(-1)
     flat_kept = None if kept is None else kept.reshape(rows * width, -1)
