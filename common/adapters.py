@@ -112,9 +112,11 @@ def load_policy(model: str, checkpoint: str | None, systems, compute_dtype: torc
 
 def check_targets(model: str, rank: int, targets: list[str]) -> None:
     """Refuse adapters on `model`'s output layer, whatever its name, and a rank above the width of
-    the narrowest targeted Linear layer (B·A of a layer [out, in] has rank min(out, in) at most, so
-    a larger r adds parameters and nothing else), before any weight is allocated: the model is
-    built on the meta device from its config."""
+    every targeted Linear layer (B·A of a layer [out, in] has rank min(out, in) at most, so there
+    such an r adds parameters and nothing else: a typo such as 100000), before any weight is
+    allocated: the model is built on the meta device from its config. A rank above some layers'
+    width only is accepted: peft trains those layers at full rank (a Qwen2-MoE model's
+    shared_expert_gate is [1, hidden] beside [hidden, hidden] attention layers)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -133,14 +135,14 @@ def check_targets(model: str, rank: int, targets: list[str]) -> None:
     layers = [(n, m) for n, m in modules if isinstance(m, torch.nn.Linear) and targeted(n)]
     if not layers:
         return  # no such layer: load_policy names the model's layers (peft's error)
-    name, layer = min(layers, key=lambda item: min(item[1].in_features, item[1].out_features))
+    name, layer = max(layers, key=lambda item: min(item[1].in_features, item[1].out_features))
     width = min(layer.in_features, layer.out_features)
     if rank > width:
         raise BadInput(
-            f"--lora-rank {rank} is larger than the narrowest targeted layer of {model}, "
-            f"{base_name(name)} [{layer.out_features}, {layer.in_features}]: B·A has rank {width} "
-            f"at most there, so a larger r adds parameters and nothing else. Use --lora-rank "
-            f"{width} or less (or leave that layer out of --lora-target-modules)"
+            f"--lora-rank {rank} is larger than every targeted layer of {model} (the widest, "
+            f"{base_name(name)} [{layer.out_features}, {layer.in_features}], has rank {width}): B·A "
+            f"cannot exceed a layer's rank, so a larger r adds parameters and nothing else. Use "
+            f"--lora-rank {width} or less"
         )
 
 

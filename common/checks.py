@@ -42,8 +42,6 @@ def shared_flags(args) -> list[str]:
     has it: a fork that deletes a flag loses its check and nothing else."""
     v, defaults = flat(args), flat(type(args)())
     has = lambda *names: all(name in v for name in names)  # noqa: E731
-    changed = lambda *names: [n for n in names if n in v and v[n] != defaults[n]]  # noqa: E731
-    ignored = lambda names, why: [f"--{n.replace('_', '-')} {why}" for n in changed(*names)]  # noqa: E731
     problems = []
     if has("exp_name"):
         problems += require(v["exp_name"] != "" and os.sep not in v["exp_name"], "--exp-name", "a name without '/'")
@@ -65,8 +63,6 @@ def shared_flags(args) -> list[str]:
         problems += require(0 < v["top_p"] <= 1, "--top-p", "in (0, 1] (1: off)")
     if has("top_k"):
         problems += require(v["top_k"] >= 0, "--top-k", ">= 0 (0: off)")
-    if has("top_p", "top_k") and v["top_p"] == 1 and v["top_k"] == 0:
-        problems += ignored(["keep_sampling_mask"], "applies with --top-p < 1 or --top-k > 0 only")
     if has("rollout_engine"):
         problems += vllm_install_problems(v["rollout_engine"], "--rollout-engine")
     if has("model", "task"):
@@ -79,10 +75,6 @@ def shared_flags(args) -> list[str]:
         episode, new_tokens = v["max_episode_tokens"], v["max_new_tokens"]
         rule = "0 (twice --max-new-tokens) or >= --max-new-tokens"
         problems += require(episode == 0 or episode >= new_tokens, "--max-episode-tokens", rule)
-    if has("task") and toolbox_of(v["task"]) is None:
-        problems += ignored(
-            ["max_turns", "max_episode_tokens"], "applies to a task with tools only (a task file's TOOLS)"
-        )
     if has("overlong_buffer", "max_new_tokens"):
         problems += require(
             0 <= v["overlong_buffer"] < v["max_new_tokens"], "--overlong-buffer", "in [0, --max-new-tokens)"
@@ -123,21 +115,35 @@ def shared_flags(args) -> list[str]:
             from common.adapters import OUTPUT_LAYER_ADAPTER
 
             problems += [f"--lora-target-modules lm_head: {OUTPUT_LAYER_ADAPTER}"]
-        if not v["lora_rank"]:
-            problems += ignored(["lora_alpha", "lora_target_modules"], "applies with --lora-rank > 0 only")
-    problems += ignored_flags(v, ignored)
+    if not v.get("resume"):  # a resumed run's values are compared with its own instead (check_resume)
+        problems += [f"--{n.replace('_', '-')} {why}" for n, why in inert_flags(v).items() if v[n] != defaults[n]]
     return problems
 
 
-def ignored_flags(v: dict, ignored) -> list[str]:
-    """The flags of the shared groups that a run would silently ignore beside the others given:
-    each is refused, saying when it applies. `v`: flat(args); `ignored`: shared_flags' helper (a
-    problem per flag changed from its default)."""
+def inert_flags(v: dict) -> dict[str, str]:
+    """The flags of the shared groups that the other values of a run make do nothing, each with when it
+    applies (`v`: flat(args)). A new run refuses them where they are set away from their defaults (no
+    flag silently ignored); a resumed run may differ from its own settings in them (check_resume),
+    so that a run keeps resuming after a flag of it became refusable."""
     from common.engines import engine_kind
 
-    problems = []
+    inert = {}
+
+    def ignored(names, why):
+        inert.update({name: why for name in names if name in v})
+
+    if "top_p" in v and "top_k" in v and v["top_p"] == 1 and v["top_k"] == 0:
+        ignored(["keep_sampling_mask"], "applies with --top-p < 1 or --top-k > 0 only")
+    if "task" in v and toolbox_of(v["task"]) is None:
+        ignored(["max_turns", "max_episode_tokens"], "applies to a task with tools only (a task file's TOOLS)")
+    if "lora_rank" in v and not v["lora_rank"]:
+        ignored(["lora_alpha", "lora_target_modules"], "applies with --lora-rank > 0 only")
     if "dynamic_sampling" in v and not v["dynamic_sampling"]:
-        problems += ignored(["max_sampling_rounds"], "applies with --dynamic-sampling only")
+        ignored(["max_sampling_rounds"], "applies with --dynamic-sampling only")
+    if "eval_every" in v and v["eval_every"] == 0:
+        ignored(["eval_prompts", "eval_k"], "applies with --eval-every > 0 only")
+        if not is_data_file(v.get("task")):  # a local --task file trains on all its rows with another --eval-task
+            ignored(["eval_task"], "applies with --eval-every > 0 (or a local data file as --task) only")
     if "rollout_engine" in v:
         # Auto is resolved as common.engines.engine_kind will resolve it for the run this command
         # starts, here: the flags are refused where this run would ignore them, whatever another
@@ -147,14 +153,14 @@ def ignored_flags(v: dict, ignored) -> list[str]:
             auto = "auto is hf here: vLLM needs a GPU and the vllm package"
             here = {"hf": "hf", "auto": auto}.get(engine, "vllm runs on the CPU here")
             why = f"applies to vLLM on a GPU only (--rollout-engine {here})"
-            problems += ignored(["vllm_sleep_mode", "gpu_memory_utilization"], why)
+            ignored(["vllm_sleep_mode", "gpu_memory_utilization"], why)
     if world_size() == 1:  # fsdp.shard keeps one rank's model whole on its device
-        problems += ignored(["cpu_offload"], "applies with several ranks (torchrun) only")
+        ignored(["cpu_offload"], "applies with several ranks (torchrun) only")
     if "track" in v and not v["track"]:
-        problems += ignored(["wandb_project_name", "wandb_entity"], "applies with --track only")
+        ignored(["wandb_project_name", "wandb_entity"], "applies with --track only")
     if "question_column" in v and not any(is_data_file(v.get(n)) for n in ("task", "eval_task")):
         why = "applies to a local data file (.jsonl, .json, .parquet) as --task or --eval-task only"
-        problems += ignored(["question_column", "answer_column"], why)
+        ignored(["question_column", "answer_column"], why)
     float32_engine = v.get("engine_dtype", "auto") in ("auto", "float32", "fp8", "int8")
     if "fp32_lm_head" in v and "dtype" in v and float32_engine:
         # Float32 compute (--dtype float32, or auto on a CPU, resolved as common.fsdp resolves it
@@ -163,8 +169,8 @@ def ignored_flags(v: dict, ignored) -> list[str]:
         # float16 --engine-dtype beside float32 compute does use the flag.
         if _compute_dtype(v["dtype"]) == "float32":
             why = "applies with bfloat16 / float16 compute (--dtype) or engine (--engine-dtype) only"
-            problems += ignored(["fp32_lm_head"], why)
-    return problems
+            ignored(["fp32_lm_head"], why)
+    return inert
 
 
 def _has_gpu() -> bool:
@@ -316,11 +322,13 @@ def check_resume(settings: dict, checkpoint: str, verbose: bool = True) -> None:
     differ from the run's where they would change its math (the list names each difference), check that the
     checkpoint's files are whole, and say what is resumed."""
     saved = read_checkpoint_file(checkpoint, "trainer_state.pt")["args"]
-    differences = [
-        f"--{name.replace('_', '-')} {saved[name]} in the run, {value} now"
-        for name, value in settings.items()
-        if name not in RESUME_MAY_CHANGE and name in saved and value != saved[name]
-    ]
+    changed = [n for n, value in settings.items() if n not in RESUME_MAY_CHANGE and n in saved and value != saved[n]]
+    # a flag that does nothing in this run (the run may be older than its refusal) is no difference
+    inert = inert_flags(settings)
+    flag = lambda name: f"--{name.replace('_', '-')}"  # noqa: E731
+    differences = [f"{flag(n)} {saved[n]} in the run, {settings[n]} now" for n in changed if n not in inert]
+    for n in (n for n in changed if n in inert and verbose):
+        print(f"note: {flag(n)} {settings[n]} (the run: {saved[n]}) does nothing here: {inert[n]}", file=sys.stderr)
     if differences:
         raise BadInput(
             f"--resume {settings['resume']}: the run was made with other settings, and a resumed run keeps its own "

@@ -76,7 +76,7 @@ def output_layer_scores(
         """The model must hand back what its output layer returned: a transform after it would be applied to
         [log-prob, entropy] pairs, not to logits (a model this module does not know to move into the chunks)."""
         logits = getattr(output, "logits", None)
-        if returned and logits is not None and not (logits is returned[0] or torch.equal(logits, returned[0])):
+        if returned and logits is not None and not (logits is returned[0] or _same(logits, returned[0])):
             raise BadInput(
                 f"{type(model).__name__} changes its logits after the output layer (in its forward), which the "
                 "trainer's chunked log-probs cannot follow; common/logprobs.py knows Gemma's soft-capping, "
@@ -101,6 +101,12 @@ def output_layer_scores(
             del head.forward
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b hold the same values, a NaN where the other has one (an overflow in float16 is a step
+    to skip, not a changed output layer)."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 def _scorer(score):
     """`score` as a function (logits, targets) -> (log π of the targets, log π); a number is the temperature of
     `log_softmax_gather`."""
@@ -117,7 +123,10 @@ def _post_head_transform(model):
     config = model.config
     cap = getattr(config, "final_logit_softcapping", None)
     scaling = getattr(config, "logits_scaling", 1.0)
-    scale = getattr(model, "logit_scale", 1.0)
+    # a PeftModel hands reads of an attribute on to the model it wraps, but not writes: Cohere's
+    # setting is switched off where its forward reads it
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    scale = getattr(inner, "logit_scale", 1.0)
     scale = scale if isinstance(scale, (int, float)) else 1.0  # Cohere's number (not, say, a learned parameter)
     if cap is None and scaling == 1 and scale == 1:
         yield lambda score: score
@@ -132,7 +141,7 @@ def _post_head_transform(model):
         return lambda logits, targets: score(transform(logits), targets)
 
     settings = [(config, "final_logit_softcapping", cap, None), (config, "logits_scaling", scaling, 1.0)]
-    settings += [(model, "logit_scale", scale, 1.0)]
+    settings += [(inner, "logit_scale", scale, 1.0)]
     changed = [(owner, name, value) for owner, name, value, identity in settings if value != identity]
     for owner, name, _ in changed:
         setattr(owner, name, 1.0 if name != "final_logit_softcapping" else None)

@@ -67,6 +67,9 @@ SHARED_CASES = [
     ({"lora_alpha": 64.0}, "--lora-alpha applies with --lora-rank > 0 only"),
     # flags the run would silently ignore (issue 44): each is refused with when it applies
     ({"max_sampling_rounds": 4}, "--max-sampling-rounds applies with --dynamic-sampling only"),
+    ({"eval_every": 0, "eval_k": 8}, "--eval-k applies with --eval-every > 0 only"),
+    ({"eval_every": 0, "eval_prompts": 64}, "--eval-prompts applies with --eval-every > 0 only"),
+    ({"eval_every": 0, "eval_task": "gsm8k"}, "--eval-task applies with --eval-every > 0 (or a local data file"),
     (
         {"rollout_engine": "hf", "vllm_sleep_mode": True},
         "--vllm-sleep-mode applies to vLLM on a GPU only (--rollout-engine hf)",
@@ -386,6 +389,26 @@ def test_watch_warns_once_after_three_steps_of_a_stuck_uniform_or_answerless_run
     assert "no completion had an answer to score" in err
 
 
+def test_a_run_resumes_after_one_of_its_flags_became_refusable(tmp_path, capsys, monkeypatch):
+    """A run saved with a flag that its other values make do nothing (--no-keep-sampling-mask without top-p or
+    top-k; --fp32-lm-head --dtype auto made on a GPU, resumed on a CPU where auto is float32) resumes with the
+    flag passed as it was or left out: neither is refused, as ignored nor as a changed setting. A flag that does
+    change the run is still refused."""
+    grpo = importlib.import_module("algorithms.grpo")
+    monkeypatch.setattr(checks, "check_checkpoint_files", lambda checkpoint: None)  # settings only: no weights here
+    for saved_flags in ({"keep_sampling_mask": False}, {"fp32_lm_head": True, "dtype": "auto"}):
+        checkpoint = _fake_checkpoint(tmp_path / next(iter(saved_flags)), flags.make(grpo.Args, **saved_flags))
+        for given in (saved_flags, {}):  # passed as the run had it, or left out
+            resumed = flags.make(grpo.Args, resume=checkpoint, **given)
+            assert checks.shared_flags(resumed) == []
+            checks.check_resume(flags.flat(resumed), checkpoint, verbose=False)
+        with pytest.raises(BadInput, match="--lr 0.0001 in the run, 0.0003 now"):
+            checks.check_resume(flags.flat(flags.make(grpo.Args, resume=checkpoint, lr=3e-4)), checkpoint)
+    checks.check_resume(flags.flat(flags.make(grpo.Args, resume=checkpoint)), checkpoint)
+    note = "note: --fp32-lm-head False (the run: True) does nothing here: applies with bfloat16"
+    assert note in capsys.readouterr().err
+
+
 def test_a_resume_with_fewer_steps_than_the_run_has_is_refused(tmp_path):
     """--resume RUN --steps 1 on a run at step 3 would do nothing and rewrite the run's config.json to steps: 1."""
     grpo = importlib.import_module("algorithms.grpo")
@@ -501,17 +524,40 @@ def test_lora_shapes_are_checked_against_the_config_before_any_weight_loads(tiny
         raise AssertionError("weights loaded before the check")
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
-    # the tiny model's k_proj / v_proj are [128, 256]: B·A has rank 128 at most there
-    with pytest.raises(BadInput, match=r"--lora-rank 129 is larger than the narrowest targeted layer of .*k_proj"):
-        adapters.load_policy(tiny_dir, None, Systems(lora_rank=129))
-    with pytest.raises(
-        BadInput, match=r"--lora-rank 300 is larger .*self_attn.q_proj \[256, 256\]: B·A has rank 256 at most"
-    ):
-        adapters.load_policy(tiny_dir, None, Systems(lora_rank=300, lora_target_modules=("q_proj",)))
+    # the tiny model's widest Linear layers (q_proj, o_proj, the MLP's) have rank 256 at most
+    with pytest.raises(BadInput, match=r"--lora-rank 257 is larger than every targeted layer of .*rank 256\)"):
+        adapters.load_policy(tiny_dir, None, Systems(lora_rank=257))
+    # k_proj / v_proj alone are [128, 256]
+    with pytest.raises(BadInput, match=r"--lora-rank 129 is larger .*self_attn.[kv]_proj \[128, 256\], has rank 128"):
+        adapters.load_policy(tiny_dir, None, Systems(lora_rank=129, lora_target_modules=("k_proj", "v_proj")))
     # the output layer, by the model's own module (whatever a fork or common.checks calls it)
     with pytest.raises(BadInput, match="lm_head is .* output layer: the output layer takes no adapter"):
         adapters.load_policy(tiny_dir, None, Systems(lora_rank=4, lora_target_modules=("model.lm_head", "lm_head")))
-    adapters.check_targets(tiny_dir, 128, ["all-linear"])  # the widest rank that means something passes
+    # a rank above k_proj's width (128) but not above the others' trains k_proj at full rank: accepted
+    adapters.check_targets(tiny_dir, 256, ["all-linear"])
+
+
+def test_a_rank_above_one_layers_width_is_accepted_on_an_moe_model(tmp_path):
+    """A Qwen2-MoE model's shared_expert_gate is a Linear [1, hidden]: --lora-rank 8 on all-linear trains it at
+    its full rank (1) and the other layers at rank 8, as peft allows; only a rank above every layer's width is
+    refused."""
+    import transformers
+
+    from common import adapters
+    from common.flags import Systems
+
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(tmp_path)
+    policy = adapters.load_policy(str(tmp_path), None, Systems(lora_rank=8))
+    adapted = {n.rsplit(".", 2)[0] for n, p in policy.named_parameters() if p.requires_grad}
+    assert any(name.endswith("shared_expert_gate.lora_A") for name in adapted), sorted(adapted)
+    with pytest.raises(BadInput, match=r"--lora-rank 33 is larger than every targeted layer .*has rank 32"):
+        adapters.check_targets(str(tmp_path), 33, ["all-linear"])
 
 
 def _model_folder(path, weights: bytes):

@@ -373,6 +373,38 @@ def test_regularization_uses_trailing_minibatches(float64_logprobs):
     assert isopo_gradients.stats.get(("fc2", "fisher")) == pytest.approx(expected.item(), rel=1e-12)
 
 
+def test_update_policy_commits_each_stepped_minibatch(float64_logprobs):
+    """Through the script's update_policy (three minibatches of one group, one block each): each minibatch's
+    scales read the EMA of the minibatches that stepped before it (the first its own block's mean), and the
+    run's state holds the EMA of all three afterwards, with nothing left pending. Without the commit the
+    later minibatches would read their own means and the checkpoint an empty EMA."""
+    from helpers import one_process, precision
+
+    from common.tracking import StepMetrics
+
+    model, args = tiny_lm(False), make_args(reg_coef=1.0, num_minibatches=3, block_size=3, micro_batch_size=3)
+    isopo_gradients = isopo.IsopoGradients(model, args)
+    isopo_gradients.trace = []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    batch, dist = rollouts(), one_process()
+    batch["sampler_logprobs"] = batch["sampler_logprobs"].double()  # π_old's pass writes float64 log-probs there
+    skipped = isopo.update_policy(
+        model, None, optimizer, scheduler, batch, args, dist, precision(), StepMetrics(), isopo_gradients
+    )
+    assert skipped == 0 and isopo_gradients.stats.pending == {}
+    for layer in ("fc1", "fc2", "lm_head"):
+        entries = [e for e in isopo_gradients.trace if e["layer"] == layer]
+        assert len(entries) == 3  # one block per minibatch
+        means = [e["quantities"]["fisher"].square().mean().item() for e in entries]
+        trailing = [means[0], means[0], 0.9 * means[0] + 0.1 * means[1]]
+        for entry, expected in zip(entries, trailing):
+            trailing_mean = torch.as_tensor(entry["expectations"]["fisher"], dtype=torch.float64).item()
+            assert trailing_mean == pytest.approx(expected, rel=1e-12)
+        final = 0.9 * trailing[2] + 0.1 * means[2]
+        assert isopo_gradients.stats.get((layer, "fisher")) == pytest.approx(final, rel=1e-12)
+
+
 def test_trailing_means_by_hand():
     means = isopo.TrailingMeans(decay=0.9)
     assert means.get("x") is None
@@ -658,6 +690,9 @@ def test_resume_continues_exactly_with_the_regularization_state(tmp_path):
     split = read_jsonl(os.path.join(only_run_dir(tmp_path / "split"), "metrics.jsonl"))
     assert [r["step"] for r in split] == [1, 2, 3, 4]
     assert straight[-1]["isopo/q_proj/reg_rel"] > 0 and "isopo/q_proj/euclid_norm" in straight[-1]
+    checkpoint = os.path.join(only_run_dir(tmp_path / "split"), "checkpoints", "step_00000002")
+    saved = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)["isopo"]["ema"]
+    assert saved and all(value > 0 for value in saved.values())  # the trailing means of step 2 are in the checkpoint
     for a, b in zip(straight, split):
         for key in ("charts/reward", "losses/policy_loss", "losses/grad_norm", "isopo/q_proj/scale_mean"):
             assert a[key] == b[key], (a["step"], key)

@@ -116,14 +116,20 @@ def _transforming_model(kind):
     return transformers.CohereForCausalLM(config).to(F64), ("logit_scale", 0.25)
 
 
+@pytest.mark.parametrize("adapted", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("kind", ["gemma2", "granite", "cohere"])
-def test_a_transform_after_the_output_layer_is_applied_to_each_chunk(kind, monkeypatch):
+def test_a_transform_after_the_output_layer_is_applied_to_each_chunk(kind, adapted, monkeypatch):
     """Gemma's soft-capping, Granite's logits_scaling, Cohere's logit_scale: the model's forward applies them to
     what its output layer returns. grpo.token_logprobs (chunks of 2 positions) scores the model's real
-    distribution, that of its own full logits, and leaves the model's setting as it was."""
+    distribution, that of its own full logits, and leaves the model's setting as it was; also under a LoRA
+    adapter (a PeftModel, which passes attribute reads to the model inside but keeps writes for itself)."""
     model, (name, value) = _transforming_model(kind)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(30)  # logits of a few units, where the transform bends them
+    if adapted:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     ids = torch.randint(3, 37, (2, 10))
     micro = {
         "input_ids": ids,
@@ -135,14 +141,35 @@ def test_a_transform_after_the_output_layer_is_applied_to_each_chunk(kind, monke
     with torch.no_grad():
         logprobs, entropy = grpo.token_logprobs(model, micro, 0.8, with_entropy=True)
         full = model(input_ids=ids).logits[:, 5:-1]
-    owner = model if name == "logit_scale" else model.config
+    owner = model.get_base_model() if adapted else model
+    owner = owner if name == "logit_scale" else model.config
     assert getattr(owner, name) == value  # restored
+    assert not adapted or name not in vars(model)  # and set on the model that reads it, not on peft's wrapper
     logp_all = torch.log_softmax(full / 0.8, -1)
     expected = logp_all.gather(-1, ids[:, 6:, None]).squeeze(-1)
     torch.testing.assert_close(logprobs, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(entropy, -(logp_all.exp() * logp_all).sum(-1), rtol=1e-10, atol=1e-12)
-    plain = torch.log_softmax(model.lm_head(model.model(input_ids=ids).last_hidden_state)[:, 5:-1] / 0.8, -1)
+    inner = model.get_base_model() if adapted else model
+    plain = torch.log_softmax(inner.lm_head(inner.model(input_ids=ids).last_hidden_state)[:, 5:-1] / 0.8, -1)
     assert (plain.gather(-1, ids[:, 6:, None]).squeeze(-1) - expected).abs().max() > 0.1  # the transform matters
+
+
+def test_a_non_finite_logit_is_not_taken_for_a_transform(monkeypatch):
+    """Cohere's forward multiplies what the output layer returned (by 1 inside the context): an overflow there
+    (NaN) gives NaN log-probs, for the step to be skipped, not a refusal of the model."""
+    model, _ = _transforming_model("cohere")
+    with torch.no_grad():
+        model.get_output_embeddings().weight[:, 0] = float("nan")
+    ids = torch.randint(3, 37, (1, 8))
+    micro = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(8)[None],
+        "response_ids": ids[:, 4:],
+    }
+    monkeypatch.setattr("common.logprobs.CHUNK_BYTES", 4 * 37 * 2)
+    with torch.no_grad():
+        assert grpo.token_logprobs(model, micro, 1.0)[0].isnan().all()
 
 
 def test_an_unknown_transform_after_the_output_layer_is_refused(monkeypatch):
