@@ -69,6 +69,12 @@ def shared_flags(args) -> list[str]:
         problems += tiny_model_problems(v["model"], v["task"])
     if has("rollout_engine", "top_p", "top_k", "keep_sampling_mask"):
         problems += vllm_mask_problems(v["rollout_engine"], v["top_p"], v["top_k"], v["keep_sampling_mask"])
+    if has("rollout_engine", "engine_dtype") and v["engine_dtype"] in ("fp8", "int8"):
+        from common.engines import engine_kind
+
+        kind = engine_kind(v["rollout_engine"])  # auto: vLLM where it is installed and a GPU is present
+        rule = "auto, float32, bfloat16 or float16 with vLLM (rounded weights are the hf engine's: --rollout-engine hf)"
+        problems += require(kind == "hf", "--engine-dtype", rule)
     if has("max_turns"):
         problems += require(v["max_turns"] >= 1, "--max-turns", ">= 1")
     if has("max_episode_tokens", "max_new_tokens"):

@@ -354,7 +354,7 @@ def test_fresh_rollouts_keep_the_ess_at_one_and_stale_ones_lower_it(tmp_path):
     with the weights pushed after step 2 (the current ones again)."""
     # step 2's rollouts are stale only if step 1 moved the weights: 16 groups, all with equal rewards on 0.48^16 < 1e-5
     # of machines (helpers.py, reward signal; with 4 groups on 5% of them)
-    flags = ["--eval-every", 0, "--sync-every", 2, "--output-dir", tmp_path, "--prompts-per-step", 16, *SMALL[2:]]
+    flags = ["--eval-every", 0, "--sync-every", 2, "--output-dir", tmp_path, "--prompts-per-step", 16, *SMALL[2:4]]
     run_script("algorithms/p3o.py", "--steps", 3, *flags)
     fresh, stale, fresh_again = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     for record in (fresh, fresh_again):  # the float32 engine has the trainer's weights: μ = π_θ up to rounding
@@ -369,6 +369,25 @@ def test_fresh_rollouts_keep_the_ess_at_one_and_stale_ones_lower_it(tmp_path):
     assert stale["mismatch/max_abs_logprob_diff"] > 1e-2 and stale["losses/kl_behavior"] > 1e-3
     assert stale["losses/ratio_max"] > 1 > stale["losses/ratio_min"]
     assert stale["charts/skipped_steps"] == 0
+
+
+@pytest.mark.slow
+def test_a_stale_run_resumes_exactly_from_a_checkpoint_between_sync_points(tmp_path):
+    """--sync-every 3 --save-every 2: the engine's weights are pushed at a checkpoint too (the checkpoint holds the
+    trainer's weights only, which a resumed engine starts from), so 2 steps then --resume to 4 repeat 4 steps
+    straight. Without that push the resumed step 3 samples with step 2's weights, the straight one with step 0's."""
+    flags = ["--eval-every", 0, "--sync-every", 3, "--save-every", 2, "--prompts-per-step", 16, *SMALL[2:4]]
+    run_script("algorithms/p3o.py", "--steps", 4, "--output-dir", tmp_path / "straight", *flags)
+    run_script("algorithms/p3o.py", "--steps", 2, "--output-dir", tmp_path / "split", *flags)
+    run_script("algorithms/p3o.py", "--steps", 4, "--output-dir", tmp_path / "split", "--resume", "auto", *flags)
+    straight, split = (
+        read_jsonl(os.path.join(only_run_dir(tmp_path / n), "metrics.jsonl")) for n in ("straight", "split")
+    )
+    assert [r["step"] for r in split] == [1, 2, 3, 4]
+    assert straight[1]["losses/ess"] < 0.99  # step 2 samples with step 0's weights: stale (16 groups, as above)
+    for a, b in zip(straight, split):
+        for key in ("charts/reward", "losses/policy_loss", "losses/ess", "mismatch/kl_k3"):
+            assert a[key] == b[key], (a["step"], key)
 
 
 @pytest.mark.slow
