@@ -841,9 +841,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
             optimizer.zero_grad(set_to_none=True)
             metrics.mean("losses/policy_loss", minibatch_loss, 1)  # the same numbers on every rank
             metrics.mean("losses/grad_norm", grad_norm, 1)
-            # ALGO LOGIC: a minibatch that stepped joins the trailing means E[·] of Alg. 2, which the
-            # next minibatch's scales read; a skipped one is dropped
-            isopo.end_minibatch(commit=bool(torch.isfinite(grad_norm)) and math.isfinite(minibatch_loss))
+            # ALGO LOGIC: a stepped minibatch joins the trailing means E[·] of Alg. 2
+            stepped = bool(torch.isfinite(grad_norm)) and math.isfinite(minibatch_loss)
+            isopo.end_minibatch(commit=stepped)  # (a skipped one does not)
             # END ALGO LOGIC
     isopo.record(metrics)  # isopo/<group>/...: the per-layer statistics of the step
     return skipped

@@ -244,12 +244,13 @@ def clipped_behavior_loss(logprobs, sampler_logprobs, advantages, mask, clip_eps
 
 def push_weights(args, step) -> bool:
     """--sync-every k: after every k-th step (rollouts up to k − 1 steps old; the hf engine keeps
-    its own copy), before an evaluation of the trained policy, and at a checkpoint, which holds
-    the trainer's weights only: a resume starts the engine from them, as the run did."""
-    evaluation = bool(
-        args.evaluation.eval_every and ((step + 1) % args.evaluation.eval_every == 0 or step + 1 == args.steps)
+    its own copy), before an evaluation, and at a scheduled checkpoint (its weights start a resumed
+    engine, as the run's did; a stop by a signal between two pushes resumes fresher)."""
+    return (
+        (step + 1) % args.sync_every == 0
+        or args.checkpoints.due(step + 1, args.steps)
+        or bool(args.evaluation.eval_every and ((step + 1) % args.evaluation.eval_every == 0 or step + 1 == args.steps))
     )
-    return (step + 1) % args.sync_every == 0 or evaluation or args.checkpoints.due(step + 1, args.steps)
 
 
 def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
@@ -619,12 +620,6 @@ def main(args: Args) -> None:
             trainer_state = {"skipped_steps": skipped_steps, "args": flat(args)}
             save_checkpoint(
                 run_dir, step + 1, policy, tokenizer, optimizer, scheduler, trainer_state, dist, args.checkpoints
-            )
-        if stopping and not push_weights(args, step) and dist.is_main:  # ALGO LOGIC: stopped between pushes
-            print(
-                "note: the engine's weights are older than this checkpoint (--sync-every); a --resume starts "
-                "it from the checkpoint's, so it does not repeat the uninterrupted run exactly",
-                file=sys.stderr,
             )
         if stopping:
             break

@@ -193,7 +193,8 @@ def test_top_k_top_p_with_and_without_the_sampling_mask(name, tmp_path):
     truncation dropped (DeepSeek-V3.2's argument for keeping the mask)."""
     worst = {}
     for keep in ("--keep-sampling-mask", "--no-keep-sampling-mask"):
-        flags = ["--steps", 1, "--eval-every", 0, "--output-dir", tmp_path / keep, *SMALL[:4], "--top-k", 5, "--top-p", 0.9]
+        flags = ["--steps", 1, "--eval-every", 0, "--output-dir", tmp_path / keep, *SMALL[:4]]
+        flags += ["--top-k", 5, "--top-p", 0.9]
         run_script(f"algorithms/{name}.py", *flags, keep)
         worst[keep] = read_jsonl(os.path.join(only_run_dir(tmp_path / keep), "metrics.jsonl"))[-1]
     assert worst["--keep-sampling-mask"]["mismatch/max_abs_logprob_diff"] < 1e-4
