@@ -168,6 +168,12 @@ def chunked_scores(
     if len(flat_targets) <= per_chunk:  # one chunk: nothing to save by recomputing
         scores = _scores(flat_hidden, weight, bias, flat_targets, score, with_entropy, float32, flat_kept)
         return scores.view(rows, width, 2)
+    # Under bf16 / fp16 autocast a float32 weight is cast once here, not once per chunk in the backward
+    # (each recomputation re-enters autocast, whose cast cache empties when it exits)
+    device = hidden.device.type
+    low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) and not float32 else None
+    if low is not None and weight.dtype == torch.float32 and low in (torch.bfloat16, torch.float16):
+        weight = _CastOnce(weight, low)
     pieces = []
     for start in range(0, len(flat_targets), per_chunk):
         piece = (
@@ -197,7 +203,12 @@ def log_softmax_gather(logits, targets, temperature=1.0):
 def _scores(hidden, weight, bias, targets, score, with_entropy, float32=False, kept=None):
     """[N, 2]: log-prob of each target and entropy (no gradient) of `score`'s log-softmax, in float32 at
     least (bf16 logits are upcast; float64 stays float64); over the ids in `kept` [N, K] where given."""
-    logits = float32_linear(hidden, weight, bias) if float32 else F.linear(hidden, weight, bias)
+    if float32:
+        logits = float32_linear(hidden, weight, bias)
+    elif isinstance(weight, _CastOnce):
+        logits = _LowPrecisionLinear.apply(hidden, weight.weight, weight.low, bias)
+    else:
+        logits = F.linear(hidden, weight, bias)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     target_logp, logp = score(logits, targets)
     if kept is not None:  # log π_kept(o) = log π(o) − log Σ_{v kept} π(v); all −1: the full vocabulary
@@ -215,6 +226,35 @@ def _scores(hidden, weight, bias, targets, score, with_entropy, float32=False, k
             entropy = -(renormalised.exp() * renormalised.nan_to_num(neginf=0.0)).sum(-1)
             entropy = torch.where(in_set.any(-1), entropy, -(logp.exp() * logp).sum(-1))
     return torch.stack([target_logp, entropy], dim=-1)
+
+
+class _CastOnce:
+    """A float32 weight with its bf16 / fp16 copy, made once for every chunk of a forward and its backward."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        self.weight, self.low = weight, weight.detach().to(dtype)
+
+
+class _LowPrecisionLinear(torch.autograd.Function):
+    """F.linear(hidden, weight, bias) as autocast computes it (inputs cast to the low dtype, the weight's
+    gradient back in its own dtype, accumulated in float32), with the weight's cast `low` given: the same
+    values, without a new cast of the [V, H] weight for each chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, low, bias):
+        hidden = hidden.to(low.dtype)
+        ctx.save_for_backward(hidden, low)
+        ctx.dtypes = weight.dtype, None if bias is None else bias.dtype
+        return F.linear(hidden, low, None if bias is None else bias.to(low.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, low = ctx.saved_tensors
+        grad, (weight_dtype, bias_dtype) = grad.to(low.dtype), ctx.dtypes
+        grad_hidden = grad @ low if ctx.needs_input_grad[0] else None
+        grad_weight = (grad.mT @ hidden).to(weight_dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0).to(bias_dtype) if ctx.needs_input_grad[3] else None
+        return grad_hidden, grad_weight, None, grad_bias
 
 
 def float32_linear(hidden, weight, bias=None):

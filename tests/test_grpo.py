@@ -1,14 +1,17 @@
 """grpo.py: the math against hand-computed values and brute force, then the script end to end."""
 
+import copy
 import os
 
 import pytest
 import torch
-from helpers import only_run_dir, read_jsonl, run_script, two_group_rollouts
+from helpers import one_process, only_run_dir, precision, read_jsonl, run_script, two_group_rollouts
 
 from algorithms import grpo
 from common import flags
 from common.tracking import StepMetrics
+
+ONE_PROCESS, NO_AUTOCAST = one_process(), torch.autocast("cpu", enabled=False)
 
 # --- advantages -------------------------------------------------------------------------------
 
@@ -195,6 +198,106 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation, ratio_level):
         torch.testing.assert_close(script_grads[name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+class FirstStepGradients(torch.optim.Optimizer):
+    """An optimizer that keeps the gradients of its first step and changes nothing."""
+
+    def __init__(self, parameters):
+        super().__init__(list(parameters), {"lr": 0.0})
+        self.first = None
+
+    def step(self, closure=None):
+        if self.first is None:
+            self.first = [p.grad.clone() for group in self.param_groups for p in group["params"]]
+
+
+@pytest.mark.parametrize(
+    "num_minibatches, update_epochs, ratio_level, kl_coef",
+    [(1, 1, "token", 0.0), (1, 2, "token", 0.1), (2, 1, "sequence", 0.0)],
+    ids=["one-update", "two-epochs-kl", "two-minibatches-gspo"],
+)
+def test_update_policy_gradient_matches_brute_force(
+    tiny, monkeypatch, num_minibatches, update_epochs, ratio_level, kl_coef
+):
+    """update_policy's first optimizer step against the objective written out per sequence: π_old is the π_old
+    pass's (made different from π_θ here, so that tokens clip) whenever the batch makes more than one update, and
+    π_θ itself at one update (no pass); β·k3(π_θ ‖ π_ref) joins each token's loss; GSPO's ratio is the
+    sequence's. The minibatch is the first of the script's seeded permutation. The weights never move here, so each
+    logged statistic (ratio range, clip fraction, approx_kl, entropy, kl_ref) is brute force's over every token."""
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():  # π_ref away from π_θ, so that the KL term has a gradient
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    prompts, completions = two_group_rollouts(tokenizer)
+    batch = grpo.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
+    batch["advantages"] = advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.3, -0.9, 0.4])
+    noise = 0.4 * torch.randn(batch["sampler_logprobs"].shape, generator=torch.Generator().manual_seed(0))
+    batch_logprobs = grpo.batch_logprobs
+
+    def shifted_old_logprobs(model_, batch_, *rest):  # the π_old pass, off by a random amount per token
+        logprobs, entropy = batch_logprobs(model_, batch_, *rest)
+        return (logprobs + noise if model_ is not reference else logprobs), entropy
+
+    monkeypatch.setattr(grpo, "batch_logprobs", shifted_old_logprobs)
+    args = flags.make(
+        grpo.Args, group_size=4, num_minibatches=num_minibatches, update_epochs=update_epochs,
+        ratio_level=ratio_level, kl_coef=kl_coef, micro_batch_size=3, max_grad_norm=1e9,
+    )  # fmt: skip
+    optimizer = FirstStepGradients(model.parameters())  # the weights never move: every update sees π_θ = π_start
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    torch.manual_seed(0)
+    metrics, reference_model = StepMetrics(), reference if kl_coef else None
+    grpo.update_policy(model, reference_model, optimizer, scheduler, batch, args, ONE_PROCESS, precision(), metrics)
+    logged = metrics.reduce()
+    torch.manual_seed(0)
+    first = torch.randperm(8).chunk(num_minibatches)[0].tolist()  # the first minibatch, as update_policy draws it
+
+    with torch.no_grad():
+        current, _ = batch_logprobs(model, batch, args, NO_AUTOCAST)
+        ref_logprobs, _ = batch_logprobs(reference, batch, args, NO_AUTOCAST)
+    old_logprobs = current + noise if num_minibatches * update_epochs > 1 else current
+    objective, seen = 0.0, {key: [] for key in ("ratio", "clipped", "k3", "kl", "entropy")}
+    for i in range(8):
+        prompt, response = prompts[i // 4], completions[i].token_ids
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        logp = torch.log_softmax(logits, -1)
+        logprobs = logp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+        old, ref = old_logprobs[i, : len(response)], ref_logprobs[i, : len(response)]
+        if ratio_level == "token":
+            ratio = torch.exp(logprobs - old)
+        else:  # (π_θ(o_i|q) / π_old(o_i|q))^(1/|o_i|), on every token of o_i
+            ratio = torch.exp((logprobs.sum() - old.sum()) / len(response)).expand(len(response))
+        surrogate = torch.minimum(ratio * advantages[i], ratio.clamp(0.8, 1.28) * advantages[i])
+        kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1
+        if i in first:
+            objective = objective + (surrogate - kl_coef * kl).sum() / batch["response_mask"][first].sum()
+        log_ratio = (logprobs - old).detach()
+        clipped = (ratio < 0.8) & (advantages[i] < 0) | (ratio > 1.28) & (advantages[i] > 0)
+        values = (ratio, clipped.float(), log_ratio.exp() - 1 - log_ratio, kl, -(logp.exp() * logp).sum(-1))
+        for key, value in zip(seen, values):
+            seen[key].append(value.detach())
+    model.zero_grad()
+    (-objective).backward()
+    for (name, parameter), gradient in zip(model.named_parameters(), optimizer.first):
+        # float32 sums in other orders: about 1e-6 of the norm; a wrong π_old, ratio or KL: 1e-2 and more
+        assert (gradient - parameter.grad).norm() <= 1e-5 * parameter.grad.norm(), name
+    # the statistics, over every token of every update (each sees π_start here)
+    seen = {key: torch.cat(values) for key, values in seen.items()}
+    assert 0 < seen["clipped"].mean() < 1 or num_minibatches * update_epochs == 1  # both branches of the min
+    expected = {
+        "losses/ratio_min": seen["ratio"].min(),
+        "losses/ratio_max": seen["ratio"].max(),
+        "losses/clip_fraction": seen["clipped"].mean(),
+        "losses/approx_kl": seen["k3"].mean(),
+        "charts/entropy": seen["entropy"].mean(),
+        **({"losses/kl_ref": seen["kl"].mean()} if kl_coef else {}),
+    }
+    for key, value in expected.items():
+        assert logged[key] == pytest.approx(value.item(), rel=1e-5, abs=1e-6), key
+    assert ("losses/kl_ref" in logged) == bool(kl_coef)
+
+
 def test_record_mismatch_k3():
     old = torch.tensor([[-1.0, -2.0, 0.0]])
     sampler = torch.tensor([[-1.5, -2.0, -9.0]])
@@ -224,7 +327,7 @@ def test_several_updates_per_batch_and_kl_penalty(tmp_path):
         0,
         "--output-dir",
         tmp_path,
-        *SMALL,
+        *SMALL[:4],
         "--num-minibatches",
         2,
         "--update-epochs",

@@ -251,6 +251,47 @@ def test_a_float32_output_layer_under_bfloat16_autocast(tiny, chunk_tokens):
     assert errors[True] < 1e-5 and errors[False] > 1e-3, errors
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_output_layer_is_cast_once_under_autocast(dtype, monkeypatch):
+    """--dtype bfloat16 / float16 on one GPU: autocast casts the float32 [V, H] weight for each chunk that the
+    backward recomputes (its cast cache empties when each recomputation's autocast exits); here it is cast once
+    per forward and backward, 4 chunks or 1, with every gradient what autocast gives one chunk, to rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _llama(tied=False).float()
+    weight = model.get_output_embeddings().weight
+    ids = torch.randint(3, 37, (2, 12))
+    micro = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(12).expand(2, 12),
+        "response_ids": ids[:, 4:],
+    }
+
+    class CountCasts(TorchDispatchMode):  # the casts of the output layer's weight to `dtype`
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and out.shape == weight.shape and out.dtype == dtype:
+                CountCasts.casts += 1
+            return out
+
+    gradients = {}
+    for chunk_tokens in (16, 4):  # one chunk, four
+        monkeypatch.setattr("common.logprobs.CHUNK_BYTES", 4 * 37 * chunk_tokens)
+        model.zero_grad()
+        CountCasts.casts = 0
+        with CountCasts():
+            with torch.autocast("cpu", dtype):
+                logprobs, _ = grpo.token_logprobs(model, micro, 1.0)
+            logprobs.float().mean().backward()
+        assert CountCasts.casts == 1, (chunk_tokens, CountCasts.casts)
+        gradients[chunk_tokens] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    for name, gradient in gradients[16].items():  # bf16's rounding of a sum of 4 chunks' products, not of 1
+        assert (gradients[4][name] - gradient).norm() <= 0.02 * gradient.norm(), name
+
+
 def test_a_sampling_mask_renormalises_over_the_kept_tokens_in_float64():
     """log π_kept(o) = z_o/τ − logsumexp over the kept ids, and the entropy of the renormalised π, against the formula
     over full logits in float64 (gradients too), in chunks; a position whose mask is all −1 uses the full vocabulary."""

@@ -169,7 +169,7 @@ def test_dapo_rollout_flags_end_to_end(name, tmp_path, readme_task_file):
         0,
         "--output-dir",
         tmp_path,
-        *SMALL,
+        *SMALL[:4],
         "--dynamic-sampling",
         "--max-sampling-rounds",
         4,
