@@ -21,7 +21,6 @@ import glob
 import os
 import random
 import shutil
-import sys
 import time
 import warnings
 
@@ -64,6 +63,11 @@ def save_checkpoint(
     `trainer_state`: what the script needs to continue (skipped steps, its settings, ...); the step and the
     scheduler's state are added to it."""
     trainer_state = {"step": step, **trainer_state, "scheduler": scheduler.state_dict()}
+    with _writing_a_checkpoint():  # a second Ctrl-C waits for the write
+        return _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist, checkpoints)
+
+
+def _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist: Dist, checkpoints) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
@@ -189,10 +193,26 @@ def _lock(folder: str) -> None:
     _LOCKS.append(handle)
 
 
+# A checkpoint being written, and the signal that asked meanwhile to stop at once (StopSignals defers it)
+_WRITING = {"active": False, "exit": None}
+
+
+def _say(text: str) -> None:
+    """A line on stderr from a signal handler: one write(2) call (print may be mid-write: "reentrant call"), and
+    nothing if the terminal is gone."""
+    try:
+        os.write(2, (text + "\n").encode())
+    except OSError:
+        pass
+
+
 class StopSignals:
-    """Ctrl-C (SIGINT) and a scheduler's SIGTERM (preemption) during training lose nothing: the step under way
-    finishes, the loop checkpoints it on every rank and ends, and `finish` exits with 128 + the signal's number after
-    saying how to resume. A second signal stops at once. Signals are caught only while training (in the main thread)."""
+    """Ctrl-C (SIGINT), a scheduler's SIGTERM (preemption) and a closed terminal or dropped ssh connection (SIGHUP)
+    during training lose nothing: the step under way finishes, the loop checkpoints it on every rank and ends, and
+    `finish` exits with 128 + the signal's number after saying how to resume. A second signal stops at once, with the
+    same exit code and no traceback, but never inside a checkpoint's write: that finishes first. After SIGHUP the
+    run's output to the terminal goes to /dev/null (writing to a hung-up terminal fails). SIGHUP is left alone where
+    it is ignored (nohup). Signals are caught only while training (in the main thread)."""
 
     def __init__(self):
         import signal
@@ -201,18 +221,26 @@ class StopSignals:
         self.received = None
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
-            for number in (signal.SIGINT, signal.SIGTERM):
+            for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                if number == signal.SIGHUP and signal.getsignal(number) == signal.SIG_IGN:
+                    continue  # nohup: the run was asked to outlive its terminal
                 self.previous[number] = signal.signal(number, self._handle)
 
     def _handle(self, number, frame):
         import signal
 
-        if self.received is not None:  # the second one: now
-            raise KeyboardInterrupt
-        self.received = number
         name = signal.Signals(number).name
-        print(f"\n{name}: the step under way finishes and is checkpointed, then the run stops ({name} again: now)",
-              file=sys.stderr)  # fmt: skip
+        if number == signal.SIGHUP:
+            _detach_from_terminal()
+        if self.received is not None:  # the second one: now, unless a checkpoint is being written
+            if _WRITING["active"]:
+                _WRITING["exit"] = number
+                _say(f"\n{name} again: the checkpoint being written is finished first, then the run stops")
+                return
+            _say(f"\n{name} again: stopped now; --resume continues from the newest checkpoint")
+            raise SystemExit(128 + number)
+        self.received = number
+        _say(f"\n{name}: the step under way finishes and is checkpointed, then the run stops ({name} again: now)")
 
     def requested(self, dist) -> bool:
         """Whether any rank received a signal: a collective, so every rank stops after the same step."""
@@ -229,8 +257,33 @@ class StopSignals:
         if self.received is None:
             return
         if dist.is_main:
-            print(f"stopped by {signal.Signals(self.received).name}: continue with --resume {run_dir}", file=sys.stderr)
+            _say(f"stopped by {signal.Signals(self.received).name}: continue with --resume {run_dir}")
         raise SystemExit(128 + self.received)
+
+
+def _detach_from_terminal() -> None:
+    """Point stdout and stderr, where they are a terminal, at /dev/null: the terminal has hung up."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        try:
+            if os.isatty(fd):
+                os.dup2(devnull, fd)
+        except OSError:
+            pass
+    os.close(devnull)
+
+
+@contextlib.contextmanager
+def _writing_a_checkpoint():
+    """A checkpoint's write: a second signal waits for its end (StopSignals), then stops the run."""
+    _WRITING["active"] = True
+    try:
+        yield
+    finally:
+        _WRITING["active"] = False
+    if _WRITING["exit"] is not None:
+        number, _WRITING["exit"] = _WRITING["exit"], None
+        raise SystemExit(128 + number)
 
 
 def find_checkpoint(resume: str, output_dir: str, run_prefix: str) -> str:

@@ -180,6 +180,8 @@ def _start(output_dir, steps, *extra):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        # a run under nohup inherits an ignored SIGHUP, which the run then leaves alone: not the case tested
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )
 
 
@@ -244,9 +246,10 @@ def test_sigkill_in_training_and_during_a_checkpoint_write_then_resume(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_ctrl_c_or_sigterm_checkpoints_the_step_then_resume_continues_exactly(tmp_path, stop):
-    """--save-every 0 (a checkpoint only at the end), and a signal once step 2 is logged: the step under way
+    """--save-every 0 (a checkpoint only at the end), and a signal once step 2 is logged (SIGHUP: the terminal was
+    closed, the ssh connection dropped; it was lost with the run before): the step under way
     finishes and is checkpointed, the run exits with 128 + the signal's number saying how to resume (no traceback),
     and --resume then ends where an uninterrupted run does, every metric equal."""
     run_script("algorithms/grpo.py", "--steps", 5, "--save-every", 0, "--output-dir", tmp_path / "straight", *FLAGS)
@@ -263,6 +266,46 @@ def test_ctrl_c_or_sigterm_checkpoints_the_step_then_resume_continues_exactly(tm
     assert done in (2, 3) and os.listdir(os.path.join(run_dir, "checkpoints")) == [f"step_{done:08d}"]
     run_script("algorithms/grpo.py", "--steps", 5, "--output-dir", stopped, "--resume", "auto", *FLAGS)
     _assert_same_run(straight, read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+
+
+def test_a_second_ctrl_c_waits_for_the_checkpoint_being_written(tiny, tmp_path, monkeypatch):
+    """Two Ctrl-C in a row, the second arriving while the first's checkpoint is being written: the write
+    finishes (the checkpoint is whole, no .tmp folder), then the run stops at once with 130 and no
+    traceback. A second signal outside a write stops at once with 128 + its number (143 for SIGTERM)."""
+    import copy
+
+    from helpers import one_process
+
+    from common import checkpoint, checks
+    from common.flags import Checkpoints
+
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    rng_state = checkpoint.rng_state
+
+    def two_ctrl_c_mid_write():  # called inside the write, after the weights
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        return rng_state()
+
+    monkeypatch.setattr(checkpoint, "rng_state", two_ctrl_c_mid_write)
+    stop = checkpoint.StopSignals()
+    try:
+        with pytest.raises(SystemExit) as exit:
+            checkpoint.save_checkpoint(
+                str(tmp_path), 3, model, tokenizer, optimizer, scheduler, {}, one_process(), Checkpoints()
+            )
+        assert exit.value.code == 130 and stop.received == signal.SIGINT
+        assert os.listdir(tmp_path / "checkpoints") == ["step_00000003"]
+        checks.check_checkpoint_files(str(tmp_path / "checkpoints" / "step_00000003"))
+        with pytest.raises(SystemExit) as exit:  # a second signal between writes: now, with its own number
+            stop._handle(signal.SIGTERM, None)
+        assert exit.value.code == 143
+    finally:
+        stop.received = None
+        stop.finish(str(tmp_path), one_process())  # the handlers as they were
 
 
 def test_runs_started_in_the_same_second_get_their_own_folders_and_a_run_has_one_writer(tmp_path, monkeypatch):
