@@ -126,8 +126,8 @@ class Args:
     """rollout temperature of the engine (μ) when it differs from --temperature (π_θ):
     off-policy data, e.g. 1.2"""
     sync_every: int = 1
-    """push the weights to the engine every this many steps (k > 1: stale
-    rollouts, up to k-1 steps old)"""
+    """push the weights to the engine every this many steps (k > 1: stale rollouts, up to k-1
+    steps old; --resume is exact from a checkpoint at a push: --save-every a multiple of k)"""
     loss: Literal["p3o", "clip"] = "p3o"
     """p3o: the P3O loss; clip: the paper's GRPO baseline, the clipped
     surrogate on the same ratio ρ = π_θ/μ"""
@@ -244,12 +244,10 @@ def clipped_behavior_loss(logprobs, sampler_logprobs, advantages, mask, clip_eps
 
 def push_weights(args, step) -> bool:
     """--sync-every k: after every k-th step (rollouts up to k − 1 steps old; the hf engine keeps
-    its own copy), before an evaluation, and at a scheduled checkpoint (its weights start a resumed
-    engine, as the run's did; a stop by a signal between two pushes resumes fresher)."""
-    return (
-        (step + 1) % args.sync_every == 0
-        or args.checkpoints.due(step + 1, args.steps)
-        or bool(args.evaluation.eval_every and ((step + 1) % args.evaluation.eval_every == 0 or step + 1 == args.steps))
+    its own copy) and before an evaluation of the trained policy. A stale run resumes exactly
+    only from a checkpoint at a push (--save-every a multiple of k)."""
+    return (step + 1) % args.sync_every == 0 or bool(
+        args.evaluation.eval_every and ((step + 1) % args.evaluation.eval_every == 0 or step + 1 == args.steps)
     )
 
 

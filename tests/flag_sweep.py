@@ -133,7 +133,13 @@ def run(name: str, settings: dict, folder: str, resume: bool = False) -> list[di
     values = {**BASE, **BASE_OF.get(name, {}), **settings, "output_dir": folder}
     if resume:
         values["resume"] = "auto"
-    module.main(flags.make(module.Args, **values))
+    try:
+        module.main(flags.make(module.Args, **values))
+    finally:  # the run folder's lock lasts as long as the process: release it for the next run here
+        from common import checkpoint
+
+        while checkpoint._LOCKS:
+            checkpoint._LOCKS.pop().close()
     [run_dir] = [os.path.join(folder, d) for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))]
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 

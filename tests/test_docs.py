@@ -24,7 +24,7 @@ SCRIPTS = sorted(glob.glob(os.path.join(REPO, "algorithms", "[!_]*.py")))  # a n
 # Prose is wrapped at 100 columns: a method's paragraphs take more lines than at 120 (and so does its diff).
 MAX_DIFF = {
     "ema_kpo": 252,
-    "p3o": 282,
+    "p3o": 280,
     "gtpo": 296,
     "tis_icepop": 357,
     "isopo": 753,

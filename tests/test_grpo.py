@@ -198,16 +198,15 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation, ratio_level):
         torch.testing.assert_close(script_grads[name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-class FirstStepGradients(torch.optim.Optimizer):
-    """An optimizer that keeps the gradients of its first step and changes nothing."""
+class GradientRecorder(torch.optim.Optimizer):
+    """An optimizer that keeps the gradients of each step and changes no weight."""
 
     def __init__(self, parameters):
         super().__init__(list(parameters), {"lr": 0.0})
-        self.first = None
+        self.steps = []
 
     def step(self, closure=None):
-        if self.first is None:
-            self.first = [p.grad.clone() for group in self.param_groups for p in group["params"]]
+        self.steps.append([p.grad.clone() for group in self.param_groups for p in group["params"]])
 
 
 @pytest.mark.parametrize(
@@ -218,11 +217,12 @@ class FirstStepGradients(torch.optim.Optimizer):
 def test_update_policy_gradient_matches_brute_force(
     tiny, monkeypatch, num_minibatches, update_epochs, ratio_level, kl_coef
 ):
-    """update_policy's first optimizer step against the objective written out per sequence: π_old is the π_old
-    pass's (made different from π_θ here, so that tokens clip) whenever the batch makes more than one update, and
-    π_θ itself at one update (no pass); β·k3(π_θ ‖ π_ref) joins each token's loss; GSPO's ratio is the
-    sequence's. The minibatch is the first of the script's seeded permutation. The weights never move here, so each
-    logged statistic (ratio range, clip fraction, approx_kl, entropy, kl_ref) is brute force's over every token."""
+    """Each optimizer step of update_policy against the objective of its minibatch written out per sequence (the
+    minibatches of the script's seeded permutations): π_old is the π_old pass's (made different from π_θ here, so
+    that tokens clip) whenever the batch makes more than one update, and π_θ itself at one update (no pass);
+    β·k3(π_θ ‖ π_ref) joins each token's loss; GSPO's ratio is the sequence's; no step carries another's gradient.
+    The weights never move here, so each logged statistic (ratio range, clip fraction, approx_kl, entropy, kl_ref)
+    is brute force's over every token."""
     model, tokenizer = tiny
     model = copy.deepcopy(model)
     reference = copy.deepcopy(model)
@@ -244,20 +244,20 @@ def test_update_policy_gradient_matches_brute_force(
         grpo.Args, group_size=4, num_minibatches=num_minibatches, update_epochs=update_epochs,
         ratio_level=ratio_level, kl_coef=kl_coef, micro_batch_size=3, max_grad_norm=1e9,
     )  # fmt: skip
-    optimizer = FirstStepGradients(model.parameters())  # the weights never move: every update sees π_θ = π_start
+    optimizer = GradientRecorder(model.parameters())  # the weights never move: every update sees π_θ = π_start
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     torch.manual_seed(0)
     metrics, reference_model = StepMetrics(), reference if kl_coef else None
     grpo.update_policy(model, reference_model, optimizer, scheduler, batch, args, ONE_PROCESS, precision(), metrics)
     logged = metrics.reduce()
-    torch.manual_seed(0)
-    first = torch.randperm(8).chunk(num_minibatches)[0].tolist()  # the first minibatch, as update_policy draws it
+    torch.manual_seed(0)  # the minibatches, as update_policy draws them
+    minibatches = [m.tolist() for _ in range(update_epochs) for m in torch.randperm(8).chunk(num_minibatches)]
 
     with torch.no_grad():
         current, _ = batch_logprobs(model, batch, args, NO_AUTOCAST)
         ref_logprobs, _ = batch_logprobs(reference, batch, args, NO_AUTOCAST)
     old_logprobs = current + noise if num_minibatches * update_epochs > 1 else current
-    objective, seen = 0.0, {key: [] for key in ("ratio", "clipped", "k3", "kl", "entropy")}
+    token_objectives, seen = [], {key: [] for key in ("ratio", "clipped", "k3", "kl", "entropy", "mismatch")}
     for i in range(8):
         prompt, response = prompts[i // 4], completions[i].token_ids
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
@@ -270,18 +270,21 @@ def test_update_policy_gradient_matches_brute_force(
             ratio = torch.exp((logprobs.sum() - old.sum()) / len(response)).expand(len(response))
         surrogate = torch.minimum(ratio * advantages[i], ratio.clamp(0.8, 1.28) * advantages[i])
         kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1
-        if i in first:
-            objective = objective + (surrogate - kl_coef * kl).sum() / batch["response_mask"][first].sum()
+        token_objectives.append(surrogate - kl_coef * kl)
         log_ratio = (logprobs - old).detach()
         clipped = (ratio < 0.8) & (advantages[i] < 0) | (ratio > 1.28) & (advantages[i] > 0)
-        values = (ratio, clipped.float(), log_ratio.exp() - 1 - log_ratio, kl, -(logp.exp() * logp).sum(-1))
+        engine = old - completions[i].logprobs[0]  # log π_old − log μ (the placeholder μ: -1 at every token)
+        values = (ratio, clipped.float(), log_ratio.exp() - 1 - log_ratio, kl, -(logp.exp() * logp).sum(-1), engine)
         for key, value in zip(seen, values):
             seen[key].append(value.detach())
-    model.zero_grad()
-    (-objective).backward()
-    for (name, parameter), gradient in zip(model.named_parameters(), optimizer.first):
-        # float32 sums in other orders: about 1e-6 of the norm; a wrong π_old, ratio or KL: 1e-2 and more
-        assert (gradient - parameter.grad).norm() <= 1e-5 * parameter.grad.norm(), name
+    assert len(optimizer.steps) == len(minibatches) == scheduler.last_epoch  # the schedule moves once per step
+    for rows, gradients in zip(minibatches, optimizer.steps):
+        objective = sum(token_objectives[i].sum() for i in rows) / batch["response_mask"][rows].sum()
+        model.zero_grad()
+        (-objective).backward(retain_graph=True)
+        for (name, parameter), gradient in zip(model.named_parameters(), gradients):
+            # float32 sums in other orders: about 1e-6 of the norm; a wrong π_old, ratio or KL: 1e-2 and more
+            assert (gradient - parameter.grad).norm() <= 1e-5 * parameter.grad.norm(), name
     # the statistics, over every token of every update (each sees π_start here)
     seen = {key: torch.cat(values) for key, values in seen.items()}
     assert 0 < seen["clipped"].mean() < 1 or num_minibatches * update_epochs == 1  # both branches of the min
@@ -292,6 +295,8 @@ def test_update_policy_gradient_matches_brute_force(
         "losses/approx_kl": seen["k3"].mean(),
         "charts/entropy": seen["entropy"].mean(),
         **({"losses/kl_ref": seen["kl"].mean()} if kl_coef else {}),
+        "mismatch/kl_k3": (seen["mismatch"].exp() - 1 - seen["mismatch"]).mean(),  # k3 KL(μ ‖ π_old)
+        "mismatch/max_abs_logprob_diff": seen["mismatch"].abs().max(),
     }
     for key, value in expected.items():
         assert logged[key] == pytest.approx(value.item(), rel=1e-5, abs=1e-6), key

@@ -372,11 +372,10 @@ def test_fresh_rollouts_keep_the_ess_at_one_and_stale_ones_lower_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_stale_run_resumes_exactly_from_a_checkpoint_between_sync_points(tmp_path):
-    """--sync-every 3 --save-every 2: the engine's weights are pushed at a checkpoint too (the checkpoint holds the
-    trainer's weights only, which a resumed engine starts from), so 2 steps then --resume to 4 repeat 4 steps
-    straight. Without that push the resumed step 3 samples with step 2's weights, the straight one with step 0's."""
-    flags = ["--eval-every", 0, "--sync-every", 3, "--save-every", 2, "--prompts-per-step", 16, *SMALL[2:4]]
+def test_a_stale_run_resumes_exactly_from_a_checkpoint_at_a_push(tmp_path):
+    """--sync-every 2 --save-every 2, as its help asks: the checkpoints fall on weight pushes (the engine's stale
+    weights are not in a checkpoint), so 2 steps then --resume to 4 repeat 4 steps straight, stale steps included."""
+    flags = ["--eval-every", 0, "--sync-every", 2, "--save-every", 2, "--prompts-per-step", 16, *SMALL[2:4]]
     run_script("algorithms/p3o.py", "--steps", 4, "--output-dir", tmp_path / "straight", *flags)
     run_script("algorithms/p3o.py", "--steps", 2, "--output-dir", tmp_path / "split", *flags)
     run_script("algorithms/p3o.py", "--steps", 4, "--output-dir", tmp_path / "split", "--resume", "auto", *flags)
@@ -384,7 +383,7 @@ def test_a_stale_run_resumes_exactly_from_a_checkpoint_between_sync_points(tmp_p
         read_jsonl(os.path.join(only_run_dir(tmp_path / n), "metrics.jsonl")) for n in ("straight", "split")
     )
     assert [r["step"] for r in split] == [1, 2, 3, 4]
-    assert straight[1]["losses/ess"] < 0.99  # step 2 samples with step 0's weights: stale (16 groups, as above)
+    assert straight[3]["losses/ess"] < 0.99  # step 4 samples with step 2's weights: stale (16 groups, as above)
     for a, b in zip(straight, split):
         for key in ("charts/reward", "losses/policy_loss", "losses/ess", "mismatch/kl_k3"):
             assert a[key] == b[key], (a["step"], key)
