@@ -24,9 +24,10 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from helpers import ALGORITHMS  # noqa: E402
+
 from common.errors import BadInput  # noqa: E402
 
-ALGORITHMS = ["grpo", "ema_kpo", "p3o", "gtpo", "isopo", "tis_icepop"]
 # the runs: 8 prompts x 4 completions, two minibatches (so that ratios leave 1), no evaluation
 BASE = dict(steps=2, prompts_per_step=8, group_size=4, num_minibatches=2, eval_every=0, save_every=0)
 BASE_OF = {"tis_icepop": dict(engine_dtype="bfloat16")}  # a bf16 engine: μ ≠ π_old, the corrections act

@@ -24,8 +24,8 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALGORITHMS = ["grpo", "ema_kpo", "p3o", "gtpo", "isopo", "tis_icepop"]
+from helpers import ALGORITHMS, REPO
+
 FAST = ["-m", "not slow", "-x", "-q", "-p", "no:cacheprovider"]
 
 # common/ functions that carry a method's math, and the tests that look at them
