@@ -407,6 +407,23 @@ def test_a_tool_output_is_context_not_action(name, tiny):
     assert (runs["unmasked"][0][embedding] - weights[embedding]).norm() > 1e-3 * weights[embedding].norm()
 
 
+@pytest.mark.parametrize("name", [n for n in ALGORITHMS if n != "isopo"])  # ISOPO refuses float16
+def test_float16_gradients_are_unscaled_before_clipping(name, tiny):
+    """--dtype float16: the loss is multiplied by the scaler's scale (2^10 here) for the backward, and the
+    gradients are divided by it before their norm is taken and clipped: the logged norm is float32's, to
+    float16 rounding, not 1024 times it."""
+    algorithm = importlib.import_module(f"algorithms.{name}")
+    model, tokenizer = tiny
+    prompts, completions = two_group_rollouts(tokenizer)
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+    norms = {}
+    for dtype in ("float32", "float16"):
+        args = _args(algorithm, loss_aggregation="token-mean", dtype=dtype, max_grad_norm=1.0)
+        _, logged = _updated(algorithm, model, tokenizer, prompts, completions, rewards, args)
+        norms[dtype] = logged["losses/grad_norm"]
+    assert norms["float16"] == pytest.approx(norms["float32"], rel=0.05), norms
+
+
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_a_minibatch_without_response_tokens_is_skipped_and_counted(name, tiny):
     """No response token in a minibatch (0/0 in a token mean): no NaN, no optimizer step, counted as
