@@ -56,7 +56,7 @@ VALUES = {
     "max_grad_norm": [(0.01, {})],
     "num_minibatches": [(4, {})],
     "update_epochs": [(2, {})],
-    "micro_batch_size": [(4, {})],
+    "micro_batch_size": [(4, {})],  # ISOPO: a multiple of --block-size (VALUES_OF)
     # ema_kpo
     "smoother": [("kalman", {}), ("fixed", {"alpha": 0.01})],
     "kalman_q": [(1e-2, {"smoother": "kalman"})],
@@ -107,6 +107,8 @@ EXPECTED_EQUAL = {
     "smoother": "kalman: the Kalman gains do not depend on the data, so the filter is the EMA with α_t = K_t (Eq. 9)",
     "mask_combine": "λ^fw·λ^bw differs from the or only where a forward and a backward span overlap: none in 2 steps",
     "entropy_filter": "on: auto is on here (the built-in model's ⟨H⟩_ini is below ln 2)",
+    "correction": "mis, icepop, kpop: a bf16 engine's π_old/μ stays inside every default threshold, where each of them"
+    " weights a token as TIS does (their thresholds moved to 0.99 / 1.01 do act, below)",
 }
 # flags whose resumed run is expected to differ here, and why (the split is at step 1)
 EXPECTED_RESUME_DIFF = {
@@ -128,13 +130,15 @@ def values_of(module, flag: str) -> list[tuple]:
     import typing
 
     spec = next(f for f in dataclasses.fields(module.Args) if f.name == flag)
-    listed = VALUES.get(flag, [(None, None)])
+    listed = VALUES_OF.get((module.__name__.split(".")[-1], flag)) or VALUES.get(flag, [(None, None)])
     if typing.get_origin(spec.type) is typing.Literal:
         companions = dict(listed[0][1] or {}) if listed[0][1] is not None else {}
         listed = [(choice, VALUES_FOR_CHOICE.get((flag, choice), companions)) for choice in typing.get_args(spec.type)]
     return [(value, companions) for value, companions in listed if value != spec.default]
 
 
+# a script's own values of a flag
+VALUES_OF = {("isopo", "micro_batch_size"): [(16, {})]}
 # a choice that needs companions of its own
 VALUES_FOR_CHOICE = {("smoother", "fixed"): {"alpha": 0.01}, ("smoother", "kalman"): {}}
 
@@ -231,7 +235,8 @@ def main() -> None:
 
 def write_summary(records: list[dict], path: str) -> None:
     lines = ["# Flag sweep: findings", ""]
-    for r in records:
+    for r in records:  # the reasons as this file gives them now
+        r.update(expected_equal=EXPECTED_EQUAL.get(r["flag"]), expected_resume_diff=EXPECTED_RESUME_DIFF.get(r["flag"]))
         flag = f"{r['script']} --{r['flag'].replace('_', '-')} {r['value']}"
         if "error" in r:
             lines.append(f"- {flag}: refused or failed: {r['error']}")
