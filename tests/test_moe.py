@@ -363,7 +363,7 @@ def test_router_replay_refusals(tiny, tiny_moe):
 def test_r3_on_two_ranks_updates_exactly_like_one(tmp_path):
     """The tiny MoE model replaying an engine routing under FSDP2 on 2 gloo ranks: the same statistics and weights as
     one process (the routers replay inside FSDP2's unsharded layers; each rank holds its own rows' routing)."""
-    settings = '{"model": "tiny-moe", "router_replay": "r3", "lr": 0.05}'  # the whole batch, twice: the same minibatches
+    settings = '{"model": "tiny-moe", "router_replay": "r3", "lr": 0.05}'  # the whole batch, twice
     # two SGD steps at lr 0.05 of a 20M-parameter model: float32 sums in another order differ by 2e-6 (measured); at
     # lr 0.5 (approx_kl 3.6) 1 and 2 ranks moved 1e-4 apart on some processors
     logged = assert_two_ranks_update_like_one(tmp_path, "tis_icepop", settings, weight_atol=1e-5)
