@@ -96,6 +96,18 @@ def test_token_logprobs_through_the_model_equal_full_logits(tied, monkeypatch):
     assert model(input_ids=ids).logits.shape == (3, 12, 37)
 
 
+def _micro(rows, width, prompt):
+    """A micro-batch of random ids [rows, width] (no padding) whose last width − prompt tokens are the response."""
+    ids = torch.randint(3, 37, (rows, width))
+    positions = torch.arange(width).expand(rows, width)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": positions,
+        "response_ids": ids[:, prompt:],
+    }
+
+
 def _transforming_model(kind):
     """A tiny random float64 model whose forward transforms the logits after its output layer (transformers 5.x),
     made strong enough to matter: Gemma 2's soft-capping at 0.5, Granite's division by 4, Cohere's × 0.25."""
@@ -130,13 +142,8 @@ def test_a_transform_after_the_output_layer_is_applied_to_each_chunk(kind, adapt
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    ids = torch.randint(3, 37, (2, 10))
-    micro = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "position_ids": torch.arange(10).expand(2, 10),
-        "response_ids": ids[:, 6:],
-    }
+    micro = _micro(2, 10, 6)
+    ids = micro["input_ids"]
     monkeypatch.setattr("common.logprobs.CHUNK_BYTES", 4 * 37 * 2)
     with torch.no_grad():
         logprobs, entropy = grpo.token_logprobs(model, micro, 0.8, with_entropy=True)
@@ -160,13 +167,7 @@ def test_a_non_finite_logit_is_not_taken_for_a_transform(monkeypatch):
     model, _ = _transforming_model("cohere")
     with torch.no_grad():
         model.get_output_embeddings().weight[:, 0] = float("nan")
-    ids = torch.randint(3, 37, (1, 8))
-    micro = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "position_ids": torch.arange(8)[None],
-        "response_ids": ids[:, 4:],
-    }
+    micro = _micro(1, 8, 4)
     monkeypatch.setattr("common.logprobs.CHUNK_BYTES", 4 * 37 * 2)
     with torch.no_grad():
         assert grpo.token_logprobs(model, micro, 1.0)[0].isnan().all()
@@ -186,13 +187,7 @@ def test_an_unknown_transform_after_the_output_layer_is_refused(monkeypatch):
         return output
 
     monkeypatch.setattr(type(model), "forward", doubled)
-    ids = torch.randint(3, 37, (1, 8))
-    micro = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "position_ids": torch.arange(8)[None],
-        "response_ids": ids[:, 4:],
-    }
+    micro = _micro(1, 8, 4)
     with pytest.raises(BadInput, match="LlamaForCausalLM changes its logits after the output layer"):
         grpo.token_logprobs(model, micro, 1.0)
 
@@ -260,13 +255,7 @@ def test_a_float32_output_layer_is_cast_once_under_autocast(dtype, monkeypatch):
 
     model = _llama(tied=False).float()
     weight = model.get_output_embeddings().weight
-    ids = torch.randint(3, 37, (2, 12))
-    micro = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "position_ids": torch.arange(12).expand(2, 12),
-        "response_ids": ids[:, 4:],
-    }
+    micro = _micro(2, 12, 4)
 
     class CountCasts(TorchDispatchMode):  # the casts of the output layer's weight to `dtype`
         casts = 0
