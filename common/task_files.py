@@ -18,15 +18,21 @@ may set its own); a completion that overruns it gets reward 0 (it counts as no a
 worker is replaced. A file that cannot be imported (or calls sys.exit as it is), lacks a function, or whose score
 raises, ends its process, or returns something other than a number stops the run with an error that names the file
 and the function. What the file's code prints goes to the trainer's stderr, its first PRINTED_CHARS per call.
+The worker takes no signal from the terminal or a scheduler (Ctrl-C, a closed terminal, SIGTERM to the process
+group): the trainer decides when a run stops (common/checkpoint.StopSignals), and scores the step under way first.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib.util
 import io
 import math
 import multiprocessing
+import multiprocessing.util  # its exit handler registered before ours (_stop_workers)
 import os
+import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -38,6 +44,9 @@ TOOL_SECONDS = 10.0  # per tool call, unless the file sets TOOL_SECONDS
 TOOL_RESULT = "<result>{}</result>"  # how a tool's output is shown to the policy, unless the file sets TOOL_RESULT
 WORKER_START_SECONDS = 120  # a spawned worker imports the main script (torch, ...) and the task file
 REQUIRED = {"rows": "rows(split)", "score": "score(completion, row)"}
+MAX_REWARD = 1e9  # |reward| at most: a group's std squares its rewards, and float32 overflows at 3e38
+# the signals a run stops on (common/checkpoint.StopSignals): the trainer's alone, never a worker's
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 # built-in tasks written as task files: the project's own code, run in the trainer's process (no worker)
@@ -71,8 +80,10 @@ class TaskFile:
             rows = self.module.rows(split)
         except Exception as error:
             raise BadInput(f"{self.path}: rows({split!r}) raised {_describe(error)}") from None
-        if isinstance(rows, dict) or not hasattr(rows, "__iter__"):
-            raise BadInput(f"{self.path}: rows({split!r}) returned a {type(rows).__name__}, not a list of dicts")
+        if isinstance(rows, (dict, str, bytes)) or not hasattr(rows, "__iter__") or hasattr(rows, "columns"):
+            # a pandas DataFrame iterates over its column names
+            tip = ": DataFrame.to_dict('records') gives one" if hasattr(rows, "columns") else ""
+            raise BadInput(f"{self.path}: rows({split!r}) returned a {type(rows).__name__}, not a list of dicts{tip}")
         rows = list(rows)
         if not rows:
             raise BadInput(f"{self.path}: rows({split!r}) returned no rows")
@@ -185,7 +196,9 @@ class _Worker:
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
         self.process = context.Process(target=_serve, args=(child, path), daemon=True)
-        self.process.start()
+        with _ignored_by_the_child():
+            self.process.start()
+        _STARTED[:] = [p for p in _STARTED if p.is_alive()] + [self.process]
         child.close()
 
     def run(self, job: tuple, seconds: float) -> tuple[str, object] | None:
@@ -193,7 +206,11 @@ class _Worker:
         None when it ran past `seconds`. What the code printed goes to stderr (`_show_printed`)."""
         from multiprocessing.connection import wait
 
-        self.connection.send(job)
+        try:
+            self.connection.send(job)
+        except OSError:  # ended before the job was sent (BrokenPipeError)
+            self.process.join(5)
+            return ("exited", _how_it_ended(self.process.exitcode))
         if not wait([self.connection, self.process.sentinel], seconds):
             return None
         try:
@@ -208,6 +225,27 @@ class _Worker:
         self.process.kill()
         self.process.join(5)
         self.connection.close()
+
+
+@contextlib.contextmanager
+def _ignored_by_the_child():
+    """A process started inside ignores the stop signals from its first instruction: an ignored signal stays ignored
+    across fork and exec (and Python then installs no KeyboardInterrupt handler), so a Ctrl-C while the worker imports
+    torch is not fatal. This process only holds them back meanwhile: blocked, a signal stays pending even where it
+    is ignored (Linux), and its handler receives it at the end."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's to change
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    handlers = {number: signal.signal(number, signal.SIG_IGN) for number in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _how_it_ended(exitcode: int | None) -> str:
@@ -236,7 +274,11 @@ def _show_printed(printed: tuple[str, int] | None) -> None:
 
 def _serve(connection, path: str) -> None:
     """In the worker: answer jobs until the trainer closes the connection. The file's code writes
-    to a bounded buffer, not to the inherited stdout and stderr."""
+    to a bounded buffer, not to the inherited stdout and stderr. The stop signals are ignored (since
+    the process started: _ignored_by_the_child): a run stops when its trainer says so, after scoring
+    the step under way."""
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
     while True:
         try:
             job = connection.recv()
@@ -295,8 +337,14 @@ def run_each(task: TaskFile, jobs: list[tuple], seconds: float, on_exit=None) ->
 def _worker(task: TaskFile) -> _Worker:
     """The task file's worker, started if there is none (its file imported before any deadline
     counts)."""
-    if task.path in _WORKERS:
+    if task.path in _WORKERS and _WORKERS[task.path].process.is_alive():
         return _WORKERS[task.path]
+    if task.path in _WORKERS:  # ended between jobs (the out-of-memory killer, a kill): a new one takes over
+        gone = _WORKERS.pop(task.path)
+        gone.stop()
+        how = _how_it_ended(gone.process.exitcode)
+        print(f"warning: {task.name}: the worker process that runs its code ended while idle ({how}): "
+              "a new one takes over", file=sys.stderr)  # fmt: skip
     worker = _Worker(task.path)
     outcome = worker.run(("load", None, None), WORKER_START_SECONDS)
     if outcome is None:
@@ -312,6 +360,21 @@ def _worker(task: TaskFile) -> _Worker:
         raise BadInput(f"{task.path}: {what} ({outcome[1]})")
     _WORKERS[task.path] = worker
     return worker
+
+
+_STARTED = []  # every worker process this process started
+
+
+@atexit.register  # after multiprocessing.util's own exit handler (imported above), so it runs first
+def _stop_workers() -> None:
+    """At exit, each worker is killed: it ignores the SIGTERM that multiprocessing sends a daemon process before
+    waiting for it."""
+    for process in _STARTED:
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+    _STARTED.clear()
+    _WORKERS.clear()
 
 
 def score_all(task: TaskFile, texts: list[str], rows: list[dict]) -> list[Scored]:
@@ -344,10 +407,10 @@ def _checked(task: TaskFile, outcome: tuple[str, object], row: dict) -> Scored:
     where = f"{task.path}: score(completion, row)"
     if kind == "raised":
         raise BadInput(f"{where} raised {value} on row {_short(row)}")
-    if kind == "not a number" or not math.isfinite(value if value is not None else 0.0):
+    if kind == "not a number" or not abs(float(value or 0)) <= MAX_REWARD:
         raise BadInput(
-            f"{where} returned {value} on row {_short(row)}: the reward must be a finite number, a bool, or None "
-            "(no answer)"
+            f"{where} returned {_cut(str(value), 60)} on row {_short(row)}: the reward must be a finite number "
+            f"(at most {MAX_REWARD:g} in size), a bool, or None (no answer)"
         )
     return Scored(0.0, False) if value is None else Scored(float(value), True)
 
@@ -381,7 +444,11 @@ def _run_one(job: tuple) -> tuple[str, object]:
     except Exception as error:
         return ("raised", _describe(error))
     if kind == "tool":
+        if isinstance(value, (bytes, bytearray)):  # its repr would reach the policy: b'...'
+            return ("not a string", type(value).__name__)
         return ("value", _cut(value if isinstance(value, str) else str(value), OUTPUT_CHARS))
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_REWARD:
+        return ("not a number", f"an integer of {value.bit_length()} bits")  # float() of 10**400 overflows
     if value is None or isinstance(value, (bool, int, float)):
         return ("value", value)
     try:

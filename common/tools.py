@@ -201,6 +201,11 @@ class ToolEngine:
                 output = f"error: the tool ran past {toolbox.tool_seconds:g} s"
             elif outcome[0] == "raised":
                 output = f"error: {outcome[1]}"
+            elif outcome[0] == "not a string":  # the task file's mistake, not the policy's: the run stops
+                raise BadInput(
+                    f"{toolbox.path}: the tool {episode.call[0]!r} returned {outcome[1]}, not a string (the policy "
+                    "would read its repr): return text, e.g. decoded bytes"
+                )
             elif outcome[0] == "exited":  # sys.exit, os._exit, a crash: a new worker takes the next
                 output = "error: the tool exited"
                 tool, argument = episode.call[:2]

@@ -3,12 +3,14 @@ and a score that runs in a worker process under a deadline. Every script trains 
 test_scripts.py (test_dapo_rollout_flags_end_to_end)."""
 
 import os
+import signal
 import textwrap
 import time
 
 import pytest
 from helpers import run_script
 
+from common import task_files
 from common.engines import Completion, HFEngine
 from common.errors import BadInput
 from common.evaluate import evaluate
@@ -110,6 +112,33 @@ def test_a_score_that_hangs_gets_reward_zero_and_the_others_are_still_scored(tmp
     assert "score() ran past 2 s" in capsys.readouterr().err
 
 
+def test_the_worker_takes_no_stop_signal_and_one_that_ended_while_idle_is_replaced(tmp_path, tiny, capsys):
+    """Ctrl-C, a closed terminal and a scheduler's SIGTERM reach every process of the group: the worker ignores them,
+    and the trainer decides when the run stops (after scoring the step under way). A worker that ended between two
+    jobs (the out-of-memory killer) is replaced, with a warning."""
+    _, tokenizer = tiny
+    path = write(tmp_path, ADDITION)
+    row = load_task(path, "train")[1]  # Q: 1+1=
+
+    def rewards():
+        return [s.reward for s in score_completions(completions_of(tokenizer, ["2", "3"]), [row], 2, tokenizer, path)]
+
+    assert rewards() == [1.0, 0.0]
+    worker = task_files._WORKERS[path]
+    for number in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        os.kill(worker.process.pid, number)
+    time.sleep(1)
+    assert worker.process.is_alive() and rewards() == [1.0, 0.0] and task_files._WORKERS[path] is worker
+    worker.process.kill()
+    worker.process.join(5)
+    assert rewards() == [1.0, 0.0] and task_files._WORKERS[path] is not worker
+    assert "ended while idle (its process was killed by SIGKILL): a new one takes over" in capsys.readouterr().err
+    starting = task_files._Worker(path)  # a Ctrl-C while it imports (torch, the file) is not fatal either
+    os.kill(starting.process.pid, signal.SIGINT)
+    assert starting.run(("load", None, None), 60) == ("value", None)
+    starting.stop()
+
+
 @pytest.mark.parametrize(
     "source, message",
     [
@@ -126,6 +155,7 @@ def test_a_score_that_hangs_gets_reward_zero_and_the_others_are_still_scored(tmp
         (ADDITION.replace("return [", "return [5] or ["), "rows('train')[0] is a int, not a dict"),
         (ADDITION + "SYSTEM_PROMPT = 3\n", "SYSTEM_PROMPT is a int, not a string"),
         (ADDITION + "SCORE_SECONDS = 0\n", "SCORE_SECONDS must be a positive number"),
+        (ADDITION.replace("return [", "return __import__('pandas').DataFrame([").replace("3)]", "3)])"), "a DataFrame"),
     ],
 )
 def test_a_broken_task_file_is_named_with_its_function(tmp_path, source, message):
@@ -143,6 +173,8 @@ def test_a_broken_task_file_is_named_with_its_function(tmp_path, source, message
         ('return "1.0"', "score(completion, row) returned '1.0' (str)"),
         ("return [1.0]", "score(completion, row) returned [1.0] (list)"),
         ("return float('nan')", "score(completion, row) returned nan"),
+        ("return 10**400", "returned an integer of 1329 bits on row"),  # float() would overflow
+        ("return -1e308", "returned -1e+308 on row"),  # finite, but a group's std would not be
     ],
 )
 def test_a_score_that_raises_or_is_not_a_number_is_named(tmp_path, tiny, body, message):

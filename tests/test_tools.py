@@ -12,6 +12,7 @@ from algorithms.ema_kpo import ema_filter
 from algorithms.gtpo import conflict_masks
 from common import tools
 from common.engines import Completion, HFEngine, per_prompt_budgets
+from common.errors import BadInput
 from common.task_files import load_task_file
 from common.tools import ToolEngine, policy_first, restore_order
 from common.tracking import StepMetrics
@@ -29,6 +30,8 @@ CALCULATOR = textwrap.dedent(
     def multiply(expression):
         if expression == "hang":
             time.sleep(600)
+        if expression == "bytes":
+            return b"\\x00"  # the task file's mistake: the run stops
         a, b = expression.split("*")  # "boom": ValueError
         return int(a) * int(b)  # not a string: shown as str()
 
@@ -124,6 +127,13 @@ def test_errors_and_time_outs_are_answered_and_counted_and_the_worker_is_replace
     assert text.startswith("<result>error: ValueError: not enough values to unpack")
     assert "<result>error: the tool ran past 2 s</result><result>20</result>" in text  # a new worker answered
     assert (episode.tool_calls, episode.tool_errors, episode.tool_timeouts, episode.turns) == (3, 2, 1, 4)
+
+
+def test_a_tool_that_returns_bytes_stops_the_run_naming_it(tiny, calculator):
+    _, tokenizer = tiny
+    engine = ToolEngine(ScriptedPolicy(tokenizer, lambda _: "<calc>bytes</calc>"), tokenizer, calculator, 5, 400)
+    with pytest.raises(BadInput, match="the tool 'calc' returned bytes, not a string"):
+        engine.generate([encode(tokenizer, "Q: 2*3=")], 1, 100, 1.0)
 
 
 def test_the_limits_turns_policy_tokens_and_the_whole_episode(tiny, calculator):
