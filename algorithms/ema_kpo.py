@@ -88,7 +88,8 @@ class Args:
     output_dir: str = "runs"
     """where run folders (metrics, checkpoints, plots) go"""
     resume: str | None = None
-    """continue from a checkpoint folder, a run folder or `auto`: the newest run of exp/task/seed"""
+    """continue from a checkpoint folder, a run folder or `auto`: the newest run of exp/task/seed
+    with these settings (none: a new run starts; a restarted sweep's points each find theirs)"""
     steps: int = 60
     """training steps (one rollout batch each)"""
 
@@ -551,6 +552,7 @@ def main(args: Args) -> None:
     start_step, skipped_steps = state.get("step", 0), state.get("skipped_steps", 0)
     tracker = Tracker(run_dir, flat(args), args.tracking, dist.is_main, resume_step=start_step if checkpoint else None)
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
+    stop = StopSignals()  # Ctrl-C, SIGTERM, SIGHUP: this step ends, is checkpointed; the run stops
     if start_step == 0 and evaluator.due(0, args.steps):
         tracker.log(evaluator(), step=0)
     # each rank takes whole groups: its share of each step's prompts (and of DAPO's extra rounds)
@@ -559,7 +561,6 @@ def main(args: Args) -> None:
     )
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-    stop = StopSignals()  # Ctrl-C or SIGTERM: this step finishes, is checkpointed, and the run ends
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
@@ -615,7 +616,7 @@ def main(args: Args) -> None:
     tracker.close(plot_keys=PLOTTED + [f"eval/avg@{evaluator.k}"])  # curves.png
     engine.close()
     fsdp.cleanup(dist)
-    stop.finish(run_dir, dist)  # after a signal: how to resume, and exit code 128 + its number
+    stop.finish(run_dir, dist, args.steps)  # after a signal: how to resume, exit code 128 + n
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     seed_everything(seed)                                   # python, numpy and torch generators
     save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, trainer_state, dist, args.checkpoints)
-    path = find_checkpoint("auto", output_dir, run_prefix)  # --resume: the newest complete checkpoint
+    path = find_checkpoint("auto", output_dir, run_prefix, settings)  # --resume: the newest complete checkpoint
     trainer_state = load_checkpoint(path, model, optimizer, scheduler, dist)
 
 A checkpoint is a folder `checkpoints/step_00000050/` holding the policy in Hugging Face format
@@ -16,11 +16,13 @@ a kill at any moment leaves the previous checkpoint as the newest complete one.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import os
 import random
 import shutil
+import sys
 import time
 import warnings
 
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 
 from common import adapters
-from common.checks import check_resume, damaged, read_checkpoint_file
+from common.checks import check_resume, damaged, read_checkpoint_file, resume_differences
 from common.errors import BadInput
 from common.fsdp import Dist, barrier
 
@@ -143,16 +145,31 @@ def run_folder(output_dir: str, resume: str | None, name: str, settings: dict, d
     out of the folder (two resumes of one run would interleave their metrics)."""
     from common import fsdp
 
-    checkpoint = find_checkpoint(resume, output_dir, name + "__") if resume else None
+    checkpoint = find_checkpoint(resume, output_dir, name + "__", settings) if resume else None
     if checkpoint:  # <run folder>/checkpoints/step_N
-        check_resume(settings, checkpoint, verbose=dist.is_main)
         folder = os.path.dirname(os.path.dirname(checkpoint))
-    else:
-        stamp = f"{name}__{int(time.time())}"
-        folder = fsdp.broadcast(_create_exclusively(os.path.join(output_dir, stamp)) if dist.is_main else None, dist)
+        if dist.is_main:  # before its checkpoints are read: a live run may be replacing them
+            _lock(folder)
+        if not os.path.isfile(os.path.join(resume, "trainer_state.pt")):  # the newest, now that none is written
+            checkpoint = find_checkpoint(folder, output_dir, name + "__")
+        check_resume(settings, checkpoint, verbose=dist.is_main)
+        return folder, checkpoint
+    if resume and dist.is_main:  # auto, and nothing to resume: a sweep's point that never reached a checkpoint
+        print(f"--resume auto: no run {name}__* in {output_dir} with these settings has a checkpoint: a new run "
+              "starts", file=sys.stderr)  # fmt: skip
+    stamp = f"{name}__{int(time.time())}"
+    folder = fsdp.broadcast(_create_exclusively(os.path.join(output_dir, stamp)) if dist.is_main else None, dist)
     if dist.is_main:
         _lock(folder)
+        atexit.register(_remove_if_unused, folder)
     return folder, checkpoint
+
+
+def _remove_if_unused(folder: str) -> None:
+    """At exit: a new run's folder that holds nothing but its lock (a start refused after it was made: a model, a
+    data file, an adapter rank) is removed."""
+    if os.path.isdir(folder) and set(os.listdir(folder)) <= {"run.lock"}:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _create_exclusively(path: str) -> str:
@@ -178,7 +195,7 @@ def _lock(folder: str) -> None:
     handle = open(os.path.join(folder, "run.lock"), "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except BlockingIOError:  # held by another process
         handle.seek(0)
         owner = handle.read().strip() or "another process"
         handle.close()
@@ -186,6 +203,9 @@ def _lock(folder: str) -> None:
             f"run folder {folder} is in use by {owner}: one run writes a folder at a time (wait for it to end, or "
             "start a new run without --resume)"
         ) from None
+    except OSError as error:  # a file system without locks (some NFS / Lustre mounts): ENOLCK, EOPNOTSUPP
+        print(f"warning: run folder {folder}: its file system cannot lock run.lock ({error.strerror}); nothing "
+              "keeps a second process from writing this run: start one at a time", file=sys.stderr)  # fmt: skip
     handle.seek(0)
     handle.truncate()
     handle.write(f"process {os.getpid()}\n")
@@ -248,16 +268,23 @@ class StopSignals:
 
         return fsdp.all_reduce(float(self.received is not None), dist) > 0
 
-    def finish(self, run_dir: str, dist) -> None:
-        """Restore the handlers; after a signal, say how to resume and exit with 128 + its number."""
+    def finish(self, run_dir: str, dist, steps: int | None = None) -> None:
+        """Restore the handlers; after a signal, say how to resume and exit with 128 + its number. A signal during
+        the last of the run's `steps` stopped nothing: its checkpoint is the end of the run, said as such (exit 0)."""
         import signal
 
         for number, handler in self.previous.items():
             signal.signal(number, handler)
         if self.received is None:
             return
+        name = signal.Signals(self.received).name
+        newest = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*[0-9]")))
+        if steps is not None and newest and int(os.path.basename(newest[-1]).split("_")[-1]) >= steps:
+            if dist.is_main:
+                _say(f"{name} during the last step: the run is complete ({newest[-1]}), nothing to resume")
+            return
         if dist.is_main:
-            _say(f"stopped by {signal.Signals(self.received).name}: continue with --resume {run_dir}")
+            _say(f"stopped by {name}: continue with --resume {run_dir}")
         raise SystemExit(128 + self.received)
 
 
@@ -286,22 +313,46 @@ def _writing_a_checkpoint():
         raise SystemExit(128 + number)
 
 
-def find_checkpoint(resume: str, output_dir: str, run_prefix: str) -> str:
-    """Resolve --resume: a checkpoint folder, a run folder (its newest checkpoint), or "auto" (the
-    newest checkpoint among runs in `output_dir` whose name starts with `run_prefix`)."""
+def find_checkpoint(resume: str, output_dir: str, run_prefix: str, settings: dict | None = None) -> str | None:
+    """Resolve --resume: a checkpoint folder, a run folder (its newest complete checkpoint), or "auto": the newest
+    complete checkpoint of the newest run in `output_dir` whose name starts with `run_prefix` and whose settings
+    match `settings` (this command's; flags a resume may change apart), or None when no run has one. So one command
+    starts a run and continues it, and each point of a restarted sweep (`--lr 1e-4`, `--lr 3e-4`) finds its own."""
     if resume == "auto":
-        candidates = glob.glob(os.path.join(output_dir, f"{run_prefix}*", "checkpoints", "step_*[0-9]"))
-    elif os.path.isfile(os.path.join(resume, "trainer_state.pt")):
+        runs = [f for f in glob.glob(os.path.join(output_dir, f"{run_prefix}*")) if os.path.isdir(f)]
+        for run in sorted(runs, key=lambda f: _started(f, run_prefix), reverse=True):
+            complete = _complete_checkpoints(run)
+            if complete and (settings is None or not resume_differences(settings, _settings_of(complete[-1]))):
+                return complete[-1]
+        return None
+    if os.path.isfile(os.path.join(resume, "trainer_state.pt")):
         return resume
-    elif os.path.isdir(resume):
-        candidates = glob.glob(os.path.join(resume, "checkpoints", "step_*[0-9]"))
-    else:
+    if not os.path.isdir(resume):
         raise BadInput(f"--resume {resume}: no such checkpoint or run folder")
-    candidates = [c for c in candidates if os.path.isfile(os.path.join(c, "trainer_state.pt"))]
-    if not candidates:
-        raise BadInput(
-            f"--resume {resume}: no complete checkpoint found (looked for {run_prefix}* in {output_dir})"
-            if resume == "auto"
-            else f"--resume {resume}: no complete checkpoint found"
-        )
-    return max(candidates, key=lambda c: (os.path.basename(c), os.path.getmtime(c)))
+    complete = _complete_checkpoints(resume)
+    if not complete:
+        raise BadInput(f"--resume {resume}: no complete checkpoint found")
+    return complete[-1]
+
+
+def _complete_checkpoints(run: str) -> list[str]:
+    """A run folder's checkpoints that were written to the end, oldest first."""
+    found = glob.glob(os.path.join(run, "checkpoints", "step_*[0-9]"))
+    return sorted(c for c in found if os.path.isfile(os.path.join(c, "trainer_state.pt")))
+
+
+def _started(run: str, run_prefix: str) -> tuple:
+    """When a run started: its folder's name ends in the start's unix time, and -2, -3, ... for a later start in the
+    same second (_create_exclusively). A folder named otherwise counts by its modification time."""
+    stamp, _, later = os.path.basename(run)[len(run_prefix) :].partition("-")
+    if stamp.isdigit() and (later.isdigit() or not later):
+        return (int(stamp), int(later or 1))
+    return (os.path.getmtime(run), 0)
+
+
+def _settings_of(checkpoint: str) -> dict:
+    """The settings a checkpoint was written with; {} for one removed meanwhile (a live run replaced it: the
+    run's lock then says it is in use)."""
+    if not os.path.isfile(os.path.join(checkpoint, "trainer_state.pt")):
+        return {}
+    return read_checkpoint_file(checkpoint, "trainer_state.pt")["args"]

@@ -323,18 +323,24 @@ RESUME_MAY_CHANGE = {
 }
 
 
+def resume_differences(settings: dict, saved: dict, verbose: bool = False) -> list[str]:
+    """The flags of `settings` (this command's) that differ from `saved` (a run's) where they would change the run's
+    math, each as "--flag <the run's> in the run, <now's> now". A flag that does nothing in this run (the run may be
+    older than its refusal) is no difference: a note says so (`verbose`)."""
+    changed = [n for n, value in settings.items() if n not in RESUME_MAY_CHANGE and n in saved and value != saved[n]]
+    inert = inert_flags(settings)
+    flag = lambda name: f"--{name.replace('_', '-')}"  # noqa: E731
+    for n in (n for n in changed if n in inert and verbose):
+        print(f"note: {flag(n)} {settings[n]} (the run: {saved[n]}) does nothing here: {inert[n]}", file=sys.stderr)
+    return [f"{flag(n)} {saved[n]} in the run, {settings[n]} now" for n in changed if n not in inert]
+
+
 def check_resume(settings: dict, checkpoint: str, verbose: bool = True) -> None:
     """A resumed run continues with its own settings (`settings`: this command's, flags.flat(args)): refuse flags that
     differ from the run's where they would change its math (the list names each difference), check that the
     checkpoint's files are whole, and say what is resumed."""
     saved = read_checkpoint_file(checkpoint, "trainer_state.pt")["args"]
-    changed = [n for n, value in settings.items() if n not in RESUME_MAY_CHANGE and n in saved and value != saved[n]]
-    # a flag that does nothing in this run (the run may be older than its refusal) is no difference
-    inert = inert_flags(settings)
-    flag = lambda name: f"--{name.replace('_', '-')}"  # noqa: E731
-    differences = [f"{flag(n)} {saved[n]} in the run, {settings[n]} now" for n in changed if n not in inert]
-    for n in (n for n in changed if n in inert and verbose):
-        print(f"note: {flag(n)} {settings[n]} (the run: {saved[n]}) does nothing here: {inert[n]}", file=sys.stderr)
+    differences = resume_differences(settings, saved, verbose)
     if differences:
         raise BadInput(
             f"--resume {settings['resume']}: the run was made with other settings, and a resumed run keeps its own "
@@ -342,8 +348,8 @@ def check_resume(settings: dict, checkpoint: str, verbose: bool = True) -> None:
             "with the run's values, or start a new run. A resume may change: "
             + ", ".join(f"--{n.replace('_', '-')}" for n in sorted(RESUME_MAY_CHANGE - {"resume"}))
         )
-    if saved.get("lora_rank") and "model" in settings and "model" in saved:
-        lora_base_check(settings, saved["model"])
+    if "model" in settings and "model" in saved:
+        same_model_check(settings, saved["model"], adapter=bool(saved.get("lora_rank")))
     step = int(os.path.basename(checkpoint).split("_")[-1])
     if settings.get("steps", step) < step:  # it would do nothing, and rewrite the run's config.json
         raise BadInput(
@@ -360,22 +366,28 @@ def check_resume(settings: dict, checkpoint: str, verbose: bool = True) -> None:
         print(f"resuming {os.path.dirname(os.path.dirname(checkpoint))} at step {step} ({checkpoint})", file=sys.stderr)
 
 
-def lora_base_check(settings: dict, trained_on: str) -> None:
-    """A LoRA checkpoint holds the adapter alone: its frozen weights are the run's --model
-    (`trained_on`, from the run's settings). A resume may name the same model at another place (a
-    moved folder, the same files), not another model, beside whose weights the adapter never
-    trained."""
+def same_model_check(settings: dict, trained_on: str, adapter: bool) -> None:
+    """A resume continues the run's model (`trained_on`, from the run's settings): its --model may name the same
+    model at another place (a moved folder, the same files), not another model. A LoRA checkpoint holds the adapter
+    alone, its frozen weights are the run's model; a full checkpoint holds the weights, and the reference policy
+    of --kl-coef and the tokenizer still come from --model."""
     from common.tiny import resolve_model
 
     given = resolve_model(settings["model"], settings.get("task", "arith"))
+    if trained_on in ("tiny", "tiny-moe"):  # as a run records it before resolving (or an older run)
+        trained_on = resolve_model(trained_on, settings.get("task", "arith"))
     if _same_model(trained_on, given):
         return
     shown = settings["model"] + (f" ({given})" if given != settings["model"] else "")
+    why = (
+        "the checkpoint holds the adapter alone, its frozen weights are the run's model"
+        if adapter
+        else "the checkpoint continues the run's weights, whose reference policy and tokenizer are the run's model's"
+    )
     raise BadInput(
-        f"--resume {settings['resume']}: this LoRA run's adapter was trained on --model "
-        f"{trained_on}, and --model {shown} is another model: the checkpoint holds the adapter "
-        f"alone, its frozen weights are the run's model. Resume with --model {trained_on} (or a "
-        "copy of it elsewhere), or start a new run"
+        f"--resume {settings['resume']}: this {'LoRA ' if adapter else ''}run was trained on --model {trained_on}, "
+        f"and --model {shown} is another model: {why}. Resume with --model {trained_on} (or a copy of it "
+        "elsewhere), or start a new run"
     )
 
 

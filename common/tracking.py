@@ -139,8 +139,9 @@ class Tracker:
         os.makedirs(run_dir, exist_ok=True)
         if resume_step is not None and os.path.exists(self.path):
             kept = records_to_resume(self.path, resume_step)
-            with open(self.path, "w") as f:
+            with open(self.path + ".tmp", "w") as f:  # a kill meanwhile leaves the file as it was
                 f.writelines(kept)
+            os.replace(self.path + ".tmp", self.path)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2, default=str)
         if track:

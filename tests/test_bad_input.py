@@ -206,7 +206,6 @@ def test_the_command_prints_one_line_per_problem_and_no_traceback(name, tmp_path
             "could not load task 'aime25'",
         ),
         ({"resume": "no/such/run"}, "--resume no/such/run: no such checkpoint or run folder"),
-        ({"resume": "auto"}, "--resume auto: no complete checkpoint found (looked for arith__grpo__1__*"),
     ],
 )
 def test_a_bad_task_or_resume_is_named_before_any_model_loads(flags, message, tmp_path):
@@ -216,6 +215,17 @@ def test_a_bad_task_or_resume_is_named_before_any_model_loads(flags, message, tm
     with pytest.raises(BadInput) as error:
         module.main(args)
     assert message in str(error.value), str(error.value)
+
+
+def test_a_start_refused_after_its_run_folder_was_made_leaves_no_folder(tmp_path):
+    """A bad --model folder is found once the run's folder exists (the model is read after the folder is locked):
+    the folder, which holds nothing but its lock, is removed as the process ends."""
+    (tmp_path / "model").mkdir()
+    result = run_script(
+        "algorithms/grpo.py", "--model", tmp_path / "model", "--output-dir", tmp_path / "runs", check=False
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert os.path.isdir(tmp_path / "runs") and not os.listdir(tmp_path / "runs")
 
 
 def test_output_dir_that_is_a_file_or_cannot_be_made(tmp_path):
@@ -569,18 +579,20 @@ def _model_folder(path, weights: bytes):
     return str(path)
 
 
-def test_a_lora_run_resumes_on_its_own_model_only(tmp_path):
-    """The checkpoint holds the adapter alone: resuming it on another --model trains it beside other weights."""
+@pytest.mark.parametrize("rank, why", [(4, "holds the adapter alone"), (0, "reference policy and tokenizer")])
+def test_a_run_resumes_on_its_own_model_only(tmp_path, rank, why):
+    """A LoRA checkpoint holds the adapter alone: resumed on another --model it would train beside other weights. A
+    full one holds the weights, but --kl-coef's reference and the tokenizer would come from the other model."""
     grpo = importlib.import_module("algorithms.grpo")
     base = _model_folder(tmp_path / "base", b"weights of the base" * 100)
     other = _model_folder(tmp_path / "instruct", b"weights of another" * 100)
     moved = _model_folder(tmp_path / "elsewhere" / "base", b"weights of the base" * 100)
-    checkpoint = _fake_checkpoint(tmp_path, flags.make(grpo.Args, lora_rank=4, model=base))
-    resume = lambda model: flags.flat(flags.make(grpo.Args, lora_rank=4, model=model, resume=checkpoint))  # noqa: E731
+    checkpoint = _fake_checkpoint(tmp_path, flags.make(grpo.Args, lora_rank=rank, model=base))
+    resume = lambda model: flags.flat(flags.make(grpo.Args, lora_rank=rank, model=model, resume=checkpoint))  # noqa: E731
     with pytest.raises(BadInput) as error:
         checks.check_resume(resume(other), checkpoint, verbose=False)
-    assert f"adapter was trained on --model {base}, and --model {other} is another model" in str(error.value)
-    assert f"Resume with --model {base}" in str(error.value)
+    assert f"run was trained on --model {base}, and --model {other} is another model" in str(error.value)
+    assert f"Resume with --model {base}" in str(error.value) and why in str(error.value)
     for same in (base, moved):  # the same folder, or a copy of it elsewhere: the resume goes on to the files
         with pytest.raises(BadInput, match="the model weights is damaged or incomplete"):
             checks.check_resume(resume(same), checkpoint, verbose=False)

@@ -308,6 +308,26 @@ def test_a_second_ctrl_c_waits_for_the_checkpoint_being_written(tiny, tmp_path, 
         stop.finish(str(tmp_path), one_process())  # the handlers as they were
 
 
+def test_a_signal_during_the_last_step_ends_a_complete_run_without_resume_advice(tmp_path, capfd):
+    """The last step's checkpoint is the end of the run: no `--resume` advice for a run with nothing left, exit 0;
+    one step earlier, the advice and exit code 128 + the signal's number."""
+    from helpers import one_process
+
+    from common.checkpoint import StopSignals
+
+    (tmp_path / "checkpoints" / "step_00000005").mkdir(parents=True)
+    for steps, code, said in ((5, None, "the run is complete"), (6, 143, f"continue with --resume {tmp_path}")):
+        stop = StopSignals()
+        stop.received = signal.SIGTERM
+        if code is None:
+            stop.finish(str(tmp_path), one_process(), steps)
+        else:
+            with pytest.raises(SystemExit) as exit:
+                stop.finish(str(tmp_path), one_process(), steps)
+            assert exit.value.code == code
+        assert said in capfd.readouterr().err
+
+
 def test_runs_started_in_the_same_second_get_their_own_folders_and_a_run_has_one_writer(tmp_path, monkeypatch):
     """Two runs of one name in the same second (a sweep in a shell loop): two folders, created exclusively. A run
     folder is locked while its run lives: a second process resuming it is refused, naming the holder."""
@@ -367,8 +387,37 @@ def test_resume_finds_only_complete_checkpoints(tmp_path):
     assert find_checkpoint("auto", str(tmp_path), "arith__grpo__1__") == str(run / "step_00000002")
     assert find_checkpoint(str(tmp_path / "arith__grpo__1__100"), str(tmp_path), "x") == str(run / "step_00000002")
     shutil.rmtree(run / "step_00000002")
+    assert find_checkpoint("auto", str(tmp_path), "arith__grpo__1__") is None  # a new run starts
     with pytest.raises(ValueError, match="no complete checkpoint"):
-        find_checkpoint("auto", str(tmp_path), "arith__grpo__1__")
+        find_checkpoint(str(tmp_path / "arith__grpo__1__100"), str(tmp_path), "x")
+
+
+def test_resume_auto_takes_the_newest_run_with_these_settings(tmp_path, capsys):
+    """--resume auto continues the newest run (by when it started, not by its step) made with this command's
+    settings: each point of a restarted sweep finds its own run, and a point with none starts a new one. Its run
+    folder is locked before a checkpoint is read."""
+    from helpers import one_process
+
+    from common.checkpoint import _LOCKS, find_checkpoint, run_folder
+
+    def run(stamp, step, lr):
+        folder = tmp_path / f"arith__grpo__1__{stamp}" / "checkpoints" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        torch.save({"args": {"lr": lr, "steps": 10, "resume": None}}, folder / "trainer_state.pt")
+
+    run("1800000100", 3, 1e-4)  # the older run of lr 1e-4 is further along
+    run("1800000200", 2, 1e-4)
+    run("1800000200-2", 4, 3e-4)  # started in the same second, by the next command of a sweep
+    settings = lambda lr: {"lr": lr, "steps": 10, "resume": "auto"}  # noqa: E731
+    found = lambda lr: find_checkpoint("auto", str(tmp_path), "arith__grpo__1__", settings(lr))  # noqa: E731
+    assert found(1e-4) == str(tmp_path / "arith__grpo__1__1800000200" / "checkpoints" / "step_00000002")
+    assert found(3e-4) == str(tmp_path / "arith__grpo__1__1800000200-2" / "checkpoints" / "step_00000004")
+    assert found(1e-3) is None
+    held = len(_LOCKS)
+    folder, checkpoint = run_folder(str(tmp_path), "auto", "arith__grpo__1", settings(1e-3), one_process())
+    assert checkpoint is None and folder.startswith(str(tmp_path / "arith__grpo__1__")) and len(_LOCKS) == held + 1
+    assert "--resume auto: no run arith__grpo__1__* in" in capsys.readouterr().err
+    _LOCKS.pop().close()
 
 
 def test_two_ranks_keep_no_bf16_copy_of_the_weights_for_the_backward(tmp_path):
