@@ -132,9 +132,15 @@ def check_targets(model: str, rank: int, targets: list[str]) -> None:
     if head is not None:
         what = f"--lora-target-modules {' '.join(targets)}: {head} is {model}'s output layer"
         raise BadInput(f"{what}: {OUTPUT_LAYER_ADAPTER}")
+    unmatched = [t for t in names if not any(n == t or n.endswith("." + t) for n, _ in modules)]
+    if unmatched:  # peft drops a name that matches nothing as long as another one matches: a typo trains less
+        raise BadInput(
+            f"--lora-target-modules {' '.join(unmatched)}: no module of {model} has this name. The Linear layers "
+            f"of its decoder layers: {' '.join(decoder_linear_layers(skeleton))} (or all-linear)"
+        )
     layers = [(n, m) for n, m in modules if isinstance(m, torch.nn.Linear) and targeted(n)]
     if not layers:
-        return  # no such layer: load_policy names the model's layers (peft's error)
+        return  # modules that are not Linear layers: load_policy gives peft's error
     name, layer = max(layers, key=lambda item: min(item[1].in_features, item[1].out_features))
     width = min(layer.in_features, layer.out_features)
     if rank > width:

@@ -47,6 +47,8 @@ def shared_flags(args) -> list[str]:
         problems += require(v["exp_name"] != "" and os.sep not in v["exp_name"], "--exp-name", "a name without '/'")
     if has("output_dir"):
         problems += output_dir_problems(v["output_dir"])
+    if has("seed"):  # numpy's generators take [0, 2^32); each rank seeds with seed + rank
+        problems += require(0 <= v["seed"] < 2**31, "--seed", "in [0, 2^31)")
     for name in ("steps", "prompts_per_step", "max_prompt_tokens", "max_sampling_rounds", "update_epochs"):
         problems += require(v.get(name, 1) >= 1, f"--{name.replace('_', '-')}", ">= 1")
     if has("prompts_per_step"):

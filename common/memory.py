@@ -100,6 +100,7 @@ def load_config(model: str):
     from transformers import AutoConfig
 
     from common.engines import unreachable_model
+    from common.errors import BadInput
     from common.tiny import resolve_model
 
     path = resolve_model(model)
@@ -107,6 +108,20 @@ def load_config(model: str):
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as error:  # not on the hub, no network, or an unreadable config
         raise unreachable_model(model, error) from None
+    except (ArithmeticError, TypeError, KeyError) as error:  # values no model has (0 heads: a division by zero)
+        what = f"{type(error).__name__}: {error}"
+        raise BadInput(f"--model {model}: its config.json does not make a model's config ({what})") from None
+
+
+def config_problems(config) -> list[str]:
+    """What makes a model's config impossible to plan for: no layer, no attention head, no width (a config written by
+    hand, a typo)."""
+    values = {n: getattr(config, n, None) for n in ("hidden_size", "num_hidden_layers", "num_attention_heads")}
+    return [
+        f"the model's config.json has {name} = {value!r}: a positive integer is needed"
+        for name, value in values.items()
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1
+    ]
 
 
 def plan_problems(plan: Plan) -> list[str]:
@@ -392,6 +407,12 @@ def main() -> None:
     plan = tyro.cli(Plan, description="Estimate the peak memory per GPU of a training script's settings.")
     refuse(plan_problems(plan))  # one error that lists every problem, before the config is read
     config = load_config(plan.model)
+    refuse(config_problems(config))
+    if plan.lora_rank:  # a rank the scripts refuse (larger than every layer it adapts) is not planned either
+        from common.adapters import check_targets
+        from common.tiny import resolve_model
+
+        check_targets(resolve_model(plan.model), plan.lora_rank, ["all-linear"])
     if is_moe(config):
         print(MOE_CAVEAT.format(model=plan.model), file=sys.stderr)
     print(report(plan, estimate(plan, config)))

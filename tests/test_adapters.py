@@ -102,8 +102,10 @@ def test_only_the_adapters_train(name, tiny, tiny_dir):
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # peft, about the embedding it adapts
 def test_bad_target_modules_are_named_with_the_models_layers(tiny_dir):
     systems = Systems(lora_rank=4, lora_alpha=8.0, lora_target_modules=("qproj",))
-    with pytest.raises(BadInput, match=r"--lora-target-modules qproj: .*down_proj gate_proj k_proj o_proj q_proj"):
-        adapters.load_policy(tiny_dir, None, systems)
+    for typo in (("qproj",), ("q_proj", "qproj")):  # alone, or beside a name that matches (peft would drop it)
+        systems.lora_target_modules = typo
+        with pytest.raises(BadInput, match=r"--lora-target-modules qproj: .*down_proj gate_proj k_proj o_proj q_proj"):
+            adapters.load_policy(tiny_dir, None, systems)
     systems.lora_target_modules = ("q_proj", "embed_tokens")  # peft adapts embeddings too; the push merges Linear only
     with pytest.raises(BadInput, match="model.embed_tokens is a Embedding; adapters go on nn.Linear layers only"):
         adapters.load_policy(tiny_dir, None, systems)

@@ -64,6 +64,7 @@ SHARED_CASES = [
     ({"lora_rank": 8, "lora_alpha": 0.0}, "--lora-alpha must be > 0 and finite"),
     ({"lora_rank": 8, "lora_alpha": NAN}, "--lora-alpha must be > 0 and finite"),
     ({"lora_rank": 8, "lora_target_modules": ()}, "--lora-target-modules must be one or more module names"),
+    ({"seed": -1}, "--seed must be in [0, 2^31)"),
     ({"lora_alpha": 64.0}, "--lora-alpha applies with --lora-rank > 0 only"),
     # flags the run would silently ignore (issue 44): each is refused with when it applies
     ({"max_sampling_rounds": 4}, "--max-sampling-rounds applies with --dynamic-sampling only"),
@@ -617,16 +618,23 @@ def test_the_built_in_moe_model_names_the_tasks_it_has():
         (["--prompts-per-step", 0], "--prompts-per-step must be >= 1"),
         (["--gpus", 3], "--prompts-per-step must be divisible by --gpus 3"),
         (["--cpu-offload"], "--cpu-offload applies with --gpus > 1 only"),
+        (["--lora-rank", 100000], "--lora-rank 100000 is larger than every targeted layer"),
+        (["--model", "{headless}"], "config.json does not make a model's config (ZeroDivisionError"),
+        (["--model", "{layerless}"], "num_hidden_layers = 0: a positive integer is needed"),
     ],
 )
 def test_the_memory_estimate_checks_its_flags_and_model_as_the_scripts_do(argv, message, tmp_path, monkeypatch):
     from common import memory
 
-    run, adapter = tmp_path / "run", tmp_path / "adapter"
+    run, adapter, headless = tmp_path / "run", tmp_path / "adapter", tmp_path / "headless"
     (run / "checkpoints" / "step_00000002").mkdir(parents=True)
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
-    argv = [str(a).format(run=run, adapter=adapter) for a in argv]
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    for name, zero in (("headless", "num_attention_heads"), ("layerless", "num_hidden_layers")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, zero: 0}))
+    argv = [str(a).format(run=run, adapter=adapter, headless=headless, layerless=tmp_path / "layerless") for a in argv]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("sys.argv", ["memory", *argv])
     with pytest.raises(BadInput) as error:
