@@ -210,6 +210,12 @@ def _load_hub_task(name: str, split: str) -> list[Row]:
 def _load_local_file(path: str, question_column: str, answer_column: str) -> list[Row]:
     import datasets
 
+    if os.path.isdir(path):  # e.g. a Spark or datasets export: a folder of part files under the file's name
+        parts = sorted(os.listdir(path))
+        raise BadInput(
+            f"task file {path} is a folder ({len(parts)} entries: {', '.join(parts[:3])}{', ...' if parts[3:] else ''})"
+            f": pass one file, e.g. its parts joined: cat {path}/*.json > {path.rstrip('/')}.all.jsonl"
+        )
     if not os.path.isfile(path):
         raise BadInput(f"task file not found: {path}")
     if os.path.getsize(path) == 0:
@@ -257,10 +263,19 @@ def _rows_from_records(records, question, answer, where) -> list[Row]:
         q, a = question(record), answer(record)
         if q is None or a is None or str(q).strip() == "" or str(a).strip() == "":
             raise BadInput(f"{where}: row {index} has an empty question or answer")
+        if not isinstance(q, str) or isinstance(a, (list, dict)):  # its repr would be the prompt or the gold answer
+            what = f"question is a {type(q).__name__}" if not isinstance(q, str) else f"answer is a {type(a).__name__}"
+            columns = " (a .json file of columns? one object per row: .jsonl)" if isinstance(q, list) else ""
+            raise BadInput(f"{where}: row {index}'s {what}, not text{columns}: {_short(q if what[0] == 'q' else a)}")
         rows.append(Row(str(q), str(a).strip()))
     if not rows:
         raise BadInput(f"{where} has no rows")
     return rows
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 HELD_OUT_SHARE, HELD_OUT_MAX = 0.1, 500  # of a local task file evaluated on itself

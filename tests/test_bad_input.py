@@ -201,6 +201,9 @@ def test_the_command_prints_one_line_per_problem_and_no_traceback(name, tmp_path
     [
         ({"task": "gsm9k"}, "unknown task 'gsm9k': use one of"),
         ({"task": "missing.jsonl"}, "task file not found: missing.jsonl"),
+        ({"task": "{tmp}/parts.jsonl"}, "parts.jsonl is a folder (2 entries: part-0.json, part-1.json): pass one"),
+        ({"task": "{tmp}/by_columns.json"}, "row 0's question is a list, not text (a .json file of columns?"),
+        ({"task": "{tmp}/numbers.jsonl"}, "row 0's question is a int, not text: 12"),
         ({"task": "{tmp}/columns.jsonl"}, "has no column(s) ['question', 'answer']; its columns are ['problem', 'x']"),
         (
             {"eval_task": "aime25", "task": "{tmp}/columns.jsonl", "question_column": "problem", "answer_column": "x"},
@@ -211,6 +214,11 @@ def test_the_command_prints_one_line_per_problem_and_no_traceback(name, tmp_path
 )
 def test_a_bad_task_or_resume_is_named_before_any_model_loads(flags, message, tmp_path):
     (tmp_path / "columns.jsonl").write_text('{"problem": "1+1", "x": "2"}\n')
+    (tmp_path / "parts.jsonl").mkdir()
+    for part in ("part-0.json", "part-1.json"):
+        (tmp_path / "parts.jsonl" / part).write_text('{"question": "1+1", "answer": "2"}\n')
+    (tmp_path / "by_columns.json").write_text('{"question": ["1+1", "2+2"], "answer": ["2", "4"]}')
+    (tmp_path / "numbers.jsonl").write_text('{"question": 12, "answer": "3"}\n')
     flags = {key: value.replace("{tmp}", str(tmp_path)) for key, value in flags.items()}
     module, args = _args("grpo", output_dir=str(tmp_path / "runs"), **flags)
     with pytest.raises(BadInput) as error:
