@@ -213,6 +213,12 @@ def _lock(folder: str) -> None:
     _LOCKS.append(handle)
 
 
+# torchrun's agent forwards each signal it receives to its workers, and a scheduler (SLURM) or a terminal's Ctrl-C
+# signals every process, the agent included: each worker gets the same signal twice at once. A repeat within
+# REPEAT_SECONDS is that copy, not a second request.
+_UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
+REPEAT_SECONDS = 2.0
+
 # A checkpoint being written, and the signal that asked meanwhile to stop at once (StopSignals defers it)
 _WRITING = {"active": False, "exit": None}
 
@@ -232,13 +238,16 @@ class StopSignals:
     `finish` exits with 128 + the signal's number after saying how to resume. A second signal stops at once, with the
     same exit code and no traceback, but never inside a checkpoint's write: that finishes first. After SIGHUP the
     run's output to the terminal goes to /dev/null (writing to a hung-up terminal fails). SIGHUP is left alone where
-    it is ignored (nohup). Signals are caught only while training (in the main thread)."""
+    it is ignored (nohup). Signals are caught only while training (in the main thread). Under torchrun a signal on
+    one rank stops every rank after the same step, each exiting with its code; the agent kills its workers
+    --shutdown-timeout seconds (30 by default) after forwarding a signal, so a step and its checkpoint must fit."""
 
     def __init__(self):
         import signal
         import threading
 
         self.received = None
+        self.when = 0.0  # time.monotonic() of the first signal
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
             for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -252,6 +261,9 @@ class StopSignals:
         name = signal.Signals(number).name
         if number == signal.SIGHUP:
             _detach_from_terminal()
+        if self.received is not None and number == self.received and _UNDER_TORCHRUN:
+            if time.monotonic() - self.when < REPEAT_SECONDS:  # the agent's copy of what every process was sent
+                return
         if self.received is not None:  # the second one: now, unless a checkpoint is being written
             if _WRITING["active"]:
                 _WRITING["exit"] = number
@@ -259,14 +271,17 @@ class StopSignals:
                 return
             _say(f"\n{name} again: stopped now; --resume continues from the newest checkpoint")
             raise SystemExit(128 + number)
-        self.received = number
+        self.received, self.when = number, time.monotonic()
         _say(f"\n{name}: the step under way finishes and is checkpointed, then the run stops ({name} again: now)")
 
     def requested(self, dist) -> bool:
         """Whether any rank received a signal: a collective, so every rank stops after the same step."""
         from common import fsdp
 
-        return fsdp.all_reduce(float(self.received is not None), dist) > 0
+        signalled = fsdp.all_reduce_dict({"ranks": float(self.received is not None), "sum": self.received or 0}, dist)
+        if signalled["ranks"] and self.received is None:  # another rank's: this one exits with its code too
+            self.received = round(signalled["sum"] / signalled["ranks"])
+        return signalled["ranks"] > 0
 
     def finish(self, run_dir: str, dist, steps: int | None = None) -> None:
         """Restore the handlers; after a signal, say how to resume and exit with 128 + its number. A signal during

@@ -308,6 +308,31 @@ def test_a_second_ctrl_c_waits_for_the_checkpoint_being_written(tiny, tmp_path, 
         stop.finish(str(tmp_path), one_process())  # the handlers as they were
 
 
+def test_under_torchrun_a_repeated_signal_is_the_agents_copy_and_another_ranks_signal_stops_this_one(monkeypatch):
+    """A scheduler (SLURM) or a Ctrl-C signals every process, and torchrun's agent forwards its own copy: a worker
+    gets SIGTERM twice at once, which is one request, not "stop now". A rank that got no signal stops after the
+    same step as the one that did, with the same exit code."""
+    from helpers import one_process
+
+    from common import checkpoint, fsdp
+
+    monkeypatch.setattr(checkpoint, "_UNDER_TORCHRUN", True)
+    stop = checkpoint.StopSignals()
+    try:
+        stop._handle(signal.SIGTERM, None)
+        stop._handle(signal.SIGTERM, None)  # the agent's copy: no SystemExit
+        stop.when -= checkpoint.REPEAT_SECONDS
+        with pytest.raises(SystemExit) as exit:  # a real second request
+            stop._handle(signal.SIGTERM, None)
+        assert exit.value.code == 143
+        stop.received = None
+        monkeypatch.setattr(fsdp, "all_reduce_dict", lambda values, dist: {"ranks": 1.0, "sum": float(signal.SIGTERM)})
+        assert stop.requested(one_process()) and stop.received == signal.SIGTERM  # the other rank's
+    finally:
+        stop.received = None
+        stop.finish("unused", one_process())
+
+
 def test_a_signal_during_the_last_step_ends_a_complete_run_without_resume_advice(tmp_path, capfd):
     """The last step's checkpoint is the end of the run: no `--resume` advice for a run with nothing left, exit 0;
     one step earlier, the advice and exit code 128 + the signal's number."""
