@@ -1,4 +1,4 @@
-"""GRPO with DAPO's clip-higher and token-mean loss (all of DAPO as flags): every file's baseline.
+"""GRPO with DAPO's clip-higher and token-mean loss, all of DAPO as flags; the other files fork it.
 
 Papers: GRPO, DeepSeekMath (Shao et al., 2024, arXiv:2402.03300); DAPO (Yu et al., 2025,
 arXiv:2503.14476) for the decoupled clip range, token-level aggregation, dynamic sampling and
@@ -20,12 +20,12 @@ Variants, each a flag (the first three concern rollouts and rewards, so every fo
     tokens before --max-new-tokens
   --mask-truncated (DAPO's overlong filtering): completions cut off by the length limit get
     no gradient
-  --loss-aggregation token-sum (Dr. GRPO): the token sum divided by completions ×
-    --max-new-tokens, not by Σ|o_i|
+  --loss-aggregation token-sum-norm (Dr. GRPO): the token sum divided by a constant,
+    completions × --max-new-tokens, not by Σ|o_i|
   --ratio-level sequence (GSPO): one ratio per completion, s_i = exp(mean_t log ρ_it), clipped
     as a whole
 Presets: DAPO `--dynamic-sampling --overlong-buffer 4` (clip-higher, token-mean, β = 0: the
-defaults); Dr. GRPO `--loss-aggregation token-sum --no-scale-advantages`; GSPO
+defaults); Dr. GRPO `--loss-aggregation token-sum-norm --no-scale-advantages`; GSPO
 `--ratio-level sequence --loss-aggregation sequence-mean` with `--clip-low 3e-4 --clip-high 4e-4`
 and `--num-minibatches 4` (with one update per batch every ratio is 1).
 
@@ -34,6 +34,9 @@ score them, compute advantages, update the policy on minibatches, push new weigh
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
 the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
 are defined where recorded; the paper-scale command and a list of differences end the file.
+Three k3 KLs, three pairs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer at one
+set of weights; losses/approx_kl = KL(π_old ‖ π_θ), how far the updates moved; losses/kl_ref =
+KL(π_θ ‖ π_ref), the --kl-coef penalty.
 
 Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
@@ -64,7 +67,7 @@ from tqdm import tqdm
 from common import checks, fsdp
 from common.adapters import load_policy
 from common.batches import make_batch, micro_batches
-from common.checkpoint import StopSignals, load_checkpoint, run_folder, save_checkpoint, seed_everything
+from common.checkpoint import StopSignals, load_checkpoint, locked_run_folder, save_checkpoint, seed_everything
 from common.checks import require
 from common.engines import load_tokenizer, make_training_engine
 from common.evaluate import Evaluator
@@ -114,7 +117,7 @@ class Args:
     replaced by newly drawn prompts"""
     max_sampling_rounds: int = 8
     """dynamic sampling: rounds of drawing per step at most; then the batch is
-    completed with all-equal groups"""
+    completed with all-equal groups, which do not train (advantage 0)"""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: the reward falls linearly to -1 over
     this many last tokens (0: off)"""
@@ -128,9 +131,10 @@ class Args:
     """ε_high: upper clip range (DAPO's clip-higher; = clip_low for PPO's symmetric clip)"""
     scale_advantages: bool = True
     """divide group-centred rewards by the group's std (GRPO); --no-scale-advantages is Dr. GRPO"""
-    loss_aggregation: Literal["token-mean", "sequence-mean", "token-sum"] = "token-mean"
+    loss_aggregation: Literal["token-mean", "sequence-mean", "token-sum-norm"] = "token-mean"
     """token-mean over the minibatch (DAPO); sequence-mean: per completion, then over completions
-    (GRPO); token-sum: the sum over a constant, completions × --max-new-tokens (Dr. GRPO)"""
+    (GRPO); token-sum-norm: the token sum over a constant norm, completions × --max-new-tokens
+    (Dr. GRPO; verl's seq-mean-token-sum-norm)"""
     ratio_level: Literal["token", "sequence"] = "token"
     """an importance ratio per token (PPO, GRPO), or per completion: the
     geometric mean of its tokens' (GSPO)"""
@@ -178,13 +182,15 @@ def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_hi
 
 
 def compute_advantages(rewards, scale=True, eps=1e-4):
-    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
+    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally divided by
+    the group's std, the unbiased one (n − 1) as in TRL and verl (DeepSeekMath does not say)."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
 
 
-def sequence_mean(values, mask):
-    """Each completion's mean of [B, T] values, on each of its tokens: from log-probs, GSPO's
+def completion_mean_logprob(values, mask):
+    """GSPO's per-completion mean of [B, T] log-probs, on each of its tokens (not the aggregation
+    mode sequence-mean, a mean of losses): from log-probs, GSPO's
     (arXiv:2507.18071) s_i = (π_θ(o_i|q) / π_old(o_i|q))^(1/|o_i|) = exp(mean_t log ρ_it),
     clipped per completion (its Eq. 5)."""
     per_completion = (values * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
@@ -197,11 +203,11 @@ def aggregate(token_losses, mask, mode, totals):
     token-mean (DAPO): every response token of the minibatch weighs the same (totals["tokens"]).
     sequence-mean (GRPO): a mean over each completion, then over the completions that have a
     token (totals["sequences"]).
-    token-sum (Dr. GRPO, arXiv:2503.20783 §3.2): the sum over a constant, completions ×
+    token-sum-norm (Dr. GRPO, arXiv:2503.20783 §3.2): the sum over a constant, completions ×
     --max-new-tokens (totals["token_budget"])."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / totals["tokens"]
-    if mode == "token-sum":
+    if mode == "token-sum-norm":
         return (token_losses * mask).sum() / totals["token_budget"]
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
     return per_sequence.sum() / totals["sequences"]
@@ -322,6 +328,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     autocast, scaler = precision.autocast, precision.scaler  # bf16 / fp16 (fsdp.mixed_precision)
+    # ALGO LOGIC: what the loss needs before the updates (grpo.py: the log-probs of π_old and π_ref)
     # old log-probs only when π_θ will move away from π_old within this batch. With one
     # update per batch π_old = π_θ: the ratio is exactly 1, its gradient is the policy
     # gradient, and no pass is needed
@@ -332,7 +339,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
         record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
         batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
+    # END ALGO LOGIC
 
+    # TRY NOT TO MODIFY: minibatches (token totals over every rank) and micro-batches (memory only);
+    # the method is the ALGO LOGIC lines inside
     skipped = 0
     for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
@@ -352,11 +362,15 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                 mask = micro["response_mask"]
                 with autocast:
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
+                # π_old: the pass before the updates, or at one update π_θ itself, detached (ρ = 1)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the GRPO loss of this micro-batch
                 ratio_inputs = (logprobs, old_logprobs)
                 if args.ratio_level == "sequence":  # GSPO: one ratio per completion
-                    ratio_inputs = (sequence_mean(logprobs, mask), sequence_mean(old_logprobs, mask))
+                    ratio_inputs = (
+                        completion_mean_logprob(logprobs, mask),
+                        completion_mean_logprob(old_logprobs, mask),
+                    )
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
                     *ratio_inputs, micro["advantages"], args.clip_low, args.clip_high
                 )
@@ -423,13 +437,13 @@ def main(args: Args) -> None:
     precision = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs: dtype, autocast, scaler
     # a new run folder, or with --resume the run's own (its settings kept: checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
-    run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
+    run_dir, checkpoint = locked_run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     data = load_prompts(
         args.model, tokenizer, args.task, args.max_prompt_tokens, args.max_new_tokens,
-        args.task_format, args.tools, args.evaluation, dist.is_main,
+        args.task_format, args.tools, args.evaluation, verbose=dist.is_main,
     )  # fmt: skip
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
     policy = load_policy(args.model, checkpoint, systems, precision.dtype)  # LoRA: base frozen
@@ -443,7 +457,7 @@ def main(args: Args) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     state = load_checkpoint(checkpoint, policy, optimizer, scheduler, dist) if checkpoint else {}
     start_step, skipped_steps = state.get("step", 0), state.get("skipped_steps", 0)
-    tracker = Tracker(run_dir, flat(args), args.tracking, dist.is_main, resume_step=start_step if checkpoint else None)
+    tracker = Tracker(run_dir, flat(args), args.tracking, enabled=dist.is_main, resume_step=start_step)
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
     stop = StopSignals()  # Ctrl-C, SIGTERM, SIGHUP: this step ends, is checkpointed; the run stops
     if start_step == 0 and evaluator.due(0, args.steps):

@@ -28,6 +28,9 @@ score them, compute advantages, update the policy on minibatches, push new weigh
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
 the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
 are defined where recorded; the paper-scale command and a list of differences end the file.
+Three k3 KLs, three pairs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer at one
+set of weights; losses/approx_kl = KL(π_old ‖ π_θ), how far the updates moved; losses/kl_ref =
+KL(π_θ ‖ π_ref), the --kl-coef penalty.
 
 Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
@@ -60,7 +63,7 @@ from tqdm import tqdm
 from common import checks, fsdp
 from common.adapters import load_policy
 from common.batches import make_batch, micro_batches
-from common.checkpoint import StopSignals, load_checkpoint, run_folder, save_checkpoint, seed_everything
+from common.checkpoint import StopSignals, load_checkpoint, locked_run_folder, save_checkpoint, seed_everything
 from common.checks import require
 from common.engines import load_tokenizer, make_training_engine
 from common.evaluate import Evaluator
@@ -110,7 +113,7 @@ class Args:
     replaced by newly drawn prompts"""
     max_sampling_rounds: int = 8
     """dynamic sampling: rounds of drawing per step at most; then the batch is
-    completed with all-equal groups"""
+    completed with all-equal groups, which do not train (advantage 0)"""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: the reward falls linearly to -1 over
     this many last tokens (0: off)"""
@@ -289,7 +292,8 @@ def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_hi
 
 
 def compute_advantages(rewards, scale=True, eps=1e-4):
-    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
+    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally divided by
+    the group's std, the unbiased one (n − 1) as in TRL and verl (DeepSeekMath does not say)."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
 
@@ -423,6 +427,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, me
     """λ, old log-probs and ⟨H⟩_i, then the minibatch updates on one rollout batch (this rank's
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     autocast, scaler = precision.autocast, precision.scaler  # bf16 / fp16 (fsdp.mixed_precision)
+    # ALGO LOGIC: what the loss needs before the updates (grpo.py: the log-probs of π_old and π_ref)
     # conflict masks and λ (Eq. 5), from A_i before the shift as in the authors' code
     # (groups are whole on a rank)
     forward, backward = conflict_masks(
@@ -454,7 +459,10 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, me
         batch["old_logprobs"], entropy = batch_logprobs(policy, batch, args, autocast, with_entropy=True)
         batch["completion_entropy"] = completion_entropy(entropy, batch["response_mask"])
         record_mismatch(metrics, batch, batch["old_logprobs"])
+    # END ALGO LOGIC
 
+    # TRY NOT TO MODIFY: minibatches (token totals over every rank) and micro-batches (memory only);
+    # the method is the ALGO LOGIC lines inside
     skipped = 0
     for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
@@ -473,6 +481,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, me
                 mask = micro["response_mask"]
                 with autocast:
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
+                # π_old: the pass before the updates, or at one update π_θ itself, detached (ρ = 1)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the GTPO loss of this micro-batch (Eq. 7)
                 entropy_i = micro["completion_entropy"] if multiple_updates else completion_entropy(entropy, mask)
@@ -559,13 +568,13 @@ def main(args: Args) -> None:
     precision = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs: dtype, autocast, scaler
     # a new run folder, or with --resume the run's own (its settings kept: checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
-    run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
+    run_dir, checkpoint = locked_run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     data = load_prompts(
         args.model, tokenizer, args.task, args.max_prompt_tokens, args.max_new_tokens,
-        args.task_format, args.tools, args.evaluation, dist.is_main,
+        args.task_format, args.tools, args.evaluation, verbose=dist.is_main,
     )  # fmt: skip
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
     policy = load_policy(args.model, checkpoint, systems, precision.dtype)  # LoRA: base frozen
@@ -578,7 +587,7 @@ def main(args: Args) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     state = load_checkpoint(checkpoint, policy, optimizer, scheduler, dist) if checkpoint else {}
     start_step, skipped_steps = state.get("step", 0), state.get("skipped_steps", 0)
-    tracker = Tracker(run_dir, flat(args), args.tracking, dist.is_main, resume_step=start_step if checkpoint else None)
+    tracker = Tracker(run_dir, flat(args), args.tracking, enabled=dist.is_main, resume_step=start_step)
     # ALGO LOGIC: ⟨H⟩_ini of the initial policy (Eq. 6), measured once, kept in the checkpoints
     first_prompts, pad_id = data.prompts[: args.entropy_ini_prompts], tokenizer.pad_token_id
     initial_entropy = measure_initial_entropy(

@@ -34,6 +34,9 @@ score them, compute advantages, update the policy on minibatches, push new weigh
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
 the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
 are defined where recorded; the paper-scale command and a list of differences end the file.
+Three k3 KLs, three pairs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer at one
+set of weights; losses/approx_kl = KL(π_old ‖ π_θ), how far the updates moved; losses/kl_ref =
+KL(π_θ ‖ π_ref), the --kl-coef penalty.
 
 Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
@@ -72,7 +75,7 @@ from tqdm import tqdm
 from common import checks, fsdp, memory, moe
 from common.adapters import load_policy
 from common.batches import make_batch, micro_batches
-from common.checkpoint import StopSignals, load_checkpoint, run_folder, save_checkpoint, seed_everything
+from common.checkpoint import StopSignals, load_checkpoint, locked_run_folder, save_checkpoint, seed_everything
 from common.checks import require
 from common.engines import load_tokenizer, make_training_engine
 from common.errors import BadInput
@@ -122,7 +125,7 @@ class Args:
     replaced by newly drawn prompts"""
     max_sampling_rounds: int = 8
     """dynamic sampling: rounds of drawing per step at most; then the batch is
-    completed with all-equal groups"""
+    completed with all-equal groups, which do not train (advantage 0)"""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: the reward falls linearly to -1 over
     this many last tokens (0: off)"""
@@ -609,7 +612,8 @@ def isopo_backward(
 
 
 def compute_advantages(rewards, scale=True, eps=1e-4):
-    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
+    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally divided by
+    the group's std, the unbiased one (n − 1) as in TRL and verl (DeepSeekMath does not say)."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
 
@@ -766,6 +770,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     autocast, scaler = precision.autocast, precision.scaler  # bf16 / fp16 (fsdp.mixed_precision)
+    # ALGO LOGIC: what the loss needs before the updates (grpo.py: the log-probs of π_old and π_ref)
     # old log-probs only when π_θ will move away from π_old within this batch. ISOPO has no ratio:
     # they serve the statistics (approx_kl, the mismatch) only
     multiple_updates = args.num_minibatches * args.update_epochs > 1
@@ -775,7 +780,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
         record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
         batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
+    # END ALGO LOGIC
 
+    # TRY NOT TO MODIFY: minibatches (token totals over every rank) and micro-batches (memory only);
+    # the method is the ALGO LOGIC lines inside
     skipped = 0
     for _ in range(args.update_epochs):
         # ALGO LOGIC: whole groups in a random order, so that a block of G rows (or of a divisor of
@@ -809,6 +817,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                 logprobs, entropy, loss = isopo_backward(
                     policy, isopo, micro, args.temperature, totals["sequences"], autocast, dist.world_size
                 )
+                # π_old: the pass before the updates, or at one update π_θ itself, detached (ρ = 1)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # --log-kl-ref: the drift from the initial policy (Fig. 5), a metric only
                 if reference is not None:
@@ -899,13 +908,13 @@ def main(args: Args) -> None:
     precision = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs: dtype, autocast, scaler
     # a new run folder, or with --resume the run's own (its settings kept: checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
-    run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
+    run_dir, checkpoint = locked_run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     data = load_prompts(
         args.model, tokenizer, args.task, args.max_prompt_tokens, args.max_new_tokens,
-        args.task_format, args.tools, args.evaluation, dist.is_main,
+        args.task_format, args.tools, args.evaluation, verbose=dist.is_main,
     )  # fmt: skip
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
     policy = load_policy(args.model, checkpoint, systems, precision.dtype)  # LoRA: base frozen
@@ -921,7 +930,7 @@ def main(args: Args) -> None:
     start_step, skipped_steps = state.get("step", 0), state.get("skipped_steps", 0)
     # idle outside capture(); exact resume
     isopo = IsopoGradients(policy, args, dist, state.get("isopo"))
-    tracker = Tracker(run_dir, flat(args), args.tracking, dist.is_main, resume_step=start_step if checkpoint else None)
+    tracker = Tracker(run_dir, flat(args), args.tracking, enabled=dist.is_main, resume_step=start_step)
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
     stop = StopSignals()  # Ctrl-C, SIGTERM, SIGHUP: this step ends, is checkpointed; the run stops
     if start_step == 0 and evaluator.due(0, args.steps):

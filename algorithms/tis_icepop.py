@@ -12,8 +12,7 @@ masking: DeepSeek-V3.2 (arXiv:2512.02556, eq. 9); π_θ/μ = (π_old/μ)(π_θ/�
 (arXiv:2512.01374). Baseline: GRPO (arXiv:2402.03300) with DAPO's clip-higher and token-mean
 (arXiv:2503.14476), see grpo.py.
 
-Objective (survey eq. 3, decoupled: three policies μ, π_old, π_θ). G completions o_i ~ μ per
-prompt q, rewards r_i:
+Objective (survey eq. 3, decoupled into three policies μ, π_old, π_θ; o_i ~ μ, rewards r_i):
 
     J(θ) = 1/Σ|o_i| · Σ_i Σ_t w_it · min(ρ_it A_i, clip(ρ_it, 1−ε_low, 1+ε_high) A_i) − β·KL_k3
     ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t)
@@ -45,6 +44,9 @@ score them, compute advantages, update the policy on minibatches, push new weigh
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
 the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
 are defined where recorded; the paper-scale command and a list of differences end the file.
+Three k3 KLs, three pairs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer at one
+set of weights; losses/approx_kl = KL(π_old ‖ π_θ), how far the updates moved; losses/kl_ref =
+KL(π_θ ‖ π_ref), the --kl-coef penalty.
 
 Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
@@ -58,10 +60,8 @@ Run it
   ./run.sh bench tis_icepop                      # none vs tis / icepop / kpop / seq-mask, bf16 engine
   python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction none --steps 200   # collapse-prone
   python algorithms/tis_icepop.py --model tiny-moe --engine-dtype bfloat16 --router-replay r3
-By default the hf engine shares the trainer's float32 module (μ = π_old up to float noise: no
-correction acts); --engine-dtype bfloat16 gives it its own bf16 copy, a bf16 vLLM engine beside an
-fp32 trainer in small. Against its float32-engine control, watch mismatch/kl_k3,
-mismatch/ratio_min|max, charts/entropy and losses/grad_norm.
+By default the hf engine shares the trainer's float32 module (μ = π_old: no correction acts);
+--engine-dtype bfloat16 gives it a bf16 copy, a bf16 vLLM engine beside an fp32 trainer in small.
 """
 
 import contextlib
@@ -82,7 +82,7 @@ from tqdm import tqdm
 from common import checks, fsdp, moe
 from common.adapters import load_policy
 from common.batches import make_batch, micro_batches
-from common.checkpoint import StopSignals, load_checkpoint, run_folder, save_checkpoint, seed_everything
+from common.checkpoint import StopSignals, load_checkpoint, locked_run_folder, save_checkpoint, seed_everything
 from common.checks import require
 from common.engines import engine_kind, load_tokenizer, make_training_engine
 from common.evaluate import Evaluator
@@ -132,7 +132,7 @@ class Args:
     replaced by newly drawn prompts"""
     max_sampling_rounds: int = 8
     """dynamic sampling: rounds of drawing per step at most; then the batch is
-    completed with all-equal groups"""
+    completed with all-equal groups, which do not train (advantage 0)"""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: the reward falls linearly to -1 over
     this many last tokens (0: off)"""
@@ -316,7 +316,8 @@ def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_hi
 
 
 def compute_advantages(rewards, scale=True, eps=1e-4):
-    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally std-scaled."""
+    """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally divided by
+    the group's std, the unbiased one (n − 1) as in TRL and verl (DeepSeekMath does not say)."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
 
@@ -462,12 +463,13 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     autocast, scaler = precision.autocast, precision.scaler  # bf16 / fp16 (fsdp.mixed_precision)
+    # ALGO LOGIC: what the loss needs before the updates (grpo.py: the log-probs of π_old and π_ref)
     # old log-probs only when π_θ will move away from π_old within this batch. With one
     # update per batch π_old = π_θ: the ratio is exactly 1, its gradient is the policy
     # gradient, and no pass is needed
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
-    # ALGO LOGIC: an MoE policy's routing, recorded in every forward and replayed by --router-replay
+    # an MoE policy's routing, recorded in every forward and replayed by --router-replay
     routing = moe.routing_of(policy) if moe.is_moe(policy) else None
     replayed = {"none": None, "r2": "old_routing", "r3": "engine_routing"}[args.router_replay]
     moe_layers = [layer for layer, _ in routing.routers] if routing else []
@@ -483,14 +485,16 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
         if "engine_routing" in batch:
             routings = batch["engine_routing"], batch["old_routing"], batch["old_own_routing"]
             moe.record_agreement(metrics, *routings, moe.scored_positions(batch), moe_layers)
-    # END ALGO LOGIC
     if multiple_updates and not routing:
         batch["old_logprobs"] = batch_logprobs(policy, batch, args, autocast)[0]  # log π_old
     if multiple_updates:
         record_mismatch(metrics, batch, batch["old_logprobs"])
     if reference is not None:  # β > 0
         batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
+    # END ALGO LOGIC
 
+    # TRY NOT TO MODIFY: minibatches (token totals over every rank) and micro-batches (memory only);
+    # the method is the ALGO LOGIC lines inside
     skipped = 0
     thresholds = {
         name: getattr(args, name)
@@ -517,6 +521,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     routing.replay(micro[replayed] if replayed else None)
                 with autocast, routing.recording() if routing else contextlib.nullcontext():
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
+                # π_old: the pass before the updates, or at one update π_θ itself, detached (ρ = 1)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the GRPO loss of this micro-batch, each token's clipped loss
                 # times the detached weight w
@@ -641,13 +646,13 @@ def main(args: Args) -> None:
     precision = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs: dtype, autocast, scaler
     # a new run folder, or with --resume the run's own (its settings kept: checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
-    run_dir, checkpoint = run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
+    run_dir, checkpoint = locked_run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
     data = load_prompts(
         args.model, tokenizer, args.task, args.max_prompt_tokens, args.max_new_tokens,
-        args.task_format, args.tools, args.evaluation, dist.is_main,
+        args.task_format, args.tools, args.evaluation, verbose=dist.is_main,
     )  # fmt: skip
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
     policy = load_policy(args.model, checkpoint, systems, precision.dtype)  # LoRA: base frozen
@@ -665,7 +670,7 @@ def main(args: Args) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     state = load_checkpoint(checkpoint, policy, optimizer, scheduler, dist) if checkpoint else {}
     start_step, skipped_steps = state.get("step", 0), state.get("skipped_steps", 0)
-    tracker = Tracker(run_dir, flat(args), args.tracking, dist.is_main, resume_step=start_step if checkpoint else None)
+    tracker = Tracker(run_dir, flat(args), args.tracking, enabled=dist.is_main, resume_step=start_step)
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
     stop = StopSignals()  # Ctrl-C, SIGTERM, SIGHUP: this step ends, is checkpointed; the run stops
     if start_step == 0 and evaluator.due(0, args.steps):

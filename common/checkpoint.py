@@ -136,7 +136,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, dist: Dist) -> dict:
     return trainer_state
 
 
-def run_folder(output_dir: str, resume: str | None, name: str, settings: dict, dist) -> tuple[str, str | None]:
+def locked_run_folder(output_dir: str, resume: str | None, name: str, settings: dict, dist) -> tuple[str, str | None]:
     """(the run folder, the checkpoint to resume or None), the folder locked by this run. A new run:
     output_dir/<name>__<unix time>, created exclusively (a second run started in the same second, a sweep launched
     in a shell loop, gets <name>__<time>-2), one name for all ranks. --resume: the checkpoint it names

@@ -47,7 +47,7 @@ VALUES = {
     "clip_low": [(0.02, {})],
     "clip_high": [(0.02, {})],
     "scale_advantages": [(False, {})],
-    "loss_aggregation": [("sequence-mean", {}), ("token-sum", {})],
+    "loss_aggregation": [("sequence-mean", {}), ("token-sum-norm", {})],
     "ratio_level": [("sequence", {})],
     "kl_coef": [(0.1, {})],
     "lr": [(1e-3, {})],

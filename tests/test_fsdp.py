@@ -46,7 +46,7 @@ def _one_and_two_ranks(tmp_path, *flags):
 
 
 @pytest.mark.parametrize(
-    "variant", ['{"loss_aggregation": "token-sum"}', '{"ratio_level": "sequence"}'], ids=["dr-grpo", "gspo"]
+    "variant", ['{"loss_aggregation": "token-sum-norm"}', '{"ratio_level": "sequence"}'], ids=["dr-grpo", "gspo"]
 )
 def test_two_ranks_equal_one_with_grpo_loss_variants(tmp_path, variant):
     """Dr. GRPO's constant (the minibatch's completions on all ranks × --max-new-tokens) and GSPO's sequence
@@ -358,12 +358,12 @@ def test_runs_started_in_the_same_second_get_their_own_folders_and_a_run_has_one
     folder is locked while its run lives: a second process resuming it is refused, naming the holder."""
     from helpers import one_process
 
-    from common.checkpoint import run_folder
+    from common.checkpoint import locked_run_folder
     from common.errors import BadInput
 
     monkeypatch.setattr(time, "time", lambda: 1_800_000_000.0)
-    first, _ = run_folder(str(tmp_path), None, "arith__grpo__1", {}, one_process())
-    second, _ = run_folder(str(tmp_path), None, "arith__grpo__1", {}, one_process())
+    first, _ = locked_run_folder(str(tmp_path), None, "arith__grpo__1", {}, one_process())
+    second, _ = locked_run_folder(str(tmp_path), None, "arith__grpo__1", {}, one_process())
     assert os.path.basename(first) == "arith__grpo__1__1800000000" and second == first + "-2"
     holder = (
         "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); f.write('process X'); "
@@ -423,7 +423,7 @@ def test_resume_auto_takes_the_newest_run_with_these_settings(tmp_path, capsys):
     folder is locked before a checkpoint is read."""
     from helpers import one_process
 
-    from common.checkpoint import _LOCKS, find_checkpoint, run_folder
+    from common.checkpoint import _LOCKS, find_checkpoint, locked_run_folder
 
     def run(stamp, step, lr):
         folder = tmp_path / f"arith__grpo__1__{stamp}" / "checkpoints" / f"step_{step:08d}"
@@ -439,7 +439,7 @@ def test_resume_auto_takes_the_newest_run_with_these_settings(tmp_path, capsys):
     assert found(3e-4) == str(tmp_path / "arith__grpo__1__1800000200-2" / "checkpoints" / "step_00000004")
     assert found(1e-3) is None
     held = len(_LOCKS)
-    folder, checkpoint = run_folder(str(tmp_path), "auto", "arith__grpo__1", settings(1e-3), one_process())
+    folder, checkpoint = locked_run_folder(str(tmp_path), "auto", "arith__grpo__1", settings(1e-3), one_process())
     assert checkpoint is None and folder.startswith(str(tmp_path / "arith__grpo__1__")) and len(_LOCKS) == held + 1
     assert "--resume auto: no run arith__grpo__1__* in" in capsys.readouterr().err
     _LOCKS.pop().close()

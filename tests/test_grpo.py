@@ -76,9 +76,9 @@ def test_aggregation_token_mean_sequence_mean_and_token_sum():
     totals = {"tokens": 4, "sequences": 2, "token_budget": 2 * 16}
     assert grpo.aggregate(losses, mask, "token-mean", totals).item() == pytest.approx(10 / 4)
     assert grpo.aggregate(losses, mask, "sequence-mean", totals).item() == pytest.approx((2 + 4) / 2)
-    assert grpo.aggregate(losses, mask, "token-sum", totals).item() == pytest.approx(10 / 32)
+    assert grpo.aggregate(losses, mask, "token-sum-norm", totals).item() == pytest.approx(10 / 32)
     # micro-batches each contribute their share; the shares add up to the minibatch's loss
-    for mode in ("token-mean", "sequence-mean", "token-sum"):
+    for mode in ("token-mean", "sequence-mean", "token-sum-norm"):
         parts = sum(grpo.aggregate(losses[i : i + 1], mask[i : i + 1], mode, totals) for i in range(2))
         assert parts.item() == pytest.approx(grpo.aggregate(losses, mask, mode, totals).item())
 
@@ -93,18 +93,22 @@ def test_gspo_sequence_ratio_by_hand():
         [(0.5 * 0.5) / (0.5 * 0.25), (0.2 * 0.9 * 0.7) / (0.4 * 0.3 * 0.2)], dtype=torch.float64
     ) ** torch.tensor([1 / 2, 1 / 3], dtype=torch.float64)
     _, ratio, _ = grpo.clipped_surrogate_loss(
-        grpo.sequence_mean(new, mask), grpo.sequence_mean(old, mask), torch.zeros(2, dtype=torch.float64), 0.2, 0.28
+        grpo.completion_mean_logprob(new, mask),
+        grpo.completion_mean_logprob(old, mask),
+        torch.zeros(2, dtype=torch.float64),
+        0.2,
+        0.28,
     )
     torch.testing.assert_close(ratio, s[:, None].expand(2, 3))
     ratio[:, 0].sum().backward()
     torch.testing.assert_close(new.grad, torch.tensor([[s[0] / 2, s[0] / 2, 0.0], [s[1] / 3] * 3], dtype=torch.float64))
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "sequence-mean", "token-sum"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "sequence-mean", "token-sum-norm"])
 def test_update_policy_normalizes_as_each_aggregation_says(tiny, aggregation):
     """One on-policy update (ratio 1): each token's loss is −A_i, so the logged loss is −Σ_i A_i |o_i| over
     the tokens (token-mean), −Σ_i A_i over the completions (sequence-mean; 0 for centred advantages), or
-    −Σ_i A_i |o_i| over completions × --max-new-tokens (token-sum: Dr. GRPO's constant)."""
+    −Σ_i A_i |o_i| over completions × --max-new-tokens (token-sum-norm: Dr. GRPO's constant)."""
     from distributed_update import update_policy
 
     from common import fsdp
@@ -120,7 +124,7 @@ def test_update_policy_normalizes_as_each_aggregation_says(tiny, aggregation):
     expected = {
         "token-mean": -(advantages * lengths).sum() / lengths.sum(),
         "sequence-mean": -advantages.sum() / 8,
-        "token-sum": -(advantages * lengths).sum() / (8 * 16),
+        "token-sum-norm": -(advantages * lengths).sum() / (8 * 16),
     }[aggregation]
     # float32 sums in the order the update takes the rows: the centred advantages cancel to about 1% of Σ|A_i|, so
     # the tolerance is absolute (a few float32 ulps of Σ|A_i| = 5.3), far below the gaps between the aggregations
@@ -135,7 +139,7 @@ def test_update_policy_normalizes_as_each_aggregation_says(tiny, aggregation):
     [
         ("token-mean", "token"),
         ("sequence-mean", "token"),
-        ("token-sum", "token"),  # DAPO, GRPO, Dr. GRPO
+        ("token-sum-norm", "token"),  # DAPO, GRPO, Dr. GRPO
         ("sequence-mean", "sequence"),
         ("token-mean", "sequence"),  # GSPO as in its paper, and with DAPO's token mean
     ],
@@ -163,7 +167,11 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation, ratio_level):
     noise = 0.4 if ratio_level == "token" else 0.8  # a sequence's mean log-ratio varies less than a token's
     batch["old_logprobs"] = current + noise * torch.randn(current.shape, generator=generator)
     batch["advantages"] = advantages
-    tokens, sequences, constant = batch["response_mask"].sum(), 8, 8 * 16  # token-sum: 8 completions × 16 new tokens
+    tokens, sequences, constant = (
+        batch["response_mask"].sum(),
+        8,
+        8 * 16,
+    )  # token-sum-norm: 8 completions × 16 new tokens
 
     model.zero_grad()
     clipped_tokens = 0
@@ -171,7 +179,7 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation, ratio_level):
         logprobs, _ = grpo.token_logprobs(model, micro, temperature=1.0)
         ratio_inputs = (logprobs, micro["old_logprobs"])  # as update_policy does
         if ratio_level == "sequence":
-            ratio_inputs = tuple(grpo.sequence_mean(x, micro["response_mask"]) for x in ratio_inputs)
+            ratio_inputs = tuple(grpo.completion_mean_logprob(x, micro["response_mask"]) for x in ratio_inputs)
         token_losses, _, clip_active = grpo.clipped_surrogate_loss(*ratio_inputs, micro["advantages"], 0.2, 0.28)
         clipped_tokens += (clip_active.float() * micro["response_mask"]).sum().item()
         totals = {"tokens": tokens, "sequences": sequences, "token_budget": constant}
@@ -191,7 +199,7 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation, ratio_level):
         else:  # (π_θ(o_i|q) / π_old(o_i|q))^(1/|o_i|), on every token of o_i
             ratio = (torch.exp(logprobs.sum() - old.sum()) ** (1 / len(response))).expand(len(response))
         surrogate = torch.minimum(ratio * advantages[i], ratio.clamp(0.8, 1.28) * advantages[i])
-        normalizer = {"token-mean": tokens, "sequence-mean": sequences * len(response), "token-sum": constant}
+        normalizer = {"token-mean": tokens, "sequence-mean": sequences * len(response), "token-sum-norm": constant}
         objective = objective + surrogate.sum() / normalizer[aggregation]
     (-objective).backward()
     for name, parameter in model.named_parameters():
