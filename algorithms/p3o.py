@@ -39,6 +39,13 @@ Tools. With a task that has tools (common/tools.py) a response is an episode, an
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
 tokens. The batch ESS e_B and its N are over the policy's tokens only.
 
+Metrics in this fork. losses/approx_kl compares π_θ with π_old, which P3O does not use: 0 at one
+update per batch, stale rollouts or not; mismatch/kl_k3 compares μ with π_old, so it includes
+--sync-every's staleness and --sampling-temperature's gap; losses/policy_loss is a surrogate whose
+value means nothing beyond its gradient; losses/ess is e_B, the loss's own; tis_icepop.py's
+correction/ess is the ESS of its weights, only logged. Left out from grpo.py: --ratio-level
+sequence and token-sum-norm aggregation (P3O's loss is a token mean over B, with no clipped ratio).
+
 Run it
   python algorithms/p3o.py                       # the built-in task on a CPU, on-policy
   python algorithms/p3o.py --help                # every flag, with its default
@@ -125,7 +132,8 @@ class Args:
     # the loss: this method's own arguments
     ess_scope: Literal["minibatch", "micro-batch"] = "minibatch"
     """e_B over one optimizer step's tokens (the paper's batch) or of each
-    micro-batch (authors' code), all ranks"""
+    micro-batch (authors' code), all ranks; micro-batch keeps the rollout order (no sort by
+    length, which would change each micro-batch's e_B)"""
     sampling_temperature: float | None = None
     """rollout temperature of the engine (μ) when it differs from --temperature (π_θ):
     off-policy data, e.g. 1.2"""
@@ -229,7 +237,8 @@ def p3o_loss(logprobs, sampler_logprobs, advantages, mask, ess):
     ratio = torch.exp(log_ratio)
     # sg(min(ρ, e_B)) ≤ e_B ≤ 1, never 0: the ESS-driven cap (Eq. 11)
     weight = ratio.detach().clamp(max=ess)
-    # k3 of KL(π_θ ‖ μ), ≥ 0, with its gradient, no IS weight
+    # the k3 form of KL(π_θ ‖ μ), ≥ 0, with its gradient, no IS weight; on μ's samples it estimates
+    # that KL only on-policy (as the authors' code)
     kl_behavior = log_ratio + torch.exp(-log_ratio) - 1
     token_losses = -weight * advantages[:, None] * logprobs + (1 - ess) * kl_behavior
     return token_losses, ratio.detach(), ratio.detach() > ess, kl_behavior.detach()
@@ -479,14 +488,14 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
                     metrics.mean(
                         "losses/clip_fraction", (clip_active.float() * mask).sum(), tokens
-                    )  # P3O: ρ > e_B (capped)
+                    )  # P3O: ρ capped at e_B; on-policy about half the tokens (ρ ≈ e_B ≈ 1): noise
                     # full-vocabulary entropy of π_θ
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])
                     # ρ = π_θ/μ, as ratio_min|max
                     metrics.mean("losses/ratio_mean", (ratio * mask).sum(), tokens)
-                    # k3 of KL(π_θ ‖ μ)
+                    # the penalty's k3 form of KL(π_θ ‖ μ), on μ's samples
                     metrics.mean("losses/kl_behavior", (kl_behavior * mask).sum(), tokens)
                     # e_B, over the tokens it applied to
                     metrics.mean("losses/ess", ess * tokens.item(), tokens)
@@ -602,13 +611,14 @@ def main(args: Args) -> None:
                 policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics
             )
 
-        # 5. push the new weights to the engine (every rank gathers them)
+        # ALGO LOGIC: 5. push the new weights to the engine every --sync-every steps (stale rollouts
+        # in between) and before an evaluation (every rank gathers them)
         with metrics.timer("time/weight_sync"):
             engine.wake_up(["weights"])
-            # every --sync-every steps (stale rollouts in between) and before an eval
             if push_weights(args, step):
                 engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
             engine.wake_up(["kv_cache"])
+        # END ALGO LOGIC
 
         # TRY NOT TO MODIFY: 6. log, evaluate, checkpoint
         metrics.set("charts/lr", scheduler.get_last_lr()[0])

@@ -247,25 +247,25 @@ def correction_weights(
     seq_mask_delta=0.5,
 ):
     """The detached weight w [B, T] of each token's clipped loss (0 at padding), and [B, T] maps
-    of the response tokens it masked (w = 0) and truncated (w = C). seq-mask also needs the
+    of the response tokens it masked (w = 0) and capped (w = C). seq-mask also needs the
     advantages [B] and π_θ's log-probs."""
     valid = mask.bool()
     # log k_t, k_t = π_old/μ as in the IcePop blog (the papers write π_θ: the same
     # number with one update per batch)
     log_k = safe_log_ratio(old_logprobs, sampler_logprobs, mask)
     log_k_seq = sequence_log_ratio(old_logprobs, sampler_logprobs, mask)  # log Π_t k_t
-    keep, truncated = torch.ones_like(valid), torch.zeros_like(valid)
+    keep, capped = torch.ones_like(valid), torch.zeros_like(valid)
     if correction == "none":
         weights = torch.ones_like(log_k)
     elif correction == "tis":
         # min(k_t, C), survey eq. (3); capped above only (Yao et al., verl, slime)
         weights = torch.exp(log_k).clamp(max=tis_cap)
-        truncated = log_k > math.log(tis_cap)
+        capped = log_k > math.log(tis_cap)
     elif correction == "tis-seq":  # min(Π_t k_t, C) for every token of the completion
         weights = torch.exp(log_k_seq).clamp(max=tis_cap).expand_as(log_k)
-        truncated = (log_k_seq > math.log(tis_cap)).expand_as(valid)
+        capped = (log_k_seq > math.log(tis_cap)).expand_as(valid)
     elif correction in ("mis", "icepop"):
-        # k_t · 1[lo ≤ k_t ≤ hi]: token MIS; IcePop's M(k; α, β) (survey)
+        # k_t · 1[lo ≤ k_t ≤ hi]: token MIS; IcePop's M(k; α, β) (survey): one rule, other bounds
         low, high = (mis_low, mis_high) if correction == "mis" else (icepop_alpha, icepop_beta)
         weights = torch.exp(log_k)
         keep = (log_k >= (math.log(low) if low > 0 else -math.inf)) & (log_k <= math.log(high))
@@ -282,7 +282,8 @@ def correction_weights(
         unscored = torch.isnan(old_logprobs) | torch.isnan(sampler_logprobs)
         keep = (divergence <= kpop_phi) | unscored
     elif correction == "seq-mask":  # DeepSeek-V3.2 eq. 9: drop if A < 0 and mean_t log(μ/π_θ) > δ
-        # π_θ detached, recomputed in every micro-batch as in TRL: the statistic sees mismatch and
+        # π_θ (not π_old), detached, recomputed in every micro-batch as in TRL: the paper compares
+        # the sampling policy with the current one, so that the statistic sees mismatch and
         # staleness (the survey flips the sign: Σ log(π_θ/π_old)); δ is not in the paper, 0.5 is
         # TRL's; no exp, so never clamped
         if advantages is None or logprobs is None:
@@ -294,7 +295,7 @@ def correction_weights(
     else:
         raise ValueError(f"unknown --correction {correction!r}")
     weights = torch.where(keep, weights, torch.zeros_like(weights)) * mask
-    return weights.detach(), ~keep & valid, truncated & valid
+    return weights.detach(), ~keep & valid, capped & valid
 
 
 def effective_sample_size(weight_sum, weight_sq_sum, count):
@@ -528,7 +529,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
                     logprobs, old_logprobs, micro["advantages"], args.clip_low, args.clip_high
                 )
-                weights, masked, truncated = correction_weights(
+                weights, masked, capped = correction_weights(
                     old_logprobs,
                     micro["sampler_logprobs"],
                     mask,
@@ -564,7 +565,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     # w = 0 (dropped sequences included), w capped at C (tis, tis-seq), all w of a
                     # completion 0 (no gradient)
                     metrics.mean("correction/masked_token_fraction", masked.sum(), tokens)
-                    metrics.mean("correction/truncated_token_fraction", truncated.sum(), tokens)
+                    metrics.mean("correction/capped_token_fraction", capped.sum(), tokens)
                     metrics.mean("correction/dropped_sequence_fraction", (weights.sum(1) == 0).sum(), len(weights))
                     metrics.mean("correction/weight_mean", weights.sum(), tokens)
                     for key, value in zip(weight_sums, (weights.sum(), (weights**2).sum(), tokens)):

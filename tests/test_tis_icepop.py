@@ -65,30 +65,30 @@ def test_log_ratio_neutralizes_nan_and_clamps():
 
 def test_none_is_one_on_response_tokens():
     old, sampler, _ = _pair([[3.0, -3.0, 0.0]])
-    weights, masked, truncated = _weights("none", old, sampler, _lp([[1, 1, 0]]))
-    assert weights.tolist() == [[1.0, 1.0, 0.0]] and not masked.any() and not truncated.any()
+    weights, masked, capped = _weights("none", old, sampler, _lp([[1, 1, 0]]))
+    assert weights.tolist() == [[1.0, 1.0, 0.0]] and not masked.any() and not capped.any()
 
 
 def test_tis_caps_at_C_from_above_only():
     # k = 0.1 (no lower truncation), 1, exactly C = 2 (capped value = itself, not counted), 3 and e^5 (capped)
     log_k = [[math.log(0.1), 0.0, math.log(2.0), math.log(3.0), 5.0]]
-    weights, masked, truncated = _weights("tis", *_pair(log_k))
+    weights, masked, capped = _weights("tis", *_pair(log_k))
     torch.testing.assert_close(weights, _lp([[0.1, 1.0, 2.0, 2.0, 2.0]]))
-    assert truncated.tolist() == [[False, False, False, True, True]] and not masked.any()
-    weights, _, truncated = _weights("tis", *_pair(log_k), tis_cap=5.0)
+    assert capped.tolist() == [[False, False, False, True, True]] and not masked.any()
+    weights, _, capped = _weights("tis", *_pair(log_k), tis_cap=5.0)
     torch.testing.assert_close(weights, _lp([[0.1, 1.0, 2.0, 3.0, 5.0]]))
-    assert truncated.tolist() == [[False, False, False, False, True]]
+    assert capped.tolist() == [[False, False, False, False, True]]
 
 
 @pytest.mark.parametrize("correction, low, high", [("mis", 0.5, 2.0), ("icepop", 0.5, 5.0)])
 def test_token_masking_keeps_k_inside_the_closed_interval(correction, low, high):
     """mis: k·1[lo ≤ k ≤ hi] with slime's [0.5, 2]; icepop: IcePop's M(k; α, β) with the paper's [0.5, 5]."""
     log_k = [[math.log(low) - 1e-9, math.log(low), 0.0, math.log(high), math.log(high) + 1e-9, 19.0, -19.0]]
-    weights, masked, truncated = _weights(correction, *_pair(log_k))  # the defaults are the papers'
+    weights, masked, capped = _weights(correction, *_pair(log_k))  # the defaults are the papers'
     kept = [False, True, True, True, False, False, False]
     expected = [math.exp(x) if keep else 0.0 for x, keep in zip(log_k[0], kept)]
     torch.testing.assert_close(weights, _lp([expected]))
-    assert masked.tolist() == [[not keep for keep in kept]] and not truncated.any()
+    assert masked.tolist() == [[not keep for keep in kept]] and not capped.any()
 
 
 def test_icepop_flags_move_the_interval():
@@ -112,11 +112,11 @@ def test_kpop_keeps_a_token_when_both_binary_kls_are_small():
     pairs = [(0.99, 0.9), (0.2, 0.05), (1e-5, 1e-7), (0.5, 0.5), (1.0, 0.9), (1.0, 0.999)]
     old = _lp([[math.log(p) for p, _ in pairs]])
     sampler = _lp([[math.log(q) for _, q in pairs]])
-    weights, masked, truncated = _weights("kpop", old, sampler, torch.ones_like(old))
+    weights, masked, capped = _weights("kpop", old, sampler, torch.ones_like(old))
     clamp = lambda x: min(max(x, 1e-8), 1 - 1e-8)
     kept = [max(_binary_kl(clamp(p), clamp(q)), _binary_kl(clamp(q), clamp(p))) <= 0.1 for p, q in pairs]
     assert kept == [False, False, True, True, False, True]  # the hand-computed cases above
-    assert masked.tolist() == [[not keep for keep in kept]] and not truncated.any()
+    assert masked.tolist() == [[not keep for keep in kept]] and not capped.any()
     torch.testing.assert_close(weights, _lp([[p / q if keep else 0.0 for (p, q), keep in zip(pairs, kept)]]))
     # tim.binary_kl is the formula, and φ is an inclusive threshold
     for p, q in pairs[:4]:
@@ -134,14 +134,14 @@ def test_kpop_keeps_a_token_when_both_binary_kls_are_small():
 def test_tis_seq_caps_the_product_of_the_token_ratios():
     log_k = [
         [0.3, 0.2, 0.1, 9.0],  # padding at the end does not count: ρ = e^0.6 = 1.82 < 2
-        [0.5, 0.5, -0.1, 0.0],  # ρ = e^0.9 = 2.46 > 2: truncated to 2 on every token
+        [0.5, 0.5, -0.1, 0.0],  # ρ = e^0.9 = 2.46 > 2: capped to 2 on every token
         [-0.5, -1.0, 0.0, 0.0],
     ]  # ρ = e^-1.5, no lower truncation
     mask = [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
-    weights, masked, truncated = _weights("tis-seq", *_pair(log_k, mask))
+    weights, masked, capped = _weights("tis-seq", *_pair(log_k, mask))
     rows = [math.exp(0.6), 2.0, math.exp(-1.5)]
     torch.testing.assert_close(weights, _lp([[rows[0]] * 3 + [0.0], [rows[1]] * 4, [rows[2]] * 4]))
-    assert truncated.tolist() == [[False] * 4, [True] * 4, [False] * 4] and not masked.any()
+    assert capped.tolist() == [[False] * 4, [True] * 4, [False] * 4] and not masked.any()
 
 
 def test_mis_seq_rejects_completions_above_C():
@@ -151,9 +151,9 @@ def test_mis_seq_rejects_completions_above_C():
         [0.4, 0.4, 0.0],
     ]  # ρ = e^0.8 > 2: every token masked
     mask = [[1, 1, 0], [1, 1, 1], [1, 1, 1]]
-    weights, masked, truncated = _weights("mis-seq", *_pair(log_k, mask))
+    weights, masked, capped = _weights("mis-seq", *_pair(log_k, mask))
     torch.testing.assert_close(weights, _lp([[math.exp(0.6)] * 2 + [0.0], [2.0] * 3, [0.0] * 3]))
-    assert masked.tolist() == [[False] * 3, [False] * 3, [True] * 3] and not truncated.any()
+    assert masked.tolist() == [[False] * 3, [False] * 3, [True] * 3] and not capped.any()
 
 
 def test_sequence_ratios_clamp_the_sum_not_each_token():
@@ -161,9 +161,9 @@ def test_sequence_ratios_clamp_the_sum_not_each_token():
     d = [+30, −13, −12] (Σ = +5) and d = [−30, 9, 9] (Σ = −12), with C = 2."""
     d = [[30.0, -13.0, -12.0], [-30.0, 9.0, 9.0]]
     old, sampler, mask = _shifted(d, [[1, 1, 1]] * 2, base=-40.0)
-    weights, _, truncated = _weights("tis-seq", old, sampler, mask)
+    weights, _, capped = _weights("tis-seq", old, sampler, mask)
     torch.testing.assert_close(weights, _lp([[2.0] * 3, [math.exp(-12.0)] * 3]))  # min(e^5, 2) = 2; e^-12
-    assert truncated.tolist() == [[True] * 3, [False] * 3]
+    assert capped.tolist() == [[True] * 3, [False] * 3]
     weights, masked, _ = _weights("mis-seq", old, sampler, mask)
     assert masked.tolist() == [[True] * 3, [False] * 3]  # e^5 > C: rejected
     torch.testing.assert_close(weights, _lp([[0.0] * 3, [math.exp(-12.0)] * 3]))
@@ -191,11 +191,11 @@ def test_seq_mask_drops_negative_advantage_completions_far_from_the_sampler():
     mask = _lp([[1, 1, 1]] * 4 + [[1, 1, 0]])
     advantages = _lp([-1.0, 0.5, -1.0, -1.0, -0.1])
     old = sampler.clone()  # π_old = μ: the statistic must come from π_θ, not from π_old
-    weights, masked, truncated = _weights("seq-mask", old, sampler, mask, advantages=advantages, logprobs=logprobs)
+    weights, masked, capped = _weights("seq-mask", old, sampler, mask, advantages=advantages, logprobs=logprobs)
     dropped = [True, False, False, False, True]
     assert masked.tolist() == [[d and m > 0 for m in row] for d, row in zip(dropped, mask.tolist())]
     assert weights.tolist() == [[0.0 if d else m for m in row] for d, row in zip(dropped, mask.tolist())]
-    assert not truncated.any()
+    assert not capped.any()
     weights = _weights("seq-mask", old, sampler, mask, advantages=advantages, logprobs=logprobs, seq_mask_delta=0.7)[0]
     assert weights.tolist() == mask.tolist()  # δ above every statistic: nothing dropped
     with pytest.raises(ValueError, match="seq-mask"):
@@ -212,7 +212,7 @@ def test_nan_log_probs_are_neutralized(correction):
     sampler = _lp([[-1.2, -1.0, nan, -2.0], [-1.0, nan, -1.0, nan]])
     mask = _lp([[1, 1, 1, 1], [1, 1, 1, 0]])
     advantages, logprobs = _lp([-1.0, -1.0]), old.clone()
-    weights, masked, truncated = _weights(correction, old, sampler, mask, advantages=advantages, logprobs=logprobs)
+    weights, masked, capped = _weights(correction, old, sampler, mask, advantages=advantages, logprobs=logprobs)
     assert torch.isfinite(weights).all()
     # a NaN token counts as matched (k = 1): it changes neither a token weight nor a sequence product
     clean_old, clean_sampler = old.clone(), sampler.clone()
@@ -220,7 +220,7 @@ def test_nan_log_probs_are_neutralized(correction):
     clean_old[unscored], clean_sampler[unscored] = -1.0, -1.0
     expected = _weights(correction, clean_old, clean_sampler, mask, advantages=advantages, logprobs=clean_old)
     torch.testing.assert_close(weights, expected[0])
-    assert torch.equal(masked, expected[1]) and torch.equal(truncated, expected[2])
+    assert torch.equal(masked, expected[1]) and torch.equal(capped, expected[2])
 
 
 @pytest.mark.parametrize("correction", MODES)
@@ -258,10 +258,10 @@ FAR = [[4.0, -4.0, 3.0], [5.0, 4.0, -6.0]]  # log k of tokens far outside every 
 def test_everything_masked(correction, log_k, base, options):
     old, sampler, mask = _shifted(log_k, [[1, 1, 1], [1, 1, 0]], base)
     advantages, logprobs = _lp([-1.0, -2.0]), old - 5.0  # mean log(μ/π_θ) > δ on both rows
-    weights, masked, truncated = _weights(
+    weights, masked, capped = _weights(
         correction, old, sampler, mask, advantages=advantages, logprobs=logprobs, **options
     )
-    assert weights.abs().sum() == 0 and torch.equal(masked, mask.bool()) and not truncated.any()
+    assert weights.abs().sum() == 0 and torch.equal(masked, mask.bool()) and not capped.any()
 
 
 def test_masked_tokens_stay_in_the_token_mean_denominator():
@@ -412,7 +412,7 @@ LOGGED = (
         "mismatch/ratio_max",
         "mismatch/nan_logprob_fraction",
         "correction/masked_token_fraction",
-        "correction/truncated_token_fraction",
+        "correction/capped_token_fraction",
         "correction/dropped_sequence_fraction",
         "correction/weight_mean",
         "correction/ess",
@@ -423,8 +423,8 @@ LOGGED = (
 # leave it alone; these settings make every mode act, and the test checks that it did.
 ACTING = {
     "none": ([], None),
-    "tis": (["--tis-cap", 1.0], "correction/truncated_token_fraction"),
-    "tis-seq": (["--tis-cap", 1.0], "correction/truncated_token_fraction"),
+    "tis": (["--tis-cap", 1.0], "correction/capped_token_fraction"),
+    "tis-seq": (["--tis-cap", 1.0], "correction/capped_token_fraction"),
     "mis": (["--mis-low", 0.999, "--mis-high", 1.001], "correction/masked_token_fraction"),
     "mis-seq": (["--tis-cap", 1.0], "correction/dropped_sequence_fraction"),
     "icepop": (["--icepop-alpha", 0.999, "--icepop-beta", 1.001], "correction/masked_token_fraction"),
@@ -456,7 +456,7 @@ def test_two_steps_in_every_mode_with_a_bfloat16_engine(tmp_path, correction):
         assert 0 < record["correction/ess"] <= 1 + 1e-9
         if correction == "none":
             assert record["correction/weight_mean"] == record["correction/ess"] == 1.0
-            assert record["correction/masked_token_fraction"] == record["correction/truncated_token_fraction"] == 0
+            assert record["correction/masked_token_fraction"] == record["correction/capped_token_fraction"] == 0
         if correction == "icepop":  # the bfloat16 engine disagrees: IcePop masks some (not all) tokens at every step
             assert 0 < record["correction/masked_token_fraction"] < 1
             assert record["correction/weight_mean"] < 1 and record["correction/ess"] < 1
