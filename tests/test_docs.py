@@ -28,7 +28,7 @@ MAX_DIFF = {
     "gtpo": 301,
     "tis_icepop": 359,
     "isopo": 758,
-}  # isopo: + 4 for end_minibatch (stop 49); all: + 5 for grpo.py's own variants explained, p3o + 10 for what its metrics mean (stop 54)
+}  # isopo: + 4 for end_minibatch (stop 49); all + 5: grpo.py's own variants explained; p3o + 10: its metrics (stop 54)
 
 
 def _read(path):
