@@ -8,6 +8,15 @@ from helpers import OFFLINE
 
 os.environ.update(OFFLINE)  # tests never download weights or data
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `-n N` workers (pytest.ini: one per core)
+    # One thread per worker, in its own process and in the scripts it starts: N workers share N cores. OpenMP threads
+    # wait passively, not spinning at their barriers: a busy core is not taken from the other worker (spinning made
+    # runs beside another job about five times slower on two cores).
+    os.environ.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    import torch
+
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_dir():

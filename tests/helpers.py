@@ -226,7 +226,7 @@ def peak_rss_of(script, *flags, timeout=900):
         "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)"
     )
-    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     result = subprocess.run(
         [sys.executable, "-c", launcher, sys.executable, os.path.join(REPO, script), *map(str, flags)],
         cwd=REPO,
