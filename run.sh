@@ -45,7 +45,10 @@ setup() {
 
 case "${1:-}" in
   "")   setup; exec "$PY" algorithms/grpo.py ;;
-  test) shift; setup; exec "$PY" -m pytest "$@" ;;
+  test) shift; setup
+    # every built-in model the tests use, built once on every core before the workers (one thread each) start
+    "$PY" -m common.tiny sums products >/dev/null && "$PY" -m common.tiny --moe >/dev/null
+    exec "$PY" -m pytest "$@" ;;
   bench) shift; setup; exec "$PY" -m common.bench "$@" ;;
   *)    setup; exec "$PY" "$@" ;;
 esac
