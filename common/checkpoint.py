@@ -238,9 +238,12 @@ class StopSignals:
     `finish` exits with 128 + the signal's number after saying how to resume. A second signal stops at once, with the
     same exit code and no traceback, but never inside a checkpoint's write: that finishes first. After SIGHUP the
     run's output to the terminal goes to /dev/null (writing to a hung-up terminal fails). SIGHUP is left alone where
-    it is ignored (nohup). Signals are caught only while training (in the main thread). Under torchrun a signal on
-    one rank stops every rank after the same step, each exiting with its code; the agent kills its workers
-    --shutdown-timeout seconds (30 by default) after forwarding a signal, so a step and its checkpoint must fit."""
+    it is ignored (nohup). Signals are caught only while training (in the main thread), that is while the function
+    that made this object runs: if it raised before `finish`, the next signal finds it gone, restores the handlers
+    that were there before and is handled by them (a notebook's or a test runner's Ctrl-C still works). Under
+    torchrun a signal on one rank stops every rank after the same step, each exiting with its code; the agent kills
+    its workers --shutdown-timeout seconds (30 by default) after forwarding a signal, so a step and its checkpoint
+    must fit: rank 0 warns once when a step takes more than half of it, while there is time to restart with more."""
 
     def __init__(self):
         import signal
@@ -249,6 +252,9 @@ class StopSignals:
         self.received = None
         self.when = 0.0  # time.monotonic() of the first signal
         self.previous = {}
+        self.owner = sys._getframe(1).f_code  # the function that catches signals (main), while it runs
+        self.agent_timeout = _agent_shutdown_timeout() if _UNDER_TORCHRUN else None
+        self.last_step_end = None  # time.monotonic() at the last `requested`: once a step
         if threading.current_thread() is threading.main_thread():
             for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 if number == signal.SIGHUP and signal.getsignal(number) == signal.SIG_IGN:
@@ -258,6 +264,8 @@ class StopSignals:
     def _handle(self, number, frame):
         import signal
 
+        if not self._owner_running():  # main() raised: the handlers that were there before take it
+            return self._pass_on(number, frame)
         name = signal.Signals(number).name
         if number == signal.SIGHUP:
             _detach_from_terminal()
@@ -274,10 +282,43 @@ class StopSignals:
         self.received, self.when = number, time.monotonic()
         _say(f"\n{name}: the step under way finishes and is checkpointed, then the run stops ({name} again: now)")
 
+    def _owner_running(self) -> bool:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code is not self.owner:
+            frame = frame.f_back
+        return frame is not None
+
+    def _restore(self) -> None:
+        import signal
+
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        self.previous = {}
+
+    def _pass_on(self, number, frame) -> None:
+        """Restore the handlers, then handle the signal as the one this object replaced would have."""
+        import signal
+
+        handler = self.previous.get(number, signal.SIG_DFL)
+        self._restore()
+        if callable(handler):
+            return handler(number, frame)  # Python's default for SIGINT raises KeyboardInterrupt
+        if handler == signal.SIG_DFL:
+            os.kill(os.getpid(), number)  # the default action (ends the process), now that it is set again
+
     def requested(self, dist) -> bool:
         """Whether any rank received a signal: a collective, so every rank stops after the same step."""
         from common import fsdp
 
+        now, timeout = time.monotonic(), self.agent_timeout
+        if self.last_step_end is not None and timeout is not None and now - self.last_step_end > timeout / 2:
+            if dist.is_main:
+                _say(f"warning: a step takes {now - self.last_step_end:.0f} s, and torchrun kills its workers "
+                     f"{timeout:.0f} s after it forwards a signal (its --shutdown-timeout): a stop would lose the "
+                     f"steps since the last checkpoint. Restart with torchrun --shutdown-timeout "
+                     f"{max(900, 4 * round(now - self.last_step_end))} to stop safely")  # fmt: skip
+            self.agent_timeout = None  # once
+        self.last_step_end = now
         signalled = fsdp.all_reduce_dict({"ranks": float(self.received is not None), "sum": self.received or 0}, dist)
         if signalled["ranks"] and self.received is None:  # another rank's: this one exits with its code too
             self.received = round(signalled["sum"] / signalled["ranks"])
@@ -288,8 +329,7 @@ class StopSignals:
         the last of the run's `steps` stopped nothing: its checkpoint is the end of the run, said as such (exit 0)."""
         import signal
 
-        for number, handler in self.previous.items():
-            signal.signal(number, handler)
+        self._restore()
         if self.received is None:
             return
         name = signal.Signals(self.received).name
@@ -301,6 +341,27 @@ class StopSignals:
         if dist.is_main:
             _say(f"stopped by {name}: continue with --resume {run_dir}")
         raise SystemExit(128 + self.received)
+
+
+def _agent_shutdown_timeout() -> float | None:
+    """The seconds torchrun's agent, this worker's parent, waits after forwarding a signal before it kills its
+    workers: its --shutdown-timeout, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 (None where /proc cannot tell)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            environ = dict(e.decode(errors="replace").partition("=")[::2] for e in f.read().split(b"\0") if e)
+    except OSError:
+        return None
+    given = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    for i, arg in enumerate(argv):
+        name, equals, value = arg.partition("=")
+        if name in ("--shutdown-timeout", "--shutdown_timeout"):
+            given = value if equals else argv[i + 1] if i + 1 < len(argv) else given
+    try:
+        return float(given)
+    except ValueError:
+        return None
 
 
 def _detach_from_terminal() -> None:

@@ -47,6 +47,8 @@ def shared_flags(args) -> list[str]:
         problems += require(v["exp_name"] != "" and os.sep not in v["exp_name"], "--exp-name", "a name without '/'")
     if has("output_dir"):
         problems += output_dir_problems(v["output_dir"])
+    if has("output_dir", "resume") and v["resume"] not in (None, "auto") and v["output_dir"] != defaults["output_dir"]:
+        problems += resumed_output_dir_problems(v["resume"], v["output_dir"])
     if has("seed"):  # numpy's generators take [0, 2^32); each rank seeds with seed + rank
         problems += require(0 <= v["seed"] < 2**31, "--seed", "in [0, 2^31)")
     for name in ("steps", "prompts_per_step", "max_prompt_tokens", "max_sampling_rounds", "update_epochs"):
@@ -232,6 +234,17 @@ def unused(args, names: list[str], why: str) -> list[str]:
     them (`why` says when they apply), so that no flag is silently ignored."""
     defaults = type(args)()
     return [f"--{name.replace('_', '-')} {why}" for name in names if getattr(args, name) != getattr(defaults, name)]
+
+
+def resumed_output_dir_problems(resume: str, output_dir: str) -> list[str]:
+    """--resume PATH continues the run in its own folder: an --output-dir elsewhere would be ignored."""
+    run = os.path.normpath(resume)
+    if os.path.isfile(os.path.join(run, "trainer_state.pt")):  # a checkpoint: <run>/checkpoints/step_N
+        run = os.path.dirname(os.path.dirname(run))
+    if not os.path.isdir(run) or os.path.realpath(os.path.dirname(run)) == os.path.realpath(output_dir):
+        return []  # (a --resume that names nothing is refused by name when the run starts)
+    return [f"--output-dir {output_dir}: a resumed run continues in its own folder ({run}); leave it out with --resume "
+            "PATH (to continue a copy elsewhere, copy the run's folder there and resume the copy)"]  # fmt: skip
 
 
 def output_dir_problems(path: str) -> list[str]:

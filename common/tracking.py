@@ -142,6 +142,8 @@ class Tracker:
             with open(self.path + ".tmp", "w") as f:  # a kill meanwhile leaves the file as it was
                 f.writelines(kept)
             os.replace(self.path + ".tmp", self.path)
+        if "output_dir" in config:  # where the run is (a resumed run's own folder, whatever the command said)
+            config = {**config, "output_dir": os.path.dirname(os.path.normpath(run_dir))}
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2, default=str)
         if track:

@@ -3,6 +3,7 @@
     .venv/bin/python tests/mutation_audit.py                       # every script, then common/'s math
     .venv/bin/python tests/mutation_audit.py grpo isopo --list     # the mutants only, nothing run
     .venv/bin/python tests/mutation_audit.py common --out /tmp/audit
+    .venv/bin/python tests/mutation_audit.py ema_kpo p3o --own-lines  # a fork's lines that grpo.py lacks
 
 Each mutant changes one thing in a copy of the repository: a statement replaced by `pass`, a comparison
 negated (< and >=, == and !=, in and not in, is and is not), or an arithmetic operator swapped (+ and -,
@@ -12,7 +13,9 @@ tests that look at its file fails (pytest -x, stopped at the first failure); els
 line needs a test, or a reason it cannot matter (REASONS below: a log line, a check of a flag already
 refused elsewhere). Results go to OUT/results.jsonl, one line per mutant, and a rerun skips the mutants
 already there (delete the file to start over); OUT/summary.md lists the survivors per file.
-Slow (about 20-60 s a mutant on 2 cores, so hours for all): not part of the test suite."""
+--own-lines leaves out a fork's lines that are also in grpo.py: grpo.py's audit covers those, and a change
+to one shows in `diff algorithms/grpo.py algorithms/X.py`. Slow (about 20-60 s a mutant on 2 cores, so
+hours for all): not part of the test suite."""
 
 import argparse
 import ast
@@ -123,6 +126,13 @@ def mutants(path: str, ranges) -> list[dict]:
     return sorted(found, key=lambda m: (m["line"], m["kind"], m["text"]))
 
 
+def own_lines(mutants_found: list[dict], path: str) -> list[dict]:
+    """The mutants of a fork whose line is not a line of grpo.py (the method's own lines)."""
+    baseline = {line.strip() for line in open(os.path.join(REPO, "algorithms", "grpo.py"))}
+    lines = open(os.path.join(REPO, path)).read().splitlines()
+    return [m for m in mutants_found if lines[m["line"] - 1].strip() not in baseline]
+
+
 def targets(names: list[str]) -> list[tuple[str, list, list[str]]]:
     """(file, line ranges, the tests that look at it) for each name: a script, or "common"."""
     chosen = []
@@ -179,11 +189,17 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "mutation_audit"), help="results folder")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per mutant")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    parser.add_argument("--own-lines", action="store_true", help="a fork's lines that are not in grpo.py only")
     args = parser.parse_args()
     chosen = targets(args.names)
+
+    def mutants_of(path, ranges):
+        found = mutants(path, ranges)
+        return own_lines(found, path) if args.own_lines and path != "algorithms/grpo.py" else found
+
     if args.list:
         for path, ranges, _, _ in chosen:
-            for mutant in mutants(path, ranges):
+            for mutant in mutants_of(path, ranges):
                 print(f"{mutant['file']}:{mutant['line']} {mutant['kind']}: {mutant['text']}")
         return
     os.makedirs(args.out, exist_ok=True)
@@ -197,7 +213,7 @@ def main() -> None:
     ignore = shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__", "*.egg-info")
     shutil.copytree(REPO, workdir, ignore=ignore)
     for path, ranges, tests, keyword in chosen:
-        todo = [m for m in mutants(path, ranges) if m["id"] not in done]
+        todo = [m for m in mutants_of(path, ranges) if m["id"] not in done]
         print(f"{path}: {len(todo)} mutants to run", file=sys.stderr)
         for number, mutant in enumerate(todo, 1):
             verdict, seconds, why = run(mutant, tests, keyword, workdir, args.timeout)
@@ -207,7 +223,7 @@ def main() -> None:
                 f.write(json.dumps(record) + "\n")
             done[mutant["id"]] = record
             print(f"[{number}/{len(todo)}] {verdict} {seconds:.0f}s {path}:{mutant['line']} {mutant['text']}")
-    current = {m["id"] for path, ranges, _, _ in chosen for m in mutants(path, ranges)}
+    current = {m["id"] for path, ranges, _, _ in chosen for m in mutants_of(path, ranges)}
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(summary([r for r in done.values() if r["id"] in current]))
     print(f"survivors: {os.path.join(args.out, 'summary.md')}")

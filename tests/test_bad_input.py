@@ -226,6 +226,25 @@ def test_a_bad_task_or_resume_is_named_before_any_model_loads(flags, message, tm
     assert message in str(error.value), str(error.value)
 
 
+def test_a_resume_of_a_run_elsewhere_refuses_an_output_dir_it_would_ignore(tmp_path):
+    """--resume PATH continues the run in its own folder: --output-dir elsewhere is named, not ignored (its
+    default, and the run's own parent, are fine), and config.json records where the run is."""
+    from common.tracking import Tracker
+
+    run = tmp_path / "runs" / "arith__grpo__1__1800000000"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000002" / "trainer_state.pt").write_bytes(b"")
+    for resume in (run, run / "checkpoints" / "step_00000002"):
+        module, args = _args("grpo", output_dir=str(tmp_path / "elsewhere"), resume=str(resume))
+        with pytest.raises(BadInput, match=f"--output-dir {tmp_path}/elsewhere: a resumed run continues in its own"):
+            module.check_args(args)
+        assert checks.resumed_output_dir_problems(str(resume), str(tmp_path / "runs")) == []  # the run's parent
+        default = flags.replace(args, output_dir=module.Args().output_dir)
+        assert not [problem for problem in checks.shared_flags(default) if "--output-dir" in problem]
+    Tracker(str(run), {"output_dir": "elsewhere", "steps": 3})
+    assert json.load(open(run / "config.json"))["output_dir"] == str(tmp_path / "runs")
+
+
 def test_a_start_refused_after_its_run_folder_was_made_leaves_no_folder(tmp_path):
     """A bad --model folder is found once the run's folder exists (the model is read after the folder is locked):
     the folder, which holds nothing but its lock, is removed as the process ends."""

@@ -333,6 +333,90 @@ def test_under_torchrun_a_repeated_signal_is_the_agents_copy_and_another_ranks_s
         stop.finish("unused", one_process())
 
 
+def test_after_a_main_that_raised_the_next_ctrl_c_reaches_the_handler_that_was_there_before():
+    """A main() that raises never calls StopSignals.finish. In a long-lived process (a notebook, a test runner, a
+    sweep that calls main() in a loop) the next Ctrl-C must still interrupt: the stale handler gives it to the
+    handler it replaced, and restores that one."""
+    from common.checkpoint import StopSignals
+
+    def main():
+        StopSignals()
+        raise RuntimeError("a run that failed")
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(RuntimeError):
+            main()
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler  # main's, left behind
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_the_agents_shutdown_timeout_is_read_from_its_command_line_or_environment():
+    """torchrun's agent is the worker's parent: its --shutdown-timeout (either spelling, with = or not), else
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else torchrun's default of 30 s."""
+    child = "from common.checkpoint import _agent_shutdown_timeout as t; print(t())"
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
+    cases = [([], {}, "30.0"), (["--shutdown-timeout", "900"], {}, "900.0"), (["--shutdown_timeout=7"], {}, "7.0")]
+    cases.append(([], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}, "120.0"))
+    for argv, env, said in cases:
+        environ = {**os.environ, "PYTHONPATH": REPO, **env}
+        environ.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None) if not env else None
+        result = subprocess.run([sys.executable, "-c", parent, *argv], env=environ, capture_output=True, text=True)
+        assert result.stdout.strip() == said, (argv, env, result.stdout, result.stderr[-2000:])
+
+
+def test_a_step_longer_than_half_the_agents_timeout_warns_once(monkeypatch, capfd):
+    """Under torchrun a stop must fit a step and its checkpoint into the agent's --shutdown-timeout: rank 0 warns
+    once, after the first step that takes more than half of it, with the flag to restart with."""
+    from helpers import one_process
+
+    from common import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_UNDER_TORCHRUN", True)
+    monkeypatch.setattr(checkpoint, "_agent_shutdown_timeout", lambda: 30.0)
+    clock = iter([100.0, 110.0, 130.0, 160.0])  # steps of 10 s (fine), then 20 s, then 30 s
+    monkeypatch.setattr(checkpoint.time, "monotonic", lambda: next(clock))
+    stop = checkpoint.StopSignals()
+    try:
+        said = []
+        for _ in range(4):
+            assert not stop.requested(one_process())
+            said.append(capfd.readouterr().err)
+        assert said[:2] == ["", ""] and said[3] == "", said
+        assert "a step takes 20 s, and torchrun kills its workers 30 s after it forwards a signal" in said[2]
+        assert "Restart with torchrun --shutdown-timeout 900 to stop safely" in said[2]
+    finally:
+        stop.finish("unused", one_process())
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_checkpoints_the_step_on_every_rank(tmp_path):
+    """A scheduler's SIGTERM to torchrun's agent: the agent forwards it to both ranks, which finish the step under
+    way, checkpoint it together (--save-every 0: no other checkpoint) and exit saying how to resume, before the
+    agent's --shutdown-timeout."""
+    from helpers import OFFLINE
+
+    from common import checks
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [os.path.join(REPO, "algorithms/grpo.py"), "--steps", 30, "--save-every", 0, "--output-dir", tmp_path]
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen(list(map(str, command + FLAGS)), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    _wait_until(lambda: _steps_logged(tmp_path) >= 2, agent)
+    agent.send_signal(signal.SIGTERM)
+    stderr = agent.communicate(timeout=300)[1]
+    run_dir = only_run_dir(tmp_path)
+    assert f"stopped by SIGTERM: continue with --resume {run_dir}" in stderr, stderr[-3000:]
+    (checkpoint,) = os.listdir(os.path.join(run_dir, "checkpoints"))
+    assert int(checkpoint.split("_")[1]) == _steps_logged(tmp_path) >= 2  # the last step logged
+    checks.check_checkpoint_files(os.path.join(run_dir, "checkpoints", checkpoint))  # whole: both ranks' shards
+
+
 def test_a_signal_during_the_last_step_ends_a_complete_run_without_resume_advice(tmp_path, capfd):
     """The last step's checkpoint is the end of the run: no `--resume` advice for a run with nothing left, exit 0;
     one step earlier, the advice and exit code 128 + the signal's number."""
