@@ -39,8 +39,11 @@ setup() {
     touch "$stamp"
   fi
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
+  # OpenMP threads that sleep at their barriers instead of spinning: alone no slower (2.41 s a step either way), and
+  # beside a second run on 2 cores 4.5 s a step instead of 33 (the spinning threads take each other's cores)
+  export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
   export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
-  "$PY" -m common.tiny >/dev/null  # builds the built-in model on first use (about a minute)
+  "$PY" -m common.tiny >/dev/null  # builds the built-in model on first use (2-6 minutes)
 }
 
 case "${1:-}" in

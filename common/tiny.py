@@ -1,6 +1,6 @@
 """The built-in models: a character-level Llama warm-started on each built-in task, offline.
 
-    model_dir = tiny_model_dir()               # `arith`: built on first use (about a minute on 2 CPU cores)
+    model_dir = tiny_model_dir()               # `arith`: built on first use (2-6 minutes on 2 CPU cores)
     model_dir = tiny_model_dir("sums")         # `sums`: built from the arith model (about 6 minutes)
     model_dir = resolve_model("tiny", task)    # what `--model tiny` does: the warm start of --task
     model_dir = tiny_model_dir("sums", moe=True)  # `--model tiny-moe`: the mixture-of-experts model (below)
@@ -14,9 +14,13 @@ Qwen2 config transformers swaps in a byte-level tokenizer that drops spaces.)
 
 The warm start is supervised training on the task's prompts and completions (`Q: a+b=` -> `sum<eos>`;
 `Q: 37+48+91=` -> `37+48=85,85+91=176 #### 176<eos>`) and stops as soon as the sampled (temperature 1)
-accuracy on training prompts reaches the task's target: a policy that is right a fifth to a quarter of
-the time leaves RL plenty of room. The `sums` model starts from the `arith` one, which already adds two
-numbers.
+accuracy on 256 training prompts reaches the task's target: a policy right about a third of the time
+(`arith`) or a quarter (`sums`, `products`) leaves RL plenty of room. Supervised training passes its
+steep transition in a few dozen steps, and checks every 25 steps would stop anywhere on it: a check
+past the target by more than TOLERANCE goes back to the state of the check before and checks every
+step from there, so the model lands within a few points of its target on any processor (a build is
+deterministic for a processor and torch version, not across processors: each is another model). The
+`sums` model starts from the `arith` one, which already adds two numbers.
 
 `tiny-moe` is the same model made a mixture of experts (a `MixtralForCausalLM`: 8 experts per layer, 2
 active per token, 19.7M parameters, 4.8M active), for the train-inference mismatch of routed models. It
@@ -66,27 +70,32 @@ class WarmStart:
     max_steps: int
     lr: float
     starts_from: str | None = None  # another built-in task whose model this one continues
+    min_steps: int = 0  # a check past the target goes back no further than this
 
 
+# The targets are where the v1 builds (first check past the target on AMD EPYC) landed, so that the builds of v2
+# on those processors are the v1 models, bit for bit, and the results pages made with them stay true.
 WARM_STARTS = {
-    "arith": WarmStart("tiny-llama-arith-v1", "TINY_MODEL_DIR", 0.20, 8, 300, 2000, 1e-3),
-    "sums": WarmStart("tiny-llama-sums-v1", "TINY_SUMS_MODEL_DIR", 0.25, 48, 400, 1500, 1e-3, starts_from="arith"),
+    "arith": WarmStart("tiny-llama-arith-v2", "TINY_MODEL_DIR", 0.35, 8, 300, 2000, 1e-3),
+    "sums": WarmStart("tiny-llama-sums-v2", "TINY_SUMS_MODEL_DIR", 0.25, 48, 400, 1500, 1e-3, starts_from="arith"),
     # the tool task: half the targets call the calculator (common/task_products.py), the accuracy is measured in
     # episodes with the tool
     "products": WarmStart(
-        "tiny-llama-products-v1", "TINY_PRODUCTS_MODEL_DIR", 0.25, 32, 200, 1000, 1e-3, starts_from="arith"
+        "tiny-llama-products-v2", "TINY_PRODUCTS_MODEL_DIR", 0.25, 32, 200, 1000, 1e-3, starts_from="arith"
     ),
 }
-# the mixture-of-experts models, each upcycled from the dense model of the same task (`starts_from`)
+# the mixture-of-experts models, each upcycled from the dense model of the same task (`starts_from`), trained for
+# at least 50 steps (the routers learn); the arith one is past its dense model's accuracy by then
 MOE_WARM_STARTS = {
-    "arith": WarmStart("tiny-moe-arith-v1", "TINY_MOE_MODEL_DIR", 0.20, 8, 50, 600, 1e-4, starts_from="arith"),
-    "sums": WarmStart("tiny-moe-sums-v1", "TINY_MOE_SUMS_MODEL_DIR", 0.25, 48, 50, 600, 1e-4, starts_from="sums"),
+    "arith": WarmStart("tiny-moe-arith-v2", "TINY_MOE_MODEL_DIR", 0.70, 8, 50, 600, 1e-4, "arith", min_steps=50),
+    "sums": WarmStart("tiny-moe-sums-v2", "TINY_MOE_SUMS_MODEL_DIR", 0.25, 48, 50, 600, 1e-4, "sums", min_steps=50),
 }
 MOE_EXPERTS, MOE_ACTIVE = 8, 2  # experts per layer, experts per token
 MOE_NOISE = 0.2  # each expert weight is the MLP's times (1 + 0.2 · N(0, 1)), independently per expert
 MOE_AUX_LOSS = 0.02  # Mixtral's load-balancing loss during the warm start only
 VERSION = WARM_STARTS["arith"].version
 CHECK_EVERY = 25
+TOLERANCE = 0.05  # about two standard deviations of a sampled accuracy of 256 prompts near the targets
 
 
 def warm_start(task: str, moe: bool = False) -> WarmStart:
@@ -332,14 +341,20 @@ def build(path: str, task: str = "arith", seed: int = 0, batch_size: int = 64, m
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     generator = torch.Generator().manual_seed(seed)
-    accuracy = 0.0
+    accuracy, checks, every, rewound = 0.0, [], CHECK_EVERY, None
     progress = tqdm(
-        range(1, spec.max_steps + 1),
         desc=f"building the tiny{'-moe' if moe else ''} {task} model (warm start)",
+        total=spec.max_steps,
         file=sys.stderr,
         mininterval=0.5 if sys.stderr.isatty() else 15,
     )  # a log gets a line every 15 s
-    for step in progress:
+    snapshot = None  # (step, the state of training there): where a check past the target goes back to
+    step = 0
+    while step < spec.max_steps:
+        if every > 1 and step % every == 0 and step >= max(spec.min_steps, spec.first_check - CHECK_EVERY):
+            snapshot = (step, _training_state(model, optimizer, schedule, generator))
+        step += 1
+        progress.update()
         batch = [train[i] for i in torch.randint(len(train), (batch_size,), generator=generator).tolist()]
         input_ids, labels = _supervised_batch(batch, tokenizer, task)
         attention_mask = (input_ids != tokenizer.pad_token_id).long()
@@ -350,10 +365,17 @@ def build(path: str, task: str = "arith", seed: int = 0, batch_size: int = 64, m
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        if step >= spec.first_check and step % CHECK_EVERY == 0:
+        if (step >= spec.first_check or rewound) and step % every == 0:
             accuracy = sampled_accuracy(model, tokenizer, check_rows, task, spec.max_new_tokens)
+            checks.append((step, round(accuracy, 4)))
             progress.set_postfix(loss=f"{loss.item():.3f}", sampled_accuracy=f"{accuracy:.2f}")
-            if accuracy >= spec.target_accuracy:
+            past = accuracy > spec.target_accuracy + TOLERANCE
+            if past and every > 1 and snapshot is not None and snapshot[0] < step:  # back, then every step
+                rewound, every = step, 1
+                step = snapshot[0]
+                _restore_training_state(snapshot[1], model, optimizer, schedule, generator)
+                progress.n = step
+            elif accuracy >= spec.target_accuracy:
                 break
     progress.close()
     test_accuracy = sampled_accuracy(model, tokenizer, load_task(task, "test")[:256], task, spec.max_new_tokens)
@@ -362,7 +384,10 @@ def build(path: str, task: str = "arith", seed: int = 0, batch_size: int = 64, m
         "task": task,
         "seed": seed,
         "warm_start_steps": step,
+        "target_accuracy": spec.target_accuracy,
         "train_sampled_accuracy": accuracy,
+        "checks": checks,  # (step, sampled accuracy on the training prompts), in the order made
+        "went_back_from": rewound,  # the check past the target + TOLERANCE, if any
         "test_sampled_accuracy": test_accuracy,
         "parameters": sum(p.numel() for p in model.parameters()),
         **({"experts": MOE_EXPERTS, "active_experts": MOE_ACTIVE, "expert_noise": MOE_NOISE} if moe else {}),
@@ -378,6 +403,25 @@ def build(path: str, task: str = "arith", seed: int = 0, batch_size: int = 64, m
     shutil.rmtree(path, ignore_errors=True)
     os.replace(temporary, path)  # a kill before this line leaves no half-written model at `path`
     print(f"built the tiny{'-moe' if moe else ''} {task} model in {path}: {json.dumps(info)}", file=sys.stderr)
+
+
+def _training_state(model, optimizer, schedule, generator) -> dict:
+    """A copy of everything the warm start's next steps depend on."""
+    import copy
+
+    return copy.deepcopy(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}
+    ) | {"generator": generator.get_state()}
+
+
+def _restore_training_state(state: dict, model, optimizer, schedule, generator) -> None:
+    import copy
+
+    state = copy.deepcopy(state)  # the snapshot stays whole for a later return to it
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    generator.set_state(state["generator"])
 
 
 def _supervised_batch(rows, tokenizer, task: str):

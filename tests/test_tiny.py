@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 
+import pytest
 import torch
 
 from common import tiny as tiny_module
@@ -35,10 +36,44 @@ def test_warm_start_leaves_room_for_rl(tiny_dir):
     with open(os.path.join(tiny_dir, "build_info.json")) as f:
         info = json.load(f)
     assert info["version"] == tiny_module.VERSION
-    # builds seen at 0.23 and 0.46: the warm start stops at its first check (every 25 steps) at or above 20% on
-    # training prompts, and one stride can overshoot; 256 held-out samples of one model spread 0.21-0.25 over 5
-    # sampling seeds. 0.55 leaves RL room and is no longer within noise of a build seen (0.50 was, of 0.46).
-    assert 0.10 <= info["test_sampled_accuracy"] <= 0.55, info
+    # The build stops within TOLERANCE above its target of 0.35 (a check past that goes back and checks every step;
+    # one step more than TOLERANCE past would take a sample four standard deviations off). Builds of seeds 0, 1, 2
+    # here: 0.36, see issue notes; the v1 rule left 0.23 to 0.48 across processors.
+    target = tiny_module.WARM_STARTS["arith"].target_accuracy
+    assert target <= info["train_sampled_accuracy"] <= target + 2 * tiny_module.TOLERANCE, info
+    # held out: 0.39 for the build of seed 0; 256 samples of one model spread ±0.02 over sampling seeds
+    assert 0.25 <= info["test_sampled_accuracy"] <= 0.55, info
+
+
+@pytest.mark.slow
+def test_a_check_past_the_target_goes_back_and_lands_on_it(tmp_path, monkeypatch):
+    """A warm start whose accuracy climbs 4 points a step past its first check: the check at step 75 is past
+    target + TOLERANCE, so the build returns to step 50's state and checks every step, stopping at the first on
+    target (step 60). The model equals one trained straight to step 60: going back replays the same batches."""
+    from safetensors.torch import load_file
+
+    optimizers = []
+
+    class RecordedAdamW(torch.optim.AdamW):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            optimizers.append(self)
+
+    def accuracy_at_this_step(model, *args, **kwargs):  # 0.1 at step 50, +0.01 a step: 0.2 at 60, 0.35 at 75
+        state = optimizers[-1].state[optimizers[-1].param_groups[0]["params"][0]]
+        return max(0.0, 0.01 * (int(state["step"]) - 40))
+
+    monkeypatch.setattr(torch.optim, "AdamW", RecordedAdamW)
+    monkeypatch.setattr(tiny_module, "sampled_accuracy", accuracy_at_this_step)
+    for first_check, path in ((50, tmp_path / "went_back"), (60, tmp_path / "straight")):
+        spec = tiny_module.WarmStart("v", "UNUSED", 0.2, 8, first_check, 200, 1e-3)
+        monkeypatch.setattr(tiny_module, "warm_start", lambda task, moe=False, spec=spec: spec)
+        tiny_module.build(str(path), "arith", batch_size=4)
+    info = json.load(open(tmp_path / "went_back" / "build_info.json"))
+    assert info["warm_start_steps"] == 60 and info["went_back_from"] == 75, info
+    assert [step for step, _ in info["checks"]] == [50, 75, *range(51, 61)] and info["train_sampled_accuracy"] == 0.2
+    went_back, straight = (load_file(tmp_path / name / "model.safetensors") for name in ("went_back", "straight"))
+    assert all(torch.equal(went_back[key], straight[key]) for key in straight)
 
 
 def test_warm_start_accuracy_is_what_build_info_says(tiny):
@@ -47,7 +82,7 @@ def test_warm_start_accuracy_is_what_build_info_says(tiny):
 
     torch.manual_seed(0)
     accuracy = tiny_module.sampled_accuracy(model, tokenizer, arith_rows("test")[:256])
-    assert 0.08 <= accuracy <= 0.55  # the same policy re-sampled: builds of 0.23-0.46, 5 seeds of one within ±0.02
+    assert 0.25 <= accuracy <= 0.55  # the same policy re-sampled (0.39 at build): 5 seeds of one within ±0.02
 
 
 def test_sums_warm_start_leaves_room_for_rl(tiny_sums_dir, tiny_dir):
@@ -59,6 +94,8 @@ def test_sums_warm_start_leaves_room_for_rl(tiny_sums_dir, tiny_dir):
     with open(os.path.join(tiny_sums_dir, "build_info.json")) as f:
         info = json.load(f)
     assert info["version"] == tiny_module.WARM_STARTS["sums"].version and info["task"] == "sums"
+    target = tiny_module.WARM_STARTS["sums"].target_accuracy  # stops within TOLERANCE of it (0.26 here)
+    assert target <= info["train_sampled_accuracy"] <= target + 2 * tiny_module.TOLERANCE, info
     # the build stops at 25% on 256 training prompts (two builds: 34% held out on both); 256 held-out samples of one
     # model spread 0.29-0.35 over 5 sampling seeds, so 0.40 was two spreads from a build seen, 0.45 is four
     assert 0.15 <= info["test_sampled_accuracy"] <= 0.45, info
@@ -141,7 +178,10 @@ def test_the_moe_model_is_built_offline_and_leaves_room_for_rl(tiny_moe_dir):
     with open(os.path.join(tiny_moe_dir, "build_info.json")) as f:
         info = json.load(f)
     assert info["version"] == tiny_module.MOE_WARM_STARTS["arith"].version and info["experts"] == 8
-    assert 0.10 <= info["test_sampled_accuracy"] <= 0.85, info  # builds seen: 0.71 and 0.49 (dense: 0.46, 0.23)
+    # at least 50 steps (the routers learn), then on to its target of 0.70: here 0.71 at step 50, held out 0.70
+    # (the v1 rule stopped other builds at 0.49); a first check further past the target stops there
+    assert info["train_sampled_accuracy"] >= tiny_module.MOE_WARM_STARTS["arith"].target_accuracy, info
+    assert 0.55 <= info["test_sampled_accuracy"] <= 0.95, info
     model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)
     assert model.config.model_type == "mixtral" and not model.config.output_router_logits
     assert model.config.hidden_size == 256 and 19e6 < sum(p.numel() for p in model.parameters()) < 20e6
