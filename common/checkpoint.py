@@ -292,7 +292,8 @@ class StopSignals:
         import signal
 
         for number, handler in self.previous.items():
-            signal.signal(number, handler)
+            if handler is not None:  # None: a handler set outside Python, which Python cannot set back
+                signal.signal(number, handler)
         self.previous = {}
 
     def _pass_on(self, number, frame) -> None:

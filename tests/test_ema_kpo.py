@@ -338,11 +338,14 @@ def _brute_force_objective(model, prompts, completions, group, advantages, old_l
     return objective
 
 
-@pytest.mark.parametrize("smoother, aggregation", [("ema", "sequence-mean"), ("kalman", "token-mean")])
+@pytest.mark.parametrize(
+    "smoother, aggregation", [("ema", "sequence-mean"), ("kalman", "token-mean"), ("fixed", "sequence-mean")]
+)
 def test_update_policy_matches_two_epochs_of_sgd_by_hand(tiny, smoother, aggregation):
     """update_policy as main calls it (old log-probs, minibatch loop, filter, loss, optimizer), with two
     epochs of SGD: the first on-policy (r̃ = 1), the second with π_θ ≠ π_old, so the filter and the clip
-    act. The reference recomputes everything per sequence and steps SGD by hand."""
+    act. The reference recomputes everything per sequence and steps SGD by hand. (The scheduled EMA and the
+    Kalman filter are one function; the fixed gain is another, and update_policy must pick it.)"""
     model, tokenizer = tiny
     policy = type(model)(model.config)
     policy.load_state_dict(model.state_dict())
@@ -354,6 +357,7 @@ def test_update_policy_matches_two_epochs_of_sgd_by_hand(tiny, smoother, aggrega
     args = flags.make(
         ema_kpo.Args,
         smoother=smoother,
+        alpha=0.3 if smoother == "fixed" else None,
         loss_aggregation=aggregation,
         num_minibatches=1,
         update_epochs=2,
@@ -382,12 +386,11 @@ def test_update_policy_matches_two_epochs_of_sgd_by_hand(tiny, smoother, aggrega
             .squeeze(-1)
             for i, c in enumerate(completions)
         ]
+    gains = [0.3] * 16 if smoother == "fixed" else reference_gains(16)
     for _ in range(2):
         reference.zero_grad()
         (
-            -_brute_force_objective(
-                reference, prompts, completions, group, advantages, old, reference_gains(16), aggregation
-            )
+            -_brute_force_objective(reference, prompts, completions, group, advantages, old, gains, aggregation)
         ).backward()
         with torch.no_grad():
             for parameter in reference.parameters():
