@@ -321,15 +321,17 @@ def test_loss_gradient_matches_brute_force(tiny, smoother, aggregation):
 
 
 def _brute_force_objective(model, prompts, completions, group, advantages, old_logprobs, alphas, aggregation):
-    """The EMA-KPO objective of one batch, sequence by sequence, without padding (float64 filter loop)."""
-    tokens = sum(len(c.token_ids) for c in completions)
+    """The EMA-KPO objective of one batch, sequence by sequence, without padding (float64 filter loop). A tool's
+    output inside a response (Completion.tool_mask 1) is context: the filter runs along the policy's tokens alone."""
+    policy_tokens = [torch.tensor([not t for t in (c.tool_mask or [0] * len(c.token_ids))]) for c in completions]
+    tokens = sum(int(own.sum()) for own in policy_tokens)
     objective = 0.0
     for i, completion in enumerate(completions):
-        prompt, response = prompts[i // group], completion.token_ids
+        prompt, response, own = prompts[i // group], completion.token_ids, policy_tokens[i]
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
-        logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
-        z = (logprobs.detach() - old_logprobs[i]).double()
-        rho_hat = torch.tensor(reference_filter(z[None], alphas[: len(response)])[0], dtype=torch.float32)
+        logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)[own]
+        z = (logprobs.detach() - old_logprobs[i][own]).double()
+        rho_hat = torch.tensor(reference_filter(z[None], alphas[: len(z)])[0], dtype=torch.float32)
         ratio = torch.exp(logprobs - logprobs.detach() + rho_hat)
         surrogate = torch.minimum(ratio * advantages[i], ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH) * advantages[i])
         objective = objective + (
@@ -339,17 +341,29 @@ def _brute_force_objective(model, prompts, completions, group, advantages, old_l
 
 
 @pytest.mark.parametrize(
-    "smoother, aggregation", [("ema", "sequence-mean"), ("kalman", "token-mean"), ("fixed", "sequence-mean")]
+    "smoother, aggregation, tool",
+    [("ema", "sequence-mean", False), ("kalman", "token-mean", False), ("fixed", "sequence-mean", False)]
+    + [("ema", "token-mean", True)],
 )
-def test_update_policy_matches_two_epochs_of_sgd_by_hand(tiny, smoother, aggregation):
+def test_update_policy_matches_two_epochs_of_sgd_by_hand(tiny, smoother, aggregation, tool):
     """update_policy as main calls it (old log-probs, minibatch loop, filter, loss, optimizer), with two
     epochs of SGD: the first on-policy (r̃ = 1), the second with π_θ ≠ π_old, so the filter and the clip
     act. The reference recomputes everything per sequence and steps SGD by hand. (The scheduled EMA and the
-    Kalman filter are one function; the fixed gain is another, and update_policy must pick it.)"""
+    Kalman filter are one function; the fixed gain is another, and update_policy must pick it.) `tool`: a
+    tool's output after each response's first token, which the filter skips as if absent."""
+    from common.engines import Completion
+
     model, tokenizer = tiny
     policy = type(model)(model.config)
     policy.load_state_dict(model.state_dict())
     prompts, completions = two_group_rollouts(tokenizer, ("3$", "12", "4$", "3961", "96$", "9", "91$", "906$"))
+    if tool:
+        output = tokenizer("<r>7</r>", add_special_tokens=False)["input_ids"]
+        completions = [
+            Completion(c.token_ids[:1] + output + c.token_ids[1:], [-1.0] * (len(c.token_ids) + len(output)),
+                       c.finish_reason, tool_mask=[0] + [1] * len(output) + [0] * (len(c.token_ids) - 1))
+            for c in completions
+        ]  # fmt: skip
     group, lr = 4, 0.05
     advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.3, -0.9, 0.4])
     batch = ema_kpo.make_batch(prompts, completions, group, tokenizer.pad_token_id, torch.device("cpu"))
@@ -370,7 +384,10 @@ def test_update_policy_matches_two_epochs_of_sgd_by_hand(tiny, smoother, aggrega
     skipped = ema_kpo.update_policy(policy, None, optimizer, scheduler, batch, args, dist, precision(), metrics)
     logged = metrics.reduce()
     assert skipped == 0 and metrics.means["losses/policy_loss"][1] == 2  # two optimizer steps, none skipped
-    assert 0 < logged["losses/clip_fraction"] < 1 and logged["losses/rho_hat_abs_mean"] > 0
+    assert (
+        0 < logged["losses/clip_fraction"] < 1
+        and 0 < logged["losses/rho_hat_abs_mean"] <= logged["losses/rho_hat_abs_max"]
+    )
 
     reference = type(model)(model.config)
     reference.load_state_dict(model.state_dict())
