@@ -194,7 +194,6 @@ def ratio_sums(logprobs, sampler_logprobs, mask) -> dict[str, float]:
     """Σρ, Σρ² and N over the valid tokens in float64: sums, so they add up over
     micro-batches and ranks."""
     ratio = torch.exp(behavior_log_ratio(logprobs.detach(), sampler_logprobs, mask).double())
-    mask = mask.double()
     return {
         "ratio_sum": (ratio * mask).sum().item(),
         "ratio_sq_sum": (ratio.square() * mask).sum().item(),

@@ -454,10 +454,13 @@ def test_clip_baseline_is_grpos_surrogate_on_the_behavior_ratio():
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0])
     mask = torch.ones(6, 5)
     mask[2, 3:] = 0
-    ours, ratio, active, _ = p3o.clipped_behavior_loss(logprobs, sampler, advantages, mask, 0.2)
+    ours, ratio, active, kl = p3o.clipped_behavior_loss(logprobs, sampler, advantages, mask, 0.2)
     reference, ref_ratio, ref_active = grpo.clipped_surrogate_loss(logprobs, sampler, advantages, 0.2, 0.2)
     valid = mask.bool()
     assert torch.allclose(ours[valid], reference[valid]) and torch.equal(active[valid], ref_active[valid])
+    # its KL(π_θ ‖ μ) statistic is P3O's k3, log ρ + 1/ρ − 1 (≥ 0), written out here
+    log_ratio = (logprobs - sampler).detach()
+    assert torch.allclose(kl[valid], (log_ratio + torch.exp(-log_ratio) - 1)[valid]) and (kl[valid] > 0).all()
     assert 0 < active[valid].float().mean() < 1  # the clip binds on some tokens and not on others
     (grad_ours,) = torch.autograd.grad((ours * mask).sum(), logprobs)
     (grad_ref,) = torch.autograd.grad((reference * mask).sum(), logprobs)
