@@ -433,6 +433,20 @@ def test_non_finite_sums_fall_back_and_are_counted(tmp_path, monkeypatch):
         assert record["losses/ess"] == 1.0 and record["charts/skipped_steps"] == 0
 
 
+def test_weights_reach_the_engine_every_k_steps_and_before_each_evaluation():
+    """--sync-every 3 over 10 steps with --eval-every 4: pushes after steps 3, 6, 9 (every k-th), after 4 and 8
+    (the evaluation scores the trained policy) and after the last (10, evaluated as the run ends); without
+    evaluations, every k-th step only; --sync-every 1 after every step."""
+
+    def pushed(**values):
+        args = flags.make(p3o.Args, **values)
+        return [step + 1 for step in range(args.steps) if p3o.push_weights(args, step)]
+
+    assert pushed(steps=10, sync_every=3, eval_every=4) == [3, 4, 6, 8, 9, 10]
+    assert pushed(steps=10, sync_every=3, eval_every=0) == [3, 6, 9]
+    assert pushed(steps=5, sync_every=1, eval_every=0) == [1, 2, 3, 4, 5]
+
+
 def test_help_has_no_clip_range():
     text = help_text("algorithms/p3o.py", p3o.Args, count_defaults=False)
     assert "--clip-low" not in text and "--clip-high" not in text  # P3O has no clip hyper-parameter
