@@ -73,7 +73,7 @@ from common.engines import load_tokenizer, make_training_engine
 from common.evaluate import Evaluator
 from common.flags import Checkpoints, Evaluation, Group, Sampling, Systems, TaskFormat, Tools, Tracking, flat
 from common.logprobs import output_layer_scores
-from common.rollouts import Groups, PromptSampler, record_rollouts
+from common.rollouts import Groups, PromptSampler, RolloutQueue, record_rollouts, record_staleness
 from common.scoring import overlong_penalty, score_completions
 from common.tasks import load_prompts
 from common.tiny import resolve_model
@@ -307,6 +307,8 @@ def record_mismatch(metrics, batch, old_logprobs):
     metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
     # with tools: mismatch/kl_k3_*_turn(s)
     record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))
+    # --rollout-lag: mismatch/kl_k3_discrepancy (the engine) and _staleness (older weights)
+    record_staleness(metrics, batch, old_logprobs)
 
 
 PLOTTED = [
@@ -466,17 +468,22 @@ def main(args: Args) -> None:
     sampler = PromptSampler(
         data.prompts, data.train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds
     )
+    queue = RolloutQueue(args.sampling.rollout_lag, dist, tokenizer.pad_token_id, state)
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
+        # (--rollout-lag k: step + k's batch, and this step trains on the one step − k sampled)
         with metrics.timer("time/rollout"):
-            prompt_ids, rows = sampler.step_prompts(step)
-            groups = rollout(engine, tokenizer, prompt_ids, rows, args, metrics)
-            if args.dynamic_sampling:  # DAPO §3.2: all-equal groups are replaced by new prompts'
-                more = partial(rollout, engine, tokenizer, args=args, metrics=metrics)
-                groups = sampler.dynamic_sampling(groups, step, more, metrics)
+            for ahead in queue.steps_to_sample(step):  # [step] at lag 0
+                prompt_ids, rows = sampler.step_prompts(ahead)
+                groups = rollout(engine, tokenizer, prompt_ids, rows, args, metrics)
+                if args.dynamic_sampling:  # DAPO §3.2: new prompts replace all-equal groups
+                    more = partial(rollout, engine, tokenizer, args=args, metrics=metrics)
+                    groups = sampler.dynamic_sampling(groups, ahead, more, metrics)
+                queue.put(ahead, groups)
+            groups = queue.take(step, metrics)  # charts/rollout_lag
 
         # 2. advantages (a completion cut off by --mask-truncated counts in them but does not train)
         batch = make_batch(
@@ -488,6 +495,7 @@ def main(args: Args) -> None:
         # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps meanwhile)
         with metrics.timer("time/train"):
             engine.sleep()
+            queue.score_under_sampling_weights(batch_logprobs, policy, args, precision.autocast)
             skipped_steps += update_policy(
                 policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics
             )
@@ -513,7 +521,7 @@ def main(args: Args) -> None:
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or args.checkpoints.due(step + 1, args.steps):
-            trainer_state = {"skipped_steps": skipped_steps, "args": flat(args)}
+            trainer_state = {"skipped_steps": skipped_steps, "args": flat(args), "this_rank": queue.state()}
             save_checkpoint(
                 run_dir, step + 1, policy, tokenizer, optimizer, scheduler, trainer_state, dist, args.checkpoints
             )

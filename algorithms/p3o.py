@@ -18,7 +18,7 @@ micro-batches, all ranks). Minimize
 The first term is REINFORCE with a detached weight capped at the batch ESS (Eq. 11: the
 "ESS-driven cap"); the second, the k3 estimate of KL(π_θ ‖ μ), switches on as the ratios spread;
 no clip. On-policy (the default) ρ_t ≈ e_B ≈ 1: token-mean REINFORCE, grpo.py's gradient. P3O
-acts on off-policy data: --sampling-temperature 1.2, --sync-every k (stale rollouts),
+acts on off-policy data: --sampling-temperature 1.2, --rollout-lag k (stale rollouts),
 --engine-dtype bfloat16, --num-minibatches > 1 (π_θ drifts from μ: e_B drops).
 
 What this file changes relative to grpo.py: the loss above replaces the clipped surrogate
@@ -41,7 +41,7 @@ tokens. The batch ESS e_B and its N are over the policy's tokens only.
 
 Metrics in this fork. losses/approx_kl compares π_θ with π_old, which P3O does not use: 0 at one
 update per batch, stale rollouts or not; mismatch/kl_k3 compares μ with π_old, so it includes
---sync-every's staleness and --sampling-temperature's gap; losses/policy_loss is a surrogate whose
+--rollout-lag's staleness and --sampling-temperature's gap; losses/policy_loss is a surrogate whose
 value means nothing beyond its gradient; losses/ess is e_B, the loss's own; tis_icepop.py's
 correction/ess is the ESS of its weights, only logged. Left out from grpo.py: --ratio-level
 sequence and token-sum-norm aggregation (P3O's loss is a token mean over B, with no clipped ratio).
@@ -51,7 +51,7 @@ Run it
   python algorithms/p3o.py --help                # every flag, with its default
   ./run.sh bench p3o                             # P3O vs GRPO ε = 0.2/0.4/0.6, three settings
   python algorithms/p3o.py --sampling-temperature 1.2    # off-policy: rollouts at T = 1.2, π_θ at 1
-  python algorithms/p3o.py --sync-every 2                # stale rollouts, every other step
+  python algorithms/p3o.py --rollout-lag 1               # stale rollouts: a one-step pipeline
 """
 
 import math
@@ -77,7 +77,7 @@ from common.engines import load_tokenizer, make_training_engine
 from common.evaluate import Evaluator
 from common.flags import Checkpoints, Evaluation, Group, Sampling, Systems, TaskFormat, Tools, Tracking, flat
 from common.logprobs import output_layer_scores
-from common.rollouts import Groups, PromptSampler, record_rollouts
+from common.rollouts import Groups, PromptSampler, RolloutQueue, record_rollouts, record_staleness
 from common.scoring import overlong_penalty, score_completions
 from common.tasks import load_prompts
 from common.tiny import resolve_model
@@ -137,9 +137,6 @@ class Args:
     sampling_temperature: float | None = None
     """rollout temperature of the engine (μ) when it differs from --temperature (π_θ):
     off-policy data, e.g. 1.2"""
-    sync_every: int = 1
-    """push the weights to the engine every this many steps (k > 1: stale rollouts, up to k-1
-    steps old; --resume is exact from a checkpoint at a push: --save-every a multiple of k)"""
     loss: Literal["p3o", "clip"] = "p3o"
     """p3o: the P3O loss; clip: the paper's GRPO baseline, the clipped
     surrogate on the same ratio ρ = π_θ/μ"""
@@ -252,15 +249,6 @@ def clipped_behavior_loss(logprobs, sampler_logprobs, advantages, mask, clip_eps
         log_ratio, torch.zeros_like(log_ratio), advantages, clip_eps, clip_eps
     )
     return token_losses, ratio.detach(), clip_active, (log_ratio + torch.exp(-log_ratio) - 1).detach()
-
-
-def push_weights(args, step) -> bool:
-    """--sync-every k: after every k-th step (rollouts up to k − 1 steps old; the hf engine keeps
-    its own copy) and before an evaluation of the trained policy. A stale run resumes exactly
-    only from a checkpoint at a push (--save-every a multiple of k)."""
-    return (step + 1) % args.sync_every == 0 or bool(
-        args.evaluation.eval_every and ((step + 1) % args.evaluation.eval_every == 0 or step + 1 == args.steps)
-    )
 
 
 def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
@@ -390,6 +378,8 @@ def record_mismatch(metrics, batch, old_logprobs):
     metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
     # with tools: mismatch/kl_k3_*_turn(s)
     record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))
+    # --rollout-lag: mismatch/kl_k3_discrepancy (the engine) and _staleness (older weights)
+    record_staleness(metrics, batch, old_logprobs)
 
 
 PLOTTED = [
@@ -532,7 +522,6 @@ def check_args(args: Args) -> None:
     # ALGO LOGIC: this method's flags
     temperature = args.sampling_temperature
     problems += require(temperature is None or 0 < temperature < math.inf, "--sampling-temperature", "> 0, finite")
-    problems += require(args.sync_every >= 1, "--sync-every", ">= 1")
     problems += require(0 <= args.kl_coef < math.inf, "--kl-coef", ">= 0 and finite")
     if args.loss == "clip":
         problems += require(0 <= args.clip_eps < 1, "--clip-eps", "in [0, 1)")
@@ -562,10 +551,7 @@ def main(args: Args) -> None:
     )  # fmt: skip
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
     policy = load_policy(args.model, checkpoint, systems, precision.dtype)  # LoRA: base frozen
-    own_copy = args.sync_every > 1  # ALGO LOGIC: the engine keeps stale weights between pushes
-    engine = make_training_engine(
-        systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed, share_weights=not own_copy
-    )
+    engine = make_training_engine(systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed)
     engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # episodes
     # train mode, no dropout; sharded from CPU memory: each GPU receives one unit at a time
     policy = fsdp.shard_for_training(policy, dist, systems, precision.dtype)
@@ -584,17 +570,22 @@ def main(args: Args) -> None:
     sampler = PromptSampler(
         data.prompts, data.train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds
     )
+    queue = RolloutQueue(args.sampling.rollout_lag, dist, tokenizer.pad_token_id, state)
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
+        # (--rollout-lag k: step + k's batch, and this step trains on the one step − k sampled)
         with metrics.timer("time/rollout"):
-            prompt_ids, rows = sampler.step_prompts(step)
-            groups = rollout(engine, tokenizer, prompt_ids, rows, args, metrics)
-            if args.dynamic_sampling:  # DAPO §3.2: all-equal groups are replaced by new prompts'
-                more = partial(rollout, engine, tokenizer, args=args, metrics=metrics)
-                groups = sampler.dynamic_sampling(groups, step, more, metrics)
+            for ahead in queue.steps_to_sample(step):  # [step] at lag 0
+                prompt_ids, rows = sampler.step_prompts(ahead)
+                groups = rollout(engine, tokenizer, prompt_ids, rows, args, metrics)
+                if args.dynamic_sampling:  # DAPO §3.2: new prompts replace all-equal groups
+                    more = partial(rollout, engine, tokenizer, args=args, metrics=metrics)
+                    groups = sampler.dynamic_sampling(groups, ahead, more, metrics)
+                queue.put(ahead, groups)
+            groups = queue.take(step, metrics)  # charts/rollout_lag
 
         # 2. advantages (a completion cut off by --mask-truncated counts in them but does not train)
         batch = make_batch(
@@ -606,18 +597,16 @@ def main(args: Args) -> None:
         # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps meanwhile)
         with metrics.timer("time/train"):
             engine.sleep()
+            queue.score_under_sampling_weights(batch_logprobs, policy, args, precision.autocast)
             skipped_steps += update_policy(
                 policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics
             )
 
-        # ALGO LOGIC: 5. push the new weights to the engine every --sync-every steps (stale rollouts
-        # in between) and before an evaluation (every rank gathers them)
+        # TRY NOT TO MODIFY: 5. push the new weights to the engine (each full tensor in turn)
         with metrics.timer("time/weight_sync"):
             engine.wake_up(["weights"])
-            if push_weights(args, step):
-                engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
+            engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
             engine.wake_up(["kv_cache"])
-        # END ALGO LOGIC
 
         # TRY NOT TO MODIFY: 6. log, evaluate, checkpoint
         metrics.set("charts/lr", scheduler.get_last_lr()[0])
@@ -634,7 +623,7 @@ def main(args: Args) -> None:
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or args.checkpoints.due(step + 1, args.steps):
-            trainer_state = {"skipped_steps": skipped_steps, "args": flat(args)}
+            trainer_state = {"skipped_steps": skipped_steps, "args": flat(args), "this_rank": queue.state()}
             save_checkpoint(
                 run_dir, step + 1, policy, tokenizer, optimizer, scheduler, trainer_state, dist, args.checkpoints
             )
@@ -654,7 +643,7 @@ if __name__ == "__main__":
 
 # Paper scale: Qwen3-4B-Thinking-2507 or Qwen2.5-1.5B, 4,096-token rollouts, one optimizer step
 # per batch, the authors' DeepScaleR config (dapo_math for DeepScaleR-Preview); add
-# --sampling-temperature 1.2 or --sync-every 2 (asynchronous). On 8 80 GB GPUs with torchrun
+# --sampling-temperature 1.2 or --rollout-lag 1 (asynchronous). On 8 80 GB GPUs with torchrun
 # (FSDP2; one vLLM engine per GPU):
 #   torchrun --nproc_per_node 8 algorithms/p3o.py --model Qwen/Qwen3-4B-Thinking-2507 --task dapo_math \
 #       --eval-task aime24 --steps 500 --prompts-per-step 256 --group-size 4 --max-new-tokens 4096 --lr 1e-5 \

@@ -50,6 +50,9 @@ def make_batch(prompt_ids, completions, group_size, pad_id, device, trains=None)
         "response_mask": torch.tensor(response_masks, device=device).float(),
         "sampler_logprobs": torch.tensor(sampler_logprobs, device=device),
     }
+    if all(c.trainer_logprobs is not None for c in completions):  # --rollout-lag (common/rollouts.py)
+        at_sampling = [c.trainer_logprobs + [0.0] * (response_width - len(c.token_ids)) for c in completions]
+        batch["sampling_weights_logprobs"] = torch.tensor(at_sampling, device=device)
     if any(c.tool_mask is not None for c in completions):  # tools: 1 after the first tool output
         batch["later_turns"] = torch.tensor(turns, device=device).float()
     # top-p / top-k: the ids kept per position [B, T, K]

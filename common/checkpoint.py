@@ -9,8 +9,9 @@ A checkpoint is a folder `checkpoints/step_00000050/` holding the policy in Hugg
 (`save_pretrained`: loadable by transformers and vLLM, float32 master weights; with --lora-rank the adapter in
 peft's format, common/adapters.py), the optimizer state
 through `torch.distributed.checkpoint` (sharded: each rank writes its part; reloadable on another
-number of ranks), each rank's RNG states, and `trainer_state.pt` (step, scheduler; the data position is
-the step, see tasks.sample_batch). It is written to `step_XXXXXXXX.tmp` and renamed once complete, so
+number of ranks), each rank's RNG states and rollouts sampled ahead (--rollout-lag: the trainer state's
+"this_rank", common/rollouts.py), and `trainer_state.pt` (step, scheduler; the data position is the step, see
+tasks.sample_batch). It is written to `step_XXXXXXXX.tmp` and renamed once complete, so
 a kill at any moment leaves the previous checkpoint as the newest complete one.
 """
 
@@ -63,7 +64,7 @@ def save_checkpoint(
     """Write checkpoints/step_{step:08d} atomically (every rank calls this) and keep the newest
     `checkpoints.keep_checkpoints` (the Checkpoints group of common.flags; 0: all).
     `trainer_state`: what the script needs to continue (skipped steps, its settings, ...); the step and the
-    scheduler's state are added to it."""
+    scheduler's state are added to it. Its "this_rank" entry is each rank's own (rollouts_rank{rank}.pt)."""
     trainer_state = {"step": step, **trainer_state, "scheduler": scheduler.state_dict()}
     with _writing_a_checkpoint():  # a second Ctrl-C waits for the write
         return _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist, checkpoints)
@@ -73,6 +74,7 @@ def _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+    this_rank = trainer_state.pop("this_rank", None)  # the rest is every rank's, written by rank 0
     folder = os.path.join(run_dir, "checkpoints")
     final = os.path.join(folder, f"step_{step:08d}")
     temporary = final + ".tmp"
@@ -97,6 +99,8 @@ def _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state,
             checkpoint_id=os.path.join(temporary, "optimizer"),
         )
     torch.save(rng_state(), os.path.join(temporary, f"rng_rank{dist.rank}.pt"))
+    if this_rank is not None:
+        torch.save(this_rank, os.path.join(temporary, f"rollouts_rank{dist.rank}.pt"))
     barrier(dist)
     if dist.is_main:
         shutil.rmtree(final, ignore_errors=True)
@@ -133,6 +137,8 @@ def load_checkpoint(path: str, model, optimizer, scheduler, dist: Dist) -> dict:
         set_rng_state(read_checkpoint_file(path, f"rng_rank{dist.rank}.pt"))
     trainer_state = read_checkpoint_file(path, "trainer_state.pt")
     scheduler.load_state_dict(trainer_state["scheduler"])
+    if os.path.exists(os.path.join(path, f"rollouts_rank{dist.rank}.pt")):  # absent on more ranks, or in older ones
+        trainer_state["this_rank"] = read_checkpoint_file(path, f"rollouts_rank{dist.rank}.pt")
     return trainer_state
 
 

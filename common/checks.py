@@ -67,6 +67,8 @@ def shared_flags(args) -> list[str]:
         problems += require(0 < v["top_p"] <= 1, "--top-p", "in (0, 1] (1: off)")
     if has("top_k"):
         problems += require(v["top_k"] >= 0, "--top-k", ">= 0 (0: off)")
+    if has("rollout_lag"):
+        problems += require(v["rollout_lag"] >= 0, "--rollout-lag", ">= 0 (0: on-policy)")
     if has("rollout_engine"):
         problems += vllm_install_problems(v["rollout_engine"], "--rollout-engine")
     if has("model", "task"):
@@ -477,7 +479,7 @@ def read_checkpoint_file(checkpoint: str, name: str):
 
 def check_checkpoint_files(checkpoint: str, weights_only: bool = False) -> None:
     """Open every file of a checkpoint (or of a model folder, `weights_only`) far enough to find one truncated or
-    corrupted: the weights' safetensors headers and sizes, the trainer state, each rank's RNG state and the
+    corrupted: the weights' safetensors headers and sizes, the trainer state, each rank's RNG state and queue, the
     optimizer's metadata and shards."""
     from safetensors import safe_open
 
@@ -493,7 +495,7 @@ def check_checkpoint_files(checkpoint: str, weights_only: bool = False) -> None:
     if weights_only:
         return
     for name in sorted(os.listdir(checkpoint)):
-        if name.startswith("rng_rank") or name == "trainer_state.pt":
+        if name.startswith(("rng_rank", "rollouts_rank")) or name == "trainer_state.pt":
             read_checkpoint_file(checkpoint, name)
     optimizer = os.path.join(checkpoint, "optimizer")
     shards = sorted(os.listdir(optimizer)) if os.path.isdir(optimizer) else []

@@ -52,6 +52,8 @@ class Completion:
     tool_calls: int = 0
     tool_errors: int = 0  # calls that raised, named no tool, or ran out of time
     tool_timeouts: int = 0
+    # --rollout-lag: the trainer's log-prob of each token under the weights that sampled it (common/rollouts.py)
+    trainer_logprobs: list[float] | None = None
 
     @property
     def policy_length(self) -> int:

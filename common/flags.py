@@ -41,7 +41,8 @@ class TaskFormat:
 
 @dataclass
 class Sampling:
-    """Top-p / top-k sampling, and the kept sets the trainer scores with (common/logprobs.py)."""
+    """How rollouts are sampled: top-p / top-k, the kept sets the trainer scores with (common/logprobs.py), and from
+    which weights (--rollout-lag, common/rollouts.py)."""
 
     top_p: float = 1.0
     """nucleus sampling: each token from the most likely ones whose probability reaches top_p (1: off)"""
@@ -50,6 +51,9 @@ class Sampling:
     keep_sampling_mask: bool = True
     """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the tokens the engine kept
     (DeepSeek-V3.2); --no-keep-sampling-mask scores the full vocabulary: the naive mismatch"""
+    rollout_lag: int = 0
+    """step t trains on rollouts sampled with the weights of step t − k, as a k-step asynchronous pipeline feeds its
+    trainer (the first k steps: with the initial weights); 0: on-policy rollouts of the step's own weights"""
 
 
 @dataclass

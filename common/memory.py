@@ -22,7 +22,9 @@ which flags would make it fit when it does not. The parts, per GPU:
 - the engine: vLLM's --gpu-memory-utilization share while it is awake (asleep, about 1 GiB stays); the hf engine's
   KV cache while it generates (a rank's rollouts at once, up to 1024 sequences), and its own copy of the weights on
   several ranks (one rank shares the trainer's);
-- the CUDA context and allocator slack (1.5 GiB), or on a CPU the Python process itself (0.45 GB).
+- the CUDA context and allocator slack (1.5 GiB), or on a CPU the Python process itself (0.45 GB);
+- in host memory, not the GPU's: with --rollout-lag k the k batches sampled ahead, a rank's rollouts each, at
+  QUEUED_TOKEN_BYTES per response token (Python lists of token ids, the engine's and the trainer's log-probs).
 It is an estimate for dense decoder models (Llama, Qwen2, Qwen3): fragmentation and kernels' workspaces are not
 modelled. On the CPU it agrees with the measured peak RSS of whole training steps within 20% (tests/test_memory.py).
 """
@@ -44,6 +46,7 @@ CUDA_CONTEXT = 1.5 * GiB  # the CUDA context, cuBLAS / NCCL workspaces and alloc
 CPU_PROCESS = 0.45e9  # python, torch, transformers and the tokenizer, measured before the model loads
 VLLM_ASLEEP = 1.0 * GiB  # what a sleeping vLLM engine keeps on the GPU (CUDA graphs, its context)
 HF_MAX_BATCH = 1024  # HFEngine's max_batch_size: sequences per generate call
+QUEUED_TOKEN_BYTES = 105  # a queued response token: its id, μ and π_s as Python objects in lists (tracemalloc)
 
 
 @dataclass
@@ -88,6 +91,8 @@ class Plan:
     """the scripts' --lora-rank (adapters on every Linear of the decoder layers; 0: full fine-tuning)"""
     full_logits: bool = False
     """full [B, T, vocabulary] logits in the update (isopo.py) instead of chunks"""
+    rollout_lag: int = 0
+    """the scripts' --rollout-lag: k batches of rollouts queued, in host memory"""
     fp32_lm_head: bool = False
     """the scripts' --fp32-lm-head: under FSDP2 the root unit (embedding, output layer) is gathered in float32, and a
     bf16 output-layer weight (LoRA's frozen one) is upcast for each chunk of positions"""
@@ -297,14 +302,20 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
         generation["hf engine KV cache"] = sequences * context * kv_width * engine_dtype
         generation["hf engine logits"] = 3 * 4 * sequences * vocab
     parts["engine during the update"] = engine_training
+    # --rollout-lag k: the queued batches, in host memory (at the longest responses); a CPU process holds them too
+    queue = plan.rollout_lag * plan.prompts_per_step // plan.gpus * plan.group_size * plan.max_new_tokens
+    host = {"rollout queue (--rollout-lag)": queue * QUEUED_TOKEN_BYTES} if plan.rollout_lag else {}
+    if not gpu:
+        parts |= host
     fixed = CUDA_CONTEXT if gpu else CPU_PROCESS
     parts["CUDA context, slack" if gpu else "python process"] = fixed
 
     update = sum(parts.values())
     # the optimizer step: the state, and AdamW's foreach temporaries (about one more float32 copy of the shard)
-    step = 20 * on_device + frozen + engine_training + fixed
+    step = 20 * on_device + frozen + engine_training + fixed + (0 if gpu else sum(host.values()))
     # generation: weights and AdamW's moments (gradients are freed), the engine, but no activations
     resident = 12 * on_device + frozen + fixed + (engine_training if plan.rollout_engine != "vllm" or not gpu else 0.0)
+    resident += 0 if gpu else sum(host.values())
     rollout = resident + sum(generation.values())
     # start-up: the float32 weights reach the GPU before the optimizer exists, beside an engine already awake (vLLM
     # is built first, to size its KV cache). The scripts shard a model still in CPU memory, so a rank receives its
@@ -318,6 +329,7 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
     return {
         "parts": parts,
         "generation": generation,
+        "host": host if gpu else {},  # beside the GPU's peak
         "phases": phases,
         "peak_bytes": max(phases.values()),
         "phase": max(phases, key=phases.get),
@@ -388,6 +400,7 @@ def report(plan: Plan, result: dict) -> str:
             "saves more than CUDA's fused kernels: an upper bound on a GPU, 31% high at a 0.5B width on an H100)"
         )
     where = f"peak {peak / scale:.1f} {unit} per {'GPU' if plan.device == 'cuda' else 'process'}, in {result['phase']}"
+    lines += [f"  (host memory per rank besides: {n} {v / scale:.2f} {unit})" for n, v in result["host"].items()]
     if budget is None:
         lines.append(where)
     elif peak <= 0.95 * budget:

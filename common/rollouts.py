@@ -1,12 +1,16 @@
-"""The machinery around a training step's rollouts: which prompts, and DAPO's dynamic sampling.
+"""The machinery around a training step's rollouts: which prompts, DAPO's dynamic sampling, and from which weights.
 
 Each script makes its rollouts itself (its `rollout`: the engine's generate call, then every completion
-scored against its row's gold answer); this module says which prompts a step uses and refills a batch:
+scored against its row's gold answer); this module says which prompts a step uses, refills a batch, and queues
+batches sampled ahead of the step that trains on them:
 
-    sampler = PromptSampler(prompts, rows, dist, prompts_per_step=32, seed=1, max_rounds=8)
-    prompt_ids, rows = sampler.step_prompts(step)                      # this rank's share of step `step`
-    groups = rollout(prompt_ids, rows)                                   # Groups: completions, rewards [prompts, G]
-    groups = sampler.dynamic_sampling(groups, step, rollout, metrics)    # --dynamic-sampling
+    queue = RolloutQueue(lag, dist, pad_id, trainer_state)               # --rollout-lag k (and a checkpoint's queue)
+    for ahead in queue.steps_to_sample(step):                            # [step], or [step + k] at lag k
+        prompt_ids, rows = sampler.step_prompts(ahead)                   # this rank's share of step `ahead`
+        groups = rollout(prompt_ids, rows)                               # Groups: completions, rewards [prompts, G]
+        groups = sampler.dynamic_sampling(groups, ahead, rollout, metrics)  # --dynamic-sampling
+        queue.put(ahead, groups)
+    groups = queue.take(step, metrics)                                   # sampled k steps ago
     record_rollouts(metrics, groups)                                     # charts/reward, accuracy, lengths
 
 Step s takes the prompts `tasks.sample_batch` gives it (epochs of seeded permutations). With DAPO's dynamic
@@ -23,6 +27,20 @@ Determinism: round r ≥ 1 of step s draws from a permutation of the task seeded
 reading its own slice of it, so a resumed run draws exactly the prompts it would have drawn. The number of
 rounds is agreed on by all ranks (one all-reduce per round), so every rank generates the same number of
 times and holds the same number of groups, as FSDP's collectives need.
+
+Rollouts from older weights (--rollout-lag k). An asynchronous pipeline samples while its trainer updates, so the
+trainer's step t learns from rollouts that the weights of step t − k sampled (verl's one-step-off-policy trainer
+is k = 1). The same data come from a synchronous loop with no copy of the weights: step t samples the batch of step
+t + k with its own weights θ_t and trains on the batch it sampled k steps ago, from a queue of k batches. Step 0
+samples the batches of steps 0..k with θ_0, so step t < k trains on θ_0's (a lag of t). The last k steps sample too,
+batches no step of the run trains on, so that a run resumed with more --steps continues exactly as one started with
+them. A step's prompts are the same at any lag. The weights still reach the engine after every step, so an
+evaluation scores the trained policy. The queue is this rank's share, and part of the checkpoint (exact resume).
+Each method treats the engine's policy μ as its paper does; what changes is how far μ is from π_θ. The mismatch
+log π_old/μ then has two parts, as Zheng et al. (2025, arXiv:2512.01374) split it:
+log π_s/μ, the engine against the trainer at the sampling weights θ_s (precision, kernels), and log π_old/π_s, the
+weights' change since (staleness). For the split the trainer scores each queued batch once more, under θ_s, while
+it still holds θ_s (`score_under_sampling_weights`): one forward pass per step, at lag > 0 only.
 """
 
 from __future__ import annotations
@@ -36,6 +54,7 @@ from typing import Callable
 import torch
 
 from common import fsdp
+from common.batches import make_batch
 from common.tasks import sample_batch
 
 
@@ -143,3 +162,80 @@ def _join(parts: list[Groups]) -> Groups:
         torch.cat([g.rewards for g in parts]),
         [t for g in parts for t in g.trains],
     )
+
+
+@dataclass
+class Queued:
+    """A batch sampled ahead: the step that trains on it, the step whose weights sampled it, and its rollouts."""
+
+    step: int
+    sampled_at: int
+    groups: Groups
+
+
+class RolloutQueue:
+    """--rollout-lag k: this rank's batches sampled ahead of the steps that train on them (the module docstring)."""
+
+    def __init__(self, lag: int, dist, pad_id: int, trainer_state: dict | None = None):
+        """`trainer_state`: a checkpoint's (load_checkpoint's), whose "this_rank" entry holds this rank's queue."""
+        self.lag, self.dist, self.pad_id, self.step = lag, dist, pad_id, 0
+        self.queued: list[Queued] = []
+        saved = (trainer_state or {}).get("this_rank")
+        if saved and saved["world_size"] == dist.world_size:
+            self.queued = list(saved["queued"])
+        elif saved and saved["queued"] and dist.is_main:  # another rank's share: sampled again, lag 0 onwards
+            print(f"note: the {len(saved['queued'])} batches sampled ahead were {saved['world_size']} ranks' "
+                  f"shares; they are sampled again, with the resumed weights")  # fmt: skip
+
+    def steps_to_sample(self, step: int) -> list[int]:
+        """The steps whose batches step `step` samples, with the weights it starts from: its own at lag 0; at lag k,
+        step + k (and at the first step, or after a resume on another number of ranks, the ones before it)."""
+        self.step = step
+        first = self.queued[-1].step + 1 if self.queued else step
+        return list(range(first, step + self.lag + 1))
+
+    def put(self, step: int, groups: Groups) -> None:
+        """The batch of step `step`, sampled now (with the weights step `self.step` started from)."""
+        self.queued.append(Queued(step, self.step, groups))
+
+    def take(self, step: int, metrics) -> Groups:
+        """The batch step `step` trains on; records its lag, charts/rollout_lag (lag > 0)."""
+        queued = self.queued.pop(0)
+        assert queued.step == step, f"the queue holds step {queued.step}'s batch, not step {step}'s"
+        if self.lag:
+            metrics.set("charts/rollout_lag", step - queued.sampled_at)  # the same on every rank
+        return queued.groups
+
+    def score_under_sampling_weights(self, batch_logprobs, model, *options) -> None:
+        """At lag > 0, while the trainer still holds the weights that sampled them: each queued batch's log-probs
+        under the trainer (a script's `batch_logprobs(model, batch, *options)[0]`: [B, T], no gradient) kept with its
+        completions (trainer_logprobs), for the split of the mismatch (`record_staleness`)."""
+        for queued in self.queued if self.lag else []:
+            completions = queued.groups.completions
+            if not completions or completions[0].trainer_logprobs is not None:
+                continue
+            group_size, device = queued.groups.rewards.shape[1], self.dist.device
+            batch = make_batch(queued.groups.prompt_ids, completions, group_size, self.pad_id, device)
+            for completion, logprobs in zip(completions, batch_logprobs(model, batch, *options)[0].cpu()):
+                completion.trainer_logprobs = logprobs[: len(completion.token_ids)].tolist()
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of this rank's queue."""
+        return {"world_size": self.dist.world_size, "queued": list(self.queued)}
+
+
+def record_staleness(metrics, batch, old_logprobs: torch.Tensor) -> None:
+    """--rollout-lag: the train-inference mismatch k3 KL(μ ‖ π_old) split in two (the module docstring), over the
+    response tokens of `batch` (or of a micro-batch): mismatch/kl_k3_discrepancy, k3 with ρ = π_s/μ (the engine
+    against the trainer, both at the sampling weights θ_s), and mismatch/kl_k3_staleness, k3 with ρ = π_old/π_s. Not
+    at lag 0, nor for the batch of step 0 (sampled and trained at once, its staleness is 0)."""
+    at_sampling = batch.get("sampling_weights_logprobs")
+    if at_sampling is None:
+        return
+    mask = batch["response_mask"]
+    for part, log_ratio in (
+        ("discrepancy", at_sampling - batch["sampler_logprobs"]),
+        ("staleness", old_logprobs.detach() - at_sampling),
+    ):
+        k3 = torch.exp(log_ratio) - 1 - log_ratio
+        metrics.mean(f"mismatch/kl_k3_{part}", (k3 * mask).sum(), mask.sum())

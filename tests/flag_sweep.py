@@ -66,7 +66,6 @@ VALUES = {
     # p3o
     "ess_scope": [("micro-batch", {"micro_batch_size": 8})],
     "sampling_temperature": [(1.2, {})],
-    "sync_every": [(2, {})],
     "loss": [("clip", {})],
     "clip_eps": [(0.05, {"loss": "clip"})],
     # gtpo
@@ -114,9 +113,7 @@ EXPECTED_EQUAL = {
     },
 }
 # flags whose resumed run is expected to differ here, and why (the split is at step 1)
-EXPECTED_RESUME_DIFF = {
-    "sync_every": "step 1 is not a weight push: a resume is exact from a checkpoint at a push only (its --help)",
-}
+EXPECTED_RESUME_DIFF = {}
 NOT_HERE = {"router_replay": "needs a mixture-of-experts model with a routing engine (tests/test_moe.py)"}
 
 

@@ -38,6 +38,7 @@ SHARED_CASES = [
     ({"top_p": 0.0}, "--top-p must be in (0, 1]"),
     ({"top_p": NAN}, "--top-p must be in (0, 1]"),
     ({"top_k": -1}, "--top-k must be >= 0"),
+    ({"rollout_lag": -1}, "--rollout-lag must be >= 0"),
     ({"keep_sampling_mask": False}, "--keep-sampling-mask applies with --top-p < 1 or --top-k > 0 only"),
     # vLLM returns at most 20 kept tokens per position: a kept mask needs a top-k there, refused before loading
     (
@@ -117,7 +118,6 @@ METHOD_CASES = {
         ({"loss": "clip", "ess_scope": "micro-batch"}, "--ess-scope applies to --loss p3o only"),
         ({"sampling_temperature": NAN}, "--sampling-temperature must be > 0, finite"),
         ({"sampling_temperature": 0.0}, "--sampling-temperature must be > 0, finite"),
-        ({"sync_every": 0}, "--sync-every must be >= 1"),
         ({"loss": "clip", "clip_eps": 1.0}, "--clip-eps must be in [0, 1)"),
     ],
     "gtpo": [

@@ -88,6 +88,8 @@ def test_two_ranks_equal_one_in_float16(tmp_path):
 
 
 def test_grpo_on_two_ranks_end_to_end_and_resume(tmp_path):
+    """Two ranks, two steps, then resumed for a third, at --rollout-lag 1: each rank's queue of rollouts sampled ahead
+    is in the checkpoint, and the third step trains on the batch the second step's weights sampled."""
     from transformers import AutoModelForCausalLM
 
     flags = [
@@ -103,6 +105,8 @@ def test_grpo_on_two_ranks_end_to_end_and_resume(tmp_path):
         2,
         "--save-every",
         2,
+        "--rollout-lag",
+        1,
         "--output-dir",
         tmp_path,
     ]
@@ -112,9 +116,15 @@ def test_grpo_on_two_ranks_end_to_end_and_resume(tmp_path):
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(isinstance(records[-1][k], float) for k in ("charts/reward", "losses/grad_norm", "mismatch/kl_k3"))
-    assert records[-1]["mismatch/max_abs_logprob_diff"] < 1e-3  # the engine copy received the new weights
+    assert [r["charts/rollout_lag"] for r in records[1:]] == [0, 1, 1]
+    # each rank's engine copy received the weights it sampled with: the mismatch is all staleness
+    assert records[-1]["mismatch/kl_k3_discrepancy"] < 1e-6 < records[-1]["mismatch/kl_k3_staleness"]
     checkpoint = os.path.join(run_dir, "checkpoints", "step_00000003")
     assert sorted(f for f in os.listdir(checkpoint) if f.startswith("rng")) == ["rng_rank0.pt", "rng_rank1.pt"]
+    assert sorted(f for f in os.listdir(checkpoint) if f.startswith("rollouts")) == [
+        "rollouts_rank0.pt",
+        "rollouts_rank1.pt",
+    ]
     model = AutoModelForCausalLM.from_pretrained(checkpoint)  # full weights in Hugging Face format
     assert model.model.embed_tokens.weight.shape == (100, 256)
 

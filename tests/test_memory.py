@@ -77,6 +77,34 @@ def test_the_estimate_names_the_flags_that_would_make_a_plan_fit():
     assert "fits in 80 GiB" in memory.report(plan, memory.estimate(plan, config, per_token=116 * 1024))
 
 
+def test_the_rollout_queue_is_counted_in_host_memory_at_its_measured_bytes_per_token():
+    """--rollout-lag 2 queues 2 batches of a rank's rollouts: host memory beside a GPU's peak, part of a CPU
+    process's; QUEUED_TOKEN_BYTES is what queued completions (ids, μ, π_s as the scripts hold them) take."""
+    import dataclasses
+    import tracemalloc
+
+    from common.engines import Completion
+
+    tracemalloc.start()
+    queued = [
+        Completion(torch.randint(0, 32000, (256,)).tolist(), torch.randn(256).tolist(), "stop") for _ in range(64)
+    ]
+    for completion in queued:
+        completion.trainer_logprobs = torch.randn(256).tolist()
+    measured = tracemalloc.get_traced_memory()[0] / (64 * 256)
+    tracemalloc.stop()
+    assert measured == pytest.approx(memory.QUEUED_TOKEN_BYTES, rel=0.2)
+    config, _ = _llama_config(1536, 8960, 28, 151936, heads=12)
+    plan = memory.Plan(model="1.5B", gpus=2, max_new_tokens=1024, prompts_per_step=64, group_size=8, rollout_lag=2)
+    on_gpu = memory.estimate(plan, config, per_token=116 * 1024)
+    queue = 2 * (64 // 2) * 8 * 1024 * memory.QUEUED_TOKEN_BYTES
+    assert on_gpu["host"] == {"rollout queue (--rollout-lag)": queue} and "rollout queue" in memory.report(plan, on_gpu)
+    on_policy = dataclasses.replace(plan, rollout_lag=0)  # the GPU's peak is the same
+    assert on_gpu["peak_bytes"] == memory.estimate(on_policy, config, per_token=116 * 1024)["peak_bytes"]
+    plan.device = "cpu"
+    assert memory.estimate(plan, config, per_token=116 * 1024)["parts"]["rollout queue (--rollout-lag)"] == queue
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_the_estimate_is_within_20_percent_of_a_measured_step(tmp_path, checkpointing):

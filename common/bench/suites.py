@@ -22,7 +22,8 @@ ENTROPY = Panel("charts/entropy", "entropy of π_θ at response tokens")
 
 
 def _p3o_suite() -> Suite:
-    settings = {"on-policy": (), "T=1.2": ("--sampling-temperature", "1.2"), "stale": ("--sync-every", "4")}
+    # stale: --rollout-lag 2 (the page's rows ran with p3o.py's former --sync-every 4, lags 0-3 in turn)
+    settings = {"on-policy": (), "T=1.2": ("--sampling-temperature", "1.2"), "stale": ("--rollout-lag", "2")}
     configs, panels = [], []
     for setting, flags in settings.items():
         group = [
@@ -43,7 +44,7 @@ def _p3o_suite() -> Suite:
         )
     return Suite(
         "p3o",
-        "P3O vs GRPO at ε = 0.2 / 0.4 / 0.6: on-policy, rollouts at T = 1.2, rollouts up to 3 steps stale",
+        "P3O vs GRPO at ε = 0.2 / 0.4 / 0.6: on-policy, rollouts at T = 1.2, rollouts 2 steps stale",
         configs,
         panels,
         steps=30,
@@ -167,7 +168,8 @@ MISMATCH_COLUMNS = (("mismatch/kl_k3", "KL(μ ‖ π_old) k3"), ("mismatch/max_a
 # The stress settings: the flags that push GRPO toward the failure each paper's method was made to prevent.
 ENTROPY_STRESS = ("--num-minibatches", "4", "--lr", "3e-4")  # many large updates per batch (EMA-KPO)
 DRIFT_STRESS = ("--lr", "3e-4")  # long training compressed into 3x the step size (ISOPO's KL drift, GTPO)
-OFF_POLICY_STRESS = ("--sync-every", "8", "--sampling-temperature", "1.5")  # stale, hotter rollouts (P3O)
+# stale, hotter rollouts (P3O); the pages' rows ran with p3o.py's former --sync-every 8 (lags 0-7 in turn)
+OFF_POLICY_STRESS = ("--rollout-lag", "4", "--sampling-temperature", "1.5")
 MISMATCH_STRESS = ("--engine-dtype", "fp8")  # an engine whose Linear weights are rounded through fp8 (TIS)
 GRPO_OFF_POLICY = ("--loss", "clip") + OFF_POLICY_STRESS  # p3o.py's GRPO loss, on the same stale, hotter rollouts
 NO_ANSWER = ("charts/no_answer_rate", "no-answer rate (format broken)")
@@ -186,15 +188,16 @@ SUITES["stress_search"] = Suite(
             ("--num-minibatches", "4", "--update-epochs", "2", "--lr", "1e-3"),
         ),
         Config(
-            "off-policy: 4 steps stale, T=1.2",
+            "off-policy: 2 steps stale, T=1.2",  # the page's row: --sync-every 4 (lags 0-3 in turn)
             "p3o",
-            ("--loss", "clip", "--sync-every", "4", "--sampling-temperature", "1.2"),
+            ("--loss", "clip", "--rollout-lag", "2", "--sampling-temperature", "1.2"),
         ),
         Config("mismatch: fp8 engine", "grpo", MISMATCH_STRESS),
         # added after the first four had run (seed 1): 8 updates at lr 1e-3 diverged (accuracy 0, entropy up),
-        # and 4 steps stale at T = 1.2 looked harmless; a milder push on the entropy and a harder off-policy one
+        # and 4 steps stale (--sync-every 4) at T = 1.2 looked harmless; a milder push on the entropy and a harder
+        # off-policy one
         Config("entropy: 4 updates/batch, lr 3e-4", "grpo", ENTROPY_STRESS),
-        Config("off-policy: 8 steps stale, T=1.5", "p3o", GRPO_OFF_POLICY),
+        Config("off-policy: 4 steps stale, T=1.5", "p3o", GRPO_OFF_POLICY),
         # long training (ISOPO's KL drift, GTPO's formatting tokens), compressed: 3x the step size for 40 steps
         Config("drift: lr 3e-4 (long training, compressed)", "grpo", DRIFT_STRESS),
     ],
@@ -445,6 +448,43 @@ SUITES["lora"] = Suite(
         Config("LoRA r=16, lr 1e-4", "grpo", ("--lora-rank", "16")),
     ],
     [ACCURACY, AVG_AT_4, Panel("charts/reward", "training reward"), ENTROPY],
+)
+# Staleness (--rollout-lag k): every method at lag 0, 1 and 2, with its own defaults, on the built-in task (60 steps,
+# the benchmark's settings) and on the reasoning task (40 steps, the stress suites' settings), at the scripts'
+# temperature 1 as in P3O's Fig. 5. Step t trains on the rollouts of step t − k's weights: a k-step pipeline's data.
+# TIS with its float32 engine: its weight π_old/μ is then the staleness alone. P3O's claim (Fig. 5): in a one-step
+# pipeline it keeps a higher, steadier reward than GRPO. Columns: the mismatch's two parts. Fixed before any run.
+LAG_METHODS = [
+    ("GRPO", "grpo", ()),
+    ("EMA-KPO", "ema_kpo", ()),
+    ("P3O", "p3o", ()),
+    ("GTPO", "gtpo", ()),
+    ("ISOPO", "isopo", ()),
+    ("TIS", "tis_icepop", ("--correction", "tis")),
+]
+LAG_COLUMNS = (
+    ("mismatch/kl_k3_staleness", "k3, staleness"),
+    ("mismatch/kl_k3_discrepancy", "k3, engine"),
+)
+
+
+def _lag_suite(name: str, title: str, steps: int, flags: tuple[str, ...]) -> Suite:
+    configs = [
+        Config(f"lag {lag} · {label}", script, extra + (("--rollout-lag", str(lag)) if lag else ()))
+        for lag in (0, 1, 2)
+        for label, script, extra in LAG_METHODS
+    ]
+    panels = [
+        Panel(key, f"{label}: {title}", labels=tuple(c.label for c in configs if c.label.endswith(f"· {label}")))
+        for key, title in [("eval/greedy_accuracy", "held-out greedy accuracy"), ("charts/reward", "training reward")]
+        for label, _, _ in LAG_METHODS
+    ]
+    return Suite(name, title, configs, panels, steps=steps, flags=flags, baseline=None, columns=LAG_COLUMNS)
+
+
+SUITES["lag"] = _lag_suite("lag", "Every method on rollouts 0, 1 and 2 steps old (--rollout-lag)", 60, ())
+SUITES["lag_sums"] = _lag_suite(
+    "lag_sums", "Every method on rollouts 0, 1 and 2 steps old, on the reasoning task", 40, SUMS
 )
 # The cost of a step at long responses. The built-in task's answers are 3-5 tokens, where a cost that grows with the
 # response length does not show (GTPO's ⟨H⟩_ini forward once held 64 rows' [T, T] attention scores at once). Every
