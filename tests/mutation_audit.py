@@ -39,6 +39,7 @@ COMMON = {
     ),
     "common/batches.py": (None, ["tests/test_batches.py", "tests/test_scripts.py", "tests/test_grpo.py"]),
     "common/moe.py": (None, ["tests/test_moe.py", "tests/test_tis_icepop.py"]),
+    "common/rollouts.py": (["RolloutQueue", "record_staleness"], ["tests/test_rollouts.py", "tests/test_fsdp.py"]),
 }
 NEGATED = {
     ast.Lt: ast.GtE, ast.GtE: ast.Lt, ast.Gt: ast.LtE, ast.LtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,

@@ -3,6 +3,7 @@ on a scripted engine
 (which groups are informative is chosen per call), then on two ranks and through a resumed run."""
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -18,6 +19,7 @@ from common.tasks import sample_batch
 from common.tracking import StepMetrics
 
 ONE_PROCESS = one_process()
+NO_AUTOCAST = contextlib.nullcontext()
 LOCAL, G, STEP = 8, 4, 5  # prompts per step, completions per prompt, the step drawn
 
 
@@ -157,6 +159,62 @@ def test_at_lag_k_step_t_trains_on_the_batch_sampled_at_step_t_minus_k(lag, caps
     two_ranks = queue.state() | {"world_size": 2}  # another rank's share: dropped, said, sampled again
     assert RolloutQueue(lag, ONE_PROCESS, 0, {"this_rank": two_ranks}).steps_to_sample(5) == list(range(5, 5 + lag + 1))
     assert ("sampled again" in capsys.readouterr().out) == (lag > 0)
+
+
+def test_queued_batches_are_scored_once_under_the_weights_that_sampled_them(tiny):
+    """At lag 1 each queued batch gets the trainer's log-probs of its tokens (batch_logprobs, as the scripts'
+    π_old pass), once: a batch scored before keeps its scores; on-policy nothing is scored."""
+    from helpers import two_group_rollouts
+
+    from algorithms import grpo
+    from common import flags
+    from common.batches import make_batch
+    from common.rollouts import Groups, RolloutQueue
+
+    model, tokenizer = tiny
+    args = flags.make(grpo.Args, micro_batch_size=3)
+    prompts, completions = two_group_rollouts(tokenizer)
+    expected = grpo.batch_logprobs(
+        model, make_batch(prompts, completions, 4, 0, torch.device("cpu")), args, NO_AUTOCAST
+    )
+    for lag in (0, 1):
+        queue = RolloutQueue(lag, ONE_PROCESS, 0)
+        fresh = [dataclasses.replace(c) for c in completions]
+        queue.put(1, Groups(prompts, [None, None], fresh, [None] * 8, torch.zeros(2, 4), [True] * 8))
+        queue.score_under_sampling_weights(grpo.batch_logprobs, model, args, NO_AUTOCAST)
+        if lag == 0:
+            assert all(c.trainer_logprobs is None for c in fresh)
+            continue
+        batch = make_batch(prompts, fresh, 4, 0, torch.device("cpu"))
+        mask = batch["response_mask"].bool()
+        assert torch.equal(batch["sampling_weights_logprobs"][mask], expected[0][mask])
+        fresh[0].trainer_logprobs = [0.5] * len(fresh[0].token_ids)  # scored already: left alone
+        queue.score_under_sampling_weights(grpo.batch_logprobs, model, args, NO_AUTOCAST)
+        assert fresh[0].trainer_logprobs[0] == 0.5
+
+
+def test_the_mismatch_splits_into_the_engines_part_and_the_staleness():
+    """record_staleness by hand: log π_old/μ = log π_s/μ + log π_old/π_s, each part's k3 averaged over the
+    response tokens (mask 0 excluded); nothing without the trainer's log-probs at the sampling weights."""
+    from common.rollouts import record_staleness
+
+    mu = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -9.0]], dtype=torch.float64)
+    at_sampling = torch.tensor([[-1.1, -1.9, -0.5], [-0.3, -1.0, 0.0]], dtype=torch.float64)
+    old = torch.tensor([[-0.6, -2.4, -0.7], [-0.8, -1.0, 3.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    batch = {"sampler_logprobs": mu, "sampling_weights_logprobs": at_sampling, "response_mask": mask}
+    metrics = StepMetrics()
+    record_staleness(metrics, batch, old)
+    logged = metrics.reduce()
+    k3 = lambda a, b: [math.exp(x - y) - 1 - (x - y) for x, y in zip(a, b)]  # noqa: E731
+    valid = lambda t: t[0].tolist() + t[1, :2].tolist()  # noqa: E731
+    expected_engine = sum(k3(valid(at_sampling), valid(mu))) / 5
+    expected_staleness = sum(k3(valid(old), valid(at_sampling))) / 5
+    assert logged["mismatch/kl_k3_discrepancy"] == pytest.approx(expected_engine, rel=1e-9)
+    assert logged["mismatch/kl_k3_staleness"] == pytest.approx(expected_staleness, rel=1e-9)
+    metrics = StepMetrics()
+    record_staleness(metrics, {k: v for k, v in batch.items() if k != "sampling_weights_logprobs"}, old)
+    assert metrics.reduce() == {}
 
 
 @pytest.mark.slow
