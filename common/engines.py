@@ -703,18 +703,16 @@ def make_training_engine(systems, policy, tokenizer, dist, model_path: str, max_
     """The rollout engine of a training run, as `systems` (common.flags.Systems) asks: make_engine with
     --rollout-engine, --engine-dtype, --gpu-memory-utilization, --vllm-sleep-mode, --fp32-lm-head and the compute
     dtype of --dtype. Each rank samples with its own seed, `seed` + rank. One rank: the hf engine may share the
-    trainer's module; several: it keeps a full copy per rank. `options`: make_engine's others (`routing`, or
-    `share_weights=False` for a copy)."""
+    trainer's module; several: it keeps a full copy per rank. `options`: make_engine's others (`routing`)."""
     from common.fsdp import compute_dtype
 
-    share = options.pop("share_weights", True) and dist.world_size == 1
     return make_engine(
         systems.rollout_engine,
         policy,
         tokenizer,
         dtype=systems.engine_dtype,
         device=dist.device,
-        share_weights=share,
+        share_weights=dist.world_size == 1,
         model_path=model_path,
         max_model_len=max_model_len,
         seed=seed + dist.rank,
