@@ -211,6 +211,19 @@ def _update(model, batch, dist=ONE_CPU_RANK, **overrides):
     return {"skipped": skipped, **metrics.reduce(dist)}, recorder.grads
 
 
+def _per_token(model, prompts, completions):
+    """Every response token of every completion, one unpadded sequence at a time: (log π_θ with its graph, log μ,
+    the index of the completion that owns the token)."""
+    logprobs, sampler, owner = [], [], []
+    for i, completion in enumerate(completions):
+        prompt, response = prompts[i // 4], completion.token_ids
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        logprobs.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1))
+        sampler.append(torch.tensor(completion.logprobs))
+        owner += [i] * len(response)
+    return torch.cat(logprobs), torch.cat(sampler), owner
+
+
 def _copy(tiny):
     model = type(tiny[0])(tiny[0].config)
     model.load_state_dict(tiny[0].state_dict())
@@ -226,14 +239,7 @@ def test_update_gradient_matches_brute_force_of_the_written_objective(tiny):
     assert len(grads) == 1 and logged["losses/ess_fallbacks"] == 0 and logged["skipped"] == 0
 
     model.zero_grad()
-    logprobs, sampler, owner = [], [], []
-    for i, completion in enumerate(completions):
-        prompt, response = prompts[i // 4], completion.token_ids
-        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
-        logprobs.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1))
-        sampler.append(torch.tensor(completion.logprobs))
-        owner += [i] * len(response)
-    logprobs, sampler = torch.cat(logprobs), torch.cat(sampler)
+    logprobs, sampler, owner = _per_token(model, prompts, completions)
     rho = torch.exp(logprobs - sampler)
     n = len(rho)
     ess = (rho.detach().double().sum() ** 2 / (n * rho.detach().double().square().sum())).item()
@@ -247,6 +253,56 @@ def test_update_gradient_matches_brute_force_of_the_written_objective(tiny):
     assert 0 < logged["losses/clip_fraction"] < 1  # capped and uncapped tokens
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(grads[0][name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_clip_baseline_update_is_the_clipped_surrogate_on_the_behavior_ratio(tiny):
+    """--loss clip through update_policy: the gradient of 1/N Σ_t −min(ρA, clip(ρ, 1 − ε, 1 + ε)A), ρ = π_θ/μ, written
+    per unpadded sequence (no ESS cap, no KL term), and its clip fraction."""
+    model, tokenizer = _copy(tiny), tiny[1]
+    prompts, completions, advantages, batch = _off_policy_batch(model, tokenizer)
+    logged, grads = _update(model, batch, micro_batch_size=3, loss="clip", clip_eps=0.2)
+    model.zero_grad()
+    logprobs, sampler, owner = _per_token(model, prompts, completions)
+    rho, advantage = torch.exp(logprobs - sampler), advantages[owner]
+    surrogate = torch.minimum(rho * advantage, torch.clamp(rho, 0.8, 1.2) * advantage)
+    (-surrogate.sum() / len(rho)).backward()
+    clipped = ((rho > 1.2) & (advantage > 0)) | ((rho < 0.8) & (advantage < 0))
+    assert logged["losses/clip_fraction"] == pytest.approx(clipped.float().mean().item(), abs=1e-6) and clipped.any()
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(grads[0][name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_authors_micro_batch_scope_takes_rows_in_minibatch_order(tiny):
+    """--ess-scope micro-batch: one e_B per micro-batch of the minibatch's rows in their own (shuffled) order, as
+    FeynRL's per-micro-batch ESS; not sorted by length first, which would be another partition and other e_B. A
+    micro-batch whose sums are not finite falls back to e_B = 1 and is counted."""
+    model, tokenizer = _copy(tiny), tiny[1]
+    *_, batch = _off_policy_batch(model, tokenizer)
+    torch.manual_seed(0)
+    logged, _ = _update(model, dict(batch), micro_batch_size=3, ess_scope="micro-batch")
+    torch.manual_seed(0)
+    order = torch.randperm(16)  # update_policy's one minibatch, drawn from the same generator state
+    with torch.no_grad():
+        rho = torch.exp(p3o.token_logprobs(model, batch, 1.0)[0] - batch["sampler_logprobs"]).double()
+    mask = batch["response_mask"].bool()
+    by_length = order[batch["response_mask"][order].sum(1).argsort(descending=True, stable=True)]
+    expected = {}
+    for partition, rows in (("own order", order), ("by length", by_length)):
+        parts = [rho[chunk][mask[chunk]] for chunk in rows.split(3)]
+        each = [(r.sum() ** 2 / (len(r) * r.square().sum())).item() for r in parts]
+        expected[partition] = (sum(e * len(r) for e, r in zip(each, parts)) / mask.sum().item(), min(each))
+    assert (logged["losses/ess"], logged["losses/ess_min"]) == pytest.approx(expected["own order"], rel=1e-5)
+    assert expected["by length"] != pytest.approx(expected["own order"], rel=1e-3)  # the test can tell them apart
+
+
+def test_a_non_finite_micro_batch_ess_falls_back_and_is_counted(tiny, monkeypatch):
+    """e_B from the forward pass itself (one micro-batch holds the step): its fallback is counted as the no-grad
+    pass's is (test_non_finite_sums_fall_back_and_are_counted)."""
+    model, tokenizer = _copy(tiny), tiny[1]
+    *_, batch = _off_policy_batch(model, tokenizer)
+    monkeypatch.setattr(p3o, "ratio_sums", lambda *a: {"ratio_sum": math.nan, "ratio_sq_sum": 1.0, "tokens": 1.0})
+    logged, grads = _update(model, batch, micro_batch_size=16)
+    assert logged["losses/ess_fallbacks"] == 1 and logged["losses/ess"] == 1.0 and len(grads) == 1
 
 
 def test_update_ess_does_not_depend_on_the_micro_batch_size(tiny):
