@@ -268,6 +268,9 @@ def test_the_clip_baseline_update_is_the_clipped_surrogate_on_the_behavior_ratio
     (-surrogate.sum() / len(rho)).backward()
     clipped = ((rho > 1.2) & (advantage > 0)) | ((rho < 0.8) & (advantage < 0))
     assert logged["losses/clip_fraction"] == pytest.approx(clipped.float().mean().item(), abs=1e-6) and clipped.any()
+    assert logged["losses/ratio_mean"] == pytest.approx(rho.mean().item(), rel=1e-5)  # the mean ρ of the tokens
+    kl_behavior = (torch.log(rho) + 1 / rho - 1).mean().item()  # logged only, as e_B is
+    assert logged["losses/kl_behavior"] == pytest.approx(kl_behavior, rel=1e-4) and kl_behavior > 0
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(grads[0][name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
 
