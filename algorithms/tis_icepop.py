@@ -682,7 +682,7 @@ def main(args: Args) -> None:
     sampler = PromptSampler(
         data.prompts, data.train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds
     )
-    queue = RolloutQueue(args.sampling.rollout_lag, dist, tokenizer.pad_token_id, state)
+    queue = RolloutQueue(systems.rollout_lag, dist, tokenizer.pad_token_id, state)
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:

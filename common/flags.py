@@ -41,8 +41,7 @@ class TaskFormat:
 
 @dataclass
 class Sampling:
-    """How rollouts are sampled: top-p / top-k, the kept sets the trainer scores with (common/logprobs.py), and from
-    which weights (--rollout-lag, common/rollouts.py)."""
+    """Top-p / top-k sampling, and the kept sets the trainer scores with (common/logprobs.py)."""
 
     top_p: float = 1.0
     """nucleus sampling: each token from the most likely ones whose probability reaches top_p (1: off)"""
@@ -51,9 +50,6 @@ class Sampling:
     keep_sampling_mask: bool = True
     """with --top-p / --top-k: π_θ, π_old, π_ref and charts/entropy renormalised over the tokens the engine kept
     (DeepSeek-V3.2); --no-keep-sampling-mask scores the full vocabulary: the naive mismatch"""
-    rollout_lag: int = 0
-    """step t trains on rollouts sampled with the weights of step t − k, as a k-step asynchronous pipeline feeds its
-    trainer (the first k steps: with the initial weights); 0: on-policy rollouts of the step's own weights"""
 
 
 @dataclass
@@ -113,6 +109,9 @@ class Systems:
 
     rollout_engine: Literal["auto", "hf", "vllm"] = "auto"
     """vllm (in-process vLLM), hf (transformers generate), or auto: vllm on a GPU when installed, else hf"""
+    rollout_lag: int = 0
+    """step t trains on rollouts sampled with the weights of step t − k, as a k-step asynchronous pipeline feeds its
+    trainer (the first k steps: with the initial weights; common/rollouts.py); 0: the step's own weights"""
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "int8"] = "auto"
     """engine weights' dtype; auto: hf the trainer's weights, vllm the trainer's compute dtype on GPU (another is a
     train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""

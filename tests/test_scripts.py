@@ -528,7 +528,8 @@ def test_a_fork_without_the_optional_features_runs(tmp_path):
     ):
         assert text in source, text  # a deletion that finds nothing would test nothing
         source = source.replace(text, replacement)
-    source = re.sub(r"            if args\.dynamic_sampling:.*?\n(                .*\n)+", "", source)
+    source, deleted = re.subn(r"(?m)^( +)if args\.dynamic_sampling:.*\n(\1    .*\n)+", "", source)
+    assert deleted == 1  # the block and its body, not the line after it
     fork = tmp_path / "algorithms" / "fork.py"
     fork.parent.mkdir()
     fork.write_text(source)
