@@ -117,8 +117,9 @@ def test_grpo_on_two_ranks_end_to_end_and_resume(tmp_path):
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(isinstance(records[-1][k], float) for k in ("charts/reward", "losses/grad_norm", "mismatch/kl_k3"))
     assert [r["charts/rollout_lag"] for r in records[1:]] == [0, 1, 1]
-    # each rank's engine copy received the weights it sampled with: the mismatch is all staleness
-    assert records[-1]["mismatch/kl_k3_discrepancy"] < 1e-6 < records[-1]["mismatch/kl_k3_staleness"]
+    # each rank's engine copy received every push: at the weights that sampled, engine and trainer agree (the
+    # staleness itself is > 0 only if step 2 had a group with a reward spread, 1 - 0.48^4 of machines: not asserted)
+    assert records[-1]["mismatch/kl_k3_discrepancy"] < 1e-6
     checkpoint = os.path.join(run_dir, "checkpoints", "step_00000003")
     assert sorted(f for f in os.listdir(checkpoint) if f.startswith("rng")) == ["rng_rank0.pt", "rng_rank1.pt"]
     assert sorted(f for f in os.listdir(checkpoint) if f.startswith("rollouts")) == [
