@@ -53,6 +53,7 @@ SYMBOL = {
 # Lines that may survive, each with the reason (matched against the stripped source line)
 REASONS = {
     "# END ALGO LOGIC": "a comment",
+    "if cap is None and scaling == 1 and scale == 1:": "a fast path: without it the identity transform is applied",
 }
 
 

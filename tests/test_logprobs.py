@@ -161,6 +161,21 @@ def test_a_transform_after_the_output_layer_is_applied_to_each_chunk(kind, adapt
     assert (plain.gather(-1, ids[:, 6:, None]).squeeze(-1) - expected).abs().max() > 0.1  # the transform matters
 
 
+def test_a_learned_logit_scale_is_not_taken_for_cohere_s(monkeypatch):
+    """Only Cohere's `logit_scale`, a number its forward multiplies the logits by, is a transform: a model that
+    holds a learned `logit_scale` parameter (of its own, unused by the forward) is scored as it is and keeps it."""
+    model = _llama(tied=False)
+    model.logit_scale = torch.nn.Parameter(torch.tensor(3.0, dtype=F64))
+    micro = _micro(1, 8, 4)
+    ids = micro["input_ids"]
+    monkeypatch.setattr("common.logprobs.CHUNK_BYTES", 4 * 37 * 2)
+    with torch.no_grad():
+        logprobs, _ = grpo.token_logprobs(model, micro, 1.0)
+        expected = torch.log_softmax(model(input_ids=ids).logits[:, 3:-1], -1).gather(-1, ids[:, 4:, None])
+    torch.testing.assert_close(logprobs, expected.squeeze(-1), rtol=1e-10, atol=1e-12)
+    assert isinstance(model.logit_scale, torch.nn.Parameter) and model.logit_scale.item() == 3.0
+
+
 def test_a_non_finite_logit_is_not_taken_for_a_transform(monkeypatch):
     """Cohere's forward multiplies what the output layer returned (by 1 inside the context): an overflow there
     (NaN) gives NaN log-probs, for the step to be skipped, not a refusal of the model."""
