@@ -610,16 +610,16 @@ def main(args: Args) -> None:
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
         # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
-        # (--rollout-lag k: step + k's batch, and this step trains on the one step − k sampled)
+        # (--rollout-lag k: step + k's batch, whose sampling/* the step that trains on it logs)
         with metrics.timer("time/rollout"):
-            for ahead in queue.steps_to_sample(step):  # [step] at lag 0
+            for ahead, batch_metrics in queue.steps_to_sample(step, metrics):
                 prompt_ids, rows = sampler.step_prompts(ahead)
-                groups = rollout(engine, tokenizer, prompt_ids, rows, args, metrics)
+                groups = rollout(engine, tokenizer, prompt_ids, rows, args, batch_metrics)
                 if args.dynamic_sampling:  # DAPO §3.2: new prompts replace all-equal groups
-                    more = partial(rollout, engine, tokenizer, args=args, metrics=metrics)
-                    groups = sampler.dynamic_sampling(groups, ahead, more, metrics)
+                    more = partial(rollout, engine, tokenizer, args=args, metrics=batch_metrics)
+                    groups = sampler.dynamic_sampling(groups, ahead, more, batch_metrics)
                 queue.put(ahead, groups)
-            groups = queue.take(step, metrics)  # charts/rollout_lag
+            groups = queue.take(step, metrics)  # sampled at step − k; charts/rollout_lag
 
         # 2. advantages (a completion cut off by --mask-truncated counts in them but does not train)
         batch = make_batch(

@@ -5,10 +5,10 @@ scored against its row's gold answer); this module says which prompts a step use
 batches sampled ahead of the step that trains on them:
 
     queue = RolloutQueue(lag, dist, pad_id, trainer_state)               # --rollout-lag k (and a checkpoint's queue)
-    for ahead in queue.steps_to_sample(step):                            # [step], or [step + k] at lag k
+    for ahead, batch_metrics in queue.steps_to_sample(step, metrics):   # [step], or [step + k] at lag k
         prompt_ids, rows = sampler.step_prompts(ahead)                   # this rank's share of step `ahead`
         groups = rollout(prompt_ids, rows)                               # Groups: completions, rewards [prompts, G]
-        groups = sampler.dynamic_sampling(groups, ahead, rollout, metrics)  # --dynamic-sampling
+        groups = sampler.dynamic_sampling(groups, ahead, rollout, batch_metrics)  # --dynamic-sampling
         queue.put(ahead, groups)
     groups = queue.take(step, metrics)                                   # sampled k steps ago
     record_rollouts(metrics, groups)                                     # charts/reward, accuracy, lengths
@@ -34,7 +34,8 @@ is k = 1). The same data come from a synchronous loop with no copy of the weight
 t + k with its own weights θ_t and trains on the batch it sampled k steps ago, from a queue of k batches. Step 0
 samples the batches of steps 0..k with θ_0, so step t < k trains on θ_0's (a lag of t). The last k steps sample too,
 batches no step of the run trains on, so that a run resumed with more --steps continues exactly as one started with
-them. A step's prompts are the same at any lag. The weights still reach the engine after every step, so an
+them. A step's prompts are the same at any lag, and what a batch's sampling records (sampling/*, tools/*) is
+logged with the step that trains on it, beside its charts/*. The weights still reach the engine after every step, so an
 evaluation scores the trained policy. The queue is this rank's share, and part of the checkpoint (exact resume).
 Each method treats the engine's policy μ as its paper does; what changes is how far μ is from π_θ. The mismatch
 log π_old/μ then has two parts, as Zheng et al. (2025, arXiv:2512.01374) split it:
@@ -56,6 +57,7 @@ import torch
 from common import fsdp
 from common.batches import make_batch
 from common.tasks import sample_batch
+from common.tracking import StepMetrics
 
 
 @dataclass
@@ -171,6 +173,7 @@ class Queued:
     step: int
     sampled_at: int
     groups: Groups
+    metrics: StepMetrics | None = None  # what its sampling recorded (sampling/*, tools/*), logged at `step`
 
 
 class RolloutQueue:
@@ -180,6 +183,7 @@ class RolloutQueue:
         """`trainer_state`: a checkpoint's (load_checkpoint's), whose "this_rank" entry holds this rank's queue."""
         self.lag, self.dist, self.pad_id, self.step = lag, dist, pad_id, 0
         self.queued: list[Queued] = []
+        self.sampling: dict[int, StepMetrics] = {}  # the metrics of the batches being sampled, by step
         saved = (trainer_state or {}).get("this_rank")
         if saved and saved["world_size"] == dist.world_size:
             self.queued = list(saved["queued"])
@@ -187,23 +191,30 @@ class RolloutQueue:
             print(f"note: the {len(saved['queued'])} batches sampled ahead were {saved['world_size']} ranks' "
                   f"shares; they are sampled again, with the resumed weights")  # fmt: skip
 
-    def steps_to_sample(self, step: int) -> list[int]:
+    def steps_to_sample(self, step: int, metrics: StepMetrics) -> list[tuple[int, StepMetrics]]:
         """The steps whose batches step `step` samples, with the weights it starts from: its own at lag 0; at lag k,
-        step + k (and at the first step, or after a resume on another number of ranks, the ones before it)."""
+        step + k (and at the first step, or after a resume on another number of ranks, the ones before it). Each
+        comes with the metrics its sampling records into: `metrics`, the step's own, at lag 0; at lag k the batch's
+        own, which the step that trains on it logs (`take`)."""
         self.step = step
         first = self.queued[-1].step + 1 if self.queued else step
-        return list(range(first, step + self.lag + 1))
+        if not self.lag:
+            return [(step, metrics)]
+        self.sampling = {ahead: StepMetrics() for ahead in range(first, step + self.lag + 1)}
+        return list(self.sampling.items())
 
     def put(self, step: int, groups: Groups) -> None:
         """The batch of step `step`, sampled now (with the weights step `self.step` started from)."""
-        self.queued.append(Queued(step, self.step, groups))
+        self.queued.append(Queued(step, self.step, groups, self.sampling.pop(step, None)))
 
-    def take(self, step: int, metrics) -> Groups:
-        """The batch step `step` trains on; records its lag, charts/rollout_lag (lag > 0)."""
+    def take(self, step: int, metrics: StepMetrics) -> Groups:
+        """The batch step `step` trains on; records its lag, charts/rollout_lag, and what its sampling recorded
+        (lag > 0)."""
         queued = self.queued.pop(0)
         assert queued.step == step, f"the queue holds step {queued.step}'s batch, not step {step}'s"
         if self.lag:
             metrics.set("charts/rollout_lag", step - queued.sampled_at)  # the same on every rank
+            metrics.merge(queued.metrics or StepMetrics())
         return queued.groups
 
     def score_under_sampling_weights(self, batch_logprobs, model, *options) -> None:

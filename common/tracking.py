@@ -68,6 +68,18 @@ class StepMetrics:
         for name, value in values.items():
             self.set(name, value)
 
+    def merge(self, other: "StepMetrics") -> None:
+        """Add another StepMetrics' statistics to these, as if they had been recorded here."""
+        for name, (total, count) in other.means.items():
+            self.mean(name, total, count)
+        for name, value in other.sums.items():
+            self.sum(name, value)
+        for name, value in other.maxima.items():
+            self.max(name, value)
+        for name, value in other.minima.items():
+            self.min(name, value)
+        self.update(other.values)
+
     @contextlib.contextmanager
     def timer(self, name: str):
         start = time.time()

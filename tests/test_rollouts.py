@@ -4,6 +4,7 @@ on a scripted engine
 
 import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -137,27 +138,37 @@ def test_two_ranks_draw_the_same_number_of_rounds(tmp_path):
 @pytest.mark.parametrize("lag", [0, 1, 2])
 def test_at_lag_k_step_t_trains_on_the_batch_sampled_at_step_t_minus_k(lag, capsys):
     """The queue's schedule over 5 steps: step 0 samples steps 0..k, each later step samples step + k (the last k
-    steps too, batches a longer resumed run trains on), and step t takes the batch sampled at max(0, t − k). A
-    checkpoint's queue continues where it stopped on as many ranks; on another number it is sampled again."""
+    steps too, batches a longer resumed run trains on), and step t takes the batch sampled at max(0, t − k), with
+    what that batch's sampling recorded (sampling/*), not what this step's sampling did. A checkpoint's queue
+    continues where it stopped on as many ranks (the batches' metrics kept); on another number it is sampled again."""
     from common.rollouts import RolloutQueue
 
-    queue, sampled, lags = RolloutQueue(lag, ONE_PROCESS, 0), [], []
-    for step in range(5):
-        for ahead in queue.steps_to_sample(step):
+    def sample(queue, step):
+        metrics = StepMetrics()
+        for ahead, batch_metrics in queue.steps_to_sample(step, metrics):
+            assert (batch_metrics is metrics) == (lag == 0)  # on-policy: the step's own
+            batch_metrics.sum("sampling/rollouts", 100 + ahead)
+            batch_metrics.max("sampling/longest", ahead)
             sampled.append((step, ahead))
             queue.put(ahead, f"batch {ahead}")
-        metrics = StepMetrics()
         assert queue.take(step, metrics) == f"batch {step}"
-        lags.append(metrics.reduce().get("charts/rollout_lag", 0))
+        return metrics.reduce()
+
+    queue, sampled, logged = RolloutQueue(lag, ONE_PROCESS, 0), [], []
+    for step in range(5):
+        logged.append(sample(queue, step))
     assert sampled == [(0, s) for s in range(lag + 1)] + [(t, t + lag) for t in range(1, 5)]
-    assert lags == [min(t, lag) for t in range(5)]
-    assert ("charts/rollout_lag" in metrics.reduce()) == (lag > 0)  # not logged on-policy
-    resumed = RolloutQueue(lag, ONE_PROCESS, 0, {"this_rank": queue.state()})
-    assert resumed.steps_to_sample(5) == [5 + lag]
-    resumed.put(5 + lag, f"batch {5 + lag}")
-    assert resumed.take(5, StepMetrics()) == "batch 5"
+    assert [r.get("charts/rollout_lag", 0) for r in logged] == [min(t, lag) for t in range(5)]
+    assert ("charts/rollout_lag" in logged[-1]) == (lag > 0)  # not logged on-policy
+    assert [(r["sampling/rollouts"], r["sampling/longest"]) for r in logged] == [(100 + t, t) for t in range(5)]
+    checkpoint = io.BytesIO()  # as a checkpoint keeps the queue
+    torch.save(queue.state(), checkpoint)
+    checkpoint.seek(0)
+    resumed, sampled = RolloutQueue(lag, ONE_PROCESS, 0, {"this_rank": torch.load(checkpoint, weights_only=False)}), []
+    assert sample(resumed, 5)["sampling/rollouts"] == 105 and sampled == [(5, 5 + lag)]
     two_ranks = queue.state() | {"world_size": 2}  # another rank's share: dropped, said, sampled again
-    assert RolloutQueue(lag, ONE_PROCESS, 0, {"this_rank": two_ranks}).steps_to_sample(5) == list(range(5, 5 + lag + 1))
+    other = RolloutQueue(lag, ONE_PROCESS, 0, {"this_rank": two_ranks})
+    assert [ahead for ahead, _ in other.steps_to_sample(5, StepMetrics())] == list(range(5, 5 + lag + 1))
     assert ("sampled again" in capsys.readouterr().out) == (lag > 0)
 
 

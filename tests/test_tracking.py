@@ -13,20 +13,27 @@ from helpers import only_run_dir, read_jsonl, run_script
 from common.tracking import StepMetrics, Tracker
 
 
-def test_step_metrics_by_hand():
+@pytest.mark.parametrize("merged", [False, True], ids=["recorded", "merged"])
+def test_step_metrics_by_hand(merged):
+    """Each kind of statistic by hand; the same when half of them were recorded into another StepMetrics and merged
+    (a batch sampled ahead at --rollout-lag k brings its own)."""
     metrics = StepMetrics()
+    other = StepMetrics() if merged else metrics
     metrics.mean("entropy", torch.tensor(3.0), torch.tensor(2.0))  # two micro-batches: (3 + 1) / (2 + 2)
-    metrics.mean("entropy", 1.0, 2)
+    other.mean("entropy", 1.0, 2)
     metrics.sum("tokens_per_second", 10.0)
-    metrics.sum("tokens_per_second", 5)
-    metrics.max("ratio_max", torch.tensor([0.5, 2.0]))
+    other.sum("tokens_per_second", 5)
+    other.max("ratio_max", torch.tensor([0.5, 2.0]))
     metrics.max("ratio_max", 1.5)
     metrics.max("ratio_max", torch.tensor([]))  # an empty micro-batch records nothing
-    metrics.min("ratio_min", torch.tensor([[0.7, 0.2]]))
+    other.min("ratio_min", torch.tensor([[0.7, 0.2]]))
+    metrics.min("ratio_min", torch.tensor([0.9]))
     metrics.min("ratio_min", torch.tensor([]))
     metrics.mean("nothing", 0.0, 0)  # no count: not a number, nothing was measured
-    metrics.set("lr", 1e-4)
+    other.set("lr", 1e-4)
     metrics.update({"eval/greedy_accuracy": 0.5})
+    if merged:
+        metrics.merge(other)
     with metrics.timer("time/train"):
         pass
     logged = metrics.reduce()
