@@ -462,6 +462,23 @@ PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"
 # END TRY NOT TO MODIFY
 
 
+# ALGO LOGIC: --rollout-lag's log π_s, the trainer at the weights that sampled a queued batch
+def sampling_weights_logprobs(model, batch, args, autocast):
+    """batch_logprobs, routed as log π_old is: under --router-replay r3 with the engine's routing,
+    so that the split's engine part (π_s against μ) holds none of the routing r3 removes."""
+    if args.router_replay != "r3" or "engine_routing" not in batch:
+        return batch_logprobs(model, batch, args, autocast)
+    rows = batch["sampler_logprobs"]
+    every_row = torch.arange(len(rows), device=rows.device)
+    logprobs_of = partial(token_logprobs, temperature=args.temperature)
+    with torch.no_grad(), autocast:
+        micros = micro_batches(batch, every_row, args.micro_batch_size)
+        return moe.routed_logprobs(model, batch, micros, logprobs_of, "engine_routing")[0], None
+
+
+# END ALGO LOGIC
+
+
 def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics):
     """Old and reference log-probs, then the minibatch updates on one rollout batch (this rank's
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
@@ -713,7 +730,7 @@ def main(args: Args) -> None:
         # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps meanwhile)
         with metrics.timer("time/train"):
             engine.sleep()
-            queue.score_under_sampling_weights(batch_logprobs, policy, args, precision.autocast)
+            queue.score_under_sampling_weights(sampling_weights_logprobs, policy, args, precision.autocast)
             skipped_steps += update_policy(
                 policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics
             )

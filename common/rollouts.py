@@ -54,7 +54,7 @@ from typing import Callable
 
 import torch
 
-from common import fsdp
+from common import fsdp, moe
 from common.batches import make_batch
 from common.tasks import sample_batch
 from common.tracking import StepMetrics
@@ -227,6 +227,9 @@ class RolloutQueue:
                 continue
             group_size, device = queued.groups.rewards.shape[1], self.dist.device
             batch = make_batch(queued.groups.prompt_ids, completions, group_size, self.pad_id, device)
+            # an MoE engine's routing, as the step's batch holds it, for a method that replays it
+            routed = moe.batch_routing(queued.groups.prompt_ids, completions, group_size, batch)
+            batch |= {"engine_routing": routed} if routed is not None else {}
             for completion, logprobs in zip(completions, batch_logprobs(model, batch, *options)[0].cpu()):
                 completion.trainer_logprobs = logprobs[: len(completion.token_ids)].tolist()
 

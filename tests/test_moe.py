@@ -6,12 +6,13 @@ import os
 
 import pytest
 import torch
-from helpers import ALGORITHMS, assert_two_ranks_update_like_one, only_run_dir, read_jsonl, run_script
+from helpers import ALGORITHMS, assert_two_ranks_update_like_one, one_process, only_run_dir, read_jsonl, run_script
 
 import algorithms.tis_icepop as tim
 from common import flags, fsdp, moe
 from common.engines import HFEngine
 from common.errors import BadInput
+from common.rollouts import Groups, RolloutQueue
 
 
 def small_moe(kind: str, dtype=torch.float32, seed: int = 0):
@@ -229,6 +230,35 @@ def test_a_bfloat16_engine_routes_otherwise_and_r3_restores_it(tied_moe_dir):
         results[replayed is not None] = moe.agreement(batch["engine_routing"], used, positions)["same_set"].mean()
         results["own"] = moe.agreement(batch["engine_routing"], own, positions)["same_set"].mean()
     assert results[False] < 1 and results[True] == 1 and results["own"] < 1
+
+
+@pytest.mark.parametrize("replay", ["none", "r3"])
+def test_a_queued_batch_is_scored_at_its_sampling_weights_routed_as_pi_old_is(tiny_moe, replay):
+    """--rollout-lag's log π_s (tis_icepop.sampling_weights_logprobs through the queue): under r3 with the engine's
+    routing replayed, as log π_old is, so the split's engine part holds no routing difference r3 removes; otherwise
+    the trainer's own routing. The engine's routing is made unlike the trainer's (every token to other experts)."""
+    model, tokenizer = tiny_moe
+    prompts, completions, _ = _rollout_batch(model, tokenizer)
+    for completion in completions:
+        completion.routing = other_experts(completion.routing, 4)
+    groups = Groups(prompts, [None] * 3, completions, [None] * 9, torch.zeros(3, 3), [True] * 9)
+    queue = RolloutQueue(1, one_process(), tokenizer.pad_token_id)
+    queue.put(1, groups)
+    args = flags.make(tim.Args, router_replay=replay, micro_batch_size=2)
+    queue.score_under_sampling_weights(tim.sampling_weights_logprobs, model, args, torch.autocast("cpu", enabled=False))
+    batch = tim.make_batch(prompts, completions, 3, tokenizer.pad_token_id, torch.device("cpu"))
+    routing = moe.routing_of(model)
+    routing.replay(moe.batch_routing(prompts, completions, 3, batch))
+    with torch.no_grad():
+        replayed = tim.token_logprobs(model, batch, 1.0)[0]
+    routing.replay(None)
+    with torch.no_grad():
+        own = tim.token_logprobs(model, batch, 1.0)[0]
+    mask = batch["response_mask"].bool()
+    scored = batch["sampling_weights_logprobs"][mask]
+    expected, other = (replayed, own) if replay == "r3" else (own, replayed)
+    torch.testing.assert_close(scored, expected[mask], rtol=1e-5, atol=1e-5)
+    assert (scored - other[mask]).abs().max() > 1e-2  # the routing matters
 
 
 # --- tis_icepop.py --router-replay -----------------------------------------------------------------------------------
