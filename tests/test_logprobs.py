@@ -41,6 +41,34 @@ def test_chunks_equal_full_logits_in_float64(chunk_tokens, with_bias):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["backward", "no_grad"])
+def test_the_logits_are_made_a_chunk_at_a_time_and_remade_in_the_backward(grad):
+    """What keeps the memory down, counted: 10 positions under chunks of 3 positions' float32 logits are scored in 4
+    pieces, and with a gradient each piece is computed again in the backward (its logits were not kept); positions
+    that fit one chunk are scored once, and kept (nothing to save by computing them twice)."""
+    from common.logprobs import log_softmax_gather
+
+    sizes = []
+
+    def score(logits, targets):
+        sizes.append(len(logits))
+        return log_softmax_gather(logits, targets)
+
+    vocabulary, width = 7, 4
+    for chunk_tokens, pieces in ((3, [3, 3, 3, 1]), (10, [10])):
+        hidden = torch.randn(2, 5, width, dtype=F64, requires_grad=grad)
+        weight, targets = torch.randn(vocabulary, width, dtype=F64), torch.randint(0, vocabulary, (2, 5))
+        sizes.clear()
+        with torch.set_grad_enabled(grad):
+            scores = chunked_scores(
+                hidden, weight, None, targets, score, False, chunk_bytes=4 * vocabulary * chunk_tokens
+            )
+        assert sizes == pieces
+        if grad:
+            scores[..., 0].sum().backward()
+            assert sorted(sizes) == sorted(pieces * 2 if len(pieces) > 1 else pieces)  # the backward: in reverse
+
+
 def test_entropy_carries_no_gradient():
     hidden = torch.randn(2, 3, 4, dtype=F64, requires_grad=True)
     weight = torch.randn(6, 4, dtype=F64, requires_grad=True)
