@@ -272,11 +272,13 @@ class HFEngine:
         )
         stop = None if stop == len(tokens) else stop
         length = len(tokens) if stop is None else stop + 1
+        # copies, not views of the whole chunk's tensor: a completion kept (--rollout-lag's queue, a checkpoint)
+        # holds its own rows only
         if routing is not None:
-            routing = routing[padding : padded_prompt + length - 1]
+            routing = routing[padding : padded_prompt + length - 1].clone()
         if mask is not None:  # this completion's positions, the padding of its widest set only
             mask = mask[:length]
-            mask = mask[:, : int((mask >= 0).sum(-1).max())]
+            mask = mask[:, : int((mask >= 0).sum(-1).max())].clone()
         return Completion(tokens[:length], logprobs[:length], "length" if stop is None else "stop", routing, mask)
 
     @torch.no_grad()

@@ -24,7 +24,8 @@ which flags would make it fit when it does not. The parts, per GPU:
   several ranks (one rank shares the trainer's);
 - the CUDA context and allocator slack (1.5 GiB), or on a CPU the Python process itself (0.45 GB);
 - in host memory, not the GPU's: with --rollout-lag k the k batches sampled ahead, a rank's rollouts each, at
-  QUEUED_TOKEN_BYTES per response token (Python lists of token ids, the engine's and the trainer's log-probs).
+  QUEUED_TOKEN_BYTES per response token (Python lists of token ids, the engine's and the trainer's log-probs);
+  not counted: the kept ids of top-p / top-k sampling (K per token) and an MoE engine's routing (layers × k).
 It is an estimate for dense decoder models (Llama, Qwen2, Qwen3): fragmentation and kernels' workspaces are not
 modelled. On the CPU it agrees with the measured peak RSS of whole training steps within 20% (tests/test_memory.py).
 """

@@ -364,6 +364,7 @@ def test_the_kept_mask_makes_the_trainer_score_what_the_engine_sampled(tiny, top
         mask = completion.sampling_mask
         assert mask.shape[0] == len(completion.token_ids) and (top_k == 0 or mask.shape[1] <= top_k)
         assert all(token in row.tolist() for token, row in zip(completion.token_ids, mask))
+        assert mask.untyped_storage().nbytes() == mask.nbytes  # its own rows, not a view of the whole chunk's
     batch = grpo.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
     width = max(c.sampling_mask.shape[1] for c in completions)
     batch["sampling_mask"] = torch.full((*batch["response_ids"].shape, width), -1, dtype=torch.int32)

@@ -196,6 +196,7 @@ def test_engine_routing_then_r3_reproduces_the_engines_logprobs(tiny_moe):
     prompts, completions, batch = _rollout_batch(model, tokenizer)
     for index, completion in enumerate(completions):  # one row per fed token: the prompt, the completion but its last
         assert completion.routing.shape == (len(prompts[index // 3]) + len(completion.token_ids) - 1, 4, 2)
+        assert completion.routing.untyped_storage().nbytes() == completion.routing.nbytes  # not a view of the chunk's
     batch["engine_routing"] = moe.batch_routing(prompts, completions, 3, batch)
     trainer = model.train()
     routing = moe.routing_of(trainer)
