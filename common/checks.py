@@ -343,12 +343,15 @@ RESUME_MAY_CHANGE = {
 def resume_differences(settings: dict, saved: dict, verbose: bool = False) -> list[str]:
     """The flags of `settings` (this command's) that differ from `saved` (a run's) where they would change the run's
     math, each as "--flag <the run's> in the run, <now's> now". A flag that does nothing in this run (the run may be
-    older than its refusal) is no difference: a note says so (`verbose`)."""
+    older than its refusal) is no difference: a note says so (`verbose`), as it does of a flag of the run's that the
+    script no longer has (p3o.py's --sync-every, replaced by --rollout-lag)."""
     changed = [n for n, value in settings.items() if n not in RESUME_MAY_CHANGE and n in saved and value != saved[n]]
     inert = inert_flags(settings)
     flag = lambda name: f"--{name.replace('_', '-')}"  # noqa: E731
     for n in (n for n in changed if n in inert and verbose):
         print(f"note: {flag(n)} {settings[n]} (the run: {saved[n]}) does nothing here: {inert[n]}", file=sys.stderr)
+    for n in (n for n in saved if n not in settings and verbose):  # a flag the script has since lost
+        print(f"note: the run was made with {flag(n)} {saved[n]}, which this script no longer has", file=sys.stderr)
     return [f"{flag(n)} {saved[n]} in the run, {settings[n]} now" for n in changed if n not in inert]
 
 

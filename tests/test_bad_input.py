@@ -326,10 +326,12 @@ def test_models_that_are_not_there_are_named(tmp_path, monkeypatch):
 # --- resume and damaged checkpoints -----------------------------------------------------------------
 
 
-def _fake_checkpoint(tmp_path, args):
+def _fake_checkpoint(tmp_path, args, **lost_flags):
+    """A run's checkpoint at step 3 holding its settings only: `args`', and `lost_flags`, flags its script no longer
+    has."""
     folder = tmp_path / "run" / "checkpoints" / "step_00000003"
     folder.mkdir(parents=True)
-    torch.save({"args": flags.flat(args), "step": 3}, folder / "trainer_state.pt")
+    torch.save({"args": flags.flat(args) | lost_flags, "step": 3}, folder / "trainer_state.pt")
     return str(folder)
 
 
@@ -447,6 +449,10 @@ def test_a_run_resumes_after_one_of_its_flags_became_refusable(tmp_path, capsys,
     checks.check_resume(flags.flat(flags.make(grpo.Args, resume=checkpoint)), checkpoint)
     note = "note: --fp32-lm-head False (the run: True) does nothing here: applies with bfloat16"
     assert note in capsys.readouterr().err
+    # a flag the script has since lost (p3o.py's --sync-every): said, not refused
+    older = _fake_checkpoint(tmp_path / "older", flags.make(grpo.Args), sync_every=4)
+    checks.check_resume(flags.flat(flags.make(grpo.Args, resume=older)), older)
+    assert "note: the run was made with --sync-every 4, which this script no longer has" in capsys.readouterr().err
 
 
 def test_a_resume_with_fewer_steps_than_the_run_has_is_refused(tmp_path):
