@@ -69,6 +69,19 @@ def test_the_logits_are_made_a_chunk_at_a_time_and_remade_in_the_backward(grad):
             assert sorted(sizes) == sorted(pieces * 2 if len(pieces) > 1 else pieces)  # the backward: in reverse
 
 
+def test_bfloat16_logits_are_normalised_in_float32():
+    """A bf16 output layer's logits are upcast before the log-softmax: its log-probs and entropy are float32, those of
+    the same bf16 logits in float32 (a bf16 log-softmax rounds log-probs of about −4 to steps of 0.03)."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 5, 8).bfloat16(), torch.randn(37, 8).bfloat16()
+    targets = torch.randint(0, 37, (2, 5))
+    scores = chunked_scores(hidden, weight, None, targets, 1.0, True)
+    logp = torch.log_softmax(torch.nn.functional.linear(hidden, weight).float(), -1)  # the same bf16 product
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores[..., 0], logp.gather(-1, targets[..., None]).squeeze(-1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(scores[..., 1], -(logp.exp() * logp).sum(-1), rtol=0, atol=1e-5)
+
+
 def test_entropy_carries_no_gradient():
     hidden = torch.randn(2, 3, 4, dtype=F64, requires_grad=True)
     weight = torch.randn(6, 4, dtype=F64, requires_grad=True)
