@@ -1,5 +1,7 @@
 """common/batches.py: rollouts as padded tensors, and micro-batches trimmed of the padding they do not need."""
 
+import dataclasses
+
 import torch
 from helpers import two_group_rollouts
 
@@ -46,3 +48,22 @@ def test_micro_batches_sorted_by_length_cover_every_row_and_pad_little():
     shuffled, sorted_ = padded_over_useful(False), padded_over_useful(True)
     print(f"padded / useful response tokens: random order {shuffled:.2f}, sorted {sorted_:.3f}")
     assert sorted_ < 1.25 and shuffled > 2  # measured: 1.18 and 2.70
+
+
+def test_the_trainer_log_probs_at_the_sampling_weights_are_padded_like_the_engines(tiny):
+    """--rollout-lag: each completion's trainer_logprobs (common/rollouts.py) become [B, T] beside the engine's,
+    0 past each response's end; a batch with one completion unscored has none (step 0's, or lag 0)."""
+    _, tokenizer = tiny
+    prompts, completions = two_group_rollouts(tokenizer)
+    assert "sampling_weights_logprobs" not in make_batch(prompts, completions, 4, 0, torch.device("cpu"))
+    scored = [
+        dataclasses.replace(c, trainer_logprobs=[-(i + 1.0)] * len(c.token_ids)) for i, c in enumerate(completions)
+    ]
+    batch = make_batch(prompts, scored, 4, 0, torch.device("cpu"))
+    expected = torch.tensor(
+        [[-(i + 1.0)] * len(c.token_ids) + [0.0] * (4 - len(c.token_ids)) for i, c in enumerate(scored)]
+    )
+    assert torch.equal(batch["sampling_weights_logprobs"], expected)
+    assert 0 < (expected == 0).sum() < expected.numel()  # some responses are shorter than the longest
+    scored[3] = completions[3]
+    assert "sampling_weights_logprobs" not in make_batch(prompts, scored, 4, 0, torch.device("cpu"))
