@@ -151,6 +151,47 @@ def test_groups_do_not_see_each_other():
     assert script_masks(["ab", "ab", "ab", "ab"], [1.0, -1.0, 1.0, -1.0], group_size=2) == [([1, 1], [1, 1])] * 4
 
 
+def test_conflict_spans_skip_a_tool_output():
+    """With tools (a response is an episode), a tool's output inside a completion is context: the spans run along
+    the policy's own tokens as if the output were absent (§5.1 on the completion without it), and an output's
+    tokens are never masked, even where they equal a conflict token. Random groups as above, each completion
+    with outputs of 1-3 tokens (from the same small vocabulary) after some of its tokens, against the
+    definition on the completions without their outputs."""
+    rng, spans = random.Random(1), {"forward": 0, "backward": 0}
+    for trial in range(200):
+        group_size, groups = rng.choice([2, 3, 4]), rng.randint(1, 3)
+        sequences = ["".join(rng.choice("ab$") for _ in range(rng.randint(1, 6))) for _ in range(group_size * groups)]
+        advantages = [rng.choice([-1.0, -0.5, 0.0, 0.5, 1.0]) for _ in sequences]
+        episodes, policy = [], []  # tokens with the outputs, and 1 at the policy's own tokens
+        for s in sequences:
+            tokens, own = [ord(s[0])], [1]
+            for c in s[1:] + "E":  # "E": the end, after which an output may still come (a truncated episode)
+                if rng.random() < 0.4:
+                    output = [ord(rng.choice("ab$")) for _ in range(rng.randint(1, 3))]
+                    tokens, own = tokens + output, own + [0] * len(output)
+                if c != "E":
+                    tokens, own = tokens + [ord(c)], own + [1]
+            episodes.append(tokens)
+            policy.append(own)
+        width = max(map(len, episodes))
+        ids = torch.tensor([t + [ord("a")] * (width - len(t)) for t in episodes])
+        mask = torch.tensor([m + [0] * (width - len(m)) for m in policy], dtype=torch.float32)
+        forward, backward = gtpo.conflict_masks(ids, mask, torch.tensor(advantages), group_size)
+        assert not (forward | backward)[mask == 0].any(), trial  # outputs and padding are never masked
+        expected = []
+        for g in range(groups):
+            chunk = slice(g * group_size, (g + 1) * group_size)
+            expected += masks_from_definition(sequences[chunk], advantages[chunk])
+        # the spans at the policy's own tokens, in their order
+        at_own = [
+            (forward[i][mask[i] == 1].int().tolist(), backward[i][mask[i] == 1].int().tolist()) for i in range(len(ids))
+        ]
+        assert at_own == expected, trial
+        spans["forward"] += any(any(f) for f, _ in expected)
+        spans["backward"] += any(any(b) for _, b in expected)
+    assert min(spans.values()) > 20, spans  # the random groups do exercise both spans
+
+
 # --- λ (Eq. 5) ---------------------------------------------------------------------------------
 
 
@@ -381,6 +422,64 @@ def test_update_matches_eq7_by_brute_force(tiny, combine):
         torch.testing.assert_close(step[name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_authors_configuration_matches_their_loss_by_brute_force(tiny):
+    """--no-scale-advantages --mask-combine product --divide-by-conflict-count --entropy-filter on (the authors'
+    code) against their loss written out per sequence: λ^fw·λ^bw from the spans of §5.1's definition, divided by
+    n_i = max(|M^fw_i|, |M^bw_i|, 1), and δ_i = [⟨H⟩_i <= threshold] although ⟨H⟩_ini is above it. These
+    completions have spans of two tokens (n_i = 2), which the example above lacks (all its n_i are 1), and the
+    threshold drops two of the eight completions, so charts/filtered_fraction (2/8) is not the kept fraction."""
+    _, tokenizer = tiny
+    responses = ("123$", "124$", "5$", "96$", "41$", "51$", "7$", "8")  # one character, one token
+    prompts, completions = two_group_rollouts(tokenizer, responses)
+    rewards = [[1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0]]
+    advantages = [r - sum(group) / len(group) for group in rewards for r in group]  # centred, not scaled
+    batch = gtpo.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
+    batch["advantages"] = torch.tensor(advantages)
+    # λ_it / n_i by hand from the definition's spans
+    weights, counts = torch.ones(batch["response_mask"].shape), []
+    for g in range(2):
+        spans = masks_from_definition(responses[4 * g : 4 * g + 4], advantages[4 * g : 4 * g + 4])
+        for i, (forward, backward) in enumerate(spans, start=4 * g):
+            inside = 2.0 if advantages[i] > 0 else 0.0
+            counts.append(max(sum(forward), sum(backward), 1))
+            for t, (f, b) in enumerate(zip(forward, backward)):
+                weights[i, t] = (inside if f else 1.0) * (inside if b else 1.0) / counts[-1]
+    assert counts == [2, 2, 1, 1, 2, 2, 1, 1]
+
+    model = _copy(tiny)
+    entropy, logprobs = _brute_force_entropy(model, prompts, completions)
+    threshold = entropy.sort().values[5:7].mean().item()  # halfway between the 6th and 7th: two dropped
+    delta = (entropy <= threshold).float()
+    assert delta.sum() == 6
+    # of the four completions with n_i = 2, three have a λ ≠ 0: at least one of them is kept
+    assert any(delta[i] and counts[i] == 2 and weights[i].any() for i in range(8))
+    args = flags.make(
+        gtpo.Args,
+        group_size=4,
+        micro_batch_size=3,
+        max_grad_norm=1e9,
+        entropy_coef=0.1,
+        scale_advantages=False,
+        mask_combine="product",
+        divide_by_conflict_count=True,
+        entropy_filter="on",
+    )
+    args.entropy_threshold = threshold
+    torch.manual_seed(0)
+    metrics, step = _update(_copy(tiny), batch, args, initial_entropy=2 * threshold)
+    logged = metrics.reduce()
+    valid = batch["response_mask"].bool()
+    torch.testing.assert_close(batch["conflict_weights"][valid], weights[valid])
+    assert logged["charts/filtered_fraction"] == 2 / 8
+    objective = 0.0
+    for i, logprob in enumerate(logprobs):
+        shaped = delta[i] * (advantages[i] - 0.1 * entropy[i])
+        objective = objective + shaped * (weights[i, : len(logprob)] * logprob).sum() / len(logprob) / len(logprobs)
+    (-objective).backward()
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(step[name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_several_updates_take_entropy_from_pi_old(tiny):
     """With several updates per batch, ⟨H⟩_i (and so δ_i and the shift) comes from the no-grad π_old pass,
     and is the same value the single-update path reads off its own forward."""
@@ -446,6 +545,32 @@ def test_a_resumed_run_keeps_its_initial_entropy():
             raise AssertionError("a resumed run must not measure ⟨H⟩_ini again")
 
     assert gtpo.measure_initial_entropy(None, NoEngine(), [[1]], gtpo.Args(), CPU, None, 0, entropy_ini=0.25) == 0.25
+
+
+@pytest.mark.parametrize(
+    "mode, initial, threshold, acts",
+    [
+        ("auto", 0.5, math.log(2), True),  # ⟨H⟩_ini < ln 2: Eq. 6's filter
+        ("auto", 0.9, math.log(2), False),
+        ("auto", math.log(2), math.log(2), False),  # equal: not below
+        ("auto", 0.695, 0.7, True),  # the same threshold as δ_i's
+        ("on", 0.9, math.log(2), True),  # the authors' code: whatever ⟨H⟩_ini
+        ("off", 0.5, math.log(2), False),
+    ],
+)
+def test_the_initial_entropy_line_says_whether_the_filter_acts(capsys, mode, initial, threshold, acts):
+    """The line printed with ⟨H⟩_ini says whether δ_i will act, by Eq. 6's rule written out (on: always, off:
+    never, auto: iff ⟨H⟩_ini < threshold), and says what entropy_filter then does; only the main rank prints. A
+    resumed run's value (nothing sampled) is enough to check it."""
+    args = flags.make(gtpo.Args, entropy_filter=mode, entropy_threshold=threshold)
+    assert gtpo.measure_initial_entropy(None, None, [[1]], args, CPU, None, 0, entropy_ini=initial) == initial
+    line = f"<H>_ini = {initial:.4f} (threshold {threshold:.4f}): entropy filter {'on' if acts else 'off'}\n"
+    assert capsys.readouterr().out == line
+    # the filter does what the line says: a completion above the threshold is dropped iff it acts
+    assert gtpo.entropy_filter(torch.tensor([threshold + 1]), initial, mode, threshold).tolist() == [0 if acts else 1]
+    other_rank = fsdp.Dist(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
+    assert gtpo.measure_initial_entropy(None, None, [[1]], args, other_rank, None, 0, entropy_ini=initial) == initial
+    assert capsys.readouterr().out == ""
 
 
 def entropy_one_for_prompt(model, micro, temperature, with_entropy=False, probe=0):
