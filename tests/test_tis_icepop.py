@@ -19,8 +19,9 @@ from helpers import (
 )
 
 from algorithms import tis_icepop as tim
-from common import flags
+from common import flags, moe
 from common.engines import Completion
+from common.errors import BadInput
 from common.tracking import StepMetrics
 
 MODES = ["none", "tis", "tis-seq", "mis", "mis-seq", "icepop", "kpop", "seq-mask"]
@@ -332,7 +333,9 @@ def test_effective_sample_size():
 @pytest.mark.parametrize("correction", ["icepop", "tis-seq"])
 def test_update_policy_applies_the_weights(tiny, correction):
     """One SGD step of update_policy (lr 1, no clipping) moves the weights by minus the gradient of
-    −1/N Σ_i Σ_t w_it A_i log π_θ(o_it), written out per sequence without padding."""
+    −1/N Σ_i Σ_t w_it A_i log π_θ(o_it), written out per sequence without padding; the correction/* statistics
+    count what the brute force counts: tokens masked (w = 0), tokens capped (w = C), completions dropped (every
+    w = 0), Σ w and the ESS."""
     model, tokenizer = tiny
     policy = type(model)(model.config)
     policy.load_state_dict(model.state_dict())
@@ -364,7 +367,7 @@ def test_update_policy_applies_the_weights(tiny, correction):
     tokens = sum(len(r) for r in responses)
     brute = type(model)(model.config)
     brute.load_state_dict(model.state_dict())
-    objective, masked, weights_sum, weights_sq_sum = 0.0, 0, 0.0, 0.0
+    objective, masked, capped, dropped, weights_sum, weights_sq_sum = 0.0, 0, 0, 0, 0.0, 0.0
     for i, response in enumerate(responses):
         prompt = prompts[i // group]
         logits = brute(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
@@ -374,19 +377,148 @@ def test_update_policy_applies_the_weights(tiny, correction):
             weights = torch.where((log_k.exp() >= 0.5) & (log_k.exp() <= 5.0), log_k.exp(), torch.zeros_like(log_k))
         else:
             weights = torch.full_like(log_k, min(log_k.sum().exp().item(), 1.5))
+            capped += len(response) if log_k.sum().exp().item() > 1.5 else 0  # Π_t k_t above C: every token capped
         masked += int((weights == 0).sum())
+        dropped += int((weights == 0).all())
         weights_sum += weights.sum().item()
         weights_sq_sum += (weights**2).sum().item()
         objective = objective + (weights * advantages[i] * logprobs).sum() / tokens
     (-objective).backward()
     if correction == "icepop":  # the example masks some tokens, not all
         assert 0 < masked < tokens and metrics.means["correction/masked_token_fraction"] == [masked, tokens]
+        assert 0 < dropped < len(responses) / 2  # some completions lose every token (fewer than the others)
+    else:  # tis-seq caps some completions' products, not all, and drops none
+        assert 0 < capped < tokens and dropped == 0
+    assert metrics.means["correction/capped_token_fraction"] == [capped, tokens]
+    assert metrics.means["correction/dropped_sequence_fraction"] == [dropped, len(responses)]
     weight_sum, counted = metrics.means["correction/weight_mean"]
     assert counted == tokens and weight_sum == pytest.approx(weights_sum, rel=1e-5)
     ess = metrics.reduce()["correction/ess"]  # (Σw)² / (N Σw²)
     assert ess == pytest.approx(weights_sum**2 / (tokens * weights_sq_sum), rel=1e-5)
     for name, parameter in brute.named_parameters():
         torch.testing.assert_close(moved[name], parameter.grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
+# --- --router-replay: the routing each forward uses, on a small mixture-of-experts model ----------------------------
+
+MOE_PROMPTS = [[1, 5, 9, 11], [1, 7, 3]]  # token ids of a 50-token vocabulary (0: padding, 2: EOS)
+MOE_RESPONSES = [[12, 20, 2], [33, 2], [40, 41, 42, 43], [17]]  # two completions per prompt, of different lengths
+
+
+def _small_moe():
+    """A random 2-layer Mixtral (4 experts, 2 per token; float32, train mode), the same weights at every call, with
+    routers that choose clearly (N(0, 0.5²) rows: no float32 near-tie)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    shared = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    config = MixtralConfig(**shared, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = MixtralForCausalLM(config)
+        for _, router in moe.routers(model):
+            torch.nn.init.normal_(router.weight, std=0.5)
+    model.config._experts_implementation = "eager"
+    return model.train()
+
+
+def _moe_batch(engine_routing=True):
+    """The batch of MOE_RESPONSES (group size 2, μ = −1 per token, advantages given), with an engine routing of
+    random distinct experts per token and layer (unlike the routers' own choices) when `engine_routing`."""
+    completions = [Completion(r, [-1.0] * len(r), "stop") for r in MOE_RESPONSES]
+    batch = tim.make_batch(MOE_PROMPTS, completions, 2, 0, torch.device("cpu"))
+    batch["advantages"] = torch.tensor([1.0, -0.5, -1.2, 0.8])
+    if engine_routing:
+        generator = torch.Generator().manual_seed(1)
+        shape = (*batch["input_ids"].shape, 2)  # [B, S, L]
+        first = torch.randint(0, 4, shape, generator=generator)
+        second = (first + torch.randint(1, 4, shape, generator=generator)) % 4  # another expert than the first
+        batch["engine_routing"] = torch.stack([first, second], dim=-1).to(torch.uint8)
+    return batch
+
+
+def _moe_sequences(batch):
+    """(row, prompt + response ids, where they start in the batch's columns) of each completion, without padding."""
+    width = batch["input_ids"].shape[1] - batch["response_ids"].shape[1]
+    for row, response in enumerate(MOE_RESPONSES):
+        prompt = MOE_PROMPTS[row // 2]
+        yield row, prompt + response, width - len(prompt)
+
+
+def _moe_logprobs(model, batch, replayed):
+    """log π(o_t) [B, T] of every response token by a plain forward of each sequence alone (no padding, no
+    micro-batch), routed by `replayed` [B, S, L, k] (its columns of that sequence) or by the routers (None)."""
+    routing, logprobs = moe.Routing(model), torch.zeros_like(batch["sampler_logprobs"])
+    for row, ids, start in _moe_sequences(batch):
+        routing.replay(None if replayed is None else replayed[row : row + 1, start : start + len(ids)])
+        prompt_length = len(ids) - len(MOE_RESPONSES[row])
+        logits = model(input_ids=torch.tensor([ids])).logits[0, prompt_length - 1 : -1]
+        response = torch.tensor(MOE_RESPONSES[row])
+        logprobs[row, : len(response)] = torch.log_softmax(logits, -1).gather(-1, response[:, None]).squeeze(-1)
+    routing.replay(None)
+    return logprobs
+
+
+def _moe_update(batch, lr, **options):
+    """update_policy on a fresh _small_moe with SGD at `lr` and no clipping: (the weights' change, the logged means)."""
+    policy = _small_moe()
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    optimizer = torch.optim.SGD(policy.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    args = flags.make(tim.Args, correction="none", micro_batch_size=3, max_grad_norm=1e9, **options)
+    metrics = StepMetrics()
+    assert (
+        tim.update_policy(policy, None, optimizer, scheduler, batch, args, tim.fsdp.setup(), precision(), metrics) == 0
+    )
+    assert moe.routing_of(policy).replayed is None  # no replay left set for the next forward (the hf engine's)
+    return {n: before[n] - p.detach() for n, p in policy.named_parameters()}, metrics.reduce()
+
+
+def test_r3_update_routes_every_token_as_the_engine_did():
+    """--router-replay r3, one update: one SGD step (lr 1) moves the weights by minus the gradient of
+    −1/N Σ_i Σ_t A_i log π_θ(o_it) with every token of every sequence routed to the engine's experts (replayed in a
+    plain forward of each sequence alone), the routers' gradient included; the trainer then used exactly the
+    engine's experts (routing/agreement 1, no token differing). Without the replay the experts, their weights and
+    the gradient would be the routers' own."""
+    batch = _moe_batch()
+    moved, logged = _moe_update(batch, lr=1.0, router_replay="r3")
+    assert logged["routing/agreement"] == 1 and logged["routing/tokens_differing"] == 0
+    brute, mask = _small_moe(), batch["response_mask"]
+    logprobs = _moe_logprobs(brute, batch, batch["engine_routing"])
+    (-(batch["advantages"][:, None] * logprobs * mask).sum() / mask.sum()).backward()
+    for name, parameter in brute.named_parameters():
+        torch.testing.assert_close(moved[name], parameter.grad, rtol=1e-4, atol=1e-7, msg=name)
+    assert moved["model.layers.1.mlp.gate.weight"].abs().max() > 0  # the router trains at the replayed experts
+
+
+@pytest.mark.parametrize("replay", ["r2", "r3"])
+def test_several_updates_take_pi_old_routed_as_the_replay_says(replay):
+    """Two updates per batch (lr 0: π_θ stays π_old): log π_old is the engine's routing replayed under r3, the
+    routers' own routing under r2 (which then replays it), against a plain forward of each sequence alone; the
+    engine-trainer agreement is recorded in the π_old pass (1 under r3), and π_θ's routers choose as π_old's did
+    (routing/drift 0)."""
+    batch = _moe_batch()
+    _, logged = _moe_update(batch, lr=0.0, router_replay=replay, update_epochs=2)
+    with torch.no_grad():
+        expected = _moe_logprobs(_small_moe(), batch, batch["engine_routing"] if replay == "r3" else None)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(batch["old_logprobs"][mask], expected[mask], rtol=1e-5, atol=1e-5)
+    assert (logged["routing/agreement"] == 1) == (replay == "r3") and logged["routing/drift"] == 0
+
+
+@pytest.mark.parametrize("replay, engine_routing", [("none", True), ("r3", True), ("r3", False)])
+def test_sampling_weights_logprobs_are_routed_as_pi_old_is(replay, engine_routing):
+    """--rollout-lag's log π_s of a queued batch: under r3 with the engine's routing, that routing replayed (as in
+    the π_old pass); otherwise (no replay, or no routing recorded) the routers' own, against a plain forward of each
+    sequence alone. The engine's routing is random, so the two differ."""
+    batch, policy = _moe_batch(engine_routing), _small_moe()
+    args = flags.make(tim.Args, router_replay=replay, micro_batch_size=3)
+    logprobs, entropy = tim.sampling_weights_logprobs(policy, batch, args, torch.autocast("cpu", enabled=False))
+    with torch.no_grad():
+        replayed, own = (_moe_logprobs(_small_moe(), batch, r) for r in (_moe_batch()["engine_routing"], None))
+    mask = batch["response_mask"].bool()
+    expected, other = (replayed, own) if replay == "r3" and engine_routing else (own, replayed)
+    torch.testing.assert_close(logprobs[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    assert (logprobs - other)[mask].abs().max() > 1e-3 and entropy is None
 
 
 # --- flags ----------------------------------------------------------------------------------------
@@ -396,6 +528,41 @@ def test_help_lists_every_correction():
     text = run_script("algorithms/tis_icepop.py", "--help").stdout
     for mode in MODES:
         assert mode in text
+
+
+# each threshold, a value in its range other than the default, and the corrections that read it (the docstring's table)
+APPLIES = {
+    "tis_cap": (3.0, ("tis", "tis-seq", "mis-seq")),
+    "mis_low": (0.25, ("mis",)),
+    "mis_high": (4.0, ("mis",)),
+    "icepop_alpha": (0.25, ("icepop",)),
+    "icepop_beta": (8.0, ("icepop",)),
+    "kpop_phi": (0.2, ("kpop",)),
+    "seq_mask_delta": (0.3, ("seq-mask",)),
+}
+
+
+@pytest.mark.parametrize("name", APPLIES)
+def test_a_threshold_is_refused_with_another_correction(name):
+    """A threshold set away from its default with a correction that ignores it is refused by name, and accepted with
+    each correction that reads it: no flag is silently ignored."""
+    value, corrections = APPLIES[name]
+    for correction in MODES:
+        args = flags.make(tim.Args, correction=correction, **{name: value})
+        if correction in corrections:
+            tim.check_args(args)
+        else:
+            with pytest.raises(BadInput, match=f"--{name.replace('_', '-')} applies to --correction"):
+                tim.check_args(args)
+
+
+def test_r2_needs_several_updates_per_batch():
+    """--router-replay r2 replays π_old's routing in the updates: with one update per batch (--num-minibatches 1
+    --update-epochs 1) there is nothing to replay and it is refused; two minibatches or two epochs are accepted."""
+    with pytest.raises(BadInput, match="--router-replay r2 must be used with several updates"):
+        tim.check_args(flags.make(tim.Args, router_replay="r2"))
+    for updates in ({"num_minibatches": 2}, {"update_epochs": 2}):
+        tim.check_args(flags.make(tim.Args, router_replay="r2", **updates))
 
 
 # --- the script -----------------------------------------------------------------------------------
@@ -562,3 +729,17 @@ def test_vllm_engine_in_bfloat16(tmp_path):
     for record in records:
         assert record["mismatch/kl_k3"] > 0 and record["mismatch/max_abs_logprob_diff"] > 1e-3
         assert 0 < record["correction/masked_token_fraction"] < 1
+
+
+def test_main_hands_the_engines_routing_to_the_update(tmp_path, monkeypatch):
+    """main() puts the engine's routing of the step's completions (moe.batch_routing, None for a dense model or an
+    engine that records none) into the batch as "engine_routing", the key that r3 replays and routing/agreement
+    compares with. One step of the built-in model, the routing stubbed and update_policy recording its batch."""
+    routing, batches = torch.zeros(4, 1, 1, 2, dtype=torch.uint8), []
+    monkeypatch.setattr(tim.moe, "batch_routing", lambda prompt_ids, completions, group_size, batch: routing)
+    monkeypatch.setattr(
+        tim, "update_policy", lambda policy, reference, optimizer, scheduler, batch, *_: batches.append(batch) or 0
+    )
+    options = dict(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=0, output_dir=str(tmp_path))
+    tim.main(flags.make(tim.Args, **options))
+    assert len(batches) == 1 and batches[0]["engine_routing"] is routing
