@@ -150,6 +150,32 @@ def test_replay_holds_through_gradient_checkpointing():
         torch.testing.assert_close(grads[True][name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_routing_is_kept_in_one_byte_an_expert_and_only_while_recording():
+    """The routing's memory: an expert id takes one byte up to 256 experts (two above, where uint8 would wrap), and
+    forwards outside `recording()` keep nothing (the engine's and trainer's other forwards would otherwise pile up
+    [tokens, k] tensors per layer)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    model = small_moe("qwen3")
+    routing = moe.Routing(model)
+    with routing.recording():
+        model(IDS)
+    used, own = routing.take(len(IDS))
+    assert used.dtype == own.dtype == torch.uint8 and used.shape == (*IDS.shape, 2, 2)
+    model(IDS)
+    assert routing.used == {} and routing.own == {}
+    sizes = dict(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    wide = Qwen3MoeForCausalLM(Qwen3MoeConfig(**sizes, num_experts=300, num_experts_per_tok=2, moe_intermediate_size=2))
+    torch.nn.init.normal_(moe.routers(wide)[0][1].weight, std=0.5)
+    wide.config._experts_implementation = "eager"
+    routing = moe.Routing(wide)
+    with routing.recording():
+        wide(IDS)
+    used = routing.take(len(IDS))[0]
+    assert used.dtype == torch.int16 and used.max() > 255  # ids above 255 kept as they are
+
+
 def test_agreement_counts_sets_not_order():
     first = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]]]])  # [1, 2 tokens, 2 layers, k 2]
     second = torch.tensor([[[[1, 0], [2, 3]], [[0, 2], [3, 1]]]])
