@@ -176,6 +176,19 @@ def test_routing_is_kept_in_one_byte_an_expert_and_only_while_recording():
     assert used.dtype == torch.int16 and used.max() > 255  # ids above 255 kept as they are
 
 
+def test_a_replayed_routing_for_another_batch_is_refused():
+    """A routing replayed into a forward of another shape (the micro-batch's rows or its trimmed width) is an error
+    that says so, not experts taken from the wrong tokens."""
+    model = small_moe("mixtral")
+    routing = moe.Routing(model)
+    with routing.recording():
+        model(IDS)
+    used = routing.take(len(IDS))[0]
+    routing.replay(used[:, :-1])  # one position short
+    with pytest.raises(ValueError, match=f"replayed routing of {3 * 10} tokens for a forward of {3 * 11}"):
+        model(IDS)
+
+
 def test_agreement_counts_sets_not_order():
     first = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]]]])  # [1, 2 tokens, 2 layers, k 2]
     second = torch.tensor([[[[1, 0], [2, 3]], [[0, 2], [3, 1]]]])
