@@ -58,6 +58,9 @@ REASONS = {
     "# END ALGO LOGIC": "a comment",
     "if cap is None and scaling == 1 and scale == 1:": "a fast path: without it the identity transform is applied",
     "assert queued.step == step": "a check of the queue's own schedule, which the schedule's tests show holds",
+    # isopo.weighted_gradient: which side of the one GEMM the weights multiply (the cheaper); the product is the same
+    "if g.shape[-1] >= a.shape[-1]:": "a choice of the cheaper side: both sides give the same Σ_t w_t g_t a_tᵀ",
+    "return g.flatten(0, 1).T @ (a * weights[:, None, None]).flatten(0, 1)": "the same product, the other side",
 }
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from algorithms import isopo
 from common import flags
 from common.engines import Completion
+from common.errors import BadInput
 
 NO_AUTOCAST = torch.autocast("cpu", enabled=False)
 
@@ -382,7 +383,10 @@ def test_update_policy_commits_each_stepped_minibatch(float64_logprobs):
 
     from common.tracking import StepMetrics
 
-    model, args = tiny_lm(False), make_args(reg_coef=1.0, num_minibatches=3, block_size=3, micro_batch_size=3)
+    model, args = (
+        tiny_lm(False),
+        make_args(reg_coef=1.0, num_minibatches=3, block_size=3, micro_batch_size=3, group_size=GROUP),
+    )
     isopo_gradients = isopo.IsopoGradients(model, args)
     isopo_gradients.trace = []
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -419,6 +423,39 @@ def test_trailing_means_by_hand():
     means.add("x", torch.tensor([13.0]))
     means.end_minibatch()
     assert means.get("x") == pytest.approx(0.9 * 3.0 + 0.1 * 13.0)
+
+
+def test_trailing_means_all_reduced_over_ranks():
+    """The scripts pass their process group: each minibatch mean is then the all-reduced sum over the all-reduced
+    count of every rank's values. On one rank that is the plain mean, committed and decayed as without a group."""
+    from helpers import one_process
+
+    means = isopo.TrailingMeans(decay=0.9)
+    means.add("x", torch.tensor([1.0, 3.0]))
+    means.add("x", torch.tensor([5.0]))
+    means.add("y", torch.tensor([2.0, 4.0]))
+    means.end_minibatch(dist=one_process())
+    assert means.get("x") == pytest.approx(3.0) and means.get("y") == pytest.approx(3.0)
+    means.add("x", torch.tensor([13.0]))
+    means.end_minibatch(dist=one_process())
+    assert means.get("x") == pytest.approx(0.9 * 3.0 + 0.1 * 13.0) and means.get("y") == pytest.approx(3.0)
+
+
+def test_a_checkpoints_trailing_means_are_restored(float64_logprobs):
+    """--resume: the EMA saved in the checkpoint ("isopo": {"ema": ...}) is E[x²] from the first minibatch on, in
+    place of the block's own mean; the checkpoint's dict itself is not changed by later commits."""
+    model, args = tiny_lm(False), make_args(reg_coef=1.0, block_size=9)  # one block
+    state = {"ema": {("fc2", "fisher"): 2.5}}
+    isopo_gradients = isopo.IsopoGradients(model, args, state=state)
+    script_gradients(model, args, rollouts(), torch.arange(9), 9, isopo_gradients)
+    entry = next(e for e in isopo_gradients.trace if e["layer"] == "fc2")
+    assert entry["expectations"]["fisher"] == 2.5
+    fisher = entry["quantities"]["fisher"]
+    torch.testing.assert_close(entry["scales"], (fisher**2 + 2.5 + 1e-8) ** -0.5, rtol=1e-12, atol=0)
+    isopo_gradients.end_minibatch(commit=True)
+    assert state == {"ema": {("fc2", "fisher"): 2.5}}
+    expected = 0.9 * 2.5 + 0.1 * fisher.square().mean().item()
+    assert isopo_gradients.stats.get(("fc2", "fisher")) == pytest.approx(expected, rel=1e-12)
 
 
 def test_reg2_forms_by_hand():
@@ -463,6 +500,31 @@ def test_gram_and_materialized_forms_agree_with_explicit_matrices(shape):
         gb, ab = blocks(g)[block].flatten(0, 1), blocks(a)[block].flatten(0, 1)
         expected = torch.stack([explicit_fisher_norm(Vb, gb[rows[block]], ab[rows[block]]) for Vb in Vs])
         torch.testing.assert_close(norms[block], expected, rtol=1e-12, atol=0)
+
+
+def test_auto_form_takes_the_cheaper_computation(monkeypatch):
+    """Both forms are exact (the test above), so only the route shows which one `auto` takes: the cheaper by FLOPs.
+    sequence_norms materializes V_i when T·(out+in) > out·in, ntk when b·T²·(out+in) > out·in·(T+b); "gram" and
+    "materialize" are taken as asked. sequence_gradients, the materializing form's helper, tells the route."""
+    calls, real = [], isopo.sequence_gradients
+    monkeypatch.setattr(isopo, "sequence_gradients", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+
+    def materializes(function, shape, form):
+        calls.clear()
+        g, a = _random_layer(*shape)
+        function(g, a, form) if function is isopo.sequence_norms else function(g[None], a[None], form)
+        return bool(calls)
+
+    # sequence_norms [B, T, out, in]: 2·16 <= 64 (gram); 10·16 > 64 (materialize)
+    assert not materializes(isopo.sequence_norms, (2, 2, 8, 8), "auto")
+    assert materializes(isopo.sequence_norms, (2, 10, 8, 8), "auto")
+    assert not materializes(isopo.sequence_norms, (2, 10, 8, 8), "gram")
+    assert materializes(isopo.sequence_norms, (2, 2, 8, 8), "materialize")
+    # ntk, one block of b sequences: 2·1·16 <= 64·3 (gram); 3·100·16 > 64·13 (materialize)
+    assert not materializes(isopo.ntk, (2, 1, 8, 8), "auto")
+    assert materializes(isopo.ntk, (3, 10, 8, 8), "auto")
+    assert not materializes(isopo.ntk, (3, 10, 8, 8), "gram")
+    assert materializes(isopo.ntk, (2, 1, 8, 8), "materialize")
 
 
 def test_preconditioner_is_the_regularized_solve():
@@ -605,6 +667,285 @@ def test_a_module_that_never_runs_is_refused(float64_logprobs):
     batch = rollouts()
     with pytest.raises(ValueError, match="module norm never ran inside capture"):
         script_gradients(model, make_args(), batch, torch.arange(9), 9)
+
+
+def test_a_mixture_of_experts_model_is_refused():
+    """An MoE layer sends a flat list of tokens to its experts: no per-sequence inputs for Eq. 6, so a model with a
+    router is refused as bad input (one line), before any forward is wrapped."""
+
+    class ToyRouter(nn.Module):
+        pass
+
+    model = tiny_lm(False)
+    model.router = ToyRouter()
+    with pytest.raises(BadInput, match="mixture-of-experts models are not supported"):
+        isopo.IsopoGradients(model, make_args())
+    assert "forward" not in vars(model.fc1)
+
+
+def test_a_linear_with_other_parameters_is_refused():
+    """IsopoLinear builds the gradients of W and b only: a Linear owning another trained parameter (an adapter kept
+    inside it) would get none, so it is an error naming the module."""
+    model = tiny_lm(False)
+    model.fc2.register_parameter("adapter", nn.Parameter(torch.zeros(3, dtype=torch.float64)))
+    with pytest.raises(ValueError, match=r"Linear module fc2 has parameters \['weight', 'adapter'\]"):
+        isopo.IsopoGradients(model, make_args())
+
+
+def test_outputs_that_are_not_batch_by_position_are_refused():
+    """A module with parameters must return [batch, positions, ...] for its REINFORCE weights −A_i/M to be put on
+    the right rows: a time-major [positions, batch, ...] output is an error (unchecked, the 3 × 2 weights would fit
+    it silently); so is a Linear that sees [batch, features] (a pooled input), in its backward."""
+
+    class TimeMajor(TinyLM):
+        def forward(self, input_ids, **kwargs):
+            h = torch.tanh(self.fc1(self.embed(input_ids)))
+            return types.SimpleNamespace(logits=self.lm_head(self.fc2(self.norm(h.transpose(0, 1)))))
+
+    class Pooled(TinyLM):
+        def forward(self, input_ids, **kwargs):
+            h = self.norm(torch.tanh(self.fc1(self.embed(input_ids))))
+            return types.SimpleNamespace(logits=self.lm_head(self.fc2(h[:, -1])))
+
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    model = TimeMajor().double()
+    isopo_gradients = isopo.IsopoGradients(model, make_args())
+    with pytest.raises(ValueError, match=r"module norm returned \(3, 2, 5\); expected \[batch, positions"):
+        with isopo_gradients.capture(torch.ones(2, 3), torch.ones(2, dtype=torch.float64)):
+            model(input_ids=ids)
+    model = Pooled().double()
+    isopo_gradients = isopo.IsopoGradients(model, make_args())
+    with pytest.raises(ValueError, match=r"Linear lm_head saw \(2, 6\) -> \(2, 10\); expected \[batch, positions"):
+        with isopo_gradients.capture(torch.ones(2, 3), torch.ones(2, dtype=torch.float64)):
+            isopo_gradients.backward(model(input_ids=ids).logits.sum())
+
+
+class NormTwiceLM(TinyLM):
+    """TinyLM with its norm run twice in a row."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0):
+        mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask)[..., None].double()
+        x = self.embed(input_ids)
+        h = torch.tanh(self.fc1(x)) * mask
+        h = h.cumsum(1) / mask.cumsum(1).clamp(min=1)
+        x = x + self.fc2(self.norm(self.norm(h)))
+        return types.SimpleNamespace(logits=self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x))
+
+
+class LeakyLM(TinyLM):
+    """TinyLM whose mixing step ignores the attention mask: the left pads feed every later position."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0):
+        x = self.embed(input_ids)
+        h = torch.tanh(self.fc1(x))
+        h = h.cumsum(1) / torch.arange(1, h.shape[1] + 1, dtype=h.dtype)[:, None]
+        x = x + self.fc2(self.norm(h))
+        return types.SimpleNamespace(logits=self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x))
+
+
+def test_a_module_run_twice_in_a_row_gets_reinforce_from_both_calls(float64_logprobs):
+    """A module that is not a Linear may run more than once per forward, here the norm twice in a row: each call's
+    parameter path is weighted by −A_i/M (the plain forward is taken only inside that call's own functional_call),
+    so with s_i = 1 (p = 0) every gradient is the REINFORCE gradient, by brute force."""
+    torch.manual_seed(0)
+    model = NormTwiceLM().double()
+    grads, _, _ = script_gradients(model, make_args(p=0.0), rollouts(), torch.arange(9), micro_size=9)
+    model.zero_grad()
+    (-(ADVANTAGES * torch.stack([sequence_logprob(model, i) for i in range(9)])).sum() / 9).backward()
+    for name, parameter in model.named_parameters():
+        assert relative_error(grads[name], parameter.grad) <= 1e-10, name
+
+
+def test_pad_rows_never_enter_a_linear_update(float64_logprobs):
+    """V_i sums g_t a_tᵀ over row i's non-pad positions only. Under a model that lets the left pads feed later
+    positions their output gradients are not 0, yet they add nothing to a Linear's weight or bias: with s_i = 1
+    (p = 0) the update is Σ_i (−A_i/M) Σ_{t non-pad} g_t a_tᵀ, from plain autograd's g_t and a_t."""
+    torch.manual_seed(0)
+    model = LeakyLM().double()
+    grads, _, micros = script_gradients(model, make_args(p=0.0), rollouts(), torch.arange(9), micro_size=9)
+    a, g = token_gradients(model, micros[0])["fc1"]
+    valid, weights = micros[0]["attention_mask"].bool(), -ADVANTAGES / 9
+    assert g[~valid].abs().max() > 1e-3  # the pads' outputs do get gradients
+    g = g * valid[..., None]
+    torch.testing.assert_close(grads["fc1.weight"], torch.einsum("b,bto,bti->oi", weights, g, a), rtol=1e-10, atol=0)
+    torch.testing.assert_close(grads["fc1.bias"], torch.einsum("b,bto->o", weights, g), rtol=1e-10, atol=0)
+
+
+# --- the statistics, the loss and the minibatches ------------------------------------------------------
+
+
+def _recorded(isopo_gradients):
+    """What record() puts in a step's metrics, reduced as the scripts log them."""
+    from common.tracking import StepMetrics
+
+    metrics = StepMetrics()
+    isopo_gradients.record(metrics)
+    return metrics.reduce()
+
+
+def test_non_interacting_statistics_are_logged(float64_logprobs):
+    """isopo/<layer>/...: the means over the step's sequences of ‖v_i‖_F (Eq. 6), ‖v_i‖ and their ratio, the mean
+    over blocks of λ·E[x²], and the mean, minimum and maximum of s_i (Fig. 3), all from explicit V_i; record()
+    empties the log, so the next step starts afresh."""
+    model, args = tiny_lm(False), make_args(p=-1.0, q=-0.5, r=0.5, reg_coef=0.7)
+    order = torch.tensor([4, 0, 7, 2, 8, 1, 5, 3, 6])
+    _, isopo_gradients, micros = script_gradients(model, args, rollouts(), order, micro_size=4)
+    logged, v = _recorded(isopo_gradients), per_sequence_gradients(model)
+    for layer in ("fc1", "fc2", "lm_head"):
+        entries = [e for e in isopo_gradients.trace if e["layer"] == layer]
+        values, regularizers, scales = (
+            {"fisher": [], "euclid": [], "rel": []},
+            {"fisher": [], "euclid": [], "rel": []},
+            [],
+        )
+        for micro, entry in zip(micros, entries):  # one block per micro-batch
+            G = v[f"{layer}.weight"][micro["rows"]]
+            a, g = token_gradients(model, micro)[layer]
+            g0, a0 = g.flatten(0, 1)[entry["rows"]], a.flatten(0, 1)[entry["rows"]]
+            fisher = torch.stack([explicit_fisher_norm(Gi, g0, a0) for Gi in G])
+            euclid = G.flatten(1).norm(dim=1)
+            s = torch.ones(len(G), dtype=torch.float64)
+            for key, x, power in (("fisher", fisher, -1.0), ("euclid", euclid, -0.5), ("rel", fisher / euclid, 0.5)):
+                expectation = x.square().mean()  # the block's own: no minibatch has finished
+                values[key].append(x)
+                regularizers[key].append(0.7 * expectation)
+                s = s * explicit_reg2(x, 0.7, expectation, "paper") ** power
+            scales.append(s)
+        scales = torch.cat(scales)
+        expected = {f"reg_{key}": torch.stack(regularizers[key]).mean() for key in regularizers}
+        expected |= {
+            "fisher_norm": torch.cat(values["fisher"]).mean(),
+            "euclid_norm": torch.cat(values["euclid"]).mean(),
+        }
+        expected |= {"rel_fisher_norm": torch.cat(values["rel"]).mean(), "scale_mean": scales.mean()}
+        expected |= {"scale_min": scales.min(), "scale_max": scales.max()}
+        for key, value in expected.items():
+            assert logged[f"isopo/{layer}/{key}"] == pytest.approx(value.item(), rel=1e-9), (layer, key)
+    assert len(logged) == 3 * len(expected)
+    assert _recorded(isopo_gradients) == {}  # the next step's statistics start afresh
+
+
+def test_interacting_statistics_are_logged_and_the_trailing_eigenvalue_sets_c(float64_logprobs):
+    """isopo/<layer>/ntk_eig_mean (the mean of the K_ii = ‖v_i‖²), ntk_eig_max (the largest eigenvalue of any block's
+    K), ntk_reg (c per block) and shrink (‖c (K + cI)⁻¹A‖/‖A‖ per block; NaN, left out, for the block whose only A_i
+    is 0), from explicit K = J Jᵀ. Once the minibatch is committed, the next one's c is --ntk-reg-coef times the
+    trailing mean of its K_ii, not its own."""
+    model, args = tiny_lm(False), make_args(variant="interacting", ntk_reg_coef=0.3)
+    order = torch.tensor([4, 0, 7, 2, 8, 1, 5, 6, 3])  # the last block: sequence 3 alone, whose A_i = 0
+    _, isopo_gradients, micros = script_gradients(model, args, rollouts(), order, micro_size=4)
+    logged, v = _recorded(isopo_gradients), per_sequence_gradients(model)
+    for layer in ("fc1", "fc2", "lm_head"):
+        diagonals, largest, regularizers, shrinks = [], [], [], []
+        for micro in micros:
+            J = v[f"{layer}.weight"][micro["rows"]].flatten(1)
+            K, A = J @ J.T, -ADVANTAGES[micro["rows"]] / 9
+            c = 0.3 * K.diagonal().mean()
+            diagonals.append(K.diagonal())
+            largest.append(torch.linalg.eigvalsh(K).max())
+            regularizers.append(c)
+            if A.norm() > 0:
+                shrinks.append((c * torch.linalg.solve(K + c * torch.eye(len(K), dtype=K.dtype), A)).norm() / A.norm())
+        expected = {"ntk_eig_mean": torch.cat(diagonals).mean(), "ntk_eig_max": torch.stack(largest).max()}
+        expected |= {"ntk_reg": torch.stack(regularizers).mean(), "shrink": torch.stack(shrinks).mean()}
+        assert len(shrinks) == 2
+        for key, value in expected.items():
+            assert logged[f"isopo/{layer}/{key}"] == pytest.approx(value.item(), rel=1e-9), (layer, key)
+    isopo_gradients.end_minibatch(commit=True)
+    script_gradients(model, args, rollouts(), order[:4], 4, isopo_gradients)
+    logged = _recorded(isopo_gradients)
+    for layer in ("fc1", "fc2", "lm_head"):
+        trailing = v[f"{layer}.weight"].flatten(1).square().sum(1).mean()  # the mean K_ii of the 9 sequences
+        assert isopo_gradients.stats.get((layer, "ntk_eig")) == pytest.approx(trailing.item(), rel=1e-10)
+        # (a number, logged through float32)
+        assert logged[f"isopo/{layer}/ntk_reg"] == pytest.approx(0.3 * trailing.item(), rel=1e-6)
+
+
+def test_isopo_backward_returns_the_loss_and_undoes_the_rank_average(float64_logprobs):
+    """isopo_backward's third value is L = −(1/M) Σ_i A_i log π(o_i|q_i) of its micro-batch (losses/policy_loss, and
+    the finiteness check of the step), from the plain −A_i/M; its gradients carry × world size, which FSDP2's
+    average over the ranks undoes: with s_i = 1 (p = 0), twice the REINFORCE gradient at world size 2."""
+    model = tiny_lm(True)
+    isopo_gradients = isopo.IsopoGradients(model, make_args(p=0.0, block_size=9))
+    micro = next(isopo.micro_batches(rollouts(), torch.arange(9), 9, by_length=False))
+    _, _, loss = isopo.isopo_backward(model, isopo_gradients, micro, 1.0, 9, NO_AUTOCAST, world_size=2)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    expected = -(ADVANTAGES * torch.stack([sequence_logprob(model, i) for i in range(9)])).sum() / 9
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-10)
+    expected.backward()
+    for name, parameter in model.named_parameters():
+        assert relative_error(grads[name], 2 * parameter.grad) <= 1e-10, name
+
+
+def _token_logprobs_alone(model, index):
+    """log π(o_t | q, o_<t) of each token of one rollout, run alone without any padding."""
+    prompt, response = PROMPTS[index // GROUP], RESPONSES[index]
+    logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def test_update_policy_cuts_blocks_from_whole_groups_longest_first(float64_logprobs, monkeypatch):
+    """update_policy shuffles whole groups, so that a block of --group-size rows is one prompt's group, and runs a
+    minibatch's blocks longest response first (the group whose longest has 3 tokens after those of 4), a shorter last
+    block last. With one update approx_kl is exactly 0 (π_old = π_θ); --log-kl-ref logs k3 KL(π_θ ‖ π_ref) over the
+    response tokens, here from explicit per-token log-probs of another model as the reference."""
+    from helpers import one_process, precision
+
+    from common.tracking import StepMetrics
+
+    seen, real_backward = [], isopo.isopo_backward
+
+    def recording_backward(policy, isopo_gradients, micro, *rest):
+        seen.append(micro["rows"].tolist())
+        return real_backward(policy, isopo_gradients, micro, *rest)
+
+    monkeypatch.setattr(isopo, "isopo_backward", recording_backward)
+
+    def update(seed, reference=None, **overrides):
+        seen.clear()
+        model, args = tiny_lm(False), make_args(group_size=GROUP, **overrides)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the model stays the one measured below
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        batch, metrics, isopo_gradients = rollouts(), StepMetrics(), isopo.IsopoGradients(model, args)
+        batch["sampler_logprobs"] = batch["sampler_logprobs"].double()
+        torch.manual_seed(seed)  # the shuffle of the groups
+        isopo.update_policy(
+            model, reference, optimizer, scheduler, batch, args, one_process(), precision(), metrics, isopo_gradients
+        )
+        return model, metrics.reduce()
+
+    reference = tiny_lm(False, seed=1)
+    model, logged = update(0, reference, block_size=GROUP, micro_batch_size=GROUP)  # seed 0 shuffles to 2, 0, 1
+    assert seen == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert logged["losses/approx_kl"] == 0.0 and logged["isopo/fc2/scale_max"] > 0  # ISOPO's statistics too
+    k3 = []
+    for i in range(9):
+        log_ratio = _token_logprobs_alone(reference, i) - _token_logprobs_alone(model, i)
+        k3.append(torch.exp(log_ratio) - log_ratio - 1)
+    assert logged["losses/kl_ref"] == pytest.approx(torch.cat(k3).mean().item(), rel=1e-10)
+    for seed in (1, 2, 3):  # other shuffles: whole groups, each a block
+        update(seed, block_size=GROUP, micro_batch_size=GROUP)
+        assert sorted(seen) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]] and seen[2] == [6, 7, 8]
+    update(0, block_size=2, micro_batch_size=4)  # 4 blocks of 2, then one of 1
+    assert [len(rows) for rows in seen] == [4, 4, 1] and sorted(sum(seen, [])) == list(range(9))
+    update(0, block_size=2, micro_batch_size=10)  # the same in one micro-batch: the block of 1 (row 5) last
+    assert len(seen) == 1 and sorted(seen[0]) == list(range(9)) and seen[0][-1] == 5
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"q": float("nan")}, "--q must be a finite number"),
+        ({"r": float("inf")}, "--r must be a finite number"),
+        ({"dtype": "bfloat16", "fp32_lm_head": True}, "--fp32-lm-head must be off: ISOPO builds its own"),
+    ],
+)
+def test_scale_exponents_and_fp32_lm_head_are_checked(overrides, message):
+    """Each exponent of s_i is checked (a NaN one makes every scale NaN: every step skipped), and --fp32-lm-head,
+    which replaces the output layer ISOPO builds lm_head's per-sequence update in, is refused even where the shared
+    check allows it (bfloat16)."""
+    with pytest.raises(BadInput, match=message):
+        isopo.check_args(make_args(**overrides))
 
 
 # --- the script ---------------------------------------------------------------------------------
