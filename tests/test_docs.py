@@ -26,9 +26,10 @@ MAX_DIFF = {
     "ema_kpo": 257,
     "p3o": 293,
     "gtpo": 301,
-    "tis_icepop": 359,
+    "tis_icepop": 378,
     "isopo": 758,
-}  # isopo: + 4 for end_minibatch (stop 49); all + 5: grpo.py's own variants explained; p3o + 10: its metrics (stop 54)
+}  # isopo: + 4 for end_minibatch (stop 49); all + 5: grpo.py's own variants explained; p3o + 10: its metrics (stop 54);
+# tis_icepop + 19: --rollout-lag's log π_s routed as its log π_old (R3: the engine's routing; stop 57)
 
 
 def _read(path):
