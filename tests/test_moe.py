@@ -10,7 +10,7 @@ from helpers import ALGORITHMS, assert_two_ranks_update_like_one, one_process, o
 
 import algorithms.tis_icepop as tim
 from common import flags, fsdp, moe
-from common.engines import HFEngine
+from common.engines import Completion, HFEngine
 from common.errors import BadInput
 from common.rollouts import Groups, RolloutQueue
 
@@ -246,6 +246,13 @@ def test_engine_routing_then_r3_reproduces_the_engines_logprobs(tiny_moe):
     mask = batch["response_mask"].bool()
     # float32 both; the engine computes with a KV cache, one position at a time (1.7e-6 measured)
     assert (logprobs - batch["sampler_logprobs"])[mask].abs().max() <= 5e-6
+
+
+def test_no_routing_recorded_gives_no_batch_routing():
+    """A dense model's completions (or vLLM's on a CPU) carry no routing: the batch gets none, not an error."""
+    prompts, completions = [[1, 3, 4]], [Completion([5, 2], [-1.0, -1.0], "stop"), Completion([6], [-1.0], "stop")]
+    batch = tim.make_batch(prompts, completions, 2, 0, torch.device("cpu"))
+    assert moe.batch_routing(prompts, completions, 2, batch) is None
 
 
 def test_a_bfloat16_engine_routes_otherwise_and_r3_restores_it(tied_moe_dir):

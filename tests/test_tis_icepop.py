@@ -519,6 +519,7 @@ def test_sampling_weights_logprobs_are_routed_as_pi_old_is(replay, engine_routin
     expected, other = (replayed, own) if replay == "r3" and engine_routing else (own, replayed)
     torch.testing.assert_close(logprobs[mask], expected[mask], rtol=1e-5, atol=1e-5)
     assert (logprobs - other)[mask].abs().max() > 1e-3 and entropy is None
+    assert moe.routing_of(policy).replayed is None  # the engine's next generation is routed by the routers again
 
 
 # --- flags ----------------------------------------------------------------------------------------
