@@ -5,7 +5,7 @@ scored against its row's gold answer); this module says which prompts a step use
 batches sampled ahead of the step that trains on them:
 
     queue = RolloutQueue(lag, dist, pad_id, trainer_state)               # --rollout-lag k (and a checkpoint's queue)
-    for ahead, batch_metrics in queue.steps_to_sample(step, metrics):   # [step], or [step + k] at lag k
+    for ahead, batch_metrics in queue.steps_to_sample(step, metrics):    # [step], or [step + k] at lag k
         prompt_ids, rows = sampler.step_prompts(ahead)                   # this rank's share of step `ahead`
         groups = rollout(prompt_ids, rows)                               # Groups: completions, rewards [prompts, G]
         groups = sampler.dynamic_sampling(groups, ahead, rollout, batch_metrics)  # --dynamic-sampling
