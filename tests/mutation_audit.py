@@ -12,7 +12,9 @@ common/ functions that carry the methods' math (TARGETS). A mutant is *killed* w
 tests that look at its file fails (pytest -x, stopped at the first failure); else it *survives*, and the
 line needs a test, or a reason it cannot matter (REASONS below: a log line, a check of a flag already
 refused elsewhere). Results go to OUT/results.jsonl, one line per mutant, and a rerun skips the mutants
-already there (delete the file to start over); OUT/summary.md lists the survivors per file.
+already there (delete the file to start over). A mutant is named by the text of its mutated section or function,
+so an edit elsewhere in the file keeps its verdict and an edit of that section runs it again; OUT/summary.md lists
+the survivors per file.
 --own-lines leaves out a fork's lines that are also in grpo.py: grpo.py's audit covers those, and a change
 to one shows in `diff algorithms/grpo.py algorithms/X.py`. Slow (about 20-60 s a mutant on 2 cores, so
 hours for all): not part of the test suite."""
@@ -130,8 +132,10 @@ def mutants(path: str, ranges) -> list[dict]:
             mutated = lines[: left.end_lineno - 1] + [mutated_line] + lines[left.end_lineno :]
             text = f"{line.strip()}   [{SYMBOL[old]} -> {SYMBOL[new]} at column {left.end_col_offset}]"
             found.append(dict(file=path, line=left.end_lineno, kind="operator", text=text, source="".join(mutated)))
-    for mutant in found:
-        mutant["id"] = hashlib.sha1((mutant["file"] + mutant["source"]).encode()).hexdigest()[:12]
+    for mutant in found:  # named by its mutated range alone: an edit elsewhere in the file keeps its verdict
+        start, end = next((start, end) for start, end in ranges if start <= mutant["line"] <= end)
+        region = "".join(mutant["source"].splitlines(keepends=True)[start - 1 : end])
+        mutant["id"] = hashlib.sha1((mutant["file"] + region).encode()).hexdigest()[:12]
     return sorted(found, key=lambda m: (m["line"], m["kind"], m["text"]))
 
 
@@ -206,7 +210,8 @@ def main() -> None:
 
     def mutants_of(path, ranges):
         found = mutants(path, ranges)
-        return own_lines(found, path) if args.own_lines and path != "algorithms/grpo.py" else found
+        fork = path.startswith("algorithms/") and path != "algorithms/grpo.py"  # common/'s lines are all its own
+        return own_lines(found, path) if args.own_lines and fork else found
 
     if args.list:
         for path, ranges, _, _ in chosen:
