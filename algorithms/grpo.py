@@ -465,9 +465,7 @@ def main(args: Args) -> None:
     if start_step == 0 and evaluator.due(0, args.steps):
         tracker.log(evaluator(), step=0)
     # each rank takes whole groups: its share of each step's prompts (and of DAPO's extra rounds)
-    sampler = PromptSampler(
-        data.prompts, data.train_rows, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds
-    )
+    sampler = PromptSampler(data, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds)
     queue = RolloutQueue(systems.rollout_lag, dist, tokenizer.pad_token_id, state)
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)

@@ -82,8 +82,9 @@ def extra_round_indices(num_rows: int, seed: int, step: int, round_: int, start:
 class PromptSampler:
     """This rank's prompts for each training step, and DAPO's extra rounds (see the module docstring)."""
 
-    def __init__(self, prompts, rows, dist, prompts_per_step: int, seed: int, max_rounds: int = 8):
-        self.prompts, self.rows, self.dist = prompts, rows, dist
+    def __init__(self, data, dist, prompts_per_step: int, seed: int, max_rounds: int = 8):
+        """`data`: the run's prompts (common.tasks.RunPrompts: its training rows and their prompt ids)."""
+        self.prompts, self.rows, self.dist = data.prompts, data.train_rows, dist
         self.prompts_per_step, self.seed, self.max_rounds = prompts_per_step, seed, max_rounds
         self.local_prompts = prompts_per_step // dist.world_size
 

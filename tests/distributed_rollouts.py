@@ -17,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from functools import partial
+from types import SimpleNamespace
 
 from algorithms import grpo
 from common import flags, fsdp
@@ -60,7 +61,8 @@ def scripted_step(engine, dist, step, metrics, num_rows=100, prompts_per_step=8,
     them; `options`: grpo.Args' dynamic_sampling, max_sampling_rounds, overlong_buffer, mask_truncated."""
     rows = [Row(f"question {i}", "7") for i in range(num_rows)]
     args = flags.make(grpo.Args, group_size=group_size, max_new_tokens=8, temperature=1.0, task="arith", **options)
-    sampler = PromptSampler([[i] for i in range(num_rows)], rows, dist, prompts_per_step, 3, args.max_sampling_rounds)
+    data = SimpleNamespace(prompts=[[i] for i in range(num_rows)], train_rows=rows)  # as common.tasks.RunPrompts
+    sampler = PromptSampler(data, dist, prompts_per_step, 3, args.max_sampling_rounds)
     prompt_ids, rows = sampler.step_prompts(step)
     groups = grpo.rollout(engine, DigitTokenizer(), prompt_ids, rows, args, metrics)
     if args.dynamic_sampling:
