@@ -228,6 +228,7 @@ def main() -> None:
     shutil.rmtree(workdir, ignore_errors=True)
     ignore = shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__", "*.egg-info")
     shutil.copytree(REPO, workdir, ignore=ignore)
+    current = {m["id"] for path, ranges, _, _ in chosen for m in mutants_of(path, ranges)}
     for path, ranges, tests, keyword in chosen:
         todo = [m for m in mutants_of(path, ranges) if m["id"] not in done]
         print(f"{path}: {len(todo)} mutants to run", file=sys.stderr)
@@ -239,9 +240,8 @@ def main() -> None:
                 f.write(json.dumps(record) + "\n")
             done[mutant["id"]] = record
             print(f"[{number}/{len(todo)}] {verdict} {seconds:.0f}s {path}:{mutant['line']} {mutant['text']}")
-    current = {m["id"] for path, ranges, _, _ in chosen for m in mutants_of(path, ranges)}
-    with open(os.path.join(args.out, "summary.md"), "w") as f:
-        f.write(summary([r for r in done.values() if r["id"] in current]))
+        with open(os.path.join(args.out, "summary.md"), "w") as f:  # after each file: a run cut off keeps its part
+            f.write(summary([r for r in done.values() if r["id"] in current]))
     print(f"survivors: {os.path.join(args.out, 'summary.md')}")
 
 
