@@ -13,6 +13,7 @@ from common import flags, fsdp, moe
 from common.engines import Completion, HFEngine
 from common.errors import BadInput
 from common.rollouts import Groups, RolloutQueue
+from common.tracking import StepMetrics
 
 
 def small_moe(kind: str, dtype=torch.float32, seed: int = 0):
@@ -195,6 +196,23 @@ def test_agreement_counts_sets_not_order():
     result = moe.agreement(first, second, torch.ones(1, 2, dtype=torch.bool))
     assert result["same_set"].tolist() == [0.5, 0.5] and result["overlap"].tolist() == [0.75, 0.75]
     assert result["differs"].tolist() == [False, True]
+
+
+def test_a_micro_batch_without_scored_tokens_records_no_routing_statistic():
+    """A micro-batch whose completions are all empty scores no position: its agreement and drift (0 / 0) are left
+    out, so the step's means are those of the micro-batches that scored tokens, not NaN."""
+    first = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]]]])  # [1, 2 tokens, 2 layers, k 2]
+    second = torch.tensor([[[[1, 0], [2, 3]], [[0, 2], [3, 1]]]])
+    scored, none = torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.bool)
+    logged = {}
+    for micro_batches in ([scored], [scored, none]):
+        metrics = StepMetrics()
+        for positions in micro_batches:
+            moe.record_agreement(metrics, first, second, first, positions, [0, 1])
+            moe.record_drift(metrics, first, second, positions, [0, 1])
+        logged[len(micro_batches)] = metrics.reduce()
+    assert logged[1]["routing/agreement"] == 0.5 and logged[1]["routing/drift"] == 0.5
+    assert logged[2] == logged[1]
 
 
 def test_an_unknown_router_is_refused():
