@@ -198,20 +198,32 @@ def test_agreement_counts_sets_not_order():
     assert result["differs"].tolist() == [False, True]
 
 
-def test_a_micro_batch_without_scored_tokens_records_no_routing_statistic():
-    """A micro-batch whose completions are all empty scores no position: its agreement and drift (0 / 0) are left
-    out, so the step's means are those of the micro-batches that scored tokens, not NaN."""
-    first = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]]]])  # [1, 2 tokens, 2 layers, k 2]
-    second = torch.tensor([[[[1, 0], [2, 3]], [[0, 2], [3, 1]]]])
-    scored, none = torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.bool)
+def test_routing_statistics_by_hand_and_a_micro_batch_without_scored_tokens_records_none():
+    """Each routing statistic against its count by hand (three tokens, two layers, top 2), and a micro-batch whose
+    completions are all empty: it scores no position, so its agreement and drift (0 / 0) are left out and the
+    step's means are those of the micro-batches that scored tokens, not NaN."""
+    engine = torch.tensor([[[[0, 1], [2, 3]]] * 3])  # [1, 3 tokens, 2 layers, k 2]
+    used = torch.tensor([[[[1, 0], [2, 3]], [[0, 2], [2, 3]], [[2, 3], [3, 2]]]])  # layer 0: 1 set of 3 the same
+    own = torch.tensor([[[[0, 1], [0, 1]], [[0, 1], [2, 3]], [[0, 1], [2, 3]]]])  # layer 1: 2 of 3
+    scored, none = torch.ones(1, 3, dtype=torch.bool), torch.zeros(1, 3, dtype=torch.bool)
     logged = {}
     for micro_batches in ([scored], [scored, none]):
         metrics = StepMetrics()
         for positions in micro_batches:
-            moe.record_agreement(metrics, first, second, first, positions, [0, 1])
-            moe.record_drift(metrics, first, second, positions, [0, 1])
+            moe.record_agreement(metrics, engine, used, own, positions, [0, 1])
+            moe.record_drift(metrics, engine, used, positions, [0, 1])
         logged[len(micro_batches)] = metrics.reduce()
-    assert logged[1]["routing/agreement"] == 0.5 and logged[1]["routing/drift"] == 0.5
+    assert logged[1] == pytest.approx(
+        {
+            "routing/agreement": (1 / 3 + 1) / 2,
+            "routing/agreement_layer0": 1 / 3,
+            "routing/agreement_layer1": 1.0,
+            "routing/overlap": ((1 + 0.5 + 0) / 3 + 1) / 2,  # |A ∩ B| / k per token
+            "routing/tokens_differing": 2 / 3,
+            "routing/own_agreement": (1 + 2 / 3) / 2,
+            "routing/drift": 1 - (1 / 3 + 1) / 2,  # π_old's routing `engine` here, π_θ's `used`
+        }
+    )
     assert logged[2] == logged[1]
 
 
