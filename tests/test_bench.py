@@ -295,6 +295,36 @@ def test_seeds_are_averaged_step_by_step_even_with_a_nan_or_a_torn_line(tmp_path
     assert captured["ys"] == pytest.approx([0.1, 0.3, 0.4])
 
 
+def test_one_methods_settings_in_a_panel_differ_in_line_style(tmp_path, monkeypatch):
+    """A panel of one method's settings (the lag suite's: lag 0, 1, 2 · GRPO) draws them in the method's color, so
+    each has a line style of its own; a panel of several methods keeps their colors, solid."""
+    configs = [bench.Config(f"lag {lag} · {method}", "grpo") for method in ("GRPO", "P3O") for lag in (0, 1, 2)]
+    panels = [
+        bench.Panel("charts/reward", method, labels=tuple(c.label for c in configs if c.label.endswith(method)))
+        for method in ("GRPO", "P3O")
+    ]
+    panels.append(bench.Panel("charts/reward", "lag 0", labels=(configs[0].label, configs[3].label)))
+    suite = bench.Suite("demo", "demo", configs, panels, steps=4)
+    runs = [make_run(tmp_path, config) for config in configs]
+    for run in runs:
+        write_run(run, records(4, 0.5))
+    import matplotlib.axes
+
+    drawn = []
+    original = matplotlib.axes.Axes.plot
+
+    def spy(self, xs, ys, *args, **kwargs):
+        drawn.append((kwargs["label"], kwargs["color"], kwargs["linestyle"]))
+        return original(self, xs, ys, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    bench.plot(suite, runs, suite.panels, str(tmp_path / "p.png"))
+    grpo, p3o, lag_0 = drawn[:3], drawn[3:6], drawn[6:]
+    for lines in (grpo, p3o):
+        assert len({color for _, color, _ in lines}) == 1 and [style for *_, style in lines] == ["-", "--", ":"]
+    assert lag_0[0][1] != lag_0[1][1] and [style for *_, style in lag_0] == ["-", "-"]
+
+
 def test_kl_from_initial_is_zero_for_the_same_model_and_matches_a_direct_computation(tiny):
     model, tokenizer = tiny
     prompts = [tokenizer("3+4=")["input_ids"], tokenizer("12+9=")["input_ids"]]

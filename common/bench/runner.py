@@ -36,6 +36,7 @@ public name of suites.py is importable from here too (`runner.SUITES`, `runner.Q
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import fcntl
@@ -529,6 +530,7 @@ def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: 
     colors = {c.label: plt.get_cmap("tab10")(methods.index(c.label.split(" · ")[-1]) % 10) for c in suite.configs}
     if suite.baseline:  # the baseline in gray, dashed: it shares its method's color with that method's other settings
         colors[suite.baseline] = "gray"
+    styles = ["-", "--", ":", "-."]  # one method's settings in one panel: one color, told apart by the line style
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
@@ -536,6 +538,7 @@ def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: 
         # a panel of one setting names its methods alone, unless two of them are one method (the baseline's)
         short_names = [label.split(" · ")[-1] for label in panel.labels or ()]
         short = panel.labels is not None and len(set(short_names)) == len(short_names)
+        drawn = collections.Counter()  # the panel's lines so far, per color
         for config in suite.configs:
             if panel.labels is not None and config.label not in panel.labels:
                 continue
@@ -558,13 +561,16 @@ def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: 
             low = _moving_average([min(y) for y in ys], window)
             high = _moving_average([max(y) for y in ys], window)
             marker = "o" if length <= 12 else None
+            color = colors[config.label]
+            style = "--" if config.label == suite.baseline else styles[drawn[color] % len(styles)]
+            drawn[color] += 1
             axis.plot(
                 xs,
                 mean,
-                color=colors[config.label],
+                color=color,
                 marker=marker,
                 markersize=3,
-                linestyle="--" if config.label == suite.baseline else "-",
+                linestyle=style,
                 label=config.label.split(" · ")[-1] if short else config.label,
             )
             if len(per_seed) > 1:
