@@ -583,7 +583,7 @@ def plot(suite: Suite, runs: list[Run], panels: list[Panel], path: str, smooth: 
     for axis in list(axes.flat)[len(panels) :]:
         axis.axis("off")
     figure.suptitle(suite.title, fontsize=11)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.3 / figure.get_figheight()))  # the suptitle keeps 0.3 inch of its own
     figure.savefig(path, dpi=90)
     plt.close(figure)
 

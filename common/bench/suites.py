@@ -478,6 +478,13 @@ def _lag_suite(name: str, title: str, steps: int, flags: tuple[str, ...]) -> Sui
         Panel(key, f"{label}: {title}", labels=tuple(c.label for c in configs if c.label.endswith(f"· {label}")))
         for key, title in [("eval/greedy_accuracy", "held-out greedy accuracy"), ("charts/reward", "training reward")]
         for label, _, _ in LAG_METHODS
+    ] + [  # P3O's Fig. 5 side by side: its reward and GRPO's in a one-step and a two-step pipeline
+        Panel(
+            "charts/reward",
+            f"lag {lag}: GRPO and P3O, training reward",
+            labels=(f"lag {lag} · GRPO", f"lag {lag} · P3O"),
+        )
+        for lag in (1, 2)
     ]
     return Suite(name, title, configs, panels, steps=steps, flags=flags, baseline=None, columns=LAG_COLUMNS)
 
