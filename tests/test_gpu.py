@@ -248,6 +248,32 @@ def test_every_script_on_cuda_with_the_hf_engine(name, tmp_path):
 
 
 @needs_gpu
+@pytest.mark.parametrize("name", ["grpo", "tis_icepop"])
+def test_rollout_lag_on_cuda_then_resume(name, tmp_path):
+    """--rollout-lag 2 on the GPU (bf16 autocast, the transformers engine on CUDA; tis_icepop.py scores log π_s with
+    its own function): each queued batch is scored on the GPU under the weights that sampled it, kept in host memory
+    (no CUDA tensor in the checkpoint's queue, which therefore loads on any machine), and restored by a resume after
+    step 2; the lag and both parts of the mismatch are logged as on the CPU."""
+    from common.checks import read_checkpoint_file
+
+    flags = [*SHORT[2:], "--rollout-engine", "hf", "--rollout-lag", 2, "--save-every", 2, "--output-dir", tmp_path]
+    run_script(f"algorithms/{name}.py", "--steps", 2, *flags)
+    checkpoint = os.path.join(only_run_dir(tmp_path), "checkpoints", "step_00000002")
+    queued = read_checkpoint_file(checkpoint, "rollouts_rank0.pt")["queued"]
+    assert [(q.step, q.sampled_at) for q in queued] == [(2, 0), (3, 1)]
+    for completion in (c for q in queued for c in q.groups.completions):
+        assert completion.trainer_logprobs is not None
+        assert all(t.device.type == "cpu" for t in (completion.routing, completion.sampling_mask) if t is not None)
+    run_script(f"algorithms/{name}.py", "--steps", 4, "--resume", "auto", *flags)
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert [r["charts/rollout_lag"] for r in records[1:]] == [0, 1, 2, 2]
+    for record in records[2:]:  # from the batch of step 2, sampled one step before it trained
+        assert record["mismatch/kl_k3_discrepancy"] >= 0 and record["mismatch/kl_k3_staleness"] > 0, record
+        assert all(value == value for value in record.values()), record  # no NaN
+
+
+@needs_gpu
 def test_hf_engine_checkpointing_memory_at_a_real_width_beside_the_estimate(tmp_path):
     """Qwen2.5-0.5B's shapes (random weights, which almost never sample EOS: every response is 512 tokens), one
     micro-batch of 8 × 528 tokens: the second step's peak (AdamW's state exists) with and without
