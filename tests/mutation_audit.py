@@ -194,7 +194,7 @@ def summary(results: list[dict]) -> str:
         for r in survivors:
             reason = next((why for text, why in REASONS.items() if r["text"].startswith(text)), "")
             lines.append(f"- line {r['line']} ({r['kind']}): `{r['text']}`" + (f" — {reason}" if reason else ""))
-        lines.append("")
+        lines += [""] if survivors else []
     return "\n".join(lines)
 
 
