@@ -523,7 +523,7 @@ def test_a_fork_without_the_optional_features_runs(tmp_path):
             "        sampling_mask=args.sampling.keep_sampling_mask,\n",
             "",
         ),
-        (", args.max_sampling_rounds\n", "\n"),
+        (", args.max_sampling_rounds)\n", ")\n"),
         ('    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))\n', ""),
     ):
         assert text in source, text  # a deletion that finds nothing would test nothing
