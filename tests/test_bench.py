@@ -20,6 +20,21 @@ from common.bench import runner as bench
 GRPO = bench.Config("GRPO", "grpo")
 
 
+@pytest.fixture
+def plotted(monkeypatch):
+    """Every line bench.plot draws, in order: (xs, ys, the keyword arguments of matplotlib's Axes.plot)."""
+    import matplotlib.axes
+
+    lines, original = [], matplotlib.axes.Axes.plot
+
+    def spy(self, xs, ys, *args, **kwargs):
+        lines.append((list(xs), list(ys), kwargs))
+        return original(self, xs, ys, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    return lines
+
+
 def make_run(tmp_path, config=GRPO, seed=1, steps=4, flags=()):
     return bench.Run(config, seed, steps, config.flags + flags, str(tmp_path))
 
@@ -263,7 +278,7 @@ def test_the_stress_suite_reuses_the_searchs_grpo_runs(tmp_path):
     assert not (set(stress) - grpo_rows) & set(search)  # the methods' runs are new
 
 
-def test_seeds_are_averaged_step_by_step_even_with_a_nan_or_a_torn_line(tmp_path):
+def test_seeds_are_averaged_step_by_step_even_with_a_nan_or_a_torn_line(tmp_path, plotted):
     """A NaN (logged as "nan") or an unreadable line must not shift one seed against the others."""
     config = bench.Config("A", "grpo")
     suite = bench.Suite("demo", "demo", [config], [bench.Panel("charts/reward", "r")], steps=4)
@@ -277,25 +292,13 @@ def test_seeds_are_averaged_step_by_step_even_with_a_nan_or_a_torn_line(tmp_path
     points = bench.series(bench.read_metrics(os.path.join(folder, "metrics.jsonl")), "charts/reward", "step")
     assert sorted(points) == [1, 3, 4] and points[3] == (3.0, pytest.approx(0.3))
 
-    captured = {}
-    import matplotlib.axes
-
-    original = matplotlib.axes.Axes.plot
-
-    def spy(self, xs, ys, *args, **kwargs):
-        captured["xs"], captured["ys"] = list(xs), list(ys)
-        return original(self, xs, ys, *args, **kwargs)
-
-    matplotlib.axes.Axes.plot = spy
-    try:
-        bench.plot(suite, [first, second], suite.panels, str(tmp_path / "p.png"))
-    finally:
-        matplotlib.axes.Axes.plot = original
-    assert captured["xs"] == [1.0, 3.0, 4.0]  # step 2 is left out: one seed has no number there
-    assert captured["ys"] == pytest.approx([0.1, 0.3, 0.4])
+    bench.plot(suite, [first, second], suite.panels, str(tmp_path / "p.png"))
+    ((xs, ys, _),) = plotted
+    assert xs == [1.0, 3.0, 4.0]  # step 2 is left out: one seed has no number there
+    assert ys == pytest.approx([0.1, 0.3, 0.4])
 
 
-def test_one_methods_settings_in_a_panel_differ_in_line_style(tmp_path, monkeypatch):
+def test_one_methods_settings_in_a_panel_differ_in_line_style(tmp_path, plotted):
     """A panel of one method's settings (the lag suite's: lag 0, 1, 2 · GRPO) draws them in the method's color, so
     each has a line style of its own; a panel of several methods keeps their colors, solid."""
     configs = [bench.Config(f"lag {lag} · {method}", "grpo") for method in ("GRPO", "P3O") for lag in (0, 1, 2)]
@@ -308,17 +311,8 @@ def test_one_methods_settings_in_a_panel_differ_in_line_style(tmp_path, monkeypa
     runs = [make_run(tmp_path, config) for config in configs]
     for run in runs:
         write_run(run, records(4, 0.5))
-    import matplotlib.axes
-
-    drawn = []
-    original = matplotlib.axes.Axes.plot
-
-    def spy(self, xs, ys, *args, **kwargs):
-        drawn.append((kwargs["label"], kwargs["color"], kwargs["linestyle"]))
-        return original(self, xs, ys, *args, **kwargs)
-
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
     bench.plot(suite, runs, suite.panels, str(tmp_path / "p.png"))
+    drawn = [(kwargs["label"], kwargs["color"], kwargs["linestyle"]) for _, _, kwargs in plotted]
     grpo, p3o, lag_0 = drawn[:3], drawn[3:6], drawn[6:]
     for lines in (grpo, p3o):
         assert len({color for _, color, _ in lines}) == 1 and [style for *_, style in lines] == ["-", "--", ":"]
