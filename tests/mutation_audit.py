@@ -12,9 +12,10 @@ common/ functions that carry the methods' math (TARGETS). A mutant is *killed* w
 tests that look at its file fails (pytest -x, stopped at the first failure); else it *survives*, and the
 line needs a test, or a reason it cannot matter (REASONS below: a log line, a check of a flag already
 refused elsewhere). Results go to OUT/results.jsonl, one line per mutant, and a rerun skips the mutants
-already there (delete the file to start over). A mutant is named by the text of its mutated section or function,
-so an edit elsewhere in the file keeps its verdict and an edit of that section runs it again; OUT/summary.md lists
-the survivors per file.
+already there (delete the file to start over). A mutant is named by the text of its mutated section or
+function, so an edit elsewhere in the file keeps its verdict and an edit of that section runs it again;
+OUT/summary.md lists the survivors per file. OUT defaults to tests/mutation_audit_results/, which the
+repository keeps: a clone goes on where the last audit stopped, and its summary.md is the latest word.
 --own-lines leaves out a fork's lines that are also in grpo.py: grpo.py's audit covers those, and a change
 to one shows in `diff algorithms/grpo.py algorithms/X.py`. Slow (about 20-60 s a mutant on 2 cores, so
 hours for all): not part of the test suite."""
@@ -201,7 +202,7 @@ def summary(results: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", default=[*ALGORITHMS, "common"], help="scripts, or common")
-    parser.add_argument("--out", default=os.path.join(REPO, "runs", "mutation_audit"), help="results folder")
+    parser.add_argument("--out", default=os.path.join(REPO, "tests", "mutation_audit_results"), help="results folder")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per mutant")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
     parser.add_argument("--own-lines", action="store_true", help="a fork's lines that are not in grpo.py only")
@@ -223,8 +224,8 @@ def main() -> None:
     done = {}
     if os.path.exists(results_path):
         done = {r["id"]: r for r in map(json.loads, open(results_path)) if r["verdict"] != "timeout"}
-    # a copy of the repository: the mutants never touch the working tree
-    workdir = os.path.join(args.out, "repo")
+    # a copy of the repository, outside it: the mutants never touch the working tree
+    workdir = os.path.join(REPO, "runs", "mutation_audit_repo")
     shutil.rmtree(workdir, ignore_errors=True)
     ignore = shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__", "*.egg-info")
     shutil.copytree(REPO, workdir, ignore=ignore)

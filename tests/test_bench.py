@@ -1,10 +1,12 @@
 """common/bench/runner.py and suites.py: run naming and resuming, summaries and plots from known metrics, the
 KL-drift measure against a direct computation, every suite's flags accepted by its script, and a quick bench."""
 
+import gzip
 import importlib
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 
@@ -405,6 +407,34 @@ def test_finished_runs_are_not_rerun_and_other_seeds_are_left_alone(tmp_path, ca
     assert os.path.isdir(other)
 
 
+def test_a_kept_record_stands_for_its_run_when_the_folder_is_gone(tmp_path, capsys):
+    """keep_record copies what the tables and plots read; with the run folder deleted (a fresh clone), the run
+    counts as finished from its record, is not rerun, and summarises to the same row, date included."""
+    suite = bench.Suite("demo", "demo", [GRPO], [bench.Panel("charts/reward", "reward")], steps=4, kl_drift=True)
+    run = bench.Run(GRPO, 1, 4, (), str(tmp_path / "runs"), records_dir=str(tmp_path / "results" / "records"))
+    folder = write_run(run, records(4, 0.75))
+    os.utime(os.path.join(folder, "metrics.jsonl"), (1_700_000_000, 1_700_000_000))
+    with open(os.path.join(folder, "kl_drift.json"), "w") as f:
+        json.dump({"0": 0.0, "4": 0.125}, f)  # what summarise measured from the checkpoints
+    before = bench.summarise(suite, [run])
+    run.keep_record(folder)
+    record = os.path.join(run.records_dir, os.path.basename(folder))
+    assert sorted(os.listdir(record)) == ["kl_drift.json", "metrics.jsonl.gz"]
+    shutil.rmtree(tmp_path / "runs")
+    assert run.finished_folder() == record
+    assert json.dumps(bench.summarise(suite, [run])) == json.dumps(before)  # NaN included (no entropy logged)
+    assert before[0]["kl_drift"] == 0.125
+    assert before[0]["finished"] == 1_700_000_000
+    assert bench.run_all([run], jobs=1, output_dir=str(tmp_path / "runs")) == []
+    assert "1 of 1 runs already finished; 0 to run" in capsys.readouterr().out
+    run.keep_record(record)  # a record is not kept again into itself
+    assert sorted(os.listdir(record)) == ["kl_drift.json", "metrics.jsonl.gz"]
+    # an unfinished record (the last evaluation missing) does not count
+    with gzip.open(os.path.join(record, "metrics.jsonl.gz"), "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records(4, 0.75)[:-1])
+    assert run.finished_folder() is None
+
+
 @pytest.mark.slow
 def test_quick_bench_end_to_end_then_nothing_to_redo(tmp_path):
     flags = [
@@ -425,10 +455,15 @@ def test_quick_bench_end_to_end_then_nothing_to_redo(tmp_path):
     assert "| GRPO |" in table and "| P3O |" in table
     for png in ("bench.png", "bench_signals.png"):
         assert (tmp_path / "results" / png).stat().st_size > 10_000
-    summary = json.loads((tmp_path / "results" / "bench.json").read_text())
+    text = (tmp_path / "results" / "bench.json").read_text()
+    summary = json.loads(text)
     assert [r["seeds"] for r in summary["rows"]] == [1, 1] and summary["steps"] == 2
+    # each run was kept beside the results as it finished: a clone without runs/ redoes none of them
+    assert len(os.listdir(tmp_path / "results" / "records")) == 2
+    shutil.rmtree(tmp_path / "runs")
     again = run_script("-m", "common.bench", *flags)
     assert "2 of 2 runs already finished; 0 to run" in again.stdout
+    assert (tmp_path / "results" / "bench.json").read_text() == text  # the same numbers, from the records
 
 
 def test_a_suites_page_keeps_its_write_up_around_the_new_table(tmp_path):

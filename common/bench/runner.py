@@ -19,6 +19,9 @@ the method and a hash of its flags, so one run serves every suite that asks for 
 GTPO experiment is the benchmark's GRPO and GTPO runs), and a killed bench goes on where it stopped:
 finished runs are kept, unfinished ones continue from their last checkpoint (--resume auto). Runs go
 in parallel, one thread each: on two cores, two one-thread runs take about as long as one run on two.
+A finished run is also kept beside the results, in <results-dir>/records/ (its metrics, gzipped: about
+30-60 KB a run): the published records come with a clone, so it redraws the tables and plots and goes on
+with a suite where an earlier machine stopped, without redoing a run.
 
 For each suite, --results-dir gets <suite>.png (mean over seeds, shaded from the lowest to the highest
 seed), <suite>.md (a table of final accuracy ± std over seeds and seconds per step, with the date,
@@ -41,6 +44,7 @@ import dataclasses
 import datetime
 import fcntl
 import glob
+import gzip
 import hashlib
 import json
 import math
@@ -107,6 +111,7 @@ class Run:
     flags: tuple[str, ...]  # the config's and the suite's: what makes the run what it is
     output_dir: str
     checkpoints: int = 3  # at most, the last at the end (the suite's)
+    records_dir: str | None = None  # where finished runs are kept beside the results (keep_record); None: nowhere
 
     @property
     def exp_name(self) -> str:
@@ -119,18 +124,36 @@ class Run:
     def prefix(self) -> str:  # the scripts name their run folders <task>__<exp_name>__<seed>__<time>
         return f"{os.path.basename(task_of(self.flags))}__{self.exp_name}__{self.seed}__"
 
-    def folders(self) -> list[str]:
-        if not os.path.isdir(self.output_dir):
+    def folders(self, root: str | None = None) -> list[str]:
+        """This run's folders under `root` (default: --output-dir), oldest first."""
+        root = root or self.output_dir
+        if not os.path.isdir(root):
             return []
-        return sorted(
-            os.path.join(self.output_dir, d) for d in os.listdir(self.output_dir) if d.startswith(self.prefix)
-        )
+        return sorted(os.path.join(root, d) for d in os.listdir(root) if d.startswith(self.prefix))
 
     def finished_folder(self) -> str | None:
-        for folder in reversed(self.folders()):
+        """The newest finished attempt of this run: its folder under --output-dir, else its kept record."""
+        kept = self.folders(self.records_dir) if self.records_dir else []
+        for folder in [*reversed(self.folders()), *reversed(kept)]:
             if final_record(read_metrics(os.path.join(folder, "metrics.jsonl")), self.steps) is not None:
                 return folder
         return None
+
+    def keep_record(self, folder: str) -> None:
+        """Keep a finished run beside the results: its metrics (gzipped) and its KL-drift cache, all that the
+        tables and plots read. The results can then be redrawn, and the run is not redone, where its folder
+        is gone (a fresh clone; runs/ cleaned). After editing an algorithm file, delete its records too."""
+        if not self.records_dir or os.path.dirname(os.path.abspath(folder)) == os.path.abspath(self.records_dir):
+            return
+        kept = os.path.join(self.records_dir, os.path.basename(folder))
+        os.makedirs(kept, exist_ok=True)
+        source = os.path.join(folder, "metrics.jsonl")
+        # the header keeps the time the run finished (the table's date); the same run gives the same bytes
+        finished = int(os.path.getmtime(source))
+        with open(source, "rb") as f, gzip.GzipFile(os.path.join(kept, "metrics.jsonl.gz"), "wb", mtime=finished) as gz:
+            shutil.copyfileobj(f, gz)
+        if os.path.exists(os.path.join(folder, "kl_drift.json")):
+            shutil.copy(os.path.join(folder, "kl_drift.json"), kept)
 
     def command(self) -> list[str]:
         """The script's command line; continues the newest complete checkpoint of this run if there is one."""
@@ -210,7 +233,10 @@ def _run_all(runs: list[Run], jobs: int) -> list[str]:
                     continue
                 running.remove(entry)
                 done += 1
-                status = "done" if process.returncode == 0 and run.finished_folder() else f"FAILED (log: {log_path})"
+                folder = run.finished_folder() if process.returncode == 0 else None
+                if folder:  # kept at once: a bench cut off later keeps this run
+                    run.keep_record(folder)
+                status = "done" if folder else f"FAILED (log: {log_path})"
                 if status != "done":
                     failures.append(f"{run.config.label} seed {run.seed}: {log_path}")
                 print(
@@ -255,6 +281,8 @@ def measure_kl_drift(folder: str, prompts: int = 128) -> dict[int, float]:
     cache = os.path.join(folder, "kl_drift.json")
     drift = {int(k): v for k, v in json.load(open(cache)).items()} if os.path.exists(cache) else {0: 0.0}
     checkpoint_dir = os.path.join(folder, "checkpoints")
+    if not os.path.isdir(checkpoint_dir):  # a kept record: what was measured is all there is
+        return drift
     steps = {
         int(name.split("_")[1]): os.path.join(checkpoint_dir, name)
         for name in os.listdir(checkpoint_dir)
@@ -288,11 +316,13 @@ def measure_kl_drift(folder: str, prompts: int = 128) -> dict[int, float]:
 
 # summarising ------------------------------------------------------------------------------------------
 def read_metrics(path: str) -> list[dict]:
-    """The records of a metrics.jsonl; a line that is not JSON (a run killed while writing it) is skipped
-    with a warning that names the file."""
+    """The records of a metrics.jsonl (or of its kept record, metrics.jsonl.gz); a line that is not JSON (a
+    run killed while writing it) is skipped with a warning that names the file."""
     records = []
+    if not os.path.exists(path) and os.path.exists(path + ".gz"):
+        path += ".gz"
     if os.path.exists(path):
-        with open(path) as f:
+        with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -301,6 +331,16 @@ def read_metrics(path: str) -> list[dict]:
                 except json.JSONDecodeError:
                     print(f"warning: {path}:{number} is not JSON; skipped", file=sys.stderr)
     return records
+
+
+def finished_at(folder: str) -> float:
+    """When a run's metrics were last written, to the second (a kept record holds it in its gzip header)."""
+    path = os.path.join(folder, "metrics.jsonl")
+    if os.path.exists(path):
+        return float(int(os.path.getmtime(path)))
+    with gzip.GzipFile(path + ".gz") as f:
+        f.peek(1)  # reads the header
+        return float(f.mtime)
 
 
 def final_record(records: list[dict], steps: int) -> dict | None:
@@ -352,7 +392,7 @@ def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
             "script": f"algorithms/{config.script}.py",
             "flags": " ".join(config.flags),
             "seeds": len(folders),
-            "finished": max(os.path.getmtime(os.path.join(folder, "metrics.jsonl")) for folder in folders),
+            "finished": max(finished_at(folder) for folder in folders),
         }
         for key, name in [("eval/greedy_accuracy", "greedy"), ("eval/avg@4", "avg@4"), ("eval/pass@4", "pass@4")]:
             row[name], row[name + "_std"] = mean_std([f.get(key) for f in final])
@@ -646,7 +686,9 @@ def main(args: BenchArgs) -> int:
             steps = args.steps or (QUICK["steps"] if args.quick else suite.steps)
             flags = suite.flags + (QUICK["flags"] if args.quick else ())
             planned[name] = [
-                Run(c, s, steps, c.flags + flags, output_dir, suite.checkpoints) for s in seeds for c in configs
+                Run(c, s, steps, c.flags + flags, output_dir, suite.checkpoints, os.path.join(results_dir, "records"))
+                for s in seeds
+                for c in configs
             ]
     if not planned:
         raise SystemExit(
@@ -670,6 +712,9 @@ def main(args: BenchArgs) -> int:
             steps=runs[0].steps,
         )
         rows = summarise(suite, runs)
+        for run in runs:  # what ran before records were kept, and the KL drift summarise measured
+            if run.finished_folder():
+                run.keep_record(run.finished_folder())
         if not rows:
             print(f"{name}: no finished run to summarise", file=sys.stderr)
             continue
