@@ -20,7 +20,7 @@ GTPO experiment is the benchmark's GRPO and GTPO runs), and a killed bench goes 
 finished runs are kept, unfinished ones continue from their last checkpoint (--resume auto). Runs go
 in parallel, one thread each: on two cores, two one-thread runs take about as long as one run on two.
 A finished run is also kept beside the results, in <results-dir>/records/ (its metrics, gzipped: about
-30-60 KB a run): the published records come with a clone, so it redraws the tables and plots and goes on
+10 KB a run): the published records come with a clone, so it redraws the tables and plots and goes on
 with a suite where an earlier machine stopped, without redoing a run.
 
 For each suite, --results-dir gets <suite>.png (mean over seeds, shaded from the lowest to the highest
@@ -713,8 +713,8 @@ def main(args: BenchArgs) -> int:
         )
         rows = summarise(suite, runs)
         for run in runs:  # what ran before records were kept, and the KL drift summarise measured
-            if run.finished_folder():
-                run.keep_record(run.finished_folder())
+            if folder := run.finished_folder():
+                run.keep_record(folder)
         if not rows:
             print(f"{name}: no finished run to summarise", file=sys.stderr)
             continue
