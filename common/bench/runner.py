@@ -115,8 +115,8 @@ class Run:
 
     @property
     def exp_name(self) -> str:
-        # what the run computes, as far as flags say: after editing an algorithm file, delete its runs
-        # (or use another --output-dir), or the bench reuses them as they are
+        # what the run computes, as far as flags say: after editing an algorithm file, delete its runs and
+        # their kept records (or use another --output-dir and --results-dir), or the bench reuses them as they are
         identity = json.dumps([self.config.script, self.steps, list(self.flags)])
         return f"{self.config.script}-{hashlib.sha1(identity.encode()).hexdigest()[:10]}"
 
