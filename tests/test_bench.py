@@ -154,12 +154,16 @@ def test_summary_table_and_plots_from_known_runs(tmp_path):
     assert rows[0]["greedy_at_0"] == 0.25 and rows[1]["train_s"] == pytest.approx(1.5)
 
     table = tmp_path / "demo.md"
-    bench.write_table(suite, rows, (1, 2, 3), 2, "./run.sh bench demo", str(table), "2026-01-02")
+    bench.write_table(suite, rows, (1, 2, 3), "./run.sh bench demo", str(table), "2026-01-02")
     text = table.read_text()
     assert "| GRPO | `defaults` | 0.500 ± 0.100 |" in text and "| Other | `--sync-every 2` | 0.700 ± 0.000 |" in text
     assert "Run 2026-01-02 on" in text and "./run.sh bench demo" in text
-    bench.write_table(suite, rows, (1, 2, 3, 4), 2, "./run.sh bench demo", str(table), "2026-01-02")
+    bench.write_table(suite, rows, (1, 2, 3, 4), "./run.sh bench demo", str(table), "2026-01-02")
     assert "| GRPO (n = 3) |" in table.read_text()  # fewer finished seeds than asked for: said
+    assert "evaluations; runs at a time not recorded." in text  # these runs did not say how they ran
+    rows[1]["ran_with"] = "2 runs at a time, 1 thread(s) each"  # rows that ran differently: each says its own
+    bench.write_table(suite, rows, (1, 2, 3), "./run.sh bench demo", str(table), "2026-01-02")
+    assert "GRPO: runs at a time not recorded; Other: 2 runs at a time, 1 thread(s) each." in table.read_text()
 
     png = tmp_path / "demo.png"
     bench.plot(suite, runs, suite.panels, str(png))
@@ -209,7 +213,7 @@ def test_a_setting_fails_only_beyond_two_seed_standard_deviations_of_the_baselin
         ["entropy"],
     ]
     table = tmp_path / "demo.md"
-    bench.write_table(suite, list(rows.values()), (1, 2, 3), 2, "./run.sh bench demo", str(table), "2026-01-02")
+    bench.write_table(suite, list(rows.values()), (1, 2, 3), "./run.sh bench demo", str(table), "2026-01-02")
     text = table.read_text()
     assert (
         "| 0.620 ± 0.020 | baseline |" in text
@@ -416,10 +420,15 @@ def test_a_kept_record_stands_for_its_run_when_the_folder_is_gone(tmp_path, caps
     os.utime(os.path.join(folder, "metrics.jsonl"), (1_700_000_000, 1_700_000_000))
     with open(os.path.join(folder, "kl_drift.json"), "w") as f:
         json.dump({"0": 0.0, "4": 0.125}, f)  # what summarise measured from the checkpoints
+    assert bench.summarise(suite, [run])[0]["ran_with"] == "runs at a time not recorded"
+    with open(os.path.join(folder, bench.RAN_WITH), "w") as f:  # what run_all writes when the run finishes
+        json.dump({"runs_at_a_time": 1, "threads": 2}, f)
     before = bench.summarise(suite, [run])
+    assert before[0]["ran_with"] == "1 runs at a time, 2 thread(s) each"
     run.keep_record(folder)
     record = os.path.join(run.records_dir, os.path.basename(folder))
-    assert sorted(os.listdir(record)) == ["kl_drift.json", "metrics.jsonl.gz"]
+    kept = ["bench_ran_with.json", "kl_drift.json", "metrics.jsonl.gz"]
+    assert sorted(os.listdir(record)) == kept
     shutil.rmtree(tmp_path / "runs")
     assert run.finished_folder() == record
     assert json.dumps(bench.summarise(suite, [run])) == json.dumps(before)  # NaN included (no entropy logged)
@@ -428,7 +437,7 @@ def test_a_kept_record_stands_for_its_run_when_the_folder_is_gone(tmp_path, caps
     assert bench.run_all([run], jobs=1, output_dir=str(tmp_path / "runs")) == []
     assert "1 of 1 runs already finished; 0 to run" in capsys.readouterr().out
     run.keep_record(record)  # a record is not kept again into itself
-    assert sorted(os.listdir(record)) == ["kl_drift.json", "metrics.jsonl.gz"]
+    assert sorted(os.listdir(record)) == kept
     # an unfinished record (the last evaluation missing) does not count
     with gzip.open(os.path.join(record, "metrics.jsonl.gz"), "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in records(4, 0.75)[:-1])
@@ -449,10 +458,12 @@ def test_quick_bench_end_to_end_then_nothing_to_redo(tmp_path):
         "--results-dir",
         tmp_path / "results",
     ]
-    first = run_script("-m", "common.bench", *flags)
+    first = run_script("-m", "common.bench", *flags, "--jobs", 2)
     assert "0 of 2 runs already finished" in first.stdout
     table = (tmp_path / "results" / "bench.md").read_text()
     assert "| GRPO |" in table and "| P3O |" in table
+    ran_with = f"2 runs at a time, {max(1, os.cpu_count() // 2)} thread(s) each"
+    assert ran_with in table
     for png in ("bench.png", "bench_signals.png"):
         assert (tmp_path / "results" / png).stat().st_size > 10_000
     text = (tmp_path / "results" / "bench.json").read_text()
@@ -461,9 +472,10 @@ def test_quick_bench_end_to_end_then_nothing_to_redo(tmp_path):
     # each run was kept beside the results as it finished: a clone without runs/ redoes none of them
     assert len(os.listdir(tmp_path / "results" / "records")) == 2
     shutil.rmtree(tmp_path / "runs")
-    again = run_script("-m", "common.bench", *flags)
+    again = run_script("-m", "common.bench", *flags, "--jobs", 1)
     assert "2 of 2 runs already finished; 0 to run" in again.stdout
     assert (tmp_path / "results" / "bench.json").read_text() == text  # the same numbers, from the records
+    assert ran_with in (tmp_path / "results" / "bench.md").read_text()  # how they ran, not this call's --jobs
 
 
 def test_a_suites_page_keeps_its_write_up_around_the_new_table(tmp_path):
@@ -471,12 +483,12 @@ def test_a_suites_page_keeps_its_write_up_around_the_new_table(tmp_path):
     suite, rows = bench.SUITES["bench"], json.load(open(os.path.join(bench.PUBLISHED, "bench.json")))["rows"]
     page = tmp_path / "bench.md"
     page.write_text("# Bench\nclaim\n<!-- bench:bench -->\nold\n<!-- /bench:bench -->\nfindings\n")
-    table = bench.write_table(suite, rows, (1, 2, 3), 2, "./run.sh bench", str(page), "2026-01-02")
+    table = bench.write_table(suite, rows, (1, 2, 3), "./run.sh bench", str(page), "2026-01-02")
     assert (
         page.read_text() == f"# Bench\nclaim\n<!-- bench:bench -->\n{table.strip()}\n<!-- /bench:bench -->\nfindings\n"
     )
     new = tmp_path / "new.md"
-    assert bench.write_table(suite, rows, (1, 2, 3), 2, "c", str(new), "2026-01-02") == new.read_text()
+    assert bench.write_table(suite, rows, (1, 2, 3), "c", str(new), "2026-01-02") == new.read_text()
 
 
 def test_readme_table_is_replaced_between_its_markers_only(tmp_path):
@@ -527,7 +539,7 @@ def test_the_long_suite_is_a_cost_table_without_accuracy(tmp_path):
             record.update({"charts/response_length_mean": 512.0, "sampling/rollouts": 4})
         write_run(run, run_records)
     rows = bench.summarise(suite, runs)
-    table = bench.write_table(suite, rows, (1,), 2, "./run.sh bench long", str(tmp_path / "long.md"), "2026-01-02")
+    table = bench.write_table(suite, rows, (1,), "./run.sh bench long", str(tmp_path / "long.md"), "2026-01-02")
     lines = table.splitlines()
     header = "| method | flags | response tokens | peak GPU GiB | s/step | rollout s | train s | rollouts/step |"
     assert lines[2] == header

@@ -103,6 +103,9 @@ def task_of(flags: tuple[str, ...]) -> str:
     return flags[flags.index("--task") + 1] if "--task" in flags else "arith"
 
 
+RAN_WITH = "bench_ran_with.json"  # in a finished run's folder: how many runs shared the cores, and its threads
+
+
 @dataclass
 class Run:
     config: Config
@@ -152,8 +155,9 @@ class Run:
         finished = int(os.path.getmtime(source))
         with open(source, "rb") as f, gzip.GzipFile(os.path.join(kept, "metrics.jsonl.gz"), "wb", mtime=finished) as gz:
             shutil.copyfileobj(f, gz)
-        if os.path.exists(os.path.join(folder, "kl_drift.json")):
-            shutil.copy(os.path.join(folder, "kl_drift.json"), kept)
+        for name in ("kl_drift.json", RAN_WITH):
+            if os.path.exists(os.path.join(folder, name)):
+                shutil.copy(os.path.join(folder, name), kept)
 
     def command(self) -> list[str]:
         """The script's command line; continues the newest complete checkpoint of this run if there is one."""
@@ -235,6 +239,8 @@ def _run_all(runs: list[Run], jobs: int) -> list[str]:
                 done += 1
                 folder = run.finished_folder() if process.returncode == 0 else None
                 if folder:  # kept at once: a bench cut off later keeps this run
+                    with open(os.path.join(folder, RAN_WITH), "w") as f:  # what its seconds per step ran beside
+                        json.dump({"runs_at_a_time": jobs, "threads": threads}, f)
                     run.keep_record(folder)
                 status = "done" if folder else f"FAILED (log: {log_path})"
                 if status != "done":
@@ -333,6 +339,20 @@ def read_metrics(path: str) -> list[dict]:
     return records
 
 
+def ran_with(folders: list[str]) -> str:
+    """How the runs in these folders shared the machine, as the table's header says it; "not recorded" for runs
+    that finished before the bench kept it."""
+    said = set()
+    for folder in folders:
+        try:
+            with open(os.path.join(folder, RAN_WITH)) as f:
+                ran = json.load(f)
+            said.add(f"{ran['runs_at_a_time']} runs at a time, {ran['threads']} thread(s) each")
+        except (OSError, ValueError, KeyError):
+            said.add("runs at a time not recorded")
+    return "; ".join(sorted(said))
+
+
 def finished_at(folder: str) -> float:
     """When a run's metrics were last written, to the second (a kept record holds it in its gzip header)."""
     path = os.path.join(folder, "metrics.jsonl")
@@ -393,6 +413,7 @@ def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
             "flags": " ".join(config.flags),
             "seeds": len(folders),
             "finished": max(finished_at(folder) for folder in folders),
+            "ran_with": ran_with(folders),
         }
         for key, name in [("eval/greedy_accuracy", "greedy"), ("eval/avg@4", "avg@4"), ("eval/pass@4", "pass@4")]:
             row[name], row[name + "_std"] = mean_std([f.get(key) for f in final])
@@ -475,11 +496,14 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, path: str, date: str) -> str:
+def write_table(suite: Suite, rows: list[dict], seeds, command: str, path: str, date: str) -> str:
     """The markdown table, returned and written to `path`: between the page's `<!-- bench:<suite> -->` markers
     when it has them (a suite's page: its write-up around the table), else as the whole file. A config with
     fewer finished seeds than asked for shows its count."""
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    # how the runs shared the cores, as they ran (a --plot-only call's --jobs says nothing about them)
+    shared = sorted({row.get("ran_with", "runs at a time not recorded") for row in rows})
+    if len(shared) > 1:
+        shared = [f"{row['label']}: {row.get('ran_with', 'runs at a time not recorded')}" for row in rows]
     what = (
         f"mean ± std over seeds at the last step (held-out greedy accuracy at step 0: {rows[0]['greedy_at_0']:.3f})"
         if suite.accuracy
@@ -487,8 +511,8 @@ def write_table(suite: Suite, rows: list[dict], seeds, jobs: int, command: str, 
     )
     lines = [
         f"**{suite.title}** — built-in task {task_of(suite.flags)}, {suite.steps} steps, "
-        f"seeds {', '.join(map(str, seeds))}; {what}. Seconds per step exclude evaluations; {jobs} runs at a time, "
-        f"{threads} thread(s) each.",
+        f"seeds {', '.join(map(str, seeds))}; {what}. Seconds per step exclude evaluations; "
+        f"{'; '.join(shared)}.",
         "",
         "| method | flags |"
         + (" greedy acc. | avg@4 | pass@4 |" if suite.accuracy else "")
@@ -731,7 +755,7 @@ def main(args: BenchArgs) -> int:
         )
         date = datetime.date.fromtimestamp(max(row["finished"] for row in rows)).isoformat()  # of the runs
         table_path = os.path.join(results_dir, f"{name}.md")
-        table = write_table(suite, rows, seeds, args.jobs, command, table_path, date)
+        table = write_table(suite, rows, seeds, command, table_path, date)
         with open(os.path.join(results_dir, f"{name}.json"), "w") as f:
             json.dump({"suite": name, "steps": suite.steps, "seeds": seeds, "rows": rows}, f, indent=1)
         for figure_name, panels in {name: suite.panels, **suite.extra_figures}.items():
