@@ -163,7 +163,7 @@ def test_summary_table_and_plots_from_known_runs(tmp_path):
     assert "evaluations; runs at a time not recorded." in text  # these runs did not say how they ran
     rows[1]["ran_with"] = "2 runs at a time, 1 thread(s) each"  # rows that ran differently: each says its own
     bench.write_table(suite, rows, (1, 2, 3), "./run.sh bench demo", str(table), "2026-01-02")
-    assert "GRPO: runs at a time not recorded; Other: 2 runs at a time, 1 thread(s) each." in table.read_text()
+    assert "runs at a time not recorded (GRPO); 2 runs at a time, 1 thread(s) each (Other)." in table.read_text()
 
     png = tmp_path / "demo.png"
     bench.plot(suite, runs, suite.panels, str(png))

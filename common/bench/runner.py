@@ -350,7 +350,7 @@ def ran_with(folders: list[str]) -> str:
             said.add(f"{ran['runs_at_a_time']} runs at a time, {ran['threads']} thread(s) each")
         except (OSError, ValueError, KeyError):
             said.add("runs at a time not recorded")
-    return "; ".join(sorted(said))
+    return " and ".join(sorted(said))  # seeds of one row that ran differently
 
 
 def finished_at(folder: str) -> float:
@@ -501,9 +501,14 @@ def write_table(suite: Suite, rows: list[dict], seeds, command: str, path: str, 
     when it has them (a suite's page: its write-up around the table), else as the whole file. A config with
     fewer finished seeds than asked for shows its count."""
     # how the runs shared the cores, as they ran (a --plot-only call's --jobs says nothing about them)
-    shared = sorted({row.get("ran_with", "runs at a time not recorded") for row in rows})
-    if len(shared) > 1:
-        shared = [f"{row['label']}: {row.get('ran_with', 'runs at a time not recorded')}" for row in rows]
+    labels_by_setting = {}
+    for row in rows:
+        labels_by_setting.setdefault(row.get("ran_with", "runs at a time not recorded"), []).append(row["label"])
+    shared = (
+        list(labels_by_setting)
+        if len(labels_by_setting) == 1
+        else [f"{setting} ({', '.join(labels)})" for setting, labels in labels_by_setting.items()]
+    )
     what = (
         f"mean ± std over seeds at the last step (held-out greedy accuracy at step 0: {rows[0]['greedy_at_0']:.3f})"
         if suite.accuracy
