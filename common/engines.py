@@ -248,8 +248,8 @@ class HFEngine:
         if (
             recorder.kept and sampling_mask
         ):  # [rows, steps, K] kept ids of every step, padded with −1 to the widest step's K
-            width = max(step.shape[1] for step in recorder.kept)
-            steps = [torch.nn.functional.pad(step, (0, width - step.shape[1]), value=-1) for step in recorder.kept]
+            widest = max(step.shape[1] for step in recorder.kept)
+            steps = [torch.nn.functional.pad(step, (0, widest - step.shape[1]), value=-1) for step in recorder.kept]
             masks = torch.stack(steps, dim=1).cpu()
         if greedy and n > 1:  # greedy decoding is deterministic: n copies of one completion
             new_tokens, logprobs = new_tokens.repeat_interleave(n, dim=0), logprobs.repeat_interleave(n, dim=0)

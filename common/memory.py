@@ -147,6 +147,7 @@ def plan_problems(plan: Plan) -> list[str]:
     problems += require(0 < utilization < 1, "--gpu-memory-utilization", "in (0, 1)")
     problems += require(0 <= plan.kl_coef < math.inf, "--kl-coef", ">= 0 and finite")
     problems += require(plan.lora_rank >= 0, "--lora-rank", ">= 0 (0: full fine-tuning)")
+    problems += require(plan.rollout_lag >= 0, "--rollout-lag", ">= 0 (0: on-policy)")
     # What the scripts would ignore, and the estimate with them.
     if plan.cpu_offload and plan.gpus == 1:
         problems += ["--cpu-offload applies with --gpus > 1 only"]

@@ -224,7 +224,9 @@ def record_agreement(metrics, engine, used, own, positions, layers) -> None:
     tokens the trainer sent to the experts the engine chose (`used`: 1 under r3), also per layer
     (routing/agreement_layer{l}); routing/overlap, the mean |A ∩ B| / k; routing/tokens_differing, the share of
     tokens with another set of experts in any layer; routing/own_agreement, the same share for the experts the
-    trainer's routers chose themselves (`own`, whatever was replayed)."""
+    trainer's routers chose themselves (`own`, whatever was replayed). At --rollout-lag k the engine routed with the
+    weights of k steps before, so the shares below 1 hold the routers' change over those steps as well as the
+    engine's precision (for the token log-probs common/rollouts.py splits the two; for the routing nothing does)."""
     if not positions.any():
         return
     tokens = positions.sum()

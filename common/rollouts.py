@@ -39,8 +39,9 @@ logged with the step that trains on it, beside its charts/*. The weights still r
 evaluation scores the trained policy. The queue is this rank's share, and part of the checkpoint (exact resume).
 Each method treats the engine's policy μ as its paper does; what changes is how far μ is from π_θ. The mismatch
 log π_old/μ then has two parts, as Zheng et al. (2025, arXiv:2512.01374) split it:
-log π_s/μ, the engine against the trainer at the sampling weights θ_s (precision, kernels), and log π_old/π_s, the
-weights' change since (staleness). For the split the trainer scores each queued batch once more, under θ_s, while
+log π_s/μ, the engine against the trainer at the sampling weights θ_s (precision, kernels; and a sampling
+distribution of its own, such as P3O's --sampling-temperature), and log π_old/π_s, the weights' change since
+(staleness). For the split the trainer scores each queued batch once more, under θ_s, while
 it still holds θ_s (`score_under_sampling_weights`): one forward pass per step, at lag > 0 only.
 """
 

@@ -647,6 +647,7 @@ def test_the_built_in_moe_model_names_the_tasks_it_has():
         (["--micro-batch-size", 0], "--micro-batch-size must be >= 1"),
         (["--max-new-tokens", -5], "--max-new-tokens must be >= 1"),
         (["--lora-rank", -1], "--lora-rank must be >= 0 (0: full fine-tuning)"),
+        (["--rollout-lag", -4], "--rollout-lag must be >= 0 (0: on-policy)"),
         (["--gpu-memory-utilization", 2], "--gpu-memory-utilization must be in (0, 1)"),
         (["--prompts-per-step", 0], "--prompts-per-step must be >= 1"),
         (["--gpus", 3], "--prompts-per-step must be divisible by --gpus 3"),

@@ -248,21 +248,25 @@ def tiny_moe(tiny_moe_dir):
     return load(tiny_moe_dir)
 
 
-def _rollout_batch(model, tokenizer, engine_dtype=None, n=3, prompts=3):
+def _rollout_batch(model, tokenizer, engine_dtype=None, n=3, prompts=3, top_k=0):
     engine = HFEngine(model, tokenizer, dtype=engine_dtype, share_weights=False, routing=True)
     questions = ["Q: 12+30=", "Q: 7+5=", "Q: 199+99="] + [f"Q: {a}+{3 * a + 7}=" for a in range(11, 20)]
     prompts = [tokenizer(q)["input_ids"] for q in questions[:prompts]]
     torch.manual_seed(0)
-    completions = engine.generate(prompts, n, 8, 1.0)
+    completions = engine.generate(prompts, n, 8, 1.0, top_k=top_k)
     batch = tim.make_batch(prompts, completions, n, tokenizer.pad_token_id, torch.device("cpu"))
     return prompts, completions, batch
 
 
-def test_engine_routing_then_r3_reproduces_the_engines_logprobs(tiny_moe):
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_engine_routing_then_r3_reproduces_the_engines_logprobs(tiny_moe, top_k):
     """The transformers engine (KV cache, one token per step, prompts left-padded together) records its routing; the
-    trainer's full forward over the padded batch, replaying it, scores the sampled tokens as the engine did."""
+    trainer's full forward over the padded batch, replaying it, scores the sampled tokens as the engine did. With
+    top-k the kept sets come back too (renormalised over in the trainer), and each completion's routing is still cut
+    at its own prompt's padding, not at the widest kept set's."""
     model, tokenizer = tiny_moe
-    prompts, completions, batch = _rollout_batch(model, tokenizer)
+    prompts, completions, batch = _rollout_batch(model, tokenizer, top_k=top_k)
+    assert all((completion.sampling_mask is not None) == (top_k > 0) for completion in completions)
     for index, completion in enumerate(completions):  # one row per fed token: the prompt, the completion but its last
         assert completion.routing.shape == (len(prompts[index // 3]) + len(completion.token_ids) - 1, 4, 2)
         assert completion.routing.untyped_storage().nbytes() == completion.routing.nbytes  # not a view of the chunk's
