@@ -457,7 +457,7 @@ def main(args: Args) -> None:
     trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters alone
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    state = load_checkpoint(checkpoint, policy, optimizer, scheduler, dist) if checkpoint else {}
+    state = load_checkpoint(checkpoint, policy, optimizer, scheduler, precision.scaler, dist) if checkpoint else {}
     start_step, skipped_steps = state.get("step", 0), state.get("skipped_steps", 0)
     tracker = Tracker(run_dir, flat(args), args.tracking, enabled=dist.is_main, resume_step=start_step)
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
@@ -521,8 +521,9 @@ def main(args: Args) -> None:
         if stopping or args.checkpoints.due(step + 1, args.steps):
             trainer_state = {"skipped_steps": skipped_steps, "args": flat(args), "this_rank": queue.state()}
             save_checkpoint(
-                run_dir, step + 1, policy, tokenizer, optimizer, scheduler, trainer_state, dist, args.checkpoints
-            )
+                run_dir, step + 1, policy, tokenizer, optimizer, scheduler, precision.scaler, trainer_state, dist,
+                args.checkpoints,
+            )  # fmt: skip
         if stopping:
             break
 

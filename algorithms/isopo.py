@@ -928,7 +928,7 @@ def main(args: Args) -> None:
     trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters alone
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    state = load_checkpoint(checkpoint, policy, optimizer, scheduler, dist) if checkpoint else {}
+    state = load_checkpoint(checkpoint, policy, optimizer, scheduler, precision.scaler, dist) if checkpoint else {}
     start_step, skipped_steps = state.get("step", 0), state.get("skipped_steps", 0)
     # idle outside capture(); exact resume
     isopo = IsopoGradients(policy, args, dist, state.get("isopo"))
@@ -996,8 +996,9 @@ def main(args: Args) -> None:
             # the running statistics: exact resume
             trainer_state["isopo"] = {"ema": dict(isopo.stats.ema)}
             save_checkpoint(
-                run_dir, step + 1, policy, tokenizer, optimizer, scheduler, trainer_state, dist, args.checkpoints
-            )
+                run_dir, step + 1, policy, tokenizer, optimizer, scheduler, precision.scaler, trainer_state, dist,
+                args.checkpoints,
+            )  # fmt: skip
         if stopping:
             break
 

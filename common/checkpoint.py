@@ -1,17 +1,17 @@
 """Checkpoints and seeding: a killed run resumes from its last checkpoint with nothing lost.
 
     seed_everything(seed)                                   # python, numpy and torch generators
-    save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, trainer_state, dist, args.checkpoints)
+    save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, scaler, trainer_state, dist, checkpoints)
     path = find_checkpoint("auto", output_dir, run_prefix, settings)  # --resume: the newest complete checkpoint
-    trainer_state = load_checkpoint(path, model, optimizer, scheduler, dist)
+    trainer_state = load_checkpoint(path, model, optimizer, scheduler, scaler, dist)
 
 A checkpoint is a folder `checkpoints/step_00000050/` holding the policy in Hugging Face format
 (`save_pretrained`: loadable by transformers and vLLM, float32 master weights; with --lora-rank the adapter in
 peft's format, common/adapters.py), the optimizer state
 through `torch.distributed.checkpoint` (sharded: each rank writes its part; reloadable on another
 number of ranks), each rank's RNG states and rollouts sampled ahead (--rollout-lag: the trainer state's
-"this_rank", common/rollouts.py), and `trainer_state.pt` (step, scheduler; the data position is the step, see
-tasks.sample_batch). It is written to `step_XXXXXXXX.tmp` and renamed once complete, so
+"this_rank", common/rollouts.py), and `trainer_state.pt` (step, scheduler, float16's loss scale; the data position
+is the step, see tasks.sample_batch). It is written to `step_XXXXXXXX.tmp` and renamed once complete, so
 a kill at any moment leaves the previous checkpoint as the newest complete one.
 """
 
@@ -59,13 +59,16 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(
-    run_dir, step, model, tokenizer, optimizer, scheduler, trainer_state, dist: Dist, checkpoints
+    run_dir, step, model, tokenizer, optimizer, scheduler, scaler, trainer_state, dist: Dist, checkpoints
 ) -> str:
     """Write checkpoints/step_{step:08d} atomically (every rank calls this) and keep the newest
     `checkpoints.keep_checkpoints` (the Checkpoints group of common.flags; 0: all).
-    `trainer_state`: what the script needs to continue (skipped steps, its settings, ...); the step and the
-    scheduler's state are added to it. Its "this_rank" entry is each rank's own (rollouts_rank{rank}.pt)."""
+    `trainer_state`: what the script needs to continue (skipped steps, its settings, ...); the step, the
+    scheduler's state and the loss scale (`scaler`, fsdp.Precision's: float16's, lowered after each overflow; a
+    resumed run restarting at 2^16 would skip its steps again) are added to it. Its "this_rank" entry is each rank's
+    own (rollouts_rank{rank}.pt)."""
     trainer_state = {"step": step, **trainer_state, "scheduler": scheduler.state_dict()}
+    trainer_state["loss_scale"] = scaler.state_dict()  # {} unless float16
     with _writing_a_checkpoint():  # a second Ctrl-C waits for the write
         return _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist, checkpoints)
 
@@ -105,7 +108,11 @@ def _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state,
     if dist.is_main:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(temporary, final)  # the checkpoint exists only once it is complete
-        for old in sorted(glob.glob(os.path.join(folder, "step_*[0-9]")))[: -checkpoints.keep_checkpoints]:
+        # a run resumed from an earlier checkpoint rewrites the steps after it (as it does their metrics): the
+        # checkpoints of those steps are gone once it has one of its own, and the newest kept are its own
+        written = sorted(glob.glob(os.path.join(folder, "step_*[0-9]")))
+        later = [c for c in written if c > final]
+        for old in later + [c for c in written if c <= final][: -checkpoints.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     barrier(dist)
     return final
@@ -119,9 +126,9 @@ def _single_process_is_intended():
         yield
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler, dist: Dist) -> dict:
-    """Restore the optimizer, the scheduler and this rank's RNG (the weights were loaded with from_pretrained);
-    returns the trainer state (step, and what the script saved)."""
+def load_checkpoint(path: str, model, optimizer, scheduler, scaler, dist: Dist) -> dict:
+    """Restore the optimizer, the scheduler, the loss scale and this rank's RNG (the weights were loaded with
+    from_pretrained); returns the trainer state (step, and what the script saved)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -137,6 +144,8 @@ def load_checkpoint(path: str, model, optimizer, scheduler, dist: Dist) -> dict:
         set_rng_state(read_checkpoint_file(path, f"rng_rank{dist.rank}.pt"))
     trainer_state = read_checkpoint_file(path, "trainer_state.pt")
     scheduler.load_state_dict(trainer_state["scheduler"])
+    if trainer_state.get("loss_scale"):  # float16's (a checkpoint older than it restarts at the initial scale)
+        scaler.load_state_dict(trainer_state["loss_scale"])
     if os.path.exists(os.path.join(path, f"rollouts_rank{dist.rank}.pt")):  # absent on more ranks, or in older ones
         trainer_state["this_rank"] = read_checkpoint_file(path, f"rollouts_rank{dist.rank}.pt")
     return trainer_state

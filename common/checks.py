@@ -127,7 +127,9 @@ def shared_flags(args) -> list[str]:
             from common.adapters import OUTPUT_LAYER_ADAPTER
 
             problems += [f"--lora-target-modules lm_head: {OUTPUT_LAYER_ADAPTER}"]
-    if not v.get("resume"):  # a resumed run's values are compared with its own instead (check_resume)
+    # a run resumed by path compares these values with its own instead (check_resume); --resume auto may start a
+    # new run, and finds a run made with such a flag without it too (resume_differences passes over inert flags)
+    if v.get("resume") in (None, "", "auto"):
         problems += [f"--{n.replace('_', '-')} {why}" for n, why in inert_flags(v).items() if v[n] != defaults[n]]
     return problems
 

@@ -69,6 +69,8 @@ SHARED_CASES = [
     ({"lora_alpha": 64.0}, "--lora-alpha applies with --lora-rank > 0 only"),
     # flags the run would silently ignore (issue 44): each is refused with when it applies
     ({"max_sampling_rounds": 4}, "--max-sampling-rounds applies with --dynamic-sampling only"),
+    # --resume auto may start a new run: refused there too (a run it would find is matched without such a flag)
+    ({"resume": "auto", "lora_alpha": 64.0}, "--lora-alpha applies with --lora-rank > 0 only"),
     # was a ValueError from common.engines once the model had loaded
     ({"rollout_engine": "vllm", "engine_dtype": "fp8"}, "--engine-dtype must be auto, float32, bfloat16 or float16"),
     ({"eval_every": 0, "eval_k": 8}, "--eval-k applies with --eval-every > 0 only"),

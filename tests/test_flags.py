@@ -63,20 +63,62 @@ def test_checkpoints_are_due_every_save_every_steps_and_at_the_end():
     assert [step for step in range(1, 8) if flags.Checkpoints(save_every=0).due(step, 7)] == [7]
 
 
-@pytest.mark.parametrize("keep, kept", [(2, [3, 4]), (0, [1, 2, 3, 4])])
-def test_save_checkpoint_keeps_the_newest_keep_checkpoints(tmp_path, keep, kept):
+def _checkpointed_training(tmp_path, keep=0, dtype=None):
+    """What save_checkpoint and load_checkpoint are given: a one-layer model, its optimizer, scheduler and loss
+    scale (float16's with `dtype` torch.float16)."""
     import torch
-    from helpers import one_process
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from common.checkpoint import save_checkpoint
 
     shape = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
     model = LlamaForCausalLM(LlamaConfig(vocab_size=16, num_key_value_heads=2, **shape))
     optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.tensor([[1, 2]])).logits.sum().backward()
+    optimizer.step()  # an optimizer with a state to save
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
     tokenizer = types.SimpleNamespace(save_pretrained=lambda folder: None)  # the weights are what is pruned
-    checkpoints = flags.Checkpoints(keep_checkpoints=keep)
-    for step in range(1, 5):
-        save_checkpoint(tmp_path, step, model, tokenizer, optimizer, scheduler, {}, one_process(), checkpoints)
+    return model, tokenizer, optimizer, scheduler, scaler, flags.Checkpoints(keep_checkpoints=keep)
+
+
+@pytest.mark.parametrize(
+    "keep, saved, kept",
+    [
+        (2, [1, 2, 3, 4], [3, 4]),
+        (0, [1, 2, 3, 4], [1, 2, 3, 4]),
+        # resumed from step 4 of a run that reached 8: the steps after 4 are rewritten, their checkpoints go
+        (1, [2, 4, 6, 8, 5], [5]),
+        (3, [2, 4, 6, 8, 5], [4, 5]),
+        (0, [2, 4, 6, 8, 5], [2, 4, 5]),
+    ],
+)
+def test_save_checkpoint_keeps_the_newest_keep_checkpoints_of_the_steps_it_continues(tmp_path, keep, saved, kept):
+    from helpers import one_process
+
+    from common.checkpoint import save_checkpoint
+
+    model, tokenizer, optimizer, scheduler, scaler, checkpoints = _checkpointed_training(tmp_path, keep)
+    for step in saved:
+        save_checkpoint(tmp_path, step, model, tokenizer, optimizer, scheduler, scaler, {}, one_process(), checkpoints)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == [f"step_{step:08d}" for step in kept]
+
+
+def test_a_checkpoint_keeps_float16s_loss_scale(tmp_path):
+    """--dtype float16: the loss scale a run lowered after overflows is resumed, not the initial 2^16 (which would
+    skip the resumed run's steps again)."""
+    import torch
+    from helpers import one_process
+
+    from common.checkpoint import load_checkpoint, save_checkpoint
+
+    model, tokenizer, optimizer, scheduler, scaler, checkpoints = _checkpointed_training(tmp_path, dtype=torch.float16)
+    scaler.scale(torch.ones(()))  # the scale exists from the first scaled loss
+    for _ in range(3):  # three overflows: 2^16 halved three times
+        scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {"cpu": torch.ones(())}
+        scaler.update()
+    assert scaler.get_scale() == 2.0**13
+    save_checkpoint(tmp_path, 3, model, tokenizer, optimizer, scheduler, scaler, {}, one_process(), checkpoints)
+    model, _, optimizer, scheduler, resumed, _ = _checkpointed_training(tmp_path, dtype=torch.float16)
+    load_checkpoint(
+        str(tmp_path / "checkpoints" / "step_00000003"), model, optimizer, scheduler, resumed, one_process()
+    )
+    assert resumed.get_scale() == 2.0**13

@@ -277,6 +277,7 @@ def test_a_second_ctrl_c_waits_for_the_checkpoint_being_written(tiny, tmp_path, 
     model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
     rng_state = checkpoint.rng_state
 
     def two_ctrl_c_mid_write():  # called inside the write, after the weights
@@ -289,7 +290,7 @@ def test_a_second_ctrl_c_waits_for_the_checkpoint_being_written(tiny, tmp_path, 
     try:
         with pytest.raises(SystemExit) as exit:
             checkpoint.save_checkpoint(
-                str(tmp_path), 3, model, tokenizer, optimizer, scheduler, {}, one_process(), Checkpoints()
+                str(tmp_path), 3, model, tokenizer, optimizer, scheduler, scaler, {}, one_process(), Checkpoints()
             )
         assert exit.value.code == 130 and stop.received == signal.SIGINT
         assert os.listdir(tmp_path / "checkpoints") == ["step_00000003"]
