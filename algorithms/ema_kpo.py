@@ -270,9 +270,13 @@ def clipped_surrogate_loss(ratio, advantages, clip_low, clip_high):
 
 def compute_advantages(rewards, scale=True, eps=1e-4):
     """rewards [prompts, G] -> advantages [prompts, G]: centred per group, optionally divided by
-    the group's std, the unbiased one (n − 1) as in TRL and verl (DeepSeekMath does not say)."""
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale else centred
+    the group's std, the unbiased one (n − 1) as in TRL and verl (DeepSeekMath does not say).
+    In float64, where the mean of equal float32 rewards is exactly theirs (float32's mean of
+    eight 0.8s is not 0.8): a group whose rewards are all equal gets advantages of exactly 0."""
+    rewards64 = rewards.double()
+    centred = rewards64 - rewards64.mean(dim=1, keepdim=True)
+    advantages = centred / (rewards64.std(dim=1, keepdim=True) + eps) if scale else centred
+    return advantages.to(rewards.dtype)
 
 
 def aggregate(token_losses, mask, mode, totals):

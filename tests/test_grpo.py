@@ -1,11 +1,12 @@
 """grpo.py: the math against hand-computed values and brute force, then the script end to end."""
 
 import copy
+import importlib
 import os
 
 import pytest
 import torch
-from helpers import one_process, only_run_dir, precision, read_jsonl, run_script, two_group_rollouts
+from helpers import ALGORITHMS, one_process, only_run_dir, precision, read_jsonl, run_script, two_group_rollouts
 
 from algorithms import grpo
 from common import flags
@@ -32,11 +33,15 @@ def test_group_normalized_advantages_by_hand():
     )
 
 
-def test_equal_rewards_give_zero_advantage():
-    for value in (0.0, 1.0):
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_equal_rewards_give_zero_advantage(name):
+    """Also fractional ones (DAPO's overlong penalty, a task file's scores): float32's mean of eight 0.8s is not
+    0.8, and its std 6e-8 would turn the rounding into advantages of 6e-4."""
+    algorithm = importlib.import_module(f"algorithms.{name}")
+    for value in (0.0, 1.0, 0.8, -0.6, 1 / 3):
         rewards = torch.full((3, 8), value)
-        assert torch.equal(grpo.compute_advantages(rewards), torch.zeros(3, 8))
-        assert torch.equal(grpo.compute_advantages(rewards, scale=False), torch.zeros(3, 8))
+        assert torch.equal(algorithm.compute_advantages(rewards), torch.zeros(3, 8)), value
+        assert torch.equal(algorithm.compute_advantages(rewards, scale=False), torch.zeros(3, 8)), value
 
 
 # --- clipped surrogate ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from distributed_rollouts import ScriptedEngine, scripted_step
 from helpers import one_process, only_run_dir, read_jsonl, run_script, torchrun
 
-from common.rollouts import extra_round_indices
+from common.rollouts import extra_round_indices, record_rollouts
 from common.scoring import overlong_penalty
 from common.tasks import sample_batch
 from common.tracking import StepMetrics
@@ -54,6 +54,22 @@ def test_dynamic_sampling_replaces_all_equal_groups_until_the_batch_is_full():
     assert logged["sampling/rollouts"] == G * generated_groups
     assert logged["sampling/groups_discarded"] == generated_groups - LOCAL
     assert logged["sampling/groups_short"] == 0
+
+
+def test_a_group_of_equal_fractional_rewards_is_set_aside_and_counted_as_all_equal():
+    """--overlong-buffer 5: eight wrong completions of 6 tokens each score −0.6 each, a std of 6e-8 in float32, not
+    0. Dynamic sampling sets such groups aside as it does groups of 0s, and charts/zero_std_group_fraction counts
+    them."""
+    engine = ScriptedEngine(lambda call, prompt: call > 0 and prompt % 2 == 0, length=lambda call, prompt, j: 6)
+    options = dict(prompts_per_step=LOCAL, group_size=8, overlong_buffer=5)
+    metrics = StepMetrics()
+    groups = scripted_step(engine, ONE_PROCESS, STEP, metrics, dynamic_sampling=True, **options)
+    assert len(engine.calls) > 1 and bool((groups.rewards.amax(dim=1) > groups.rewards.amin(dim=1)).all())
+    metrics, all_wrong = StepMetrics(), ScriptedEngine(lambda call, prompt: False, engine.length)
+    round_0 = scripted_step(all_wrong, ONE_PROCESS, STEP, metrics, **{**options, "prompts_per_step": 1})
+    assert bool((round_0.rewards == -0.6).all())
+    record_rollouts(metrics, round_0)
+    assert metrics.reduce()["charts/zero_std_group_fraction"] == 1
 
 
 def test_an_extra_round_asks_for_the_missing_groups_over_the_informative_share():
