@@ -244,16 +244,16 @@ class HFEngine:
         logprobs = torch.stack(recorder.sampled_logprobs, dim=1)
         # the routing of every fed position [rows, width + steps − 1, L, k]: the prefill, then one per decoding step
         routing = self.routing.take(rows)[0].cpu() if self.routing else [None] * len(new_tokens)
-        masks = [None] * len(new_tokens)
+        if greedy and n > 1:  # greedy decoding is deterministic: n copies of one completion
+            new_tokens, logprobs = new_tokens.repeat_interleave(n, dim=0), logprobs.repeat_interleave(n, dim=0)
+            routing = routing.repeat_interleave(n, dim=0) if self.routing else [None] * len(new_tokens)
+        masks = [None] * len(new_tokens)  # greedy truncates nothing
         if (
             recorder.kept and sampling_mask
         ):  # [rows, steps, K] kept ids of every step, padded with −1 to the widest step's K
             widest = max(step.shape[1] for step in recorder.kept)
             steps = [torch.nn.functional.pad(step, (0, widest - step.shape[1]), value=-1) for step in recorder.kept]
             masks = torch.stack(steps, dim=1).cpu()
-        if greedy and n > 1:  # greedy decoding is deterministic: n copies of one completion
-            new_tokens, logprobs = new_tokens.repeat_interleave(n, dim=0), logprobs.repeat_interleave(n, dim=0)
-            routing = routing.repeat_interleave(n, dim=0) if self.routing else [None] * len(new_tokens)
         paddings = [width - len(p) for p in prompt_ids for _ in range(n)]  # completions of prompt i: [iG, (i+1)G)
         row_budgets = [budget for budget in budgets for _ in range(n)]
         completions = zip(new_tokens.tolist(), logprobs.tolist(), routing, paddings, masks, row_budgets)
@@ -476,7 +476,7 @@ class VLLMEngine:
             top_k=top_k,
             logprobs=top_k if masked else 0,
             ignore_eos=ignore_eos,
-            stop_token_ids=self.stop_token_ids,
+            stop_token_ids=[] if ignore_eos else self.stop_token_ids,  # vLLM stops at these whatever ignore_eos says
             stop=list(stop) or None,
             include_stop_str_in_output=True,  # the call's closing marker belongs to the policy's tokens
             # stop strings are matched on the decoded text: keep special tokens in it, so that a marker which is a

@@ -92,13 +92,19 @@ def output_layer_scores(
             returned[:] = [result]
             return result
 
-        head.forward = scores  # an instance attribute: nn.Module.__call__ finds it before the class's forward
+        # an instance attribute: nn.Module.__call__ finds it before the class's forward. One may be there already
+        # (an engine sharing these modules computes its product in float32, --fp32-lm-head): it is put back after
+        engines_forward = head.__dict__.get("forward")
+        head.forward = scores
         check = model.register_forward_hook(unchanged)
         try:
             yield
         finally:
             check.remove()
-            del head.forward
+            if engines_forward is None:
+                del head.forward
+            else:
+                head.forward = engines_forward
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -87,6 +87,7 @@ def test_greedy_is_the_argmax(tiny):
     model, tokenizer = tiny
     prompts = _prompt_ids(tokenizer)
     completions = HFEngine(model, tokenizer).generate(prompts, n=2, max_new_tokens=5, temperature=0.0)
+    assert len(completions) == 2 * len(prompts)  # completions of prompt i at [2i, 2i + 2)
     for index, completion in enumerate(completions):
         assert completion.token_ids == completions[index // 2 * 2].token_ids  # n copies of one decode
         ids = prompts[index // 2]
@@ -129,6 +130,25 @@ def test_a_bfloat16_engine_with_a_float32_output_layer(tiny):
             assert not torch.equal(head(hidden), expected)
         torch.manual_seed(0)
         assert all(lp <= 0 for lp in engine.generate(_prompt_ids(tokenizer)[:1], 2, 4, 1.0)[0].logprobs)
+
+
+def test_a_shared_engines_float32_output_layer_outlives_the_trainers_scoring(tiny):
+    """--fp32-lm-head beside a bf16 trainer whose modules the engine shares (a LoRA run's frozen bf16 base on one
+    rank): the trainer's chunked log-probs replace the output layer's forward for their pass only, then give the
+    engine's float32 product back (it was deleted once: every rollout after the first step was bf16's)."""
+    import copy
+
+    from common.logprobs import output_layer_scores
+
+    model, tokenizer = tiny
+    trainer = copy.deepcopy(model).to(torch.bfloat16)
+    engine = HFEngine(trainer, tokenizer, share_weights=True, float32_head=True)
+    head, hidden = trainer.get_output_embeddings(), torch.randn(3, 5, model.config.hidden_size).to(torch.bfloat16)
+    assert engine.shares_trainer_weights and head(hidden).dtype == torch.float32
+    with output_layer_scores(trainer, torch.zeros(3, 4, dtype=torch.long), 1.0):
+        assert head(hidden).shape == (3, 5, 2)  # the trainer's [log-prob, entropy] pairs
+    assert head(hidden).dtype == torch.float32
+    assert torch.equal(head(hidden), torch.nn.functional.linear(hidden.float(), head.weight.float()))
 
 
 def test_shared_engine_costs_nothing_to_sync(tiny):

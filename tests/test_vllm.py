@@ -252,6 +252,13 @@ def test_each_prompt_has_its_own_budget_in_vllm(tiny, engines, tiny_dir):
     completions = engine.generate([long, short], 2, [3, 20], 1.0, ignore_eos=True)
     assert [len(c.token_ids) for c in completions] == [3, 3, 20, 20]
     assert [c.finish_reason for c in completions] == ["length"] * 4
+    # a chat model's end of turn (here every token is one) does not stop a call that ignores EOS either
+    chat_stops, engine.stop_token_ids = engine.stop_token_ids, list(range(len(tokenizer)))
+    try:
+        assert [len(c.token_ids) for c in engine.generate([short], 2, 20, 1.0, ignore_eos=True)] == [20, 20]
+        assert [len(c.token_ids) for c in engine.generate([short], 2, 20, 1.0)] == [1, 1]  # it stops one that doesn't
+    finally:
+        engine.stop_token_ids = chat_stops
     with pytest.raises(ValueError, match="a prompt of 61 tokens \\+ 4 new tokens exceeds"):
         engine.generate([long, short], 1, [4, 20], 1.0)
 
