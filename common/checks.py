@@ -99,9 +99,9 @@ def shared_flags(args) -> list[str]:
         problems += require(0 <= v["weight_decay"] < INFINITY, "--weight-decay", ">= 0 and finite")
     if has("max_grad_norm"):
         problems += require(0 < v["max_grad_norm"] < INFINITY, "--max-grad-norm", "> 0 and finite (1e9: no clipping)")
-    if has("num_minibatches", "prompts_per_step", "group_size"):
-        rollouts = v["prompts_per_step"] * v["group_size"]
-        rule = f"in [1, {rollouts}] (the rollouts)"
+    if has("num_minibatches", "prompts_per_step", "group_size"):  # each rank splits its own rollouts
+        rollouts = max(1, v["prompts_per_step"] // world_size()) * v["group_size"]
+        rule = f"in [1, {rollouts}] (the rollouts of a rank)"
         problems += require(1 <= v["num_minibatches"] <= rollouts, "--num-minibatches", rule)
     if has("micro_batch_size"):
         problems += require(v["micro_batch_size"] >= 1, "--micro-batch-size", ">= 1")

@@ -224,8 +224,8 @@ class GradientRecorder(torch.optim.Optimizer):
 
 @pytest.mark.parametrize(
     "num_minibatches, update_epochs, ratio_level, kl_coef",
-    [(1, 1, "token", 0.0), (1, 2, "token", 0.1), (2, 1, "sequence", 0.0)],
-    ids=["one-update", "two-epochs-kl", "two-minibatches-gspo"],
+    [(1, 1, "token", 0.0), (1, 2, "token", 0.1), (2, 1, "sequence", 0.0), (5, 1, "token", 0.0)],
+    ids=["one-update", "two-epochs-kl", "two-minibatches-gspo", "five-minibatches-of-8-rows"],
 )
 def test_update_policy_gradient_matches_brute_force(
     tiny, monkeypatch, num_minibatches, update_epochs, ratio_level, kl_coef
@@ -264,7 +264,8 @@ def test_update_policy_gradient_matches_brute_force(
     grpo.update_policy(model, reference_model, optimizer, scheduler, batch, args, ONE_PROCESS, precision(), metrics)
     logged = metrics.reduce()
     torch.manual_seed(0)  # the minibatches, as update_policy draws them
-    minibatches = [m.tolist() for _ in range(update_epochs) for m in torch.randperm(8).chunk(num_minibatches)]
+    minibatches = [m.tolist() for _ in range(update_epochs) for m in torch.randperm(8).tensor_split(num_minibatches)]
+    assert len(minibatches) == num_minibatches * update_epochs  # 8 rows in 5: 2, 2, 2, 1, 1
 
     with torch.no_grad():
         current, _ = batch_logprobs(model, batch, args, NO_AUTOCAST)
@@ -296,8 +297,9 @@ def test_update_policy_gradient_matches_brute_force(
         model.zero_grad()
         (-objective).backward(retain_graph=True)
         for (name, parameter), gradient in zip(model.named_parameters(), gradients):
-            # float32 sums in other orders: about 1e-6 of the norm; a wrong π_old, ratio or KL: 1e-2 and more
-            assert (gradient - parameter.grad).norm() <= 1e-5 * parameter.grad.norm(), name
+            # float32 sums in other orders: about 1e-6 of the norm (5e-5 for a minibatch of one row, whose gradient
+            # is small); a wrong π_old, ratio or KL: 1e-2 and more
+            assert (gradient - parameter.grad).norm() <= 1e-4 * parameter.grad.norm(), name
     # the statistics, over every token of every update (each sees π_start here)
     seen = {key: torch.cat(values) for key, values in seen.items()}
     assert 0 < seen["clipped"].mean() < 1 or num_minibatches * update_epochs == 1  # both branches of the min
