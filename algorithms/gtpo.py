@@ -536,12 +536,12 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, me
             optimizer.zero_grad(set_to_none=True)
             metrics.mean("losses/policy_loss", minibatch_loss, 1)  # the same numbers on every rank
             metrics.mean("losses/grad_norm", grad_norm, 1)
-    entropy_i = batch["completion_entropy"]
+    entropy_i, trained = batch["completion_entropy"], batch["response_mask"].any(1)
     delta = entropy_filter(entropy_i, initial_entropy, args.entropy_filter, args.entropy_threshold)
-    # ⟨H⟩_i, δ_i's test
-    metrics.mean("charts/completion_entropy", entropy_i.sum(), len(delta))
+    # ⟨H⟩_i, δ_i's test, of the completions that train (not a row --mask-truncated or a filler group leaves empty)
+    metrics.mean("charts/completion_entropy", (entropy_i * trained).sum(), trained.sum())
     # completions with δ_i = 0
-    metrics.mean("charts/filtered_fraction", (delta == 0).sum(), len(delta))
+    metrics.mean("charts/filtered_fraction", ((delta == 0) & trained).sum(), trained.sum())
     # ⟨H⟩_ini (auto: δ_i acts iff it is < threshold)
     metrics.set("charts/entropy_ini", initial_entropy)
     return skipped

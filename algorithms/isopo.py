@@ -327,7 +327,10 @@ class TrailingMeans:
             else None
         )
         for i, key in enumerate(keys):
-            mean = totals[f"sum{i}"] / totals[f"count{i}"] if dist else sums[i] / len(values[i])
+            count = totals[f"count{i}"] if dist else len(values[i])
+            if not count:  # no row of the minibatch trained (rows left empty): nothing to average
+                continue
+            mean = (totals[f"sum{i}"] if dist else sums[i]) / count
             self.ema[key] = mean if key not in self.ema else self.decay * self.ema[key] + (1 - self.decay) * mean
         self.pending = {}
 
@@ -419,11 +422,14 @@ class IsopoGradients:
             del module.forward
 
     @contextlib.contextmanager
-    def capture(
-        self, attention_mask, weights
-    ):  # arm the forwards for one micro-batch: [B, T] non-pad mask, [B] weights
-        valid, weights = attention_mask.bool(), weights.detach()
-        self.micro = {"valid": valid, "weights": weights, "ran": set(), "backward": False}
+    def capture(self, attention_mask, weights, trains=None):
+        """Arm the forwards for one micro-batch: [B, T] non-pad mask, [B] weights, [B] whether a row has a token
+        that trains (None: all do). A row without one (--mask-truncated, a filler group of dynamic sampling) has
+        v_i = 0: it is left out of the statistics and of E[·]."""
+        valid = attention_mask.bool()
+        trains = torch.ones(len(valid), dtype=torch.bool, device=valid.device) if trains is None else trains.bool()
+        weights = weights.detach() * trains
+        self.micro = {"valid": valid, "weights": weights, "trains": trains, "ran": set(), "backward": False}
         try:
             yield
         finally:
@@ -512,21 +518,23 @@ class IsopoGradients:
             for rows in (slice(0, len(g) - len(g) % size), slice(len(g) - len(g) % size, len(g))):
                 if rows.stop > rows.start:
                     blocks = partial(split_blocks, rows=rows, size=min(size, rows.stop - rows.start))
+                    trains = blocks(micro["trains"])
                     if self.args.variant == "non-interacting":
-                        coefficients.append(
-                            blocks(weights) * self._scales(name, group, blocks(g), blocks(a), blocks(valid))
-                        )
+                        scales = self._scales(name, group, blocks(g), blocks(a), blocks(valid), trains)
+                        coefficients.append(blocks(weights) * scales)
                     else:
-                        coefficients.append(self._precondition(name, group, blocks(g), blocks(a), blocks(weights)))
+                        coefficients.append(
+                            self._precondition(name, group, blocks(g), blocks(a), blocks(weights), trains)
+                        )
             grad_weight = weighted_gradient(g, a, torch.cat([c.flatten() for c in coefficients]))
             # a bias is not a Linear weight: the REINFORCE gradient Σ_t (−A_i/M) g_t
             grad_bias = torch.einsum("bto,b->o", g, weights) if module.bias is not None else None
         return grad_weight, grad_bias
 
     # non-interacting: Fig. 3's s_i from Eq. 6 (and ‖v_i‖ for q, r)
-    def _scales(self, name, group, g, a, valid):
+    def _scales(self, name, group, g, a, valid, trains):
         args = self.args
-        rows = overlap_rows(valid, args.n_overlap)
+        rows = overlap_rows(valid & trains[..., None], args.n_overlap)  # token rows of the rows that train
         quantities = {"fisher": fisher_norms(g, a, rows, valid)}  # [blocks, b]
         if args.q or args.r:
             euclid = sequence_norms(g.flatten(0, 1), a.flatten(0, 1)).view_as(quantities["fisher"])
@@ -534,19 +542,20 @@ class IsopoGradients:
         expectations = {}
         for key, x in quantities.items():
             # None before any minibatch has finished: the block's own mean
-            trailing = self.stats.get((name, key))
-            expectations[key] = x.square().mean(1, keepdim=True) if trailing is None else trailing
-            self.stats.add((name, key), x.square())
+            trailing, squares = self.stats.get((name, key)), x.square()
+            own = (squares * trains).sum(1, keepdim=True) / trains.sum(1, keepdim=True).clamp(min=1)
+            expectations[key] = own if trailing is None else trailing
+            self.stats.add((name, key), squares[trains])
             # isopo/<group>/fisher_norm, euclid_norm, rel_fisher_norm: mean ‖v_i‖_F
             # (Eq. 6), ‖v_i‖, ‖v_i‖_F/‖v_i‖
             metric = {"fisher": "fisher_norm", "euclid": "euclid_norm", "rel": "rel_fisher_norm"}[key]
-            self._log(group, metric, x)
+            self._log(group, metric, x[trains])
             # λ·E[x²], added under reg2's root
             self._log(group, f"reg_{key}", args.reg_coef * expectations[key])
         scales = sequence_scales(quantities, args.p, args.q, args.r, args.reg_coef, expectations, args.reg_form)
         # scale_mean, scale_min, scale_max: of the sequence scales s_i (Fig. 3)
         for how in ("mean", "min", "max"):
-            self._log(group, f"scale_{how}", scales, how=how)
+            self._log(group, f"scale_{how}", scales[trains], how=how)
         for i in range(len(rows)) if self.trace is not None else ():  # one entry per block
             pick = partial(block_entry, block=i)
             self.trace.append(
@@ -561,15 +570,16 @@ class IsopoGradients:
         return scales
 
     # interacting: (K + cI)⁻¹ A (Alg. 6, Fig. 7)
-    def _precondition(self, name, group, g, a, weights):
+    def _precondition(self, name, group, g, a, weights, trains):
         K = ntk(g, a)  # [blocks, b, b]
         diagonal, trailing = K.diagonal(dim1=1, dim2=2), self.stats.get((name, "ntk_eig"))
-        # mean eig = trace/b
-        c = self.args.ntk_reg_coef * (diagonal.mean(1) if trailing is None else trailing)
-        self.stats.add((name, "ntk_eig"), diagonal)
+        # mean eig = trace/b, over the rows that train (a row that does not has K_ii = 0)
+        own = (diagonal * trains).sum(1) / trains.sum(1).clamp(min=1)
+        c = self.args.ntk_reg_coef * (own if trailing is None else trailing)
+        self.stats.add((name, "ntk_eig"), diagonal[trains])
         preconditioned, eigenvalues = preconditioned_weights(K, weights, c, self.args.ntk_scale, eigenvalues=True)
         # mean and largest eigenvalue of the blocks' NTK K
-        self._log(group, "ntk_eig_mean", diagonal)
+        self._log(group, "ntk_eig_mean", diagonal[trains])
         self._log(group, "ntk_eig_max", eigenvalues, how="max")
         self._log(group, "ntk_reg", c)  # c = --ntk-reg-coef × E[mean eig K]
         # ‖c (K + cI)⁻¹ A‖ / ‖A‖ per block: 1 = vanilla policy gradient, → 0 = damped; NaN
@@ -603,7 +613,7 @@ def isopo_backward(
     # ∂L/∂log π(o_i|q_i), L = −(1/M) Σ_i A_i log π(o_i|q_i)
     weights = -micro["advantages"] / minibatch_sequences
     # FSDP2 averages over ranks: × N undoes it
-    with isopo.capture(micro["attention_mask"], weights * world_size):
+    with isopo.capture(micro["attention_mask"], weights * world_size, micro["response_mask"].any(1)):
         with autocast:
             logprobs, entropy = token_logprobs(policy, micro, temperature, with_entropy=True)
         sequence_logprobs = (logprobs * micro["response_mask"]).sum(1)

@@ -590,7 +590,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     # completion 0 (no gradient)
                     metrics.mean("correction/masked_token_fraction", masked.sum(), tokens)
                     metrics.mean("correction/capped_token_fraction", capped.sum(), tokens)
-                    metrics.mean("correction/dropped_sequence_fraction", (weights.sum(1) == 0).sum(), len(weights))
+                    # of the completions that train (not a row --mask-truncated or a filler group leaves empty)
+                    trained = valid.any(1)
+                    dropped = (weights.sum(1) == 0) & trained
+                    metrics.mean("correction/dropped_sequence_fraction", dropped.sum(), trained.sum())
                     metrics.mean("correction/weight_mean", weights.sum(), tokens)
                     for key, value in zip(weight_sums, (weights.sum(), (weights**2).sum(), tokens)):
                         weight_sums[key] += value.item()

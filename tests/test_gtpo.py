@@ -422,6 +422,25 @@ def test_update_matches_eq7_by_brute_force(tiny, combine):
         torch.testing.assert_close(step[name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_completions_that_do_not_train_are_not_in_the_entropy_statistics(tiny):
+    """A row with no token to train (--mask-truncated, dynamic sampling's filler groups) has ⟨H⟩_i = 0 by the
+    masked mean: it is left out of charts/completion_entropy and charts/filtered_fraction (it lowered the one and
+    counted as kept in the other)."""
+    _, tokenizer = tiny
+    prompts, completions, rewards = _rollouts(tokenizer)
+    batch = gtpo.make_batch(
+        prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"), [True] * 4 + [False] * 4
+    )
+    batch["advantages"] = gtpo.compute_advantages(rewards).flatten()
+    entropy = _brute_force_entropy(_copy(tiny), prompts, completions)[0][:4]
+    threshold = entropy.sort().values[1:3].mean().item()  # two of the four that train filtered
+    args = flags.make(gtpo.Args, group_size=4, micro_batch_size=3, max_grad_norm=1e9, entropy_filter="on")
+    args.entropy_threshold = threshold
+    logged = _update(_copy(tiny), batch, args, initial_entropy=2 * threshold)[0].reduce()
+    assert logged["charts/completion_entropy"] == pytest.approx(entropy.mean().item(), rel=1e-5)
+    assert logged["charts/filtered_fraction"] == 2 / 4
+
+
 def test_authors_configuration_matches_their_loss_by_brute_force(tiny):
     """--no-scale-advantages --mask-combine product --divide-by-conflict-count --entropy-filter on (the authors'
     code) against their loss written out per sequence: λ^fw·λ^bw from the spans of §5.1's definition, divided by

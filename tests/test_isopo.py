@@ -783,6 +783,36 @@ def _recorded(isopo_gradients):
     return metrics.reduce()
 
 
+@pytest.mark.parametrize("variant", ["non-interacting", "interacting"])
+def test_rows_that_do_not_train_change_neither_the_update_nor_the_statistics(float64_logprobs, variant):
+    """Rows without a token to train (--mask-truncated, dynamic sampling's filler groups) have v_i = 0: beside them
+    a block updates, logs and averages E[·] exactly as the rows that train would alone (every token row a probe).
+    They entered the statistics once: s_i = 1/‖0‖ = 1e12 in scale_max, and zeros in E[x²] and in c's mean K_ii."""
+    args = make_args(variant=variant, p=-1.0, reg_coef=0.5, n_overlap=1000)
+    completions = [Completion(r, [-1.0] * len(r), "stop") for r in RESPONSES]
+    runs = {}
+    for rows in (6, 9):  # the first two groups alone, or beside a third that does not train
+        batch = isopo.make_batch(
+            PROMPTS[: rows // GROUP], completions[:rows], GROUP, 0, torch.device("cpu"), [True] * 6 + [False] * 3
+        )
+        batch["advantages"] = ADVANTAGES[:rows].clone()
+        model = tiny_lm(False)
+        isopo_gradients = isopo.IsopoGradients(model, dataclasses.replace(args, block_size=rows))
+        micro = next(isopo.micro_batches(batch, torch.arange(rows), rows, by_length=False))
+        isopo.isopo_backward(model, isopo_gradients, micro, 1.0, 6, NO_AUTOCAST)  # M = 6 sequences train
+        isopo_gradients.end_minibatch()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        runs[rows] = grads, _recorded(isopo_gradients), isopo_gradients.stats.ema
+    (alone, logged_alone, means_alone), (beside, logged_beside, means_beside) = runs[6], runs[9]
+    for name in alone:
+        torch.testing.assert_close(beside[name], alone[name], rtol=1e-9, atol=1e-12, msg=name)
+    assert logged_beside.keys() == logged_alone.keys() and means_beside.keys() == means_alone.keys()
+    for key in logged_alone:
+        assert logged_beside[key] == pytest.approx(logged_alone[key], rel=1e-9, abs=1e-12), key
+    for key in means_alone:
+        assert means_beside[key] == pytest.approx(means_alone[key], rel=1e-9), key
+
+
 def test_non_interacting_statistics_are_logged(float64_logprobs):
     """isopo/<layer>/...: the means over the step's sequences of ‖v_i‖_F (Eq. 6), ‖v_i‖ and their ratio, the mean
     over blocks of λ·E[x²], and the mean, minimum and maximum of s_i (Fig. 3), all from explicit V_i; record()

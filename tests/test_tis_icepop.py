@@ -10,6 +10,7 @@ import torch
 from helpers import (
     BASE_LOGGED,
     CLIP_LOGGED,
+    one_process,
     only_run_dir,
     precision,
     read_jsonl,
@@ -488,6 +489,26 @@ def test_r3_update_routes_every_token_as_the_engine_did():
     for name, parameter in brute.named_parameters():
         torch.testing.assert_close(moved[name], parameter.grad, rtol=1e-4, atol=1e-7, msg=name)
     assert moved["model.layers.1.mlp.gate.weight"].abs().max() > 0  # the router trains at the replayed experts
+
+
+@pytest.mark.parametrize("correction", ["none", "tis"])
+def test_a_completion_that_does_not_train_is_not_a_dropped_one(tiny, correction):
+    """A row with no token to train (--mask-truncated, a filler group of dynamic sampling) is left out of
+    correction/dropped_sequence_fraction: it was counted as dropped, under --correction none too."""
+    model, tokenizer = tiny
+    policy = type(model)(model.config)
+    policy.load_state_dict(model.state_dict())
+    prompts, completions = two_group_rollouts(tokenizer)
+    batch = tim.make_batch(
+        prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"), [True] * 4 + [False] * 4
+    )
+    batch["advantages"] = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.3, -0.9, 0.4])
+    args = flags.make(tim.Args, correction=correction, micro_batch_size=3)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    metrics = StepMetrics()
+    tim.update_policy(policy, None, optimizer, scheduler, batch, args, one_process(), precision(), metrics)
+    assert metrics.means["correction/dropped_sequence_fraction"] == [0, 4]
 
 
 @pytest.mark.parametrize("replay", ["r2", "r3"])
