@@ -42,7 +42,8 @@ def evaluate(
     dist=None,
 ) -> dict[str, float]:
     """Greedy accuracy, avg@k (mean accuracy of k samples) and pass@k over `rows`. With `dist` (several
-    ranks), each rank scores every world_size-th row and the means are combined over ranks."""
+    ranks), each rank scores every world_size-th row and the means are combined over ranks (a rank left without a
+    row, fewer held-out rows than ranks, gives zeros weighted by its 0 rows)."""
     if dist is not None and dist.world_size > 1:
         from common.fsdp import all_reduce, all_reduce_dict
 
@@ -51,18 +52,24 @@ def evaluate(
         weighted = all_reduce_dict({key: value * len(local_rows) for key, value in local.items()}, dist)
         return {key: value / all_reduce(len(local_rows), dist) for key, value in weighted.items()}
     prompts = [encode_prompt(row.question, tokenizer, task, use_chat_template) for row in rows]
+    count = max(1, len(rows))  # no rows: zeros
 
-    greedy = score_completions(engine.generate(prompts, 1, max_new_tokens, 0.0), rows, 1, tokenizer, task)
+    def scored(n, temperature):  # n completions of each row, scored (a rank without rows generates nothing)
+        if not rows:
+            return []
+        return score_completions(engine.generate(prompts, n, max_new_tokens, temperature), rows, n, tokenizer, task)
+
+    greedy = scored(1, 0.0)
     metrics = {
-        "eval/greedy_accuracy": sum(s.correct for s in greedy) / len(rows),
-        "eval/greedy_no_answer_rate": sum(not s.found for s in greedy) / len(rows),
+        "eval/greedy_accuracy": sum(s.correct for s in greedy) / count,
+        "eval/greedy_no_answer_rate": sum(not s.found for s in greedy) / count,
     }
     if k > 0:
-        sampled = score_completions(engine.generate(prompts, k, max_new_tokens, temperature), rows, k, tokenizer, task)
+        sampled = scored(k, temperature)
         correct_per_prompt = [sum(s.correct for s in sampled[i * k : (i + 1) * k]) for i in range(len(rows))]
-        metrics[f"eval/avg@{k}"] = sum(correct_per_prompt) / (k * len(rows))
+        metrics[f"eval/avg@{k}"] = sum(correct_per_prompt) / (k * count)
         for j in sorted({2**i for i in range(k.bit_length()) if 2**i <= k} | {k}):
-            metrics[f"eval/pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct_per_prompt) / len(rows)
+            metrics[f"eval/pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct_per_prompt) / count
     return metrics
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from helpers import run_script
 
-from common.evaluate import pass_at_k
+from common.evaluate import evaluate, pass_at_k
 
 
 @pytest.mark.parametrize("n, c", [(4, 0), (4, 1), (5, 2), (6, 3), (8, 8)])
@@ -15,6 +15,14 @@ def test_pass_at_k_is_the_chance_a_random_k_subset_holds_a_correct_sample(n, c):
     for k in range(1, n + 1):
         subsets = list(itertools.combinations(samples, k))
         assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+
+
+def test_a_rank_left_without_held_out_rows_scores_zeros_under_every_key(tiny):
+    """Fewer held-out rows than ranks (--eval-prompts 4 on 8 GPUs): a rank with none divided by zero. Its zeros
+    count for nothing in the ranks' combined means (weighted by its 0 rows), and it has every key the all-reduce
+    expects."""
+    keys = ["eval/greedy_accuracy", "eval/greedy_no_answer_rate", "eval/avg@4", "eval/pass@1", "eval/pass@2"]
+    assert evaluate(None, tiny[1], [], "arith", 4, 8) == dict.fromkeys([*keys, "eval/pass@4"], 0.0)
 
 
 def test_evaluate_command_on_the_tiny_model():
