@@ -472,7 +472,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, me
     skipped = 0
     for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
-        # exactly --num-minibatches optimizer steps, minibatch sizes within one row (chunk gives fewer)
+        # exactly --num-minibatches steps, sizes within one row (chunk may make fewer)
         for minibatch in order.tensor_split(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
             # ranks, so each rank's share is scaled by the world size
@@ -538,7 +538,8 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, me
             metrics.mean("losses/grad_norm", grad_norm, 1)
     entropy_i, trained = batch["completion_entropy"], batch["response_mask"].any(1)
     delta = entropy_filter(entropy_i, initial_entropy, args.entropy_filter, args.entropy_threshold)
-    # ⟨H⟩_i, δ_i's test, of the completions that train (not a row --mask-truncated or a filler group leaves empty)
+    # ⟨H⟩_i, δ_i's test, of the completions that train (not a row that --mask-truncated or a
+    # filler group leaves empty)
     metrics.mean("charts/completion_entropy", (entropy_i * trained).sum(), trained.sum())
     # completions with δ_i = 0
     metrics.mean("charts/filtered_fraction", ((delta == 0) & trained).sum(), trained.sum())

@@ -422,14 +422,14 @@ class IsopoGradients:
             del module.forward
 
     @contextlib.contextmanager
-    def capture(self, attention_mask, weights, trains=None):
-        """Arm the forwards for one micro-batch: [B, T] non-pad mask, [B] weights, [B] whether a row has a token
-        that trains (None: all do). A row without one (--mask-truncated, a filler group of dynamic sampling) has
-        v_i = 0: it is left out of the statistics and of E[·]."""
+    def capture(self, attention_mask, weights, response_mask=None):
+        """Arm the forwards for one micro-batch: [B, T] non-pad mask, [B] weights, [B, T'] the
+        tokens that train (None: all). A row without one (--mask-truncated, a filler group) has
+        v_i = 0: it counts as padding, out of the statistics and of E[·]."""
         valid = attention_mask.bool()
-        trains = torch.ones(len(valid), dtype=torch.bool, device=valid.device) if trains is None else trains.bool()
-        weights = weights.detach() * trains
-        self.micro = {"valid": valid, "weights": weights, "trains": trains, "ran": set(), "backward": False}
+        valid = valid if response_mask is None else valid & response_mask.bool().any(1)[:, None]
+        weights = weights.detach() * valid.any(1)
+        self.micro = {"valid": valid, "weights": weights, "ran": set(), "backward": False}
         try:
             yield
         finally:
@@ -518,23 +518,21 @@ class IsopoGradients:
             for rows in (slice(0, len(g) - len(g) % size), slice(len(g) - len(g) % size, len(g))):
                 if rows.stop > rows.start:
                     blocks = partial(split_blocks, rows=rows, size=min(size, rows.stop - rows.start))
-                    trains = blocks(micro["trains"])
                     if self.args.variant == "non-interacting":
-                        scales = self._scales(name, group, blocks(g), blocks(a), blocks(valid), trains)
-                        coefficients.append(blocks(weights) * scales)
-                    else:
                         coefficients.append(
-                            self._precondition(name, group, blocks(g), blocks(a), blocks(weights), trains)
+                            blocks(weights) * self._scales(name, group, blocks(g), blocks(a), blocks(valid))
                         )
+                    else:
+                        coefficients.append(self._precondition(name, group, blocks(g), blocks(a), blocks(weights)))
             grad_weight = weighted_gradient(g, a, torch.cat([c.flatten() for c in coefficients]))
             # a bias is not a Linear weight: the REINFORCE gradient Σ_t (−A_i/M) g_t
             grad_bias = torch.einsum("bto,b->o", g, weights) if module.bias is not None else None
         return grad_weight, grad_bias
 
     # non-interacting: Fig. 3's s_i from Eq. 6 (and ‖v_i‖ for q, r)
-    def _scales(self, name, group, g, a, valid, trains):
-        args = self.args
-        rows = overlap_rows(valid & trains[..., None], args.n_overlap)  # token rows of the rows that train
+    def _scales(self, name, group, g, a, valid):
+        args, trains = self.args, valid.any(-1)  # [blocks, b]: a row that does not train is padding
+        rows = overlap_rows(valid, args.n_overlap)
         quantities = {"fisher": fisher_norms(g, a, rows, valid)}  # [blocks, b]
         if args.q or args.r:
             euclid = sequence_norms(g.flatten(0, 1), a.flatten(0, 1)).view_as(quantities["fisher"])
@@ -570,10 +568,11 @@ class IsopoGradients:
         return scales
 
     # interacting: (K + cI)⁻¹ A (Alg. 6, Fig. 7)
-    def _precondition(self, name, group, g, a, weights, trains):
+    def _precondition(self, name, group, g, a, weights):
         K = ntk(g, a)  # [blocks, b, b]
         diagonal, trailing = K.diagonal(dim1=1, dim2=2), self.stats.get((name, "ntk_eig"))
-        # mean eig = trace/b, over the rows that train (a row that does not has K_ii = 0)
+        # mean eig = trace/b, over rows that train (a row that does not: K_ii = 0)
+        trains = diagonal > 0
         own = (diagonal * trains).sum(1) / trains.sum(1).clamp(min=1)
         c = self.args.ntk_reg_coef * (own if trailing is None else trailing)
         self.stats.add((name, "ntk_eig"), diagonal[trains])
@@ -613,7 +612,7 @@ def isopo_backward(
     # ∂L/∂log π(o_i|q_i), L = −(1/M) Σ_i A_i log π(o_i|q_i)
     weights = -micro["advantages"] / minibatch_sequences
     # FSDP2 averages over ranks: × N undoes it
-    with isopo.capture(micro["attention_mask"], weights * world_size, micro["response_mask"].any(1)):
+    with isopo.capture(micro["attention_mask"], weights * world_size, micro["response_mask"]):
         with autocast:
             logprobs, entropy = token_logprobs(policy, micro, temperature, with_entropy=True)
         sequence_logprobs = (logprobs * micro["response_mask"]).sum(1)
@@ -807,7 +806,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
         groups = torch.randperm(len(every_row) // args.group_size, device=every_row.device)
         order = (groups[:, None] * args.group_size + torch.arange(args.group_size, device=groups.device)).flatten()
         # END ALGO LOGIC
-        # exactly --num-minibatches optimizer steps, minibatch sizes within one row (chunk gives fewer)
+        # exactly --num-minibatches steps, sizes within one row (chunk may make fewer)
         for minibatch in order.tensor_split(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
             # ranks, so each rank's share is scaled by the world size

@@ -425,7 +425,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
     ess_fallbacks = 0
     for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
-        # exactly --num-minibatches optimizer steps, minibatch sizes within one row (chunk gives fewer)
+        # exactly --num-minibatches steps, sizes within one row (chunk may make fewer)
         for minibatch in order.tensor_split(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
             # ranks, so each rank's share is scaled by the world size

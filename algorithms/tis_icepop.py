@@ -528,7 +528,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
     weight_sums = dict.fromkeys(["weight", "weight_sq", "tokens"], 0.0)
     for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
-        # exactly --num-minibatches optimizer steps, minibatch sizes within one row (chunk gives fewer)
+        # exactly --num-minibatches steps, sizes within one row (chunk may make fewer)
         for minibatch in order.tensor_split(args.num_minibatches):
             # the loss is a mean over the minibatch of all ranks; FSDP averages gradients over
             # ranks, so each rank's share is scaled by the world size
@@ -590,10 +590,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     # completion 0 (no gradient)
                     metrics.mean("correction/masked_token_fraction", masked.sum(), tokens)
                     metrics.mean("correction/capped_token_fraction", capped.sum(), tokens)
-                    # of the completions that train (not a row --mask-truncated or a filler group leaves empty)
-                    trained = valid.any(1)
-                    dropped = (weights.sum(1) == 0) & trained
-                    metrics.mean("correction/dropped_sequence_fraction", dropped.sum(), trained.sum())
+                    # of the completions that train (not a row left empty by --mask-truncated)
+                    dropped, trained = weights.sum(1) == 0, valid.any(1)
+                    metrics.mean("correction/dropped_sequence_fraction", (dropped & trained).sum(), trained.sum())
                     metrics.mean("correction/weight_mean", weights.sum(), tokens)
                     for key, value in zip(weight_sums, (weights.sum(), (weights**2).sum(), tokens)):
                         weight_sums[key] += value.item()
