@@ -297,9 +297,8 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
         if sharded:  # its own full copy on every rank
             engine_training = engine_dtype * counts["total"]
         sequences = min(HF_MAX_BATCH, plan.prompts_per_step // plan.gpus * plan.group_size)
-        kv_width = (
-            2 * layers * config.num_key_value_heads * getattr(config, "head_dim", hidden // config.num_attention_heads)
-        )
+        head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads  # Mixtral's: null
+        kv_width = 2 * layers * config.num_key_value_heads * head_dim
         context = plan.max_prompt_tokens + plan.max_new_tokens
         generation["hf engine KV cache"] = sequences * context * kv_width * engine_dtype
         generation["hf engine logits"] = 3 * 4 * sequences * vocab

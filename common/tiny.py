@@ -104,7 +104,8 @@ def warm_start(task: str, moe: bool = False) -> WarmStart:
 
 def cache_dir(task: str = "arith", moe: bool = False) -> str:
     spec = warm_start(task, moe)
-    return os.environ.get(spec.environment) or os.path.join(REPO_ROOT, ".cache", spec.version)
+    # normalised: a trailing slash would put the lock and the build's temporary folder inside the model's folder
+    return os.path.normpath(os.environ.get(spec.environment) or os.path.join(REPO_ROOT, ".cache", spec.version))
 
 
 def tiny_model_dir(task: str = "arith", moe: bool = False) -> str:

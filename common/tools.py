@@ -214,7 +214,9 @@ class ToolEngine:
             else:
                 output = outcome[1]
             episode.errors += outcome is None or outcome[0] != "value"
-            ids = self.tokenizer(toolbox.tool_result.format(output), add_special_tokens=False)["input_ids"]
+            # the output where TOOL_RESULT's one {} is (not str.format: other braces, such as JSON's, stay)
+            shown = toolbox.tool_result.replace("{}", output)
+            ids = self.tokenizer(shown, add_special_tokens=False)["input_ids"]
             kept = ids[: self.max_episode_tokens - len(episode.tokens)]  # cut at the episode's limit
             episode.tokens += kept
             episode.logprobs += [0.0] * len(kept)

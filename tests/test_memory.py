@@ -77,6 +77,17 @@ def test_the_estimate_names_the_flags_that_would_make_a_plan_fit():
     assert "fits in 80 GiB" in memory.report(plan, memory.estimate(plan, config, per_token=116 * 1024))
 
 
+def test_a_config_whose_head_dim_is_null_is_estimated(tiny_moe_dir):
+    """Mixtral's config (and the built-in MoE model's) says "head_dim": null: the transformers engine's KV cache takes
+    hidden / heads per head, as the model does (getattr's default does not apply to an attribute set to None)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_moe_dir)
+    assert config.head_dim is None
+    plan = memory.Plan(model=tiny_moe_dir, device="cpu", rollout_engine="hf")
+    assert memory.estimate(plan, config, per_token=1024)["peak_bytes"] > 0
+
+
 def test_the_rollout_queue_is_counted_in_host_memory_at_its_measured_bytes_per_token():
     """--rollout-lag 2 queues 2 batches of a rank's rollouts: host memory beside a GPU's peak, part of a CPU
     process's; QUEUED_TOKEN_BYTES is what queued completions (ids, μ, π_s as the scripts hold them) take."""

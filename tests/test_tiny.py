@@ -137,6 +137,10 @@ def test_rebuilds_when_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny_module, "load", lambda path: None)
     assert tiny_module.tiny_model_dir() == str(tmp_path / "model") and built == [str(tmp_path / "model")]
     assert tiny_module.tiny_model_dir() == str(tmp_path / "model") and len(built) == 1  # cached now
+    # a trailing slash (TINY_MODEL_DIR=/x/model/) names the same folder: the lock and the build's temporary folder
+    # beside it, not inside it
+    monkeypatch.setenv("TINY_MODEL_DIR", str(tmp_path / "model") + "/")
+    assert tiny_module.cache_dir() == str(tmp_path / "model")
 
 
 def test_model_folder_without_a_model_gets_a_clear_error(tmp_path):

@@ -3,6 +3,7 @@ the tools' outputs (token in, token out), the limits, errors and time-outs, and 
 the response skipping a tool's output. What every script does with a tool's tokens: test_scripts.py
 (test_a_tool_output_is_context_not_action)."""
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -116,6 +117,18 @@ def test_an_episode_is_the_policys_turns_and_the_tools_outputs_token_in_token_ou
     # the second turn continues from the episode's own token ids: nothing was decoded and encoded again
     assert policy.contexts == [prompt, prompt + call + result]
     assert tools.later_turns(episode) == [0] * len(call) + [1] * (len(result) + len(answer) + 1)
+
+
+def test_a_tool_result_with_braces_of_its_own_shows_the_output_in_its_one_pair(tiny, calculator):
+    """TOOL_RESULT is checked to hold one {} where the output goes; other braces (a JSON wrapper) stay as they are:
+    str.format read '{"output": {}}' as a field named '"output"' and stopped the run at the first call."""
+    _, tokenizer = tiny
+    toolbox = dataclasses.replace(calculator, tool_result='{"output": {}}')
+    script = lambda context: "<calc>2*3</calc>" if "output" not in context else " #### 6$"
+    engine = ToolEngine(ScriptedPolicy(tokenizer, script), tokenizer, toolbox, max_turns=4, max_episode_tokens=100)
+    (episode,) = engine.generate([encode(tokenizer, "Q: 2*3=")], 1, 50, 1.0)
+    shown = [t for t, tool in zip(episode.token_ids, episode.tool_mask) if tool]
+    assert tokenizer.decode(shown) == '{"output": 6}'
 
 
 def test_errors_and_time_outs_are_answered_and_counted_and_the_worker_is_replaced(tiny, calculator):
