@@ -297,9 +297,10 @@ def test_update_policy_gradient_matches_brute_force(
         model.zero_grad()
         (-objective).backward(retain_graph=True)
         for (name, parameter), gradient in zip(model.named_parameters(), gradients):
-            # float32 sums in other orders: about 1e-6 of the norm (5e-5 for a minibatch of one row, whose gradient
-            # is small); a wrong π_old, ratio or KL: 1e-2 and more
-            assert (gradient - parameter.grad).norm() <= 1e-4 * parameter.grad.norm(), name
+            # float32 sums in other orders: about 1e-6 of the norm (5e-5 in minibatches of one or two rows, whose
+            # gradients are small); a wrong π_old, ratio or KL: 1e-2 and more
+            tolerance = 1e-4 if len(rows) <= 2 else 1e-5
+            assert (gradient - parameter.grad).norm() <= tolerance * parameter.grad.norm(), name
     # the statistics, over every token of every update (each sees π_start here)
     seen = {key: torch.cat(values) for key, values in seen.items()}
     assert 0 < seen["clipped"].mean() < 1 or num_minibatches * update_epochs == 1  # both branches of the min
