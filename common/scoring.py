@@ -60,6 +60,7 @@ def extract_boxed(text: str) -> str | None:
 _HASH_ANSWER = re.compile(r"####\s*([^\n]+)")
 _ANSWER_LINE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
 _PLAIN_NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)$")
+_THOUSANDS_GROUPED = re.compile(r"^[-+]?\d{1,3}(,\d{3})+(\.\d*)?$")  # 1,000 or 12,345.6, not 1,2
 
 
 def extract_answer(text: str, bare: bool = False) -> str | None:
@@ -82,7 +83,9 @@ def _last_match(pattern: re.Pattern, text: str) -> str | None:
 
 
 def _as_number(text: str) -> Fraction | None:
-    text = text.replace(",", "").strip()
+    text = text.strip()
+    if _THOUSANDS_GROUPED.match(text):  # a comma is a number's own only between groups of three digits
+        text = text.replace(",", "")
     return Fraction(text) if _PLAIN_NUMBER.match(text) else None
 
 

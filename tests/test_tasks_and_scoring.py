@@ -76,6 +76,21 @@ def test_check_answer(completion, gold, correct):
     assert result.reward == (1.0 if correct else 0.0)
 
 
+@pytest.mark.parametrize(
+    "predicted, gold, correct",
+    [
+        ("1,000", "1000", True),
+        ("-12,345.5", "-12345.5", True),
+        ("1,2", "12", False),  # a pair (or a slip), not twelve
+        ("12", "1,2", False),
+        ("1,23", "123", False),
+        ("1234,567", "1234567", False),
+    ],
+)
+def test_only_thousands_separators_are_dropped(predicted, gold, correct):
+    assert scoring.answers_match(predicted, gold, numbers_only=True) is correct
+
+
 @pytest.mark.parametrize("completion", ["", "I do not know", "\\boxed{\\frac{1}{2", "\\boxed{}"])
 def test_no_answer_is_reported_separately(completion):
     result = check_answer(completion, "1")
