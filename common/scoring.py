@@ -101,8 +101,9 @@ def answers_match(predicted: str, gold: str, numbers_only: bool = False) -> bool
     return _math_verify_with_deadline(predicted, gold)
 
 
-_VERIFIER = None  # a one-process pool, created on first use
-VERIFY_DEADLINE_SECONDS = 10.0
+_VERIFIER = None  # a one-process pool, started on first use
+VERIFY_DEADLINE_SECONDS = 10.0  # per answer, once the worker has started
+VERIFIER_START_SECONDS = 120.0  # a spawned process imports the main script (torch, ...) and math-verify (sympy)
 
 
 def _math_verify_with_deadline(predicted: str, gold: str) -> bool:
@@ -110,14 +111,31 @@ def _math_verify_with_deadline(predicted: str, gold: str) -> bool:
     such as `1E55910418` hangs it for minutes. So it runs in a worker process that is killed (and
     replaced) when it overruns the deadline; the overrunning answer counts as wrong."""
     global _VERIFIER
-    if _VERIFIER is None:
-        _VERIFIER = multiprocessing.get_context("spawn").Pool(1)
+    verifier = _started_verifier()
     try:
-        return _VERIFIER.apply_async(_math_verify, (predicted, gold)).get(VERIFY_DEADLINE_SECONDS)
+        return verifier.apply_async(_math_verify, (predicted, gold)).get(VERIFY_DEADLINE_SECONDS)
     except multiprocessing.TimeoutError:
-        _VERIFIER.terminate()
+        verifier.terminate()
         _VERIFIER = None
         return False
+
+
+def _started_verifier():
+    """The worker, started with math-verify imported and its parsers loaded before an answer's deadline counts: a
+    spawned process imports the main script first, which took 8.5 s of a 10 s deadline on a busy 2-core machine."""
+    global _VERIFIER
+    if _VERIFIER is None:
+        pool = multiprocessing.get_context("spawn").Pool(1)
+        try:
+            pool.apply_async(_math_verify, ("1", "1")).get(VERIFIER_START_SECONDS)
+        except multiprocessing.TimeoutError:
+            pool.terminate()
+            raise RuntimeError(
+                f"the process that runs math-verify did not start in {VERIFIER_START_SECONDS:g} s (a script that "
+                'starts it needs the `if __name__ == "__main__":` guard)'
+            ) from None
+        _VERIFIER = pool
+    return _VERIFIER
 
 
 def _math_verify(predicted: str, gold: str) -> bool:

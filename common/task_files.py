@@ -195,7 +195,9 @@ class _Worker:
     def __init__(self, path: str):
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child, path), daemon=True)
+        # not a daemon: a score may start processes of its own (a multiprocessing pool, common.scoring's
+        # math-verify), which a daemon may not; _stop_workers ends it at exit all the same
+        self.process = context.Process(target=_serve, args=(child, path))
         with _ignored_by_the_child():
             self.process.start()
         _STARTED[:] = [p for p in _STARTED if p.is_alive()] + [self.process]
@@ -367,8 +369,8 @@ _STARTED = []  # every worker process this process started
 
 @atexit.register  # after multiprocessing.util's own exit handler (imported above), so it runs first
 def _stop_workers() -> None:
-    """At exit, each worker is killed: it ignores the SIGTERM that multiprocessing sends a daemon process before
-    waiting for it."""
+    """At exit, each worker is killed: it ignores SIGTERM, and multiprocessing's own exit handler (which runs after
+    this one) would otherwise wait for it."""
     for process in _STARTED:
         if process.is_alive():
             process.kill()

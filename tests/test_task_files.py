@@ -86,6 +86,31 @@ def test_rewards_may_be_numbers_bools_or_none_and_score_never_runs_in_this_proce
     assert [s.found for s in scores] == [True, True, False, True, True]
 
 
+def test_a_score_may_start_processes_of_its_own(tmp_path, tiny):
+    """The worker is not a daemon (a daemon may have no children): a score may use a multiprocessing pool, and
+    common.scoring's answers_match, whose math-verify runs in a pool of its own."""
+    _, tokenizer = tiny
+    path = write(
+        tmp_path,
+        """
+        import multiprocessing
+        from common.scoring import answers_match
+
+        def rows(split):
+            return [{"question": "Q: half=", "gold": "0.5"}]
+
+        def score(completion, row):
+            with multiprocessing.get_context("fork").Pool(1) as pool:
+                same_length = pool.apply(len, (completion,)) == len(completion)
+            return float(same_length and answers_match(completion, row["gold"]))
+        """,
+    )
+    rows = load_task(path, "train")
+    texts = ["\\frac{1}{2}", "\\frac{1}{3}", "1/2"]
+    scores = score_completions(completions_of(tokenizer, texts), rows, 3, tokenizer, path)
+    assert [s.reward for s in scores] == [1.0, 0.0, 1.0]
+
+
 def test_a_score_that_hangs_gets_reward_zero_and_the_others_are_still_scored(tmp_path, tiny, capsys):
     _, tokenizer = tiny
     path = write(

@@ -1,9 +1,14 @@
 """Tasks and prompt formatting (common/tasks.py), answer checking (common/scoring.py)."""
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
+from helpers import REPO
 
 from common import scoring, tasks
 from common.scoring import Score, extract_answer, extract_boxed, score
@@ -118,6 +123,28 @@ def test_bare_answers_of_the_built_in_task():
 def test_sums_answers_are_read_after_the_marker(completion, correct, found, monkeypatch):
     monkeypatch.setattr(scoring, "_math_verify_with_deadline", lambda *a: pytest.fail("math-verify was called"))
     assert score(completion, "176", "sums") == Score(correct=correct, found=found)
+
+
+def test_the_math_verify_deadline_counts_from_a_started_worker(tmp_path):
+    """The worker is spawned: it imports the main script first (a trainer's torch, seconds on a busy machine). That
+    start is not the first answer's deadline, which would count it wrong (and the next one, in a new worker)."""
+    script = tmp_path / "slow_to_import.py"
+    script.write_text(
+        textwrap.dedent("""
+        import time
+        if __name__ == "__mp_main__":  # the spawned worker's import of this script, as a trainer's of torch
+            time.sleep(3)
+        from common import scoring
+
+        if __name__ == "__main__":
+            scoring.VERIFY_DEADLINE_SECONDS = 2.0
+            print([scoring.answers_match(a, "0.5") for a in ("\\\\frac{1}{2}", "1/2", "\\\\frac{1}{3}")])
+        """)
+    )
+    env = {**os.environ, "PYTHONPATH": REPO}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[True, True, False]"
 
 
 def test_math_verify_off_the_main_thread():
