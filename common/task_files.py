@@ -15,7 +15,7 @@ metrics count a reward of at least 1 as correct.
 `rows` runs in the trainer's process, once per split. `score` is the user's code, and never runs there without
 a deadline: completions are scored in a worker process, one at a time, each within `SCORE_SECONDS` (the file
 may set its own); a completion that overruns it gets reward 0 (it counts as no answer, with a warning) and the
-worker is replaced. A file that cannot be imported (or calls sys.exit as it is), lacks a function, or whose score
+worker is replaced. The file's import is not timed: what score needs is best imported (or started) there. A file that cannot be imported (or calls sys.exit as it is), lacks a function, or whose score
 raises, ends its process, or returns something other than a number stops the run with an error that names the file
 and the function. What the file's code prints goes to the trainer's stderr, its first PRINTED_CHARS per call.
 The worker takes no signal from the terminal or a scheduler (Ctrl-C, a closed terminal, SIGTERM to the process
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import importlib.util
 import io
 import math
@@ -142,14 +143,20 @@ SECONDS = {"SCORE_SECONDS": SCORE_SECONDS, "TOOL_SECONDS": TOOL_SECONDS}
 
 
 def _import(path: str):
-    name = "task_file_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_").replace(".", "_")
+    stem = os.path.splitext(os.path.basename(path))[0].replace("-", "_").replace(".", "_")
+    name = f"task_file_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"  # two folders' task.py are two modules
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    # registered under its name, as an import does: pickle finds the file's classes by it (a row holding an instance
+    # of one is sent to the worker, which imports the file under the same name), and so do dataclasses
+    sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as error:  # a syntax error, a missing import, ... in the user's file
+        del sys.modules[name]
         raise BadInput(f"task file {path} could not be imported: {_describe(error)}") from None
     except SystemExit as error:  # it would end the trainer without a word
+        del sys.modules[name]
         raise BadInput(
             f"task file {path} called sys.exit({error.code!r}) while it was imported"
             f"{_where(error)}: a task file defines rows, score (and TOOLS); put code meant for "

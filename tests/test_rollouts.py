@@ -245,11 +245,21 @@ def test_the_mismatch_splits_into_the_engines_part_and_the_staleness():
 
 
 @pytest.mark.slow
-def test_a_resumed_run_at_lag_two_draws_and_trains_on_what_an_uninterrupted_one_does(tmp_path, tiny_dir):
+def test_a_resumed_run_at_lag_two_draws_and_trains_on_what_an_uninterrupted_one_does(
+    tmp_path, tiny_dir, readme_task_file
+):
     """--rollout-lag 2 with dynamic sampling: step t trains on the batch the weights of step t − 2 sampled (the
     queue a checkpoint holds, scored again under each checkpoint's weights), and a run stopped at step 2 and resumed
-    (the queue restored from its checkpoint) logs every metric an uninterrupted one logs."""
+    (the queue restored from its checkpoint) logs every metric an uninterrupted one logs. The task is the README's
+    task file (the built-in task's rows and rewards) with each row's sum an instance of a class the file defines:
+    the queued rows are pickled in the checkpoint, and the file is imported before they are read back."""
+    with open(readme_task_file) as f:
+        source = "class Gold(int):\n    pass\n\n\n" + f.read().replace('"sum": a + b}', '"sum": Gold(a + b)}')
+    assert "Gold(a + b)" in source  # the README's example still builds its rows so
+    task = tmp_path / "gold_task.py"
+    task.write_text(source)
     flags = ["--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0, "--save-every", 1, "--keep-checkpoints", 0]
+    flags += ["--task", task]
     flags += ["--dynamic-sampling", "--max-sampling-rounds", 4, "--overlong-buffer", 2, "--rollout-lag", 2]
     run_script("algorithms/grpo.py", "--steps", 4, "--output-dir", tmp_path / "straight", *flags)
     run_script("algorithms/grpo.py", "--steps", 2, "--output-dir", tmp_path / "split", *flags)
@@ -278,11 +288,14 @@ def test_a_resumed_run_at_lag_two_draws_and_trains_on_what_an_uninterrupted_one_
     from common import flags as common_flags
     from common.batches import make_batch
     from common.checks import read_checkpoint_file
+    from common.task_files import load_task_file
     from common.tiny import load
 
     checkpoints = os.path.join(only_run_dir(tmp_path / "straight"), "checkpoints")
+    load_task_file(str(task))  # its class, for the queued rows (as a script imports it while it checks its flags)
     queued = read_checkpoint_file(os.path.join(checkpoints, "step_00000002"), "rollouts_rank0.pt")["queued"]
     assert [(q.step, q.sampled_at) for q in queued] == [(2, 0), (3, 1)]
+    assert all(type(row.data["sum"]).__name__ == "Gold" for q in queued for row in q.groups.rows)
     args = common_flags.make(grpo.Args, micro_batch_size=8)
     newest = load(os.path.join(checkpoints, "step_00000002"))[0]
     for q, weights in zip(queued, [tiny_dir, os.path.join(checkpoints, "step_00000001")]):

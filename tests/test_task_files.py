@@ -95,6 +95,7 @@ def test_a_score_may_start_processes_of_its_own(tmp_path, tiny):
         """
         import multiprocessing
         from common.scoring import answers_match
+        SCORE_SECONDS = 120  # the first score starts math-verify's process: seconds on a machine busy with tests
 
         def rows(split):
             return [{"question": "Q: half=", "gold": "0.5"}]
@@ -109,6 +110,34 @@ def test_a_score_may_start_processes_of_its_own(tmp_path, tiny):
     texts = ["\\frac{1}{2}", "\\frac{1}{3}", "1/2"]
     scores = score_completions(completions_of(tokenizer, texts), rows, 3, tokenizer, path)
     assert [s.reward for s in scores] == [1.0, 0.0, 1.0]
+
+
+def test_a_row_may_hold_an_instance_of_a_class_the_file_defines(tmp_path, tiny):
+    """Rows go to the worker pickled, and pickle finds a class by its module's name: the file is registered under
+    it (here a dataclass too, which looks its module up while it is defined)."""
+    _, tokenizer = tiny
+    path = write(
+        tmp_path,
+        """
+        from dataclasses import dataclass
+
+        @dataclass
+        class Case:
+            answer: int
+
+        def rows(split):
+            return [{"question": "Q: 1+1=", "case": Case(2)}]
+
+        def score(completion, row):
+            return float(completion == str(row["case"].answer))
+        """,
+    )
+    (tmp_path / "other").mkdir()
+    other = write(tmp_path, open(path).read().replace("Case(2)", "Case(3)"), "other/task.py")  # a second task.py
+    rows = {task: load_task(task, "train") for task in (path, other)}  # both imported before either scores
+    for task, rewards in ((path, [1.0, 0.0]), (other, [0.0, 1.0])):
+        scores = score_completions(completions_of(tokenizer, ["2", "3"]), rows[task], 2, tokenizer, task)
+        assert [s.reward for s in scores] == rewards
 
 
 def test_a_score_that_hangs_gets_reward_zero_and_the_others_are_still_scored(tmp_path, tiny, capsys):
