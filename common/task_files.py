@@ -15,11 +15,12 @@ metrics count a reward of at least 1 as correct.
 `rows` runs in the trainer's process, once per split. `score` is the user's code, and never runs there without
 a deadline: completions are scored in a worker process, one at a time, each within `SCORE_SECONDS` (the file
 may set its own); a completion that overruns it gets reward 0 (it counts as no answer, with a warning) and the
-worker is replaced. The file's import is not timed: what score needs is best imported (or started) there. A file that cannot be imported (or calls sys.exit as it is), lacks a function, or whose score
-raises, ends its process, or returns something other than a number stops the run with an error that names the file
-and the function. What the file's code prints goes to the trainer's stderr, its first PRINTED_CHARS per call.
-The worker takes no signal from the terminal or a scheduler (Ctrl-C, a closed terminal, SIGTERM to the process
-group): the trainer decides when a run stops (common/checkpoint.StopSignals), and scores the step under way first.
+worker is replaced. The file's import is not timed: what score needs is best imported (or started) there. A file
+that cannot be imported (or calls sys.exit as it is), lacks a function, or whose score raises, ends its process, or
+returns something other than a number stops the run with an error that names the file and the function. What the
+file's code prints goes to the trainer's stderr, its first PRINTED_CHARS per call. The worker takes no signal from
+the terminal or a scheduler (Ctrl-C, a closed terminal, SIGTERM to the process group): the trainer decides when a
+run stops (common/checkpoint.StopSignals), and scores the step under way first.
 """
 
 from __future__ import annotations

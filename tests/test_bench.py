@@ -489,6 +489,10 @@ def test_a_suites_page_keeps_its_write_up_around_the_new_table(tmp_path):
     )
     new = tmp_path / "new.md"
     assert bench.write_table(suite, rows, (1, 2, 3), "c", str(new), "2026-01-02") == new.read_text()
+    for broken in ("prose\n<!-- /bench:bench -->\nold\n<!-- bench:bench -->\n", "prose\n<!-- bench:bench -->\nold\n"):
+        page.write_text(broken)  # markers reversed, or one missing: the page is kept, not overwritten by the table
+        bench.write_table(suite, rows, (1, 2, 3), "c", str(page), "2026-01-02")
+        assert page.read_text() == broken
 
 
 def test_readme_table_is_replaced_between_its_markers_only(tmp_path):

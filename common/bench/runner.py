@@ -556,10 +556,20 @@ def write_table(suite: Suite, rows: list[dict], seeds, command: str, path: str, 
         )
     lines += ["", f"Run {date} on {machine()}; command: `{command}`."]
     table = "\n".join(lines) + "\n"
-    if not (os.path.exists(path) and replace_between_markers(path, suite.name, table)):
+    if _marked(path, suite.name):
+        replace_between_markers(path, suite.name, table)  # a page with broken markers is kept as it is (a warning)
+    else:
         with open(path, "w") as f:
             f.write(table)
     return table
+
+
+def _marked(page: str, name: str) -> bool:
+    """Whether `page` exists and holds either of the suite's markers: then it is a written page, never overwritten."""
+    if not os.path.exists(page):
+        return False
+    with open(page) as f:
+        return f"bench:{name} -->" in f.read()
 
 
 def _cell(mean: float, std: float) -> str:
@@ -574,11 +584,11 @@ def replace_between_markers(page: str, name: str, table: str) -> bool:
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     with open(page) as f:
         text = f.read()
-    if start not in text or end not in text:
+    if start not in text and end not in text:
         return False
-    head, rest = text.split(start, 1)
+    head, _, rest = text.partition(start)
     if end not in rest:
-        print(f"warning: {page}: {end} comes before {start}; the table is not updated", file=sys.stderr)
+        print(f"warning: {page}: no {end} after a {start}; the table is not updated", file=sys.stderr)
         return False
     with open(page + ".tmp", "w") as f:
         f.write(head + start + "\n" + table.strip() + "\n" + end + rest.split(end, 1)[1])
