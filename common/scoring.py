@@ -17,6 +17,7 @@ when it overruns a deadline.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -125,7 +126,9 @@ def _started_verifier():
     spawned process imports the main script first, which took 8.5 s of a 10 s deadline on a busy 2-core machine."""
     global _VERIFIER
     if _VERIFIER is None:
-        pool = multiprocessing.get_context("spawn").Pool(1)
+        # a session of its own: the terminal's Ctrl-C, which the trainer answers by scoring the step under way, does
+        # not end it in the middle of an answer
+        pool = multiprocessing.get_context("spawn").Pool(1, initializer=os.setsid)
         try:
             pool.apply_async(_math_verify, ("1", "1")).get(VERIFIER_START_SECONDS)
         except multiprocessing.TimeoutError:

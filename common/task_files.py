@@ -286,9 +286,16 @@ def _serve(connection, path: str) -> None:
     """In the worker: answer jobs until the trainer closes the connection. The file's code writes
     to a bounded buffer, not to the inherited stdout and stderr. The stop signals are ignored (since
     the process started: _ignored_by_the_child): a run stops when its trainer says so, after scoring
-    the step under way."""
-    for number in STOP_SIGNALS:
-        signal.signal(number, signal.SIG_IGN)
+    the step under way. A session of its own keeps the terminal's Ctrl-C and hang-up, and a signal to the trainer's
+    process group, from the processes the file's code starts (a pool's workers): those keep the default actions, so
+    that their own parent can end them (a pool's terminate() sends SIGTERM)."""
+    os.setsid()
+    for number in STOP_SIGNALS:  # a handler that does nothing, not SIG_IGN, which a started process would inherit
+        signal.signal(number, _take_no_stop_signal)
+    # a forked child inherits the handler too: it takes the default actions back, and a stop signal sent before it
+    # could (a terminate() at once) waits, held, until then
+    os.register_at_fork(before=_hold_stop_signals, after_in_parent=_release_stop_signals, after_in_child=_default)
+    _release_stop_signals()  # held by the trainer while it started this process (and inherited)
     while True:
         try:
             job = connection.recv()
@@ -297,6 +304,24 @@ def _serve(connection, path: str) -> None:
         sys.stdout = sys.stderr = printed = _Bounded(PRINTED_CHARS)
         outcome = _run_one((path, *job))
         connection.send((outcome, (printed.text(), printed.size) if printed.size else None))
+
+
+def _take_no_stop_signal(number, frame) -> None:
+    pass
+
+
+def _hold_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def _release_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def _default() -> None:
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_DFL)
+    _release_stop_signals()
 
 
 class _Bounded(io.TextIOBase):

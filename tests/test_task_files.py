@@ -87,13 +87,16 @@ def test_rewards_may_be_numbers_bools_or_none_and_score_never_runs_in_this_proce
 
 
 def test_a_score_may_start_processes_of_its_own(tmp_path, tiny):
-    """The worker is not a daemon (a daemon may have no children): a score may use a multiprocessing pool, and
-    common.scoring's answers_match, whose math-verify runs in a pool of its own."""
+    """The worker is not a daemon (a daemon may have no children), and what the file's code starts does not inherit
+    its deafness to the stop signals: a child ends when its parent terminates it (forked or spawned), and
+    common.scoring's answers_match works (its math-verify runs in a process of its own)."""
     _, tokenizer = tiny
     path = write(
         tmp_path,
         """
         import multiprocessing
+        import signal
+        import time
         from common.scoring import answers_match
         SCORE_SECONDS = 600  # the first score starts math-verify's process: minutes on a machine busy with tests
 
@@ -101,9 +104,15 @@ def test_a_score_may_start_processes_of_its_own(tmp_path, tiny):
             return [{"question": "Q: half=", "gold": "0.5"}]
 
         def score(completion, row):
-            with multiprocessing.get_context("fork").Pool(1) as pool:
-                same_length = pool.apply(len, (completion,)) == len(completion)
-            return float(same_length and answers_match(completion, row["gold"]))
+            ended = []
+            for method in ("fork", "spawn"):
+                child = multiprocessing.get_context(method).Process(target=time.sleep, args=(600,))
+                child.start()
+                child.terminate()
+                child.join(30)
+                ended.append(child.exitcode == -signal.SIGTERM)
+                child.kill()  # (a child that ignored it)
+            return float(all(ended) and answers_match(completion, row["gold"]))
         """,
     )
     rows = load_task(path, "train")
@@ -179,6 +188,7 @@ def test_the_worker_takes_no_stop_signal_and_one_that_ended_while_idle_is_replac
 
     assert rewards() == [1.0, 0.0]
     worker = task_files._WORKERS[path]
+    assert os.getsid(worker.process.pid) != os.getsid(0)  # a session of its own: neither the terminal's nor ours
     for number in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         os.kill(worker.process.pid, number)
     time.sleep(1)

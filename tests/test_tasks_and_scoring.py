@@ -147,6 +147,13 @@ def test_the_math_verify_deadline_counts_from_a_started_worker(tmp_path):
     assert out.stdout.strip() == "[True, True, False]"
 
 
+def test_math_verify_runs_outside_the_terminals_session():
+    """A Ctrl-C reaches every process of the terminal's foreground group; the trainer scores the step under way
+    before it stops, so math-verify's process must not be among them."""
+    assert scoring.answers_match("\\frac{1}{2}", "0.5")
+    assert os.getsid(scoring._VERIFIER._pool[0].pid) != os.getsid(0)
+
+
 def test_math_verify_off_the_main_thread():
     """math-verify's signal timeouts fail off the main thread; we must still get an answer there."""
     results = []
