@@ -88,18 +88,24 @@ class Evaluator:
         return bool(self.every) and (step % self.every == 0 or step == last_step)
 
     def __call__(self) -> dict[str, float]:
-        """eval/greedy_accuracy, eval/avg@k and eval/pass@k on the held-out rows (evaluate)."""
-        return evaluate(
-            self.engine,
-            self.tokenizer,
-            self.rows,
-            self.task,
-            self.k,
-            self.max_new_tokens,
-            self.temperature,
-            self.use_chat_template,
-            self.dist,
-        )
+        """eval/greedy_accuracy, eval/avg@k and eval/pass@k on the held-out rows (evaluate). Its samples leave the
+        training run's random stream as they found it (the transformers engine draws from torch's): a run extended
+        past its old last step, where it evaluated, goes on as one that ran straight through."""
+        import torch
+
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            return evaluate(
+                self.engine,
+                self.tokenizer,
+                self.rows,
+                self.task,
+                self.k,
+                self.max_new_tokens,
+                self.temperature,
+                self.use_chat_template,
+                self.dist,
+            )
 
 
 @dataclass

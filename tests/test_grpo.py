@@ -371,7 +371,9 @@ def test_several_updates_per_batch_and_kl_penalty(tmp_path):
 
 @pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
-    common_flags = ["--eval-every", 0, "--save-every", 2, *SMALL[:4]]
+    """A run of 2 steps extended to 4 equals a run of 4: the first evaluated at its last step, 2, where the second
+    did not (evaluations at 0 and 4), and an evaluation draws from a random stream of its own."""
+    common_flags = ["--eval-every", 4, "--eval-prompts", 8, "--save-every", 2, *SMALL[:4]]
     run_script("algorithms/grpo.py", "--steps", 4, "--output-dir", tmp_path / "straight", *common_flags)
     run_script("algorithms/grpo.py", "--steps", 2, "--output-dir", tmp_path / "split", *common_flags)
     run_script(
@@ -379,7 +381,10 @@ def test_resume_continues_exactly(tmp_path):
     )
     straight = read_jsonl(os.path.join(only_run_dir(tmp_path / "straight"), "metrics.jsonl"))
     split = read_jsonl(os.path.join(only_run_dir(tmp_path / "split"), "metrics.jsonl"))
-    assert [r["step"] for r in split] == [1, 2, 3, 4]
+    assert [r["step"] for r in split] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in split if "eval/greedy_accuracy" in r] == [0, 2, 4]
+    assert [r["step"] for r in straight if "eval/greedy_accuracy" in r] == [0, 4]
+    straight, split = [r for r in straight if r["step"]], [r for r in split if r["step"]]
     for record in straight:  # one update per batch: π_old = π_θ exactly, and the engine samples π_θ
         assert record["losses/ratio_min"] == record["losses/ratio_max"] == 1.0
         assert record["mismatch/max_abs_logprob_diff"] < 1e-3
