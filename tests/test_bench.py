@@ -442,6 +442,28 @@ def test_a_kept_record_stands_for_its_run_when_the_folder_is_gone(tmp_path, caps
     with gzip.open(os.path.join(record, "metrics.jsonl.gz"), "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in records(4, 0.75)[:-1])
     assert run.finished_folder() is None
+    # a record cut short (a copy killed, by hand or before records were written whole) is read as far as it goes
+    data = open(os.path.join(record, "metrics.jsonl.gz"), "rb").read()
+    open(os.path.join(record, "metrics.jsonl.gz"), "wb").write(data[: len(data) // 2])
+    assert run.finished_folder() is None
+    assert "metrics.jsonl.gz is damaged" in capsys.readouterr().err
+
+
+def test_a_record_is_kept_whole_or_not_at_all(tmp_path, monkeypatch):
+    run = bench.Run(GRPO, 1, 4, (), str(tmp_path / "runs"), records_dir=str(tmp_path / "records"))
+    folder = write_run(run, records(4, 0.75))
+    run.keep_record(folder)
+    record = os.path.join(run.records_dir, os.path.basename(folder), "metrics.jsonl.gz")
+    whole = open(record, "rb").read()
+
+    def killed(source, target):
+        target.write(source.read(10))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench.shutil, "copyfileobj", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run.keep_record(folder)
+    assert open(record, "rb").read() == whole
 
 
 @pytest.mark.slow

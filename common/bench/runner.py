@@ -55,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 
 import tyro
@@ -153,11 +154,15 @@ class Run:
         source = os.path.join(folder, "metrics.jsonl")
         # the header keeps the time the run finished (the table's date); the same run gives the same bytes
         finished = int(os.path.getmtime(source))
-        with open(source, "rb") as f, gzip.GzipFile(os.path.join(kept, "metrics.jsonl.gz"), "wb", mtime=finished) as gz:
+        # each file written whole or not at all (a kill meanwhile leaves a .tmp, never a truncated record)
+        target = os.path.join(kept, "metrics.jsonl.gz")
+        with open(source, "rb") as f, gzip.GzipFile(target + ".tmp", "wb", mtime=finished) as gz:
             shutil.copyfileobj(f, gz)
+        os.replace(target + ".tmp", target)
         for name in ("kl_drift.json", RAN_WITH):
             if os.path.exists(os.path.join(folder, name)):
-                shutil.copy(os.path.join(folder, name), kept)
+                shutil.copy(os.path.join(folder, name), os.path.join(kept, name + ".tmp"))
+                os.replace(os.path.join(kept, name + ".tmp"), os.path.join(kept, name))
 
     def command(self) -> list[str]:
         """The script's command line; continues the newest complete checkpoint of this run if there is one."""
@@ -329,13 +334,16 @@ def read_metrics(path: str) -> list[dict]:
         path += ".gz"
     if os.path.exists(path):
         with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    print(f"warning: {path}:{number} is not JSON; skipped", file=sys.stderr)
+            try:
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        print(f"warning: {path}:{number} is not JSON; skipped", file=sys.stderr)
+            except (EOFError, gzip.BadGzipFile, zlib.error) as error:  # a record cut short (copied by hand, ...)
+                print(f"warning: {path} is damaged ({error}): {len(records)} records read", file=sys.stderr)
     return records
 
 
