@@ -484,7 +484,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
                     # the share of tokens whose clipped loss has no gradient
                     metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)
-                    # full-vocabulary entropy of π_θ
+                    # entropy of π_θ (over the kept ids under --top-k/--top-p)
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])

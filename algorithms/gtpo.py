@@ -224,8 +224,8 @@ def conflict_weights(forward, backward, advantages, combine="or"):
 
 
 def completion_entropy(token_entropy, mask):
-    """⟨H⟩_i (§4.2): the mean over each completion's tokens of the
-    full-vocabulary entropy. [B, T] -> [B]."""
+    """⟨H⟩_i (§4.2): the mean over each completion's tokens of π's entropy
+    (over the vocabulary; under --top-k/--top-p, over the kept ids). [B, T] -> [B]."""
     return (token_entropy * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
 
 
@@ -252,7 +252,12 @@ def measure_initial_entropy(policy, engine, prompt_ids, args, dist, autocast, pa
         # the last share wraps around
         positions = torch.arange(dist.rank * per_rank, (dist.rank + 1) * per_rank)
         prompts = [prompt_ids[p % len(prompt_ids)] for p in positions.tolist()]
-        completions = engine.generate(prompts, 1, args.max_new_tokens, args.temperature)
+        # sampled as the rollouts are: under --top-k/--top-p ⟨H⟩_i is of π over the kept ids
+        sampling = args.sampling
+        completions = engine.generate(
+            prompts, 1, args.max_new_tokens, args.temperature,
+            top_p=sampling.top_p, top_k=sampling.top_k, sampling_mask=sampling.keep_sampling_mask,
+        )  # fmt: skip
         batch = make_batch(prompts, completions, 1, pad_id, dist.device)
         # wrapped repeats do not count
         counts, total = (positions < len(prompt_ids)).float().to(dist.device), 0.0
@@ -513,7 +518,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, me
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
                     # the share of tokens whose clipped loss has no gradient
                     metrics.mean("losses/clip_fraction", (clip_active.float() * mask).sum(), tokens)
-                    # full-vocabulary entropy of π_θ
+                    # entropy of π_θ (over the kept ids under --top-k/--top-p)
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])

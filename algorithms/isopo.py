@@ -846,7 +846,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     log_ratio, tokens = (logprobs - old_logprobs).detach(), mask.sum()
                     k3 = torch.exp(log_ratio) - 1 - log_ratio  # k3 estimate of KL(π_old ‖ π_θ)
                     metrics.mean("losses/approx_kl", (k3 * mask).sum(), tokens)
-                    # full-vocabulary entropy of π_θ
+                    # entropy of π_θ (over the kept ids under --top-k/--top-p)
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
                     if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)

@@ -484,7 +484,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     metrics.mean(
                         "losses/clip_fraction", (clip_active.float() * mask).sum(), tokens
                     )  # P3O: ρ capped at e_B; on-policy about half the tokens (ρ ≈ e_B ≈ 1): noise
-                    # full-vocabulary entropy of π_θ
+                    # entropy of π_θ (over the kept ids under --top-k/--top-p)
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
                     metrics.min("losses/ratio_min", ratio[valid])
                     metrics.max("losses/ratio_max", ratio[valid])

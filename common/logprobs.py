@@ -64,8 +64,9 @@ def output_layer_scores(
 ):
     """Within the context, the model's output layer returns [B, T + 1, 2] for the hidden states [B, T + 1, H] that
     reach it (call the model with logits_to_keep = T + 1): at position t < T the log-prob of targets[b, t] by
-    `score` (a number: the temperature of `log_softmax_gather`) and the full-vocabulary entropy (no gradient; 0
-    unless `with_entropy`); the last position, which predicts past the end, is scored against token 0 (drop it)."""
+    `score` (a number: the temperature of `log_softmax_gather`) and the entropy (no gradient; 0 unless
+    `with_entropy`), both over the vocabulary or, with `sampling_mask`, over its kept ids; the last position,
+    which predicts past the end, is scored against token 0 (drop it)."""
     head = model.get_output_embeddings()
     targets = F.pad(targets, (0, 1))
     float32 = getattr(head, "in_float32", False)

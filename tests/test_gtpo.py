@@ -556,11 +556,36 @@ def test_initial_entropy_is_the_mean_of_completion_entropies(tiny):
     assert 0 < measured < math.log(len(tokenizer))
 
 
+def test_initial_entropy_is_of_the_policy_the_run_samples_under_top_k(tiny):
+    """Under --top-k with the sampling mask kept, ⟨H⟩_i is the entropy of π renormalised over the kept ids, and so is
+    ⟨H⟩_ini: its completions are sampled as the run's rollouts are, and scored with their mask (each token's entropy at
+    most ln 2 under top-k 2; the full vocabulary's, which it was, is no statistic ⟨H⟩_i is ever compared with)."""
+    model, tokenizer = _copy(tiny), tiny[1]
+    prompts = [tokenizer(f"Q: {a}+{a + 3}=")["input_ids"] for a in range(7)]
+    engine = HFEngine(model, tokenizer)
+    args = flags.make(gtpo.Args, micro_batch_size=3, max_new_tokens=6, top_k=2)
+    torch.manual_seed(0)
+    measured = gtpo.measure_initial_entropy(
+        model, engine, prompts, args, CPU, torch.autocast("cpu", enabled=False), tokenizer.pad_token_id
+    )
+    torch.manual_seed(0)  # the same samples again
+    completions = engine.generate(prompts, 1, 6, 1.0, top_k=2, sampling_mask=True)
+    entropies = []
+    with torch.no_grad():
+        for prompt, completion in zip(prompts, completions):
+            response = completion.token_ids
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+            logp = torch.log_softmax(logits.topk(2, dim=-1).values, -1)  # π over the two kept ids
+            entropies.append(-(logp.exp() * logp).sum(-1).mean())
+    assert measured == pytest.approx(torch.stack(entropies).mean().item(), rel=1e-5)
+    assert 0 < measured <= math.log(2)
+
+
 def test_a_resumed_run_keeps_its_initial_entropy():
     """measure_initial_entropy given a checkpoint's value returns it and samples nothing."""
 
     class NoEngine:
-        def generate(self, *args):
+        def generate(self, *args, **sampling):
             raise AssertionError("a resumed run must not measure ⟨H⟩_ini again")
 
     assert gtpo.measure_initial_entropy(None, NoEngine(), [[1]], gtpo.Args(), CPU, None, 0, entropy_ini=0.25) == 0.25
@@ -605,7 +630,7 @@ def test_ranks_share_the_initial_entropy_prompts(monkeypatch, world_size, count)
     prompts = [[10 + i] for i in range(count)]  # prompt i is token 10 + i; its completion repeats it
 
     class Engine:
-        def generate(self, prompts, n, max_new_tokens, temperature):
+        def generate(self, prompts, n, max_new_tokens, temperature, **sampling):
             sizes.append(len(prompts))
             return [Completion(list(prompt), [0.0], "stop") for prompt in prompts]
 
@@ -644,7 +669,7 @@ def test_initial_entropy_takes_no_more_rows_at_once_than_the_update(monkeypatch,
         return None, torch.full(micro["response_ids"].shape, 0.25)
 
     class Engine:
-        def generate(self, prompts, n, max_new_tokens, temperature):
+        def generate(self, prompts, n, max_new_tokens, temperature, **sampling):
             return [Completion(list(prompt), [0.0], "stop") for prompt in prompts]
 
     monkeypatch.setattr(gtpo, "token_logprobs", constant_entropy)
