@@ -17,8 +17,8 @@ when it overruns a deadline.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import re
+import signal
 import threading
 from dataclasses import dataclass
 from fractions import Fraction
@@ -126,9 +126,7 @@ def _started_verifier():
     spawned process imports the main script first, which took 8.5 s of a 10 s deadline on a busy 2-core machine."""
     global _VERIFIER
     if _VERIFIER is None:
-        # a session of its own: the terminal's Ctrl-C, which the trainer answers by scoring the step under way, does
-        # not end it in the middle of an answer
-        pool = multiprocessing.get_context("spawn").Pool(1, initializer=os.setsid)
+        pool = multiprocessing.get_context("spawn").Pool(1, initializer=_deaf_to_the_terminal)
         try:
             pool.apply_async(_math_verify, ("1", "1")).get(VERIFIER_START_SECONDS)
         except multiprocessing.TimeoutError:
@@ -139,6 +137,14 @@ def _started_verifier():
             ) from None
         _VERIFIER = pool
     return _VERIFIER
+
+
+def _deaf_to_the_terminal() -> None:
+    """Ctrl-C and a closed terminal reach every process of the terminal's group; the trainer answers them by scoring
+    the step under way, so this process must not end in the middle of an answer. SIGTERM (its pool's terminate())
+    and a kill of its group (a task file's worker that ran past its deadline, with what it started) still end it."""
+    for number in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(number, signal.SIG_IGN)
 
 
 def _math_verify(predicted: str, gold: str) -> bool:

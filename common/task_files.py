@@ -232,7 +232,7 @@ class _Worker:
         return outcome
 
     def stop(self) -> None:
-        self.process.kill()
+        _kill_with_its_session(self.process)
         self.process.join(5)
         self.connection.close()
 
@@ -304,6 +304,14 @@ def _serve(connection, path: str) -> None:
         sys.stdout = sys.stderr = printed = _Bounded(PRINTED_CHARS)
         outcome = _run_one((path, *job))
         connection.send((outcome, (printed.text(), printed.size) if printed.size else None))
+
+
+def _kill_with_its_session(process) -> None:
+    """Kill a worker and every process its code started (a code-running tool's program, a pool): they share its
+    session's group (_serve), and would outlive it, running, if it alone were killed."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # no group yet: the worker is still starting
+        os.killpg(process.pid, signal.SIGKILL)
+    process.kill()
 
 
 def _take_no_stop_signal(number, frame) -> None:
@@ -406,7 +414,7 @@ def _stop_workers() -> None:
     this one) would otherwise wait for it."""
     for process in _STARTED:
         if process.is_alive():
-            process.kill()
+            _kill_with_its_session(process)
             process.join(5)
     _STARTED.clear()
     _WORKERS.clear()
@@ -481,7 +489,12 @@ def _run_one(job: tuple) -> tuple[str, object]:
     if kind == "tool":
         if isinstance(value, (bytes, bytearray)):  # its repr would reach the policy: b'...'
             return ("not a string", type(value).__name__)
-        return ("value", _cut(value if isinstance(value, str) else str(value), OUTPUT_CHARS))
+        try:
+            text = value if isinstance(value, str) else str(value)
+        except Exception as error:  # a __str__ that raises is the tool's error, as one raised in its call
+            return ("raised", _describe(error))
+        # a lone surrogate (os.fsdecode, an echoed "\udc80" of a JSON call) has no UTF-8: the tokenizer would raise
+        return ("value", _cut(text.encode("utf-8", "replace").decode("utf-8"), OUTPUT_CHARS))
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_REWARD:
         return ("not a number", f"an integer of {value.bit_length()} bits")  # float() of 10**400 overflows
     if value is None or isinstance(value, (bool, int, float)):

@@ -120,6 +120,8 @@ class ToolEngine:
             for episode, turn in zip(active, turns):
                 self._add_turn(episode, turn, max_new_tokens)
             active = [e for e in active if e.call is not None]
+            # a call that took the policy's last token is not run (no turn could read its output): the episode ends
+            active = [e for e in active if self._budget(e, max_new_tokens) > 0]
             if not active:
                 break
             self._answer_calls(active)
@@ -181,7 +183,7 @@ class ToolEngine:
         try:
             call = json.loads(argument)
             name, arguments = call["name"], call.get("arguments", {})
-        except (ValueError, KeyError, TypeError) as error:
+        except (ValueError, KeyError, TypeError, RecursionError) as error:  # RecursionError: [[[[... nested deep
             return None, None, f"the call is not a JSON object with a name ({type(error).__name__}: {error})"
         if name not in self.toolbox.tools:
             return None, None, f"no tool named {name!r} (the tools: {', '.join(self.toolbox.tools)})"

@@ -121,6 +121,46 @@ def test_a_score_may_start_processes_of_its_own(tmp_path, tiny):
     assert [s.reward for s in scores] == [1.0, 0.0, 1.0]
 
 
+def test_a_score_past_its_deadline_is_killed_with_the_processes_it_started(tmp_path, tiny):
+    """A worker is killed with its session's group: a program its score (or a tool) started is not left running."""
+    _, tokenizer = tiny
+    started = tmp_path / "started.txt"
+    path = write(
+        tmp_path,
+        f"""
+        import subprocess
+        import time
+        SCORE_SECONDS = 2
+
+        def rows(split):
+            return [{{"question": "Q: 1+1="}}]
+
+        def score(completion, row):
+            program = subprocess.Popen(["sleep", "600"])
+            open({str(started)!r}, "w").write(str(program.pid))
+            time.sleep(600)
+        """,
+    )
+    rows = load_task(path, "train")
+    assert [s.reward for s in score_completions(completions_of(tokenizer, ["2"]), rows, 1, tokenizer, path)] == [0.0]
+    program = int(started.read_text())
+
+    def running():
+        try:
+            with open(f"/proc/{program}/stat") as f:
+                return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended (its reaper may be slow)
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 30
+    while running() and time.time() < deadline:
+        time.sleep(0.1)
+    alive = running()
+    if alive:
+        os.kill(program, signal.SIGKILL)
+    assert not alive
+
+
 def test_a_row_may_hold_an_instance_of_a_class_the_file_defines(tmp_path, tiny):
     """Rows go to the worker pickled, and pickle finds a class by its module's name: the file is registered under
     it (here a dataclass too, which looks its module up while it is defined)."""

@@ -147,11 +147,19 @@ def test_the_math_verify_deadline_counts_from_a_started_worker(tmp_path):
     assert out.stdout.strip() == "[True, True, False]"
 
 
-def test_math_verify_runs_outside_the_terminals_session():
-    """A Ctrl-C reaches every process of the terminal's foreground group; the trainer scores the step under way
-    before it stops, so math-verify's process must not be among them."""
+def test_math_verify_survives_the_terminals_signals():
+    """A Ctrl-C or a closed terminal reaches every process of the terminal's group; the trainer scores the step under
+    way before it stops, so math-verify's process must not end then."""
+    import signal
+    import time
+
     assert scoring.answers_match("\\frac{1}{2}", "0.5")
-    assert os.getsid(scoring._VERIFIER._pool[0].pid) != os.getsid(0)
+    verifier = scoring._VERIFIER._pool[0]
+    for number in (signal.SIGINT, signal.SIGHUP):
+        os.kill(verifier.pid, number)
+    time.sleep(1)
+    assert verifier.is_alive() and scoring.answers_match("\\frac{1}{3}", "1/3")
+    assert scoring._VERIFIER._pool[0] is verifier
 
 
 def test_math_verify_off_the_main_thread():

@@ -33,8 +33,16 @@ CALCULATOR = textwrap.dedent(
             time.sleep(600)
         if expression == "bytes":
             return b"\\x00"  # the task file's mistake: the run stops
+        if expression == "file":
+            return "caf\\udce9.txt"  # os.fsdecode of a Latin-1 name: a lone surrogate, which UTF-8 cannot hold
+        if expression == "object":
+            return Unprintable()
         a, b = expression.split("*")  # "boom": ValueError
         return int(a) * int(b)  # not a string: shown as str()
+
+    class Unprintable:
+        def __str__(self):
+            raise ValueError("no text")
 
     TOOLS = {"calc": multiply}
     TOOL_SECONDS = 2
@@ -142,6 +150,18 @@ def test_errors_and_time_outs_are_answered_and_counted_and_the_worker_is_replace
     assert (episode.tool_calls, episode.tool_errors, episode.tool_timeouts, episode.turns) == (3, 2, 1, 4)
 
 
+def test_an_output_without_utf8_or_without_text_is_answered_not_fatal(tiny, calculator):
+    """A lone surrogate in an output (os.fsdecode of a file name) is shown replaced: the tokenizer raised on it, in the
+    trainer; an output whose str() raises is the tool's error, as a raise in the call (it ended the worker)."""
+    _, tokenizer = tiny
+    calls = iter(["<calc>file</calc>", "<calc>object</calc>", "done$"])
+    engine = ToolEngine(ScriptedPolicy(tokenizer, lambda _: next(calls)), tokenizer, calculator, 5, 400)
+    (episode,) = engine.generate([encode(tokenizer, "Q: 2*3=")], 1, 100, 1.0)
+    text = tokenizer.decode([t for t, tool in zip(episode.token_ids, episode.tool_mask) if tool])
+    assert text == "<result>caf?.txt</result><result>error: ValueError: no text (calculator.py:24)</result>"
+    assert (episode.tool_calls, episode.tool_errors, episode.turns) == (2, 1, 3)
+
+
 def test_a_tool_that_returns_bytes_stops_the_run_naming_it(tiny, calculator):
     _, tokenizer = tiny
     engine = ToolEngine(ScriptedPolicy(tokenizer, lambda _: "<calc>bytes</calc>"), tokenizer, calculator, 5, 400)
@@ -169,6 +189,12 @@ def test_the_limits_turns_policy_tokens_and_the_whole_episode(tiny, calculator):
     assert (whole.finish_reason, len(whole.token_ids), whole.policy_length) == ("length", 40, 22)
     cut_output = run(max_turns=9, max_new_tokens=100, max_episode_tokens=20)  # the output itself is cut
     assert (cut_output.finish_reason, len(cut_output.token_ids), sum(cut_output.tool_mask)) == ("length", 20, 4)
+    last_token_call = run(max_turns=9, max_new_tokens=16, max_episode_tokens=200)  # the call took the last token
+    assert (last_token_call.finish_reason, last_token_call.tool_calls, sum(last_token_call.tool_mask)) == (
+        "length",
+        0,
+        0,
+    )
     metrics = StepMetrics()
     tools.record_tool_use(metrics, [last_turn_call, own_tokens, whole, cut_output], max_new_tokens=40)
     assert metrics.means["tools/turn_limit_rate"] == [1, 4] and metrics.means["tools/policy_limit_rate"] == [1, 4]
@@ -236,6 +262,8 @@ def test_a_chat_models_json_tool_call(tiny, tmp_path):
     assert outputs[1].startswith("error: the call is not a JSON object with a name (JSONDecodeError")
     assert outputs[2] == "error: no tool named 'search' (the tools: calc)"
     assert (episode.tool_calls, episode.tool_errors, episode.turns) == (3, 2, 4)
+    nested = engine._parse_call("<tool_call>" + "[" * 100_000, None)  # a policy repeating "[": json's recursion
+    assert nested[:2] == (None, None) and nested[2].startswith("the call is not a JSON object with a name (Recursion")
 
 
 def test_a_filter_along_the_response_skips_a_tool_output():
