@@ -59,8 +59,9 @@ def shared_flags(args) -> list[str]:
     if has("group_size"):
         problems += require(v["group_size"] >= 2, "--group-size", ">= 2 (advantages compare completions of one prompt)")
     if has("max_new_tokens", "task"):
-        least = MIN_NEW_TOKENS.get(v["task"], 1)
-        problems += require(v["max_new_tokens"] >= least, "--max-new-tokens", f">= {least} for {v['task']}")
+        for task in dict.fromkeys([v["task"], v.get("eval_task") or v["task"]]):  # a held-out task's answers too
+            least = MIN_NEW_TOKENS.get(task, 1)
+            problems += require(v["max_new_tokens"] >= least, "--max-new-tokens", f">= {least} for {task}")
     if has("temperature"):
         problems += require(0 < v["temperature"] < INFINITY, "--temperature", "> 0 and finite")
     if has("top_p"):
@@ -107,6 +108,10 @@ def shared_flags(args) -> list[str]:
         problems += require(v["micro_batch_size"] >= 1, "--micro-batch-size", ">= 1")
     if has("eval_every"):
         problems += require(v["eval_every"] >= 0, "--eval-every", ">= 0 (0: never)")
+    if has("task", "eval_task") and v["eval_task"]:  # the run's engine runs --task's tools, and only those
+        tools = [getattr(toolbox_of(v[name]), "path", None) for name in ("task", "eval_task")]
+        rule = "a task with the tools of --task (the run's engine runs those): another is scored by python -m "
+        problems += require(tools[0] == tools[1], "--eval-task", rule + "common.evaluate on a checkpoint")
     if has("eval_prompts"):
         problems += require(v["eval_prompts"] >= 1, "--eval-prompts", ">= 1")
     if has("eval_k"):

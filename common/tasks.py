@@ -14,6 +14,7 @@ common/task_files.py.
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import os
@@ -234,7 +235,7 @@ def _load_local_file(path: str, question_column: str, answer_column: str) -> lis
 
 def _check_json_lines(path: str) -> None:
     """Every non-blank line of a .jsonl file is one JSON object; else the error names the file, line and column."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:  # a byte-order mark is no part of line 1
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -267,7 +268,10 @@ def _rows_from_records(records, question, answer, where) -> list[Row]:
             what = f"question is a {type(q).__name__}" if not isinstance(q, str) else f"answer is a {type(a).__name__}"
             columns = " (a .json file of columns? one object per row: .jsonl)" if isinstance(q, list) else ""
             raise BadInput(f"{where}: row {index}'s {what}, not text{columns}: {_short(q if what[0] == 'q' else a)}")
-        rows.append(Row(str(q), str(a).strip()))
+        if isinstance(a, float) and not math.isfinite(a):
+            raise BadInput(f"{where}: row {index}'s answer is {a}, not a number any completion can equal")
+        # a float as written, never in exponent notation (5e-05), which no answer is compared with
+        rows.append(Row(str(q), format(decimal.Decimal(repr(a)), "f") if isinstance(a, float) else str(a).strip()))
     if not rows:
         raise BadInput(f"{where} has no rows")
     return rows
@@ -282,16 +286,20 @@ HELD_OUT_SHARE, HELD_OUT_MAX = 0.1, 500  # of a local task file evaluated on its
 
 
 def load_train_and_eval(
-    task: str, eval_task: str | None, question_column="question", answer_column="answer", verbose=True
+    task: str, eval_task: str | None, question_column="question", answer_column="answer", verbose=True, evaluated=True
 ):
     """(training rows, held-out rows). Named tasks: `task`'s train split and `eval_task`'s test split (`eval_task`
     defaults to `task`). A local file has no test split: as the held-out task too (no `eval_task`, or the same
-    file), a seeded 10% of its rows (at most 500, at least 1) is held out and never trains; a separate `eval_task`
-    file is held out whole. `verbose`: say which."""
+    file, however its path is written), a seeded 10% of its rows (at most 500, at least 1) is held out and never
+    trains; a separate `eval_task` file is held out whole. `verbose`: say which. Not `evaluated` (--eval-every 0):
+    no held-out rows are loaded (a task without a test split trains), but a local file still holds its 10% out."""
     columns = (question_column, answer_column)
     eval_task = eval_task or task
     train = load_task(task, "train", *columns)
-    if eval_task != task or os.path.splitext(task)[1].lower() not in LOCAL_FORMATS:
+    local = os.path.splitext(task)[1].lower() in LOCAL_FORMATS
+    if not evaluated and not local:
+        return train, []
+    if not same_task(eval_task, task) or not local:
         held_out = load_task(eval_task, "test", *columns)
         if verbose and os.path.splitext(eval_task)[1].lower() in LOCAL_FORMATS:
             print(f"held-out prompts: all {len(held_out)} rows of {eval_task}", file=sys.stderr)
@@ -307,6 +315,14 @@ def load_train_and_eval(
             file=sys.stderr,
         )
     return [r for i, r in enumerate(train) if i not in chosen], [r for i, r in enumerate(train) if i in chosen]
+
+
+def same_task(one: str, other: str) -> bool:
+    """Whether two --task values name the same task: a local file by its real path (d.jsonl, ./d.jsonl, /x/d.jsonl)."""
+    if one == other:
+        return True
+    local = [os.path.splitext(t)[1].lower() in LOCAL_FORMATS for t in (one, other)]
+    return all(local) and os.path.realpath(one) == os.path.realpath(other)
 
 
 def sample_batch(num_rows: int, step: int, batch_size: int, seed: int) -> list[int]:
@@ -416,7 +432,8 @@ def load_prompts(model, tokenizer, task, max_prompt_tokens, max_new_tokens, task
     prompt_limit = prompt_token_limit(model, max_prompt_tokens, max_new_tokens, new_tokens)
     columns, template = (task_format.question_column, task_format.answer_column), task_format.chat_template
     eval_task = evaluation.eval_task or task
-    train_rows, eval_rows = load_train_and_eval(task, eval_task, *columns, verbose=verbose)
+    evaluated = bool(evaluation.eval_every)
+    train_rows, eval_rows = load_train_and_eval(task, eval_task, *columns, verbose=verbose, evaluated=evaluated)
     train_rows, prompts = encode_prompts(train_rows, tokenizer, task, template, prompt_limit, verbose)
     eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, template, prompt_limit, verbose)[0]
     return RunPrompts(

@@ -14,6 +14,7 @@ from helpers import ALGORITHMS, only_run_dir, run_script
 
 from common import checks, flags, tasks
 from common.errors import BadInput
+from common.scoring import score
 from common.tiny import resolve_model
 
 NAN = math.nan
@@ -53,6 +54,9 @@ SHARED_CASES = [
     ({"max_prompt_tokens": 0}, "--max-prompt-tokens must be >= 1"),
     ({"max_new_tokens": 0}, "--max-new-tokens must be >= 1"),
     ({"task": "sums", "max_new_tokens": 16}, "--max-new-tokens must be >= 41 for sums"),
+    ({"eval_task": "sums", "max_new_tokens": 16}, "--max-new-tokens must be >= 41 for sums"),  # held out: cut short
+    ({"eval_task": "products", "max_new_tokens": 30}, "--eval-task must be a task with the tools of --task"),
+    ({"task": "products", "eval_task": "arith"}, "--eval-task must be a task with the tools of --task"),
     ({"overlong_buffer": 16}, "--overlong-buffer must be in [0, --max-new-tokens)"),
     ({"max_sampling_rounds": 0}, "--max-sampling-rounds must be >= 1"),
     ({"num_minibatches": 0}, "--num-minibatches must be in [1, 16] (the rollouts of a rank)"),
@@ -285,12 +289,38 @@ def test_a_local_task_file_holds_out_a_seeded_tenth_that_never_trains(tmp_path, 
     train, held_out = tasks.load_train_and_eval(str(path), None)
     assert len(held_out) == 5 and len(train) == 45 and not set(train) & set(held_out)
     assert tasks.load_train_and_eval(str(path), str(path)) == (train, held_out)  # the same file named twice
+    for spelling in (str(tmp_path / "." / "my.jsonl"), os.path.relpath(path)):  # however its path is written
+        assert tasks.load_train_and_eval(str(path), spelling) == (train, held_out)
+    assert tasks.load_train_and_eval(str(path), None, evaluated=False)[0] == train  # --eval-every 0: the same 90%
     assert "5 of the 50 rows" in capsys.readouterr().err
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"question": "x", "answer": "1"}) + "\n")
     train, held_out = tasks.load_train_and_eval(str(path), str(other))
     assert len(train) == 50 and len(held_out) == 1  # a separate held-out file: all of it, and all of the task trains
     assert tasks.load_train_and_eval("arith", None)[1] == tasks.load_task("arith", "test")  # named tasks: test split
+
+
+def test_a_task_without_a_test_split_trains_when_nothing_is_evaluated(monkeypatch):
+    """--eval-every 0 loads no held-out rows: dapo_math (a train split only) could not run at all, as --eval-task is
+    refused there (it does nothing)."""
+    loaded = []
+    monkeypatch.setattr(tasks, "load_task", lambda task, split, *columns: loaded.append(split) or [tasks.Row("q", "1")])
+    assert tasks.load_train_and_eval("dapo_math", None, evaluated=False) == ([tasks.Row("q", "1")], [])
+    assert loaded == ["train"]
+
+
+def test_a_data_file_with_a_byte_order_mark_and_float_answers(tmp_path):
+    """A .jsonl saved with a BOM (Windows editors) reads as any other; a float answer is written as a number is,
+    never in exponent notation (5e-05, which no answer is compared with); a NaN answer is refused."""
+    path = tmp_path / "bom.jsonl"
+    records = [{"question": "a", "answer": 5e-05}, {"question": "b", "answer": 1e16}, {"question": "c", "answer": 2.5}]
+    path.write_text("\ufeff" + "".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    rows = tasks.load_task(str(path), "train")
+    assert [r.answer for r in rows] == ["0.00005", "10000000000000000", "2.5"]
+    assert score("\\boxed{0.00005}", rows[0].answer, str(path)).correct
+    path.write_text('{"question": "a", "answer": NaN}\n')
+    with pytest.raises(BadInput, match="row 0's answer is nan, not a number any completion can equal"):
+        tasks.load_task(str(path), "train")
 
 
 def test_prompts_left_out_by_the_length_limit_are_counted(tiny, capsys):
