@@ -67,20 +67,17 @@ _THOUSANDS_GROUPED = re.compile(r"^[-+]?\d{1,3}(,\d{3})+(\.\d*)?$")  # 1,000 or 
 def extract_answer(text: str, bare: bool = False) -> str | None:
     """The final answer in a completion, or None. `bare`: the completion is the answer itself
     (the built-in task), used when no marker is present."""
-    for found in (extract_boxed(text), _last_match(_HASH_ANSWER, text), _last_match(_ANSWER_LINE, text)):
+    # a \boxed{} first; else the last of the `#### x` and `Answer: x` lines (a "#### Step 2" heading before a final
+    # "Answer: 5" is no answer)
+    marked = max(
+        (m for p in (_HASH_ANSWER, _ANSWER_LINE) for m in p.finditer(text)), key=lambda m: m.start(), default=None
+    )
+    for found in (extract_boxed(text), marked and marked.group(1)):
         if found:
             return found.strip().rstrip(".").strip("$ ")
     if bare and text.strip():
         return text.strip()
     return None
-
-
-def _last_match(pattern: re.Pattern, text: str) -> str | None:
-    matches = pattern.findall(text)
-    if not matches:
-        return None
-    last = matches[-1]
-    return last if isinstance(last, str) else last[0]
 
 
 def _as_number(text: str) -> Fraction | None:

@@ -43,6 +43,9 @@ def check_answer(completion, gold):
         ("\\boxed{\\frac{1}{2", None),  # unbalanced: malformed
         ("We get 70.\n#### 72", "72"),
         ("Answer: 5\nsome more text\nanswer: 7", "7"),
+        ("#### Step 1: add\n2+3=5\n#### Step 2: check\nok\nAnswer: 5", "5"),  # markdown headings, then the answer
+        ("Answer: 4\n#### 5", "5"),  # whichever marker comes last
+        ("#### Final answer\n\\boxed{6}", "6"),  # a box first
         ("no marker at all 42", None),
         ("", None),
     ],
