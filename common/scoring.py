@@ -44,18 +44,26 @@ class Score:
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}), with nested braces matched."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    """Content of the last \\boxed{...} (or \\fbox{...}), with nested braces matched; of `\\boxed 2` (TeX's argument
+    of one token, as some MATH solutions write it), that token."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
-    position = text.index("{", start) + 1
-    depth, content_start = 1, position
-    while position < len(text):
-        depth += {"{": 1, "}": -1}.get(text[position], 0)
+    after = text[start + len("\\boxed" if text.startswith("\\boxed", start) else "\\fbox") :]
+    argument = after.lstrip()
+    if not argument.startswith("{"):
+        token = _ONE_TOKEN.match(argument) if len(argument) < len(after) else None  # `\boxed2` is no box
+        return token.group(0) if token else None
+    depth, position = 1, 1
+    while position < len(argument):
+        depth += {"{": 1, "}": -1}.get(argument[position], 0)
         if depth == 0:
-            return text[content_start:position].strip()
+            return argument[1:position].strip()
         position += 1
     return None  # unbalanced braces: malformed, no answer
+
+
+_ONE_TOKEN = re.compile(r"\\[A-Za-z]+|[^\s{}$\\]")  # a control sequence (\pi) or one character
 
 
 _HASH_ANSWER = re.compile(r"####\s*([^\n]+)")

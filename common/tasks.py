@@ -55,7 +55,7 @@ class HubTask:
 def _last_boxed_or_raise(solution: str) -> str:
     boxed = extract_boxed(solution)
     if boxed is None:
-        raise ValueError(f"no \\boxed{{}} answer in a MATH solution: {solution[-200:]!r}")
+        raise BadInput(f"no \\boxed{{}} answer in a MATH solution: {solution[-200:]!r}")
     return boxed
 
 

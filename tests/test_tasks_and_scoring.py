@@ -11,6 +11,7 @@ import pytest
 from helpers import REPO
 
 from common import scoring, tasks
+from common.errors import BadInput
 from common.scoring import Score, extract_answer, extract_boxed, score
 from common.tasks import (
     HUB_TASKS,
@@ -41,6 +42,10 @@ def check_answer(completion, gold):
         ("first \\boxed{3} then \\boxed{4}", "4"),  # the last box wins
         ("\\boxed{\\{1, 2\\} \\cup \\{3\\}}", "\\{1, 2\\} \\cup \\{3\\}"),  # nested braces
         ("\\boxed{\\frac{1}{2", None),  # unbalanced: malformed
+        ("our answer is $\\boxed 2$.", "2"),  # TeX's one-token argument (as in some MATH solutions)
+        ("\\boxed \\pi", "\\pi"),
+        ("\\boxed {7}", "7"),
+        ("\\boxed2", None),  # no such command
         ("We get 70.\n#### 72", "72"),
         ("Answer: 5\nsome more text\nanswer: 7", "7"),
         ("#### Step 1: add\n2+3=5\n#### Step 2: check\nok\nAnswer: 5", "5"),  # markdown headings, then the answer
@@ -305,6 +310,13 @@ def test_hub_task_errors(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_list([{"q": "x"}]))
     with pytest.raises(ValueError, match=r"dataset openai/gsm8k has no column\(s\) \['question', 'answer'\]"):
         load_task("gsm8k", "train")
+
+    solutions = [{"problem": "P", "solution": "so $\\boxed 2$."}, {"problem": "Q", "solution": "no box"}]
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_list(solutions[:1]))
+    assert load_task("math", "train") == [Row("P", "2")]  # TeX's one-token argument, as in some MATH solutions
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_list(solutions))
+    with pytest.raises(BadInput, match="no .boxed.. answer in a MATH solution: 'no box'"):  # not a traceback
+        load_task("math", "train")
 
     def offline(*args, **kwargs):
         raise ConnectionError("hub unreachable")
