@@ -182,7 +182,8 @@ class Args:
 def conflict_masks(response_ids, response_mask, advantages, group_size):
     """Conflict spans M^fw, M^bw [B, T] (bool, §5.1) of right-padded completions;
     i*G..(i+1)*G-1 form group i. With tools, the spans run along each completion's own tokens:
-    a tool's output is skipped, as if absent."""
+    a tool's output is skipped, as if absent. A completion that does not train (cut off under
+    --mask-truncated) shares no token: with no gradient, it has no side to balance."""
     order = policy_first(response_mask)  # the identity without tools
     response_ids, response_mask = response_ids.gather(1, order), response_mask.gather(1, order)
     valid = response_mask.bool()
