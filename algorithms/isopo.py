@@ -508,8 +508,10 @@ class IsopoGradients:
         # one copy of g, pads masked
         g, a = g.to(dtype, copy=True).mul_(valid[..., None]), a.to(dtype)
         weights = micro["weights"].to(dtype)
-        # statistics per layer group (q_proj, ..., lm_head), over its layers
-        group = name.rsplit(".", 1)[-1]
+        # statistics per layer group (q_proj, ..., lm_head; LoRA: q_proj.lora_A, ...), over its
+        # layers; peft's last part of a name is the adapter's (default)
+        parts = name.split(".")
+        group = ".".join(parts[-3:-1]) if parts[-2:-1] in (["lora_A"], ["lora_B"]) else parts[-1]
         module = self.modules[name]
         coefficients, size = [], self.args.block_size
         with torch.no_grad():
@@ -891,6 +893,12 @@ def check_args(args: Args) -> None:
         args.block_size < 1 or args.micro_batch_size % args.block_size == 0,
         "--micro-batch-size",
         "a multiple of --block-size",
+    )
+    prompts = args.prompts_per_step // checks.world_size()  # a rank's
+    problems += require(
+        args.num_minibatches < 1 or prompts % args.num_minibatches == 0,
+        "--num-minibatches",
+        f"a divisor of the {prompts} prompts of a rank: its blocks are cut from whole groups",
     )
     problems += require(math.isfinite(args.p), "--p", "a finite number")
     problems += require(math.isfinite(args.q), "--q", "a finite number")

@@ -435,7 +435,7 @@ def load_prompts(model, tokenizer, task, max_prompt_tokens, max_new_tokens, task
     evaluated = bool(evaluation.eval_every)
     train_rows, eval_rows = load_train_and_eval(task, eval_task, *columns, verbose=verbose, evaluated=evaluated)
     train_rows, prompts = encode_prompts(train_rows, tokenizer, task, template, prompt_limit, verbose)
-    eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, template, prompt_limit, verbose)[0]
+    eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, template, prompt_limit, verbose)[0] if eval_rows else []
     return RunPrompts(
         train_rows, prompts, eval_rows[: evaluation.eval_prompts], eval_task, template, prompt_limit + new_tokens
     )

@@ -140,6 +140,7 @@ METHOD_CASES = {
         ({"variant": "interacting", "p": -2.0}, "--p applies to --variant non-interacting only"),
         ({"ntk_reg_coef": 2.0}, "--ntk-reg-coef applies to --variant interacting only"),
         ({"micro_batch_size": 12}, "--micro-batch-size must be a multiple of --block-size"),
+        ({"num_minibatches": 3}, "--num-minibatches must be a divisor of the 4 prompts of a rank"),  # whole groups
         ({"block_size": 0}, "--block-size must be >= 1"),  # was a ZeroDivisionError in the checks
         ({"n_overlap": 0}, "--n-overlap must be >= 1"),
         ({"variant": "interacting", "ntk_reg_coef": 0.0}, "--ntk-reg-coef must be > 0"),

@@ -855,6 +855,32 @@ def test_non_interacting_statistics_are_logged(float64_logprobs):
     assert _recorded(isopo_gradients) == {}  # the next step's statistics start afresh
 
 
+def test_lora_statistics_are_logged_per_adapter_matrix():
+    """With LoRA each adapter's A and B is normalized in its own Fisher metric, and logged under its own group
+    (q_proj.lora_A, ...): peft names the module by its adapter (default), under which every group was merged."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.tracking import StepMetrics
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    adapters = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = get_peft_model(LlamaForCausalLM(config), adapters)
+    isopo_gradients = isopo.IsopoGradients(model, make_args(block_size=4))
+    ids = torch.randint(0, 32, (4, 6))
+    with isopo_gradients.capture(torch.ones_like(ids), torch.tensor([1.0, -1.0, 0.5, -0.5])):
+        logits = model(input_ids=ids).logits[:, :-1]
+        isopo_gradients.backward(torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).sum())
+    metrics = StepMetrics()
+    isopo_gradients.record(metrics)
+    groups = {key.split("/")[1] for key in metrics.reduce()}
+    assert groups == {"q_proj.lora_A", "q_proj.lora_B", "v_proj.lora_A", "v_proj.lora_B"}
+
+
 def test_interacting_statistics_are_logged_and_the_trailing_eigenvalue_sets_c(float64_logprobs):
     """isopo/<layer>/ntk_eig_mean (the mean of the K_ii = ‖v_i‖²), ntk_eig_max (the largest eigenvalue of any block's
     K), ntk_reg (c per block) and shrink (‖c (K + cI)⁻¹A‖/‖A‖ per block; NaN, left out, for the block whose only A_i
