@@ -80,7 +80,7 @@ def load_policy(model: str, checkpoint: str | None, systems, compute_dtype: torc
                 file=sys.stderr,
             )
         policy = PeftModel.from_pretrained(base, checkpoint, is_trainable=True)
-        policy.peft_config[ADAPTER].base_model_name_or_path = model  # the base it now runs on (and is saved with)
+        policy.peft_config[ADAPTER].base_model_name_or_path = _where(model)  # the base it now runs on (saved with)
         return policy
     targets = list(systems.lora_target_modules)
     config = LoraConfig(
@@ -107,7 +107,13 @@ def load_policy(model: str, checkpoint: str | None, systems, compute_dtype: torc
             raise BadInput(
                 f"--lora-target-modules: {base_name(name)} is a {layer}; adapters go on nn.Linear layers only"
             )
+    policy.peft_config[ADAPTER].base_model_name_or_path = _where(model)  # saved in its checkpoints' adapter config
     return policy
+
+
+def _where(model: str) -> str:
+    """A local base model's absolute path (an adapter checkpoint is loaded from any folder), or a hub id as it is."""
+    return os.path.abspath(model) if os.path.isdir(model) else model
 
 
 def check_targets(model: str, rank: int, targets: list[str]) -> None:

@@ -696,6 +696,10 @@ def make_engine(
         routing=routing,
         float32_head=float32_head,
     )
+    if not engine.shares_trainer_weights and adapters.is_adapted(model) and adapters.has_trained(model):
+        # a resumed adapter merged as every later push merges it (in float32): the copy's merge_and_unload added
+        # B·A to a bfloat16 W in bfloat16 (4.8e-4 apart), so a resumed run's first rollouts were not exact
+        engine.load_weights(adapters.merged_weights(model, lambda tensor, dtype: tensor.detach().to(dtype=dtype)))
     if device is not None:
         engine.model.to(device)
     return engine

@@ -76,6 +76,25 @@ def test_the_shared_engine_runs_the_adapters_and_a_copy_is_merged(tiny, tiny_dir
     assert to_adapted < 0.05 and to_base > 5 * to_adapted, (to_adapted, to_base)  # bf16 rounding, not a lost adapter
 
 
+def test_a_resumed_adapters_engine_copy_is_merged_as_every_push_is(tiny, tiny_dir):
+    """A bfloat16 frozen base with a float32 engine copy (--dtype bfloat16 --engine-dtype float32), the adapter
+    trained (a resume): the copy starts from W + (α/r)·B·A merged in float32, exactly as each later push; peft's
+    merge_and_unload adds B·A to the bfloat16 W in bfloat16, 4.8e-4 away."""
+    from common.engines import make_engine
+
+    _, tokenizer = tiny
+    systems = Systems(lora_rank=4, lora_alpha=8.0)
+    policy = adapters.load_policy(tiny_dir, None, systems, torch.bfloat16)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if ".lora_B." in name:
+                parameter.normal_(0, 0.02)
+    engine = make_engine("hf", policy, tokenizer, dtype="float32", share_weights=False)
+    pushed = dict(adapters.merged_weights(policy, lambda tensor, dtype: tensor.detach().to(dtype=dtype), torch.float32))
+    own = dict(engine.model.named_parameters())
+    assert all(torch.equal(own[name], pushed[name]) for name in own), "the copy is not the push's merge"
+
+
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_only_the_adapters_train(name, tiny, tiny_dir):
     """One update of each method, with AdamW over the parameters that require a gradient (as main() builds it): every
@@ -109,6 +128,15 @@ def test_bad_target_modules_are_named_with_the_models_layers(tiny_dir):
     systems.lora_target_modules = ("q_proj", "embed_tokens")  # peft adapts embeddings too; the push merges Linear only
     with pytest.raises(BadInput, match="model.embed_tokens is a Embedding; adapters go on nn.Linear layers only"):
         adapters.load_policy(tiny_dir, None, systems)
+
+
+def test_an_adapter_checkpoint_names_its_local_base_by_its_absolute_path(tiny_dir, tmp_path, monkeypatch):
+    """--model given relative to the folder the run starts in: the checkpoint's adapter_config.json names the base's
+    absolute path, so common.evaluate (or peft) loads it from any folder; a relative one was taken for a hub id."""
+    monkeypatch.chdir(os.path.dirname(tiny_dir))
+    policy = adapters.load_policy(os.path.basename(tiny_dir), None, Systems(lora_rank=4))
+    policy.save_pretrained(tmp_path / "adapter")
+    assert adapters.base_of(str(tmp_path / "adapter")) == os.path.abspath(tiny_dir)
 
 
 def test_an_adapter_is_not_a_model_to_train_from(tmp_path):
