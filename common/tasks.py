@@ -290,9 +290,10 @@ def load_train_and_eval(
 ):
     """(training rows, held-out rows). Named tasks: `task`'s train split and `eval_task`'s test split (`eval_task`
     defaults to `task`). A local file has no test split: as the held-out task too (no `eval_task`, or the same
-    file, however its path is written), a seeded 10% of its rows (at most 500, at least 1) is held out and never
-    trains; a separate `eval_task` file is held out whole. `verbose`: say which. Not `evaluated` (--eval-every 0):
-    no held-out rows are loaded (a task without a test split trains), but a local file still holds its 10% out."""
+    file, however its path is written), a seeded 10% of its distinct questions (at most 500, at least 1) is held
+    out with all their rows and never trains; a separate `eval_task` file is held out whole. `verbose`: say which.
+    Not `evaluated` (--eval-every 0): no held-out rows are loaded (a task without a test split trains), but a
+    local file still holds its 10% out."""
     columns = (question_column, answer_column)
     eval_task = eval_task or task
     train = load_task(task, "train", *columns)
@@ -304,17 +305,25 @@ def load_train_and_eval(
         if verbose and os.path.splitext(eval_task)[1].lower() in LOCAL_FORMATS:
             print(f"held-out prompts: all {len(held_out)} rows of {eval_task}", file=sys.stderr)
         return train, held_out
-    if len(train) < 2:
-        raise BadInput(f"task file {task} has {len(train)} row: too few to hold some out; give --eval-task a file")
-    count = min(HELD_OUT_MAX, max(1, round(HELD_OUT_SHARE * len(train))))
-    chosen = set(random.Random(f"held-out/{len(train)}").sample(range(len(train)), count))
+    # The split is drawn over distinct questions, so that a question a file repeats is held out with every copy
+    # (a copy left to train would make its held-out accuracy a memory test); without repeats, one row each.
+    questions = list(dict.fromkeys(r.question for r in train))
+    if len(questions) < 2:
+        raise BadInput(
+            f"task file {task} has {len(questions)} distinct question: too few to hold some out; "
+            "give --eval-task a file"
+        )
+    count = min(HELD_OUT_MAX, max(1, round(HELD_OUT_SHARE * len(questions))))
+    chosen = {questions[i] for i in random.Random(f"held-out/{len(questions)}").sample(range(len(questions)), count)}
+    held_out = [r for r in train if r.question in chosen]
     if verbose:
+        repeats = f" ({len(held_out)} rows: the file repeats some)" if len(held_out) > count else ""
         print(
-            f"held-out prompts: {count} of the {len(train)} rows of {task} (seeded; they never train); "
-            "--eval-task FILE evaluates on another file",
+            f"held-out prompts: {count} of the {len(questions)} questions of {task}{repeats} (seeded; they never "
+            "train); --eval-task FILE evaluates on another file",
             file=sys.stderr,
         )
-    return [r for i, r in enumerate(train) if i not in chosen], [r for i, r in enumerate(train) if i in chosen]
+    return [r for r in train if r.question not in chosen], held_out
 
 
 def same_task(one: str, other: str) -> bool:

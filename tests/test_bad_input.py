@@ -6,6 +6,7 @@ import importlib
 import json
 import math
 import os
+import random
 import shutil
 
 import pytest
@@ -293,7 +294,20 @@ def test_a_local_task_file_holds_out_a_seeded_tenth_that_never_trains(tmp_path, 
     for spelling in (str(tmp_path / "." / "my.jsonl"), os.path.relpath(path)):  # however its path is written
         assert tasks.load_train_and_eval(str(path), spelling) == (train, held_out)
     assert tasks.load_train_and_eval(str(path), None, evaluated=False)[0] == train  # --eval-every 0: the same 90%
-    assert "5 of the 50 rows" in capsys.readouterr().err
+    assert "5 of the 50 questions" in capsys.readouterr().err
+    # a file without repeats is split as it always was: one row per question, the same seeded sample
+    assert {int(r.answer) for r in held_out} == set(random.Random("held-out/50").sample(range(50), 5))
+    # A question the file repeats (scraped data often does) is held out with every copy or trains with every copy:
+    # the rows of a question on both sides would make its held-out accuracy a memory test.
+    repeats = tmp_path / "repeats.jsonl"
+    repeats.write_text("".join(json.dumps({"question": f"q{i % 20}", "answer": str(i % 20)}) + "\n" for i in range(60)))
+    repeated_train, repeated_held_out = tasks.load_train_and_eval(str(repeats), None)
+    assert len(repeated_held_out) == 6 and len(repeated_train) == 54  # 2 of the 20 questions, 3 copies each
+    assert not {r.question for r in repeated_train} & {r.question for r in repeated_held_out}
+    assert "2 of the 20 questions of" in capsys.readouterr().err
+    repeats.write_text(2 * (json.dumps({"question": "q", "answer": "1"}) + "\n"))
+    with pytest.raises(BadInput, match="1 distinct question: too few to hold some out"):
+        tasks.load_train_and_eval(str(repeats), None)
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"question": "x", "answer": "1"}) + "\n")
     train, held_out = tasks.load_train_and_eval(str(path), str(other))
