@@ -3,7 +3,8 @@
     metrics = evaluate(engine, tokenizer, rows, task="arith", k=4, max_new_tokens=16)
 
 As a command, it scores any checkpoint folder or Hugging Face model on a task's test split (a
-local data file's held-out rows: the seeded 10% that training on the file holds out):
+local data file's held-out rows: the seeded 10% that training on the file holds out; with --whole-file,
+every row, as a run given the file as --eval-task scored it):
 
     python -m common.evaluate --model runs/<run>/checkpoints/step_00000060 --task arith --k 16
     python -m common.evaluate --model Qwen/Qwen2.5-Math-1.5B --task aime24 --k 16 --max-new-tokens 4096 --engine vllm
@@ -115,6 +116,8 @@ class EvalArgs:
     task: str = "arith"
     """task whose test split is scored (as in the training scripts' --task); a local data file has
     none: its held-out rows are, the seeded 10% a training run on it never trains on"""
+    whole_file: bool = False
+    """a local data file: score every row, as a training run scores a file it was given as --eval-task"""
     k: int = 16
     """samples per prompt for avg@k and pass@j (j = 1, 2, 4, ... up to k)"""
     prompts: int = 0
@@ -160,15 +163,21 @@ def main() -> None:
     problems = checks.require(args.k >= 1, "--k", ">= 1")
     problems += checks.require(args.prompts >= 0, "--prompts", ">= 0 (0: all)")
     problems += checks.shared_flags(args) + checks.vllm_install_problems(args.engine, "--engine")
-    checks.refuse(problems)
     torch.manual_seed(args.seed)
     columns = args.question_column, args.answer_column
-    if checks.is_data_file(args.task):  # no test split: the seeded 10% a training run holds out
+    problems += checks.require(
+        not args.whole_file or checks.is_data_file(args.task), "--whole-file", "used with a local data file as --task"
+    )
+    checks.refuse(problems)
+    if args.whole_file:  # a file held out whole (a training run's --eval-task FILE)
+        rows, split = load_task(args.task, "train", *columns), "all rows"
+    elif checks.is_data_file(args.task):  # no test split: the seeded 10% a training run holds out
         rows, split = load_train_and_eval(args.task, None, *columns)[1], "held-out"
     else:
         rows, split = load_task(args.task, "test", *columns), "test"
     rows = rows[: args.prompts or None]
-    print(f"scoring {len(rows)} prompts of the {split} split of {args.task}", file=sys.stderr)
+    where = "all rows" if args.whole_file else f"the {split} split"
+    print(f"scoring {len(rows)} prompts of {where} of {args.task}", file=sys.stderr)
     path = resolve_model(args.model, args.task, adapter=True)  # a --lora-rank checkpoint too
     adapter = adapters.is_adapter_folder(path)  # a --lora-rank checkpoint: base and adapter, merged
     base = adapters.existing_base(path) if adapter else path  # a base moved since the run: named

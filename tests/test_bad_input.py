@@ -594,6 +594,13 @@ def test_evaluate_scores_a_data_files_held_out_rows_and_says_so(tmp_path, monkey
     held_out = tasks.load_train_and_eval(str(path), None, verbose=False)[1]
     assert scored == held_out and len(scored) == 4 and result["split"] == "held-out" and result["prompts"] == 4
     assert f"scoring 4 prompts of the held-out split of {path}" in err
+    # a file a training run was given as --eval-task, which it held out whole: every row
+    scored.clear()
+    result, err = _evaluate(monkeypatch, capsys, "--task", path, "--whole-file", "--engine", "hf", "--k", 1)
+    assert scored == tasks.load_task(str(path), "train") and result["split"] == "all rows" and result["prompts"] == 40
+    assert f"scoring 40 prompts of all rows of {path}" in err
+    error = _evaluate(monkeypatch, capsys, "--task", "arith", "--whole-file")
+    assert isinstance(error, BadInput) and "--whole-file must be used with a local data file as --task" in str(error)
 
 
 def test_evaluate_names_the_base_a_lora_checkpoint_needs(tmp_path, monkeypatch, capsys):
