@@ -252,10 +252,22 @@ def existing_base(path: str) -> str:
     return base
 
 
+def base_dtype(model) -> str:
+    """The dtype the adapted `model` holds its frozen base in ("bfloat16" under --dtype bfloat16): a checkpoint
+    records it, since the adapter was trained over that rounding of the base, not over the weights on disk."""
+    return str(next(p.dtype for p in model.parameters() if not p.requires_grad)).removeprefix("torch.")
+
+
 def load_merged(path: str):
-    """A plain float32 model: the base named in the adapter folder `path` with the adapter merged into it."""
+    """A plain float32 model: the base named in the adapter folder `path`, rounded as the run held it (a
+    checkpoint's trainer_state.pt says how), with the adapter merged into it in float32, as merged_weights does."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(existing_base(path), dtype=torch.float32)
+    from common.checks import read_checkpoint_file
+
+    held = "float32"  # a bare adapter folder, or a checkpoint of a run that held its base in float32
+    if os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        held = read_checkpoint_file(path, "trainer_state.pt").get("base_dtype", held)
+    base = AutoModelForCausalLM.from_pretrained(existing_base(path), dtype=getattr(torch, held)).float()
     return PeftModel.from_pretrained(base, path).merge_and_unload()

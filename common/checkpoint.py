@@ -69,6 +69,8 @@ def save_checkpoint(
     own (rollouts_rank{rank}.pt)."""
     trainer_state = {"step": step, **trainer_state, "scheduler": scheduler.state_dict()}
     trainer_state["loss_scale"] = scaler.state_dict()  # {} unless float16
+    if adapters.is_adapted(model):  # what the adapter was trained over: common.evaluate merges it onto the same
+        trainer_state["base_dtype"] = adapters.base_dtype(model)
     with _writing_a_checkpoint():  # a second Ctrl-C waits for the write
         return _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist, checkpoints)
 

@@ -95,6 +95,34 @@ def test_a_resumed_adapters_engine_copy_is_merged_as_every_push_is(tiny, tiny_di
     assert all(torch.equal(own[name], pushed[name]) for name in own), "the copy is not the push's merge"
 
 
+def test_a_bfloat16_runs_checkpoint_is_merged_onto_the_base_it_trained_over(tiny, tiny_dir, tmp_path):
+    """--lora-rank --dtype bfloat16 over a base stored in float32 (as the built-in models are): the adapter trained
+    over the base's bfloat16 rounding, so the merge of its checkpoint (adapters.load_merged, common.evaluate's) is
+    onto that rounding, as every push to the run's engine was; onto the weights on disk it was 3.9e-3 away."""
+    from helpers import one_process
+
+    from common.checkpoint import save_checkpoint
+
+    _, tokenizer = tiny
+    policy = adapters.load_policy(tiny_dir, None, Systems(lora_rank=4, lora_alpha=8.0), torch.bfloat16)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if ".lora_B." in name:
+                parameter.normal_(0, 0.02)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    checkpoints = flags.Checkpoints()
+    folder = save_checkpoint(
+        tmp_path, 1, policy, tokenizer, optimizer, scheduler, scaler, {}, one_process(), checkpoints
+    )
+    merged = dict(adapters.load_merged(folder).named_parameters())
+    pushed = dict(adapters.merged_weights(policy, lambda tensor, dtype: tensor.detach().to(dtype=dtype), torch.float32))
+    assert set(merged) <= set(pushed) and any(".q_proj." in name for name in merged)
+    for name, weight in merged.items():
+        torch.testing.assert_close(weight, pushed[name], rtol=0, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_only_the_adapters_train(name, tiny, tiny_dir):
     """One update of each method, with AdamW over the parameters that require a gradient (as main() builds it): every
