@@ -550,8 +550,8 @@ class IsopoGradients:
             # (Eq. 6), ‖v_i‖, ‖v_i‖_F/‖v_i‖
             metric = {"fisher": "fisher_norm", "euclid": "euclid_norm", "rel": "rel_fisher_norm"}[key]
             self._log(group, metric, x[trains])
-            # λ·E[x²], added under reg2's root
-            self._log(group, f"reg_{key}", args.reg_coef * expectations[key])
+            # λ·E[x²], under reg2's root (no trailing mean yet: each training block's own)
+            self._log(group, f"reg_{key}", args.reg_coef * (own[trains.any(1)] if trailing is None else trailing))
         scales = sequence_scales(quantities, args.p, args.q, args.r, args.reg_coef, expectations, args.reg_form)
         # scale_mean, scale_min, scale_max: of the sequence scales s_i (Fig. 3)
         for how in ("mean", "min", "max"):
@@ -582,7 +582,8 @@ class IsopoGradients:
         # mean and largest eigenvalue of the blocks' NTK K
         self._log(group, "ntk_eig_mean", diagonal[trains])
         self._log(group, "ntk_eig_max", eigenvalues, how="max")
-        self._log(group, "ntk_reg", c)  # c = --ntk-reg-coef × E[mean eig K]
+        # c = --ntk-reg-coef × E[mean eig K] (before a trailing mean: each training block's own)
+        self._log(group, "ntk_reg", c[trains.any(1)] if trailing is None else c)
         # ‖c (K + cI)⁻¹ A‖ / ‖A‖ per block: 1 = vanilla policy gradient, → 0 = damped; NaN
         # (left out) when every A_i = 0
         c = torch.as_tensor(c, device=K.device).reshape(-1, 1).expand(len(K), 1)  # one per block

@@ -258,16 +258,11 @@ def base_dtype(model) -> str:
     return str(next(p.dtype for p in model.parameters() if not p.requires_grad)).removeprefix("torch.")
 
 
-def load_merged(path: str):
-    """A plain float32 model: the base named in the adapter folder `path`, rounded as the run held it (a
-    checkpoint's trainer_state.pt says how), with the adapter merged into it in float32, as merged_weights does."""
+def load_merged(path: str, base_dtype: str = "float32"):
+    """A plain float32 model: the base named in the adapter folder `path`, rounded to `base_dtype` (the dtype its run
+    held it in: checks.base_dtype_of), with the adapter merged into it in float32, as merged_weights does."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from common.checks import read_checkpoint_file
-
-    held = "float32"  # a bare adapter folder, or a checkpoint of a run that held its base in float32
-    if os.path.isfile(os.path.join(path, "trainer_state.pt")):
-        held = read_checkpoint_file(path, "trainer_state.pt").get("base_dtype", held)
-    base = AutoModelForCausalLM.from_pretrained(existing_base(path), dtype=getattr(torch, held)).float()
+    base = AutoModelForCausalLM.from_pretrained(existing_base(path), dtype=getattr(torch, base_dtype)).float()
     return PeftModel.from_pretrained(base, path).merge_and_unload()

@@ -487,6 +487,14 @@ def read_checkpoint_file(checkpoint: str, name: str):
         raise damaged(checkpoint, name, error) from None
 
 
+def base_dtype_of(checkpoint: str) -> str:
+    """The dtype the run of an adapter checkpoint held its frozen base in (save_checkpoint records it); float32 for a
+    bare adapter folder."""
+    if not os.path.isfile(os.path.join(checkpoint, "trainer_state.pt")):
+        return "float32"
+    return read_checkpoint_file(checkpoint, "trainer_state.pt").get("base_dtype", "float32")
+
+
 def check_checkpoint_files(checkpoint: str, weights_only: bool = False) -> None:
     """Open every file of a checkpoint (or of a model folder, `weights_only`) far enough to find one truncated or
     corrupted: the weights' safetensors headers and sizes, the trainer state, each rank's RNG state and queue, the

@@ -200,7 +200,9 @@ def main() -> None:
     model = None
     if kind == "hf" or adapter:  # vLLM loads its own weights: no second copy on the GPU
         model = (
-            adapters.load_merged(path) if adapter else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            adapters.load_merged(path, checks.base_dtype_of(path))
+            if adapter
+            else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         )
         model.to("cuda" if torch.cuda.is_available() and kind == "hf" else "cpu")
     context, seed = longest + new_tokens, args.seed

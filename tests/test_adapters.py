@@ -19,7 +19,7 @@ from helpers import (
     two_group_rollouts,
 )
 
-from common import adapters, flags, fsdp
+from common import adapters, checks, flags, fsdp
 from common.engines import HFEngine
 from common.errors import BadInput
 from common.flags import Systems
@@ -97,7 +97,7 @@ def test_a_resumed_adapters_engine_copy_is_merged_as_every_push_is(tiny, tiny_di
 
 def test_a_bfloat16_runs_checkpoint_is_merged_onto_the_base_it_trained_over(tiny, tiny_dir, tmp_path):
     """--lora-rank --dtype bfloat16 over a base stored in float32 (as the built-in models are): the adapter trained
-    over the base's bfloat16 rounding, so the merge of its checkpoint (adapters.load_merged, common.evaluate's) is
+    over the base's bfloat16 rounding, so the merge of its checkpoint (common.evaluate's) is
     onto that rounding, as every push to the run's engine was; onto the weights on disk it was 3.9e-3 away."""
     from helpers import one_process
 
@@ -116,7 +116,8 @@ def test_a_bfloat16_runs_checkpoint_is_merged_onto_the_base_it_trained_over(tiny
     folder = save_checkpoint(
         tmp_path, 1, policy, tokenizer, optimizer, scheduler, scaler, {}, one_process(), checkpoints
     )
-    merged = dict(adapters.load_merged(folder).named_parameters())
+    assert checks.base_dtype_of(folder) == "bfloat16"
+    merged = dict(adapters.load_merged(folder, checks.base_dtype_of(folder)).named_parameters())
     pushed = dict(adapters.merged_weights(policy, lambda tensor, dtype: tensor.detach().to(dtype=dtype), torch.float32))
     assert set(merged) <= set(pushed) and any(".q_proj." in name for name in merged)
     for name, weight in merged.items():

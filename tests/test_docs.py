@@ -27,12 +27,13 @@ MAX_DIFF = {
     "p3o": 293,
     "gtpo": 308,
     "tis_icepop": 380,
-    "isopo": 775,
+    "isopo": 776,
 }  # isopo: + 4 for end_minibatch (stop 49); all + 5: grpo.py's own variants explained; p3o + 10: its metrics (stop 54);
 # tis_icepop + 19: --rollout-lag's log π_s routed as its log π_old (R3: the engine's routing; stop 57); stop 61: rows
 # that do not train (--mask-truncated) left out of a method's statistics (gtpo + 1, tis_icepop + 2, isopo + 9); stop 62:
 # gtpo + 6, ⟨H⟩_ini sampled with the run's --top-k/--top-p and its mask, and which rows define conflicts; isopo + 8:
-# LoRA's statistics per adapter matrix, and minibatches of whole groups
+# LoRA's statistics per adapter matrix, and minibatches of whole groups; stop 63: isopo + 1, the first minibatch's
+# ntk_reg of the blocks that train
 
 
 def _read(path):

@@ -783,11 +783,14 @@ def _recorded(isopo_gradients):
     return metrics.reduce()
 
 
+@pytest.mark.parametrize("block_size", [None, 3])
 @pytest.mark.parametrize("variant", ["non-interacting", "interacting"])
-def test_rows_that_do_not_train_change_neither_the_update_nor_the_statistics(float64_logprobs, variant):
+def test_rows_that_do_not_train_change_neither_the_update_nor_the_statistics(float64_logprobs, variant, block_size):
     """Rows without a token to train (--mask-truncated, dynamic sampling's filler groups) have v_i = 0: beside them
     a block updates, logs and averages E[·] exactly as the rows that train would alone (every token row a probe).
-    They entered the statistics once: s_i = 1/‖0‖ = 1e12 in scale_max, and zeros in E[x²] and in c's mean K_ii."""
+    They entered the statistics once: s_i = 1/‖0‖ = 1e12 in scale_max, and zeros in E[x²] and in c's mean K_ii.
+    With blocks of one group (`block_size` 3), the third is a block without a training row: the first minibatch's
+    reg_* and ntk_reg (each block's own mean, none trailing yet) averaged its 0 in."""
     args = make_args(variant=variant, p=-1.0, reg_coef=0.5, n_overlap=1000)
     completions = [Completion(r, [-1.0] * len(r), "stop") for r in RESPONSES]
     runs = {}
@@ -797,7 +800,7 @@ def test_rows_that_do_not_train_change_neither_the_update_nor_the_statistics(flo
         )
         batch["advantages"] = ADVANTAGES[:rows].clone()
         model = tiny_lm(False)
-        isopo_gradients = isopo.IsopoGradients(model, dataclasses.replace(args, block_size=rows))
+        isopo_gradients = isopo.IsopoGradients(model, dataclasses.replace(args, block_size=block_size or rows))
         micro = next(isopo.micro_batches(batch, torch.arange(rows), rows, by_length=False))
         isopo.isopo_backward(model, isopo_gradients, micro, 1.0, 6, NO_AUTOCAST)  # M = 6 sequences train
         isopo_gradients.end_minibatch()
