@@ -57,6 +57,12 @@ def is_adapted(model) -> bool:
     return hasattr(model, "peft_config")
 
 
+def frozen_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of frozen base weights: bfloat16 when that is the compute dtype (nothing updates them, so no float32
+    master copy), else float32."""
+    return torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
+
+
 def load_policy(model: str, checkpoint: str | None, systems, compute_dtype: torch.dtype = torch.float32):
     """The model to train. Full fine-tuning: the weights of `checkpoint` (a resume) or of `model`, in float32.
     With --lora-rank r in `systems` (common.flags.Systems): `model`'s weights, frozen (bfloat16 when that is the
@@ -68,10 +74,9 @@ def load_policy(model: str, checkpoint: str | None, systems, compute_dtype: torc
         return AutoModelForCausalLM.from_pretrained(checkpoint or model, dtype=torch.float32)
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    frozen_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
     if not checkpoint:  # a resume keeps the run's adapter, checked when the run started
         check_targets(model, systems.lora_rank, list(systems.lora_target_modules))
-    base = AutoModelForCausalLM.from_pretrained(model, dtype=frozen_dtype)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=frozen_dtype(compute_dtype))
     if checkpoint:  # the run's adapter (its config was the run's flags: check_resume keeps them)
         trained_on = base_of(checkpoint)
         if os.path.realpath(trained_on) != os.path.realpath(model):  # --model may move, but should be the same

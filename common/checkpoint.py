@@ -108,16 +108,43 @@ def _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state,
         torch.save(this_rank, os.path.join(temporary, f"rollouts_rank{dist.rank}.pt"))
     barrier(dist)
     if dist.is_main:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(temporary, final)  # the checkpoint exists only once it is complete
-        # a run resumed from an earlier checkpoint rewrites the steps after it (as it does their metrics): the
-        # checkpoints of those steps are gone once it has one of its own, and the newest kept are its own
-        written = sorted(glob.glob(os.path.join(folder, "step_*[0-9]")))
+        # the checkpoint exists only once it is complete; one of the same step (a resumed run rewrites the steps
+        # after the checkpoint it resumed) is moved aside first, not deleted in place: half deleted, it would still
+        # count as complete
+        if os.path.isdir(final):
+            _set_aside(final)
+        os.replace(temporary, final)
+        # a run resumed from an earlier checkpoint rewrites the steps after it (_rewind dropped their checkpoints as it
+        # started: any still there go now), and the newest kept are its own
+        written = checkpoint_folders(os.path.dirname(folder))
         later = [c for c in written if c > final]
         for old in later + [c for c in written if c <= final][: -checkpoints.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_checkpoint(old)
+        for aside in glob.glob(os.path.join(glob.escape(folder), "step_*" + _SET_ASIDE)):  # (a killed process's too)
+            shutil.rmtree(aside, ignore_errors=True)
     barrier(dist)
     return final
+
+
+_SET_ASIDE = ".removed"  # a checkpoint being removed: never one to resume from
+
+
+def _set_aside(checkpoint: str) -> str:
+    aside = checkpoint + _SET_ASIDE
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(checkpoint, aside)  # one rename: the checkpoint is there whole, or not at all
+    return aside
+
+
+def remove_checkpoint(checkpoint: str) -> None:
+    """Remove a checkpoint folder so that a kill at any moment leaves it whole or gone, never half deleted (rmtree's
+    order is the file system's: trainer_state.pt may outlive the optimizer's shards or a rank's RNG state)."""
+    shutil.rmtree(_set_aside(checkpoint), ignore_errors=True)
+
+
+def checkpoint_folders(run: str) -> list[str]:
+    """A run folder's checkpoints/step_N folders (complete or not), oldest first."""
+    return sorted(glob.glob(os.path.join(glob.escape(os.path.join(run, "checkpoints")), "step_*[0-9]")))
 
 
 @contextlib.contextmanager
@@ -162,6 +189,7 @@ def locked_run_folder(output_dir: str, resume: str | None, name: str, settings: 
     out of the folder (two resumes of one run would interleave their metrics)."""
     from common import fsdp
 
+    resume = resume if resume in (None, "auto") else os.path.normpath(resume)  # (a shell completes folders with /)
     checkpoint = find_checkpoint(resume, output_dir, name + "__", settings) if resume else None
     if checkpoint:  # <run folder>/checkpoints/step_N
         folder = os.path.dirname(os.path.dirname(checkpoint))
@@ -170,6 +198,8 @@ def locked_run_folder(output_dir: str, resume: str | None, name: str, settings: 
         if not os.path.isfile(os.path.join(resume, "trainer_state.pt")):  # the newest, now that none is written
             checkpoint = find_checkpoint(folder, output_dir, name + "__")
         check_resume(settings, checkpoint, verbose=dist.is_main)
+        if dist.is_main:
+            _rewind(folder, checkpoint)
         return folder, checkpoint
     if resume and dist.is_main:  # auto, and nothing to resume: a sweep's point that never reached a checkpoint
         print(f"--resume auto: no run {name}__* in {output_dir} with these settings has a checkpoint: a new run "
@@ -180,6 +210,20 @@ def locked_run_folder(output_dir: str, resume: str | None, name: str, settings: 
         _lock(folder)
         atexit.register(_remove_if_unused, folder)
     return folder, checkpoint
+
+
+def _rewind(run: str, checkpoint: str) -> None:
+    """A run resumed from an earlier checkpoint than its newest rewrites the steps after it, metrics and checkpoints
+    both: the later checkpoints go now, before the metrics after `checkpoint` are cut (tracking.Tracker). Left until
+    the first new save, a run stopped before it would resume from the abandoned run's newest checkpoint, over metrics
+    cut back to the earlier step: the steps between lost from both runs."""
+    later = [c for c in checkpoint_folders(run) if os.path.basename(c) > os.path.basename(checkpoint)]
+    if later:
+        names = ", ".join(os.path.basename(c) for c in later)
+        print(f"resuming from {checkpoint}: the run's later checkpoints ({names}) and metrics are dropped",
+              file=sys.stderr)  # fmt: skip
+    for abandoned in later:
+        remove_checkpoint(abandoned)
 
 
 def _remove_if_unused(folder: str) -> None:
@@ -209,7 +253,10 @@ def _lock(folder: str) -> None:
     """An exclusive lock on folder/run.lock, released by the system when the process ends, however it ends."""
     import fcntl
 
-    handle = open(os.path.join(folder, "run.lock"), "a+")
+    try:
+        handle = open(os.path.join(folder, "run.lock"), "a+")
+    except OSError as error:  # a run folder of another user, a read-only mount
+        raise BadInput(f"run folder {folder} cannot be written ({error.strerror}): a run writes its folder") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:  # held by another process
@@ -351,7 +398,7 @@ class StopSignals:
         if self.received is None:
             return
         name = signal.Signals(self.received).name
-        newest = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*[0-9]")))
+        newest = checkpoint_folders(run_dir)
         if steps is not None and newest and int(os.path.basename(newest[-1]).split("_")[-1]) >= steps:
             if dist.is_main:
                 _say(f"{name} during the last step: the run is complete ({newest[-1]}), nothing to resume")
@@ -413,12 +460,17 @@ def find_checkpoint(resume: str, output_dir: str, run_prefix: str, settings: dic
     match `settings` (this command's; flags a resume may change apart), or None when no run has one. So one command
     starts a run and continues it, and each point of a restarted sweep (`--lr 1e-4`, `--lr 3e-4`) finds its own."""
     if resume == "auto":
-        runs = [f for f in glob.glob(os.path.join(output_dir, f"{run_prefix}*")) if os.path.isdir(f)]
+        runs = [
+            f
+            for f in glob.glob(os.path.join(glob.escape(output_dir), glob.escape(run_prefix) + "*"))
+            if os.path.isdir(f)
+        ]
         for run in sorted(runs, key=lambda f: _started(f, run_prefix), reverse=True):
             complete = _complete_checkpoints(run)
             if complete and (settings is None or not resume_differences(settings, _settings_of(complete[-1]))):
                 return complete[-1]
         return None
+    resume = os.path.normpath(resume)  # (a shell completes a folder's name with /)
     if os.path.isfile(os.path.join(resume, "trainer_state.pt")):
         return resume
     if not os.path.isdir(resume):
@@ -431,8 +483,7 @@ def find_checkpoint(resume: str, output_dir: str, run_prefix: str, settings: dic
 
 def _complete_checkpoints(run: str) -> list[str]:
     """A run folder's checkpoints that were written to the end, oldest first."""
-    found = glob.glob(os.path.join(run, "checkpoints", "step_*[0-9]"))
-    return sorted(c for c in found if os.path.isfile(os.path.join(c, "trainer_state.pt")))
+    return [c for c in checkpoint_folders(run) if os.path.isfile(os.path.join(c, "trainer_state.pt"))]
 
 
 def _started(run: str, run_prefix: str) -> tuple:

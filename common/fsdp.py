@@ -172,11 +172,14 @@ def shard_for_training(policy, dist: Dist, systems, compute_dtype: torch.dtype):
 
 
 def load_reference(model: str, dist: Dist, systems, compute_dtype: torch.dtype):
-    """The frozen reference policy π_ref of a KL penalty: `model`'s weights in float32, in eval mode, sharded
-    like the policy."""
+    """The frozen reference policy π_ref of a KL penalty: `model`'s weights, in eval mode, sharded like the policy.
+    In float32, as a full fine-tune's weights are; with --lora-rank in the dtype of the policy's frozen base
+    (adapters.frozen_dtype), so that π_ref is the policy with B = 0 exactly: a float32 copy beside a bf16 base ran
+    its norms and residual stream in float32, and the KL penalty was not 0 at step 0."""
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    dtype = adapters.frozen_dtype(compute_dtype) if systems.lora_rank else torch.float32
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
     return shard(reference, dist, systems.cpu_offload, compute_dtype, systems.fp32_lm_head)
 
 

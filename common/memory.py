@@ -87,7 +87,7 @@ class Plan:
     vllm_sleep_mode: bool = False
     """the scripts' --vllm-sleep-mode"""
     kl_coef: float = 0.0
-    """> 0 loads a reference model (float32, sharded like the policy)"""
+    """> 0 loads a reference model (float32, or a LoRA run's frozen-base dtype; sharded like the policy)"""
     lora_rank: int = 0
     """the scripts' --lora-rank (adapters on every Linear of the decoder layers; 0: full fine-tuning)"""
     full_logits: bool = False
@@ -260,8 +260,10 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
     frozen = 0.0 if offloaded else frozen_bytes * counts["total"] / plan.gpus
     if plan.lora_rank:
         parts["frozen weights (LoRA)"] = frozen
+    reference = 0.0  # π_ref of --kl-coef, on the GPU all run (fsdp.load_reference: a LoRA base's dtype, else float32)
     if plan.kl_coef > 0:
-        parts["reference model (fp32)"] = 4 * counts["total"] / plan.gpus
+        reference = 0.0 if offloaded else (frozen_bytes if plan.lora_rank else 4) * counts["total"] / plan.gpus
+        parts["reference model"] = reference
     # weights in the compute dtype during the update
     kept_layers = 1 if plan.gradient_checkpointing else layers
     if sharded:  # gathered: the root stays (in float32 with --fp32-lm-head), two layers in flight
@@ -313,19 +315,19 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
 
     update = sum(parts.values())
     # the optimizer step: the state, and AdamW's foreach temporaries (about one more float32 copy of the shard)
-    step = 20 * on_device + frozen + engine_training + fixed + (0 if gpu else sum(host.values()))
+    step = 20 * on_device + frozen + reference + engine_training + fixed + (0 if gpu else sum(host.values()))
     # generation: weights and AdamW's moments (gradients are freed), the engine, but no activations
-    resident = 12 * on_device + frozen + fixed + (engine_training if plan.rollout_engine != "vllm" or not gpu else 0.0)
+    resident = 12 * on_device + frozen + reference + fixed
+    resident += engine_training if plan.rollout_engine != "vllm" or not gpu else 0.0
     resident += 0 if gpu else sum(host.values())
     rollout = resident + sum(generation.values())
     # start-up: the float32 weights reach the GPU before the optimizer exists, beside an engine already awake (vLLM
     # is built first, to size its KV cache). The scripts shard a model still in CPU memory, so a rank receives its
     # shard one unit at a time (with one unit whole in flight), not the whole model
     weights = (4 * trained + frozen_bytes * counts["total"] if plan.lora_rank else 4 * counts["total"]) / plan.gpus
-    weights *= 2 if plan.kl_coef > 0 else 1  # the reference model, set up the same way
     in_flight = 4 * max(counts["root"], counts["layer"]) if sharded else 0.0
     engine = generation.get("vllm engine (weights, KV cache)", engine_training)  # vLLM sleeps only once it trains
-    start = (0.0 if offloaded else weights) + in_flight + engine + fixed
+    start = (0.0 if offloaded else weights) + reference + in_flight + engine + fixed
     phases = {"start-up": start, "update": update, "optimizer step": step, "generation": rollout}
     return {
         "parts": parts,

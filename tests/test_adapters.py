@@ -124,6 +124,21 @@ def test_a_bfloat16_runs_checkpoint_is_merged_onto_the_base_it_trained_over(tiny
         torch.testing.assert_close(weight, pushed[name], rtol=0, atol=1e-6, msg=name)
 
 
+def test_a_lora_runs_reference_is_its_policy_before_any_update(tiny, tiny_dir):
+    """--lora-rank --kl-coef --dtype bfloat16: π_ref (fsdp.load_reference, as the scripts load it) is the frozen base
+    in its bfloat16, so that the policy with B = 0 is π_ref exactly and the KL penalty starts at 0 (a float32
+    reference ran its norms and residual stream in float32 beside the bf16 base: log-probs 5.4e-2 apart), on one
+    rank as on several (whose bf16 gathers made both bf16)."""
+    from helpers import one_process
+
+    systems = Systems(lora_rank=4)
+    policy = adapters.load_policy(tiny_dir, None, systems, torch.bfloat16)
+    reference = fsdp.load_reference(tiny_dir, one_process(), systems, torch.bfloat16)
+    ids = tiny[1]("Q: 12+30=", return_tensors="pt").input_ids
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(policy(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_only_the_adapters_train(name, tiny, tiny_dir):
     """One update of each method, with AdamW over the parameters that require a gradient (as main() builds it): every

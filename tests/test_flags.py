@@ -122,3 +122,89 @@ def test_a_checkpoint_keeps_float16s_loss_scale(tmp_path):
         str(tmp_path / "checkpoints" / "step_00000003"), model, optimizer, scheduler, resumed, one_process()
     )
     assert resumed.get_scale() == 2.0**13
+
+
+def _saved_run(run_dir, steps, keep=0):
+    """A run folder with real checkpoints of `steps` (save_checkpoint of a one-layer model), saved with lr 1e-4."""
+    from helpers import one_process
+
+    from common.checkpoint import save_checkpoint
+
+    model, tokenizer, optimizer, scheduler, scaler, checkpoints = _checkpointed_training(run_dir, keep)
+    state = {"args": {"lr": 1e-4, "steps": 10, "resume": None}}
+    for step in steps:
+        save_checkpoint(
+            run_dir, step, model, tokenizer, optimizer, scheduler, scaler, dict(state), one_process(), checkpoints
+        )
+    return model, tokenizer, optimizer, scheduler, scaler, checkpoints, state
+
+
+def test_a_resume_from_an_earlier_checkpoint_drops_the_later_ones_as_it_starts(tmp_path, capsys):
+    """--resume <run>/checkpoints/step_2 of a run that reached step 4 rewrites steps 3 and 4, their metrics and their
+    checkpoints: the later checkpoints go as the run starts, when the metrics after step 2 are cut (tracking.Tracker).
+    Left until the first save, a run stopped before it resumed from the abandoned step 4 over metrics cut to step 2,
+    the steps between lost from both runs. The path as a shell completes it (a trailing /), and an --output-dir with
+    glob characters in its name (a sweep's `runs/[lr=1e-4]`), are resumed alike."""
+    from helpers import one_process
+
+    from common.checkpoint import _LOCKS, find_checkpoint, locked_run_folder
+
+    output_dir = tmp_path / "runs [lr=1e-4]"
+    run = output_dir / "arith__grpo__1__1800000100"
+    _saved_run(run, [2, 4])
+    checkpoints = run / "checkpoints"
+    settings = {"lr": 1e-4, "steps": 10, "resume": "auto"}
+    assert find_checkpoint("auto", str(output_dir), "arith__grpo__1__", settings) == str(checkpoints / "step_00000004")
+    settings["resume"] = str(checkpoints / "step_00000002") + "/"
+    folder, checkpoint = locked_run_folder(
+        str(output_dir), settings["resume"], "arith__grpo__1", settings, one_process()
+    )
+    _LOCKS.pop().close()
+    assert (folder, checkpoint) == (str(run), str(checkpoints / "step_00000002"))
+    assert sorted(os.listdir(checkpoints)) == ["step_00000002"]
+    assert "the run's later checkpoints (step_00000004) and metrics are dropped" in capsys.readouterr().err
+    assert find_checkpoint("auto", str(output_dir), "arith__grpo__1__", settings) == checkpoint
+
+
+def test_a_kill_while_a_checkpoint_is_removed_leaves_it_whole_or_gone(tmp_path, monkeypatch):
+    """rmtree deletes in the file system's order: killed halfway through a checkpoint that a resumed run rewrites (the
+    same step saved again), it left a trainer_state.pt beside missing optimizer shards, a checkpoint taken for complete
+    that every --resume then found damaged. A checkpoint is moved aside in one rename before it is deleted."""
+    import shutil
+
+    from helpers import one_process
+
+    from common import checkpoint as checkpoint_module
+    from common.checkpoint import find_checkpoint, save_checkpoint
+    from common.checks import check_checkpoint_files
+
+    run = tmp_path / "run"
+    model, tokenizer, optimizer, scheduler, scaler, checkpoints, state = _saved_run(run, [2, 4])
+    delete = shutil.rmtree
+
+    def killed_halfway(path, ignore_errors=False):  # the optimizer's shards go first, then the process is killed
+        if os.path.isdir(os.path.join(path, "optimizer")):
+            delete(os.path.join(path, "optimizer"))
+            raise SystemExit(137)
+        delete(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", killed_halfway)
+    with pytest.raises(SystemExit):
+        save_checkpoint(run, 4, model, tokenizer, optimizer, scheduler, scaler, dict(state), one_process(), checkpoints)
+    newest = find_checkpoint(str(run), str(tmp_path), "x")
+    check_checkpoint_files(newest)  # whole: the new step 4 (or the old one), not half of one
+    assert newest == str(run / "checkpoints" / "step_00000004")
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", delete)
+    save_checkpoint(run, 5, model, tokenizer, optimizer, scheduler, scaler, dict(state), one_process(), checkpoints)
+    assert sorted(os.listdir(run / "checkpoints")) == [f"step_{s:08d}" for s in (2, 4, 5)]  # the leftover is gone
+
+
+def test_a_run_folder_that_cannot_be_written_is_named(tmp_path):
+    """Resuming a run folder this process cannot write (another user's, a read-only mount: here its lock file cannot
+    be opened, as root passes every permission check) names the folder, not a PermissionError's traceback."""
+    from common.checkpoint import _lock
+    from common.errors import BadInput
+
+    (tmp_path / "run.lock").mkdir()
+    with pytest.raises(BadInput, match=f"run folder {tmp_path} cannot be written .*: a run writes its folder"):
+        _lock(str(tmp_path))

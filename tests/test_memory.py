@@ -1,6 +1,8 @@
 """common.memory, the per-GPU estimate: its parts against exact counts, and its total against the peak memory of a
 real training step measured on the CPU (a script run as users run it)."""
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import peak_rss_of
@@ -206,8 +208,17 @@ def test_start_up_holds_a_shard_of_the_weights_beside_an_awake_engine():
     in_flight = 4 * max(counts["root"], counts["layer"])
     assert result["phases"]["start-up"] == pytest.approx(4 * counts["total"] / 8 + in_flight + awake + context)
     assert result["phases"]["start-up"] < 60 * memory.GiB and "fits in 80 GiB" in memory.report(eight, result)
-    with_reference = memory.estimate(memory.Plan(**{**eight.__dict__, "kl_coef": 0.1}), config, per_token=1)
-    assert with_reference["phases"]["start-up"] - result["phases"]["start-up"] == pytest.approx(4 * counts["total"] / 8)
+    # --kl-coef: π_ref's shard is on the GPU all run, in every phase (generation and the optimizer step left it out);
+    # a bf16 LoRA run's reference is its frozen base's dtype (fsdp.load_reference), 2 bytes a weight
+    for lora_rank, reference_bytes in ((0, 4), (16, 2)):
+        plan = memory.Plan(**{**eight.__dict__, "lora_rank": lora_rank})
+        without, with_reference = (
+            memory.estimate(dataclasses.replace(plan, kl_coef=kl), config, per_token=100 * 1024)["phases"]
+            for kl in (0.0, 0.1)
+        )
+        for phase in without:
+            added = with_reference[phase] - without[phase]
+            assert added == pytest.approx(reference_bytes * counts["total"] / 8), (lora_rank, phase)
 
 
 def test_float16_ranks_count_autocasts_casts_and_the_float32_head_its_root_and_copies():
