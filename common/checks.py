@@ -64,6 +64,12 @@ def shared_flags(args) -> list[str]:
             problems += require(v["max_new_tokens"] >= least, "--max-new-tokens", f">= {least} for {task}")
     if has("temperature"):
         problems += require(0 < v["temperature"] < INFINITY, "--temperature", "> 0 and finite")
+        from common.engines import VLLM_MIN_TEMPERATURE, engine_kind
+
+        engine = v.get("rollout_engine", v.get("engine"))  # (common.evaluate's --engine)
+        if engine in ("auto", "hf", "vllm") and engine_kind(engine) == "vllm":  # vLLM raises a lower one to its floor
+            floor = f">= {VLLM_MIN_TEMPERATURE} with the vLLM engine (it samples at that at least)"
+            problems += require(v["temperature"] >= VLLM_MIN_TEMPERATURE, "--temperature", floor)
     if has("top_p"):
         problems += require(0 < v["top_p"] <= 1, "--top-p", "in (0, 1] (1: off)")
     if has("top_k"):

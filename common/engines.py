@@ -460,6 +460,8 @@ class VLLMEngine:
         exact for top-k up to the engine's max_logprobs (VLLM_MAX_MASK). Top-p alone keeps a set vLLM cannot
         return whole, so a kept mask needs a top-k as well; without the mask top-p alone samples as usual."""
         budgets = per_prompt_budgets(max_new_tokens, len(prompt_ids))
+        if 0 < temperature < VLLM_MIN_TEMPERATURE:  # (the shared flags' checks refuse --temperature so before)
+            raise BadInput(f"temperature {temperature}: the vLLM engine samples at {VLLM_MIN_TEMPERATURE} at least")
         masked = sampling_mask and (top_p < 1.0 or top_k > 0)
         if masked and not 0 < top_k <= VLLM_MAX_MASK:
             raise BadInput(vllm_mask_problem())
@@ -474,7 +476,9 @@ class VLLMEngine:
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
-            logprobs=top_k if masked else 0,
+            # the kept set can hold more than top_k ids (vLLM keeps every id tied with the k-th logit): the most it
+            # returns, whose finite entries are that set (a tie running past them cannot be seen)
+            logprobs=VLLM_MAX_MASK if masked else 0,
             ignore_eos=ignore_eos,
             stop_token_ids=[] if ignore_eos else self.stop_token_ids,  # vLLM stops at these whatever ignore_eos says
             stop=list(stop) or None,
@@ -497,7 +501,7 @@ class VLLMEngine:
                     rows = len(output.prompt_token_ids) + len(tokens) - 1
                     # int16 as moe.Routing: vLLM returns uint16 beyond 256 experts, which torch cannot compute with
                     routing = torch.from_numpy(sample.routed_experts[:rows].astype("int16"))
-                mask = _vllm_mask(sample.logprobs, tokens, top_k) if masked else None
+                mask = _vllm_mask(sample.logprobs, tokens) if masked else None
                 completions.append(Completion(tokens, logprobs, finish, routing, mask))
         return completions
 
@@ -547,6 +551,7 @@ def sampling_masks(completions: list[Completion], width: int, device=None) -> to
 
 
 VLLM_MAX_MASK = 20  # vLLM's default max_logprobs: the largest top-k whose kept set it returns
+VLLM_MIN_TEMPERATURE = 0.01  # vLLM raises a lower temperature to this, with a warning in its log only
 
 
 def vllm_mask_problem() -> str:
@@ -566,13 +571,14 @@ def per_prompt_budgets(max_new_tokens: int | list[int], prompts: int) -> list[in
     return list(max_new_tokens)
 
 
-def _vllm_mask(steps, tokens: list[int], top_k: int) -> torch.Tensor:
-    """[len, top_k] the ids with a finite processed log-prob at each position (the sampled token is always among
-    them), padded with −1."""
-    mask = torch.full((len(tokens), top_k), -1, dtype=torch.int32)
-    for position, step in enumerate(steps[: len(tokens)]):
-        kept = sorted(token for token, entry in step.items() if math.isfinite(entry.logprob))[:top_k]
-        mask[position, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
+def _vllm_mask(steps, tokens: list[int]) -> torch.Tensor:
+    """[len, K] the ids with a finite processed log-prob at each position, every one of them (ties with the k-th
+    logit included; the sampled token is always among them), ascending, padded with −1."""
+    kept = [sorted(token for token, entry in step.items() if math.isfinite(entry.logprob)) for step in steps]
+    kept = kept[: len(tokens)]
+    mask = torch.full((len(tokens), max(map(len, kept), default=1)), -1, dtype=torch.int32)
+    for position, ids in enumerate(kept):
+        mask[position, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
     return mask
 
 

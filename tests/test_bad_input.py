@@ -48,6 +48,8 @@ SHARED_CASES = [
         "to keep the sampling mask of --top-p / --top-k, set --top-k in [1, 20]",
     ),
     ({"rollout_engine": "vllm", "top_k": 50}, "to keep the sampling mask of --top-p / --top-k, set --top-k in [1, 20]"),
+    # vLLM raises a temperature below 0.01 to 0.01 and says so in its log only: μ would not be the run's policy
+    ({"rollout_engine": "vllm", "temperature": 0.005}, "--temperature must be >= 0.01 with the vLLM engine"),
     ({"weight_decay": -0.1}, "--weight-decay must be >= 0 and finite"),
     ({"weight_decay": NAN}, "--weight-decay must be >= 0 and finite"),
     ({"group_size": 1}, "--group-size must be >= 2"),

@@ -413,3 +413,17 @@ def test_the_kept_mask_makes_the_trainer_score_what_the_engine_sampled(tiny, top
     assert (results[True] - batch["sampler_logprobs"])[valid].abs().max() < 1e-5
     truncated = (results[False] - batch["sampler_logprobs"])[valid]
     assert truncated.max() < 1e-5 and truncated.min() < -1e-3  # π_θ(o) ≤ μ(o) = π_θ(o) / kept mass
+
+
+def test_vllms_kept_set_holds_every_tie_and_the_sampled_token():
+    """vLLM's top-k keeps every id tied with the k-th logit, and returns the top entries of its processed log-probs
+    plus the sampled token: every finite entry is kept, the sampled one included (a mask cut to k ids by id dropped
+    the sampled 9 here, and the trainer renormalised π over another set than the one μ was sampled from)."""
+    from types import SimpleNamespace
+
+    from common.engines import _vllm_mask
+
+    entry = lambda logprob: SimpleNamespace(logprob=logprob)  # noqa: E731
+    top_k_2 = [{5: entry(-0.9), 3: entry(-1.2), 9: entry(-1.2), 4: entry(-float("inf"))}, {7: entry(0.0)}]
+    mask = _vllm_mask(top_k_2, [9, 7])
+    assert mask.tolist() == [[3, 5, 9], [7, -1, -1]]
