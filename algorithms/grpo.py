@@ -24,10 +24,11 @@ Variants, each a flag (the first three concern rollouts and rewards, so every fo
     completions × --max-new-tokens, not by Σ|o_i|
   --ratio-level sequence (GSPO): one ratio per completion, s_i = exp(mean_t log ρ_it), clipped
     as a whole
-Presets: DAPO `--dynamic-sampling --overlong-buffer 4` (clip-higher, token-mean, β = 0: the
-defaults); Dr. GRPO `--loss-aggregation token-sum-norm --no-scale-advantages`; GSPO
-`--ratio-level sequence --loss-aggregation sequence-mean` with `--clip-low 3e-4 --clip-high 4e-4`
-and `--num-minibatches 4` (with one update per batch every ratio is 1).
+Presets: DAPO `--dynamic-sampling --overlong-buffer 4` (token-mean, clip-higher, β = 0: the
+defaults; a clip acts with several updates per batch, e.g. --num-minibatches 4); Dr. GRPO
+`--loss-aggregation token-sum-norm --no-scale-advantages`; GSPO `--ratio-level sequence
+--loss-aggregation sequence-mean` with `--clip-low 3e-4 --clip-high 4e-4` and
+`--num-minibatches 4` (with one update per batch every ratio is 1).
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
@@ -430,6 +431,10 @@ def check_args(args: Args) -> None:
     # ALGO LOGIC: this method's flags
     problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")
     problems += require(0 <= args.clip_high < math.inf, "--clip-high", ">= 0 and finite")
+    # one update per batch: π_old = π_θ, every ratio is 1 and nothing is clipped
+    if args.num_minibatches * args.update_epochs == 1:
+        one_update = "applies with --num-minibatches × --update-epochs > 1 only (one update: every ratio is 1)"
+        problems += checks.unused(args, ["clip_low", "clip_high", "ratio_level"], one_update)
     problems += require(0 <= args.kl_coef < math.inf, "--kl-coef", ">= 0 and finite")
     # END ALGO LOGIC
     checks.refuse(problems)

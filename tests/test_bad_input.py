@@ -103,11 +103,15 @@ SHARED_CASES = [
     ({"model": "tiny-moe", "task": "products"}, "--model tiny-moe has no built-in warm start for --task products"),
 ]
 # each method's own flags: out of range, NaN, or set where the chosen variant ignores them
+ONE_UPDATE = "--clip-high applies with --num-minibatches × --update-epochs > 1 only (one update: every ratio is 1)"
 METHOD_CASES = {
     "grpo": [
         ({"clip_high": NAN}, "--clip-high must be >= 0 and finite"),  # skipped every update without a word
         ({"kl_coef": NAN}, "--kl-coef must be >= 0 and finite"),
         ({"clip_low": 1.0}, "--clip-low must be in [0, 1)"),
+        # one update per batch: every ratio is 1, so a clip range or GSPO's sequence ratio would change nothing
+        ({"clip_high": 0.3}, ONE_UPDATE),
+        ({"ratio_level": "sequence"}, "--ratio-level applies with --num-minibatches × --update-epochs > 1 only"),
     ],
     "ema_kpo": [
         ({"clip_high": NAN}, "--clip-high must be >= 0 and finite"),
@@ -136,6 +140,7 @@ METHOD_CASES = {
         ({"entropy_filter": "off", "entropy_threshold": 0.7}, "--entropy-threshold applies to --entropy-filter"),
         ({"entropy_threshold": 0.0}, "--entropy-threshold must be > 0 and finite"),
         ({"entropy_ini_prompts": 0}, "--entropy-ini-prompts must be >= 1"),
+        ({"clip_high": 0.3}, ONE_UPDATE),
     ],
     "isopo": [
         ({"p": NAN}, "--p must be a finite number"),
@@ -164,6 +169,7 @@ METHOD_CASES = {
         ({"correction": "kpop", "kpop_phi": -1.0}, "--kpop-phi must be >= 0"),
         ({"correction": "seq-mask", "seq_mask_delta": math.inf}, "--seq-mask-delta must be >= 0 and finite"),
         ({"correction": "seq-mask", "seq_mask_delta": -1.0}, "--seq-mask-delta must be >= 0"),  # dropped every A < 0
+        ({"clip_high": 0.3}, ONE_UPDATE),
     ],
 }
 CASES = [
