@@ -115,10 +115,12 @@ def _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state,
             _set_aside(final)
         os.replace(temporary, final)
         # a run resumed from an earlier checkpoint rewrites the steps after it (_rewind dropped their checkpoints as it
-        # started: any still there go now), and the newest kept are its own
-        written = checkpoint_folders(os.path.dirname(folder))
-        later = [c for c in written if c > final]
-        for old in later + [c for c in written if c <= final][: -checkpoints.keep_checkpoints]:
+        # started: any still there go now), and the newest kept are its own; compared by name (glob writes the folder
+        # part its own way: a // as /)
+        written = {os.path.basename(c): c for c in checkpoint_folders(os.path.dirname(folder))}
+        later = [c for name, c in written.items() if name > os.path.basename(final)]
+        earlier = [c for name, c in written.items() if name <= os.path.basename(final)]
+        for old in later + earlier[: -checkpoints.keep_checkpoints]:
             remove_checkpoint(old)
         for aside in glob.glob(os.path.join(glob.escape(folder), "step_*" + _SET_ASIDE)):  # (a killed process's too)
             shutil.rmtree(aside, ignore_errors=True)
@@ -189,7 +191,7 @@ def locked_run_folder(output_dir: str, resume: str | None, name: str, settings: 
     out of the folder (two resumes of one run would interleave their metrics)."""
     from common import fsdp
 
-    resume = resume if resume in (None, "auto") else os.path.normpath(resume)  # (a shell completes folders with /)
+    resume = os.path.normpath(resume) if resume and resume != "auto" else resume  # (a shell completes folders with /)
     checkpoint = find_checkpoint(resume, output_dir, name + "__", settings) if resume else None
     if checkpoint:  # <run folder>/checkpoints/step_N
         folder = os.path.dirname(os.path.dirname(checkpoint))

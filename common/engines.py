@@ -461,7 +461,10 @@ class VLLMEngine:
         return whole, so a kept mask needs a top-k as well; without the mask top-p alone samples as usual."""
         budgets = per_prompt_budgets(max_new_tokens, len(prompt_ids))
         if 0 < temperature < VLLM_MIN_TEMPERATURE:  # (the shared flags' checks refuse --temperature so before)
-            raise BadInput(f"temperature {temperature}: the vLLM engine samples at {VLLM_MIN_TEMPERATURE} at least")
+            raise BadInput(
+                f"a sampling temperature of {temperature} (--temperature, or P3O's --sampling-temperature): the vLLM "
+                f"engine samples at {VLLM_MIN_TEMPERATURE} at least"
+            )
         masked = sampling_mask and (top_p < 1.0 or top_k > 0)
         if masked and not 0 < top_k <= VLLM_MAX_MASK:
             raise BadInput(vllm_mask_problem())

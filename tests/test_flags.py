@@ -151,8 +151,9 @@ def test_a_resume_from_an_earlier_checkpoint_drops_the_later_ones_as_it_starts(t
 
     output_dir = tmp_path / "runs [lr=1e-4]"
     run = output_dir / "arith__grpo__1__1800000100"
-    _saved_run(run, [2, 4])
+    _saved_run(f"{output_dir}//{run.name}", [2, 4])  # (a // in the path: compared as glob returns it, all went)
     checkpoints = run / "checkpoints"
+    assert sorted(os.listdir(checkpoints)) == ["step_00000002", "step_00000004"]
     settings = {"lr": 1e-4, "steps": 10, "resume": "auto"}
     assert find_checkpoint("auto", str(output_dir), "arith__grpo__1__", settings) == str(checkpoints / "step_00000004")
     settings["resume"] = str(checkpoints / "step_00000002") + "/"
