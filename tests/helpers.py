@@ -180,6 +180,24 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def logged_numbers(record) -> set:
+    """The keys of a metrics record that two runs of the same steps log alike (all but times and speeds)."""
+    return {key for key in record if not key.startswith("time/") and key != "charts/tokens_per_second"}
+
+
+def assert_same_run(expected, actual, first_end=None):
+    """Every number each step logged (times aside) equal, and no step or number logged by one run alone. `first_end`:
+    the step a resumed `actual` first ended at, where it evaluated (a run evaluates at its last step) and `expected`
+    need not have: those eval/* numbers are its own."""
+    assert [r["step"] for r in actual] == [r["step"] for r in expected]
+    for a, b in zip(expected, actual, strict=True):
+        extra = logged_numbers(b) - logged_numbers(a)
+        own_evaluation = b["step"] == first_end and all(key.startswith("eval/") for key in extra)
+        assert logged_numbers(a) <= logged_numbers(b) and (own_evaluation or not extra), (a["step"], extra)
+        for key in logged_numbers(a):
+            assert b[key] == a[key], (a["step"], key)
+
+
 def only_run_dir(output_dir):
     runs = [os.path.join(output_dir, d) for d in os.listdir(output_dir)]
     assert len(runs) == 1, runs

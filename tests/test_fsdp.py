@@ -13,7 +13,7 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import OFFLINE, REPO, only_run_dir, read_jsonl, run_script, torchrun
+from helpers import OFFLINE, REPO, assert_same_run, only_run_dir, read_jsonl, run_script, torchrun
 
 from common import fsdp
 
@@ -89,7 +89,8 @@ def test_two_ranks_equal_one_in_float16(tmp_path):
 
 def test_grpo_on_two_ranks_end_to_end_and_resume(tmp_path):
     """Two ranks, two steps, then resumed for a third, at --rollout-lag 1: each rank's queue of rollouts sampled ahead
-    is in the checkpoint, and the third step trains on the batch the second step's weights sampled."""
+    is in the checkpoint, the third step trains on the batch the second step's weights sampled, and the resumed run
+    logs what a run of three steps straight does."""
     from transformers import AutoModelForCausalLM
 
     flags = [
@@ -107,14 +108,15 @@ def test_grpo_on_two_ranks_end_to_end_and_resume(tmp_path):
         2,
         "--rollout-lag",
         1,
-        "--output-dir",
-        tmp_path,
     ]
-    torchrun(2, "algorithms/grpo.py", "--steps", 2, *flags)
-    torchrun(2, "algorithms/grpo.py", "--steps", 3, "--resume", "auto", *flags)
-    run_dir = only_run_dir(tmp_path)
+    torchrun(2, "algorithms/grpo.py", "--steps", 3, "--output-dir", tmp_path / "straight", *flags)
+    torchrun(2, "algorithms/grpo.py", "--steps", 2, "--output-dir", tmp_path / "split", *flags)
+    torchrun(2, "algorithms/grpo.py", "--steps", 3, "--output-dir", tmp_path / "split", "--resume", "auto", *flags)
+    run_dir = only_run_dir(tmp_path / "split")
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2, 3]
+    # the resumed run is the uninterrupted one: each rank's queue, optimizer shard and random state came back
+    assert_same_run(read_jsonl(os.path.join(only_run_dir(tmp_path / "straight"), "metrics.jsonl")), records)
     assert all(isinstance(records[-1][k], float) for k in ("charts/reward", "losses/grad_norm", "mismatch/kl_k3"))
     assert [r["charts/rollout_lag"] for r in records[1:]] == [0, 1, 1]
     # each rank's engine copy received every push: at the weights that sampled, engine and trainer agree (the
@@ -206,7 +208,7 @@ def test_sigkill_in_training_and_during_a_checkpoint_write_then_resume(tmp_path)
     run_script(
         "algorithms/grpo.py", "--steps", 6, "--save-every", 2, "--output-dir", killed, "--resume", "auto", *FLAGS
     )
-    _assert_same_run(straight, read_jsonl(os.path.join(only_run_dir(killed), "metrics.jsonl")))
+    assert_same_run(straight, read_jsonl(os.path.join(only_run_dir(killed), "metrics.jsonl")))
 
     # 2. killed while a checkpoint is being written: the half-written folder is never "latest". The run is
     #    frozen (SIGSTOP) as soon as a step_N.tmp folder shows; if the rename won the race, it thaws and the
@@ -235,7 +237,7 @@ def test_sigkill_in_training_and_during_a_checkpoint_write_then_resume(tmp_path)
     run_script(
         "algorithms/grpo.py", "--steps", 6, "--save-every", 1, "--output-dir", interrupted, "--resume", "auto", *FLAGS
     )
-    _assert_same_run(straight, read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+    assert_same_run(straight, read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
     assert not any(d.endswith(".tmp") for d in os.listdir(os.path.join(run_dir, "checkpoints")))
 
 
@@ -259,7 +261,7 @@ def test_ctrl_c_or_sigterm_checkpoints_the_step_then_resume_continues_exactly(tm
     done = _steps_logged(stopped)  # the steps logged: 2, or 3 when the signal came during step 3
     assert done in (2, 3) and os.listdir(os.path.join(run_dir, "checkpoints")) == [f"step_{done:08d}"]
     run_script("algorithms/grpo.py", "--steps", 5, "--output-dir", stopped, "--resume", "auto", *FLAGS)
-    _assert_same_run(straight, read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+    assert_same_run(straight, read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
 
 
 def test_a_second_ctrl_c_waits_for_the_checkpoint_being_written(tiny, tmp_path, monkeypatch):
@@ -465,18 +467,10 @@ def test_runs_started_in_the_same_second_get_their_own_folders_and_a_run_has_one
     _lock(str(third))  # the holder is gone: the system released its lock
 
 
-def _assert_same_run(expected, actual):
-    assert [r["step"] for r in actual] == [r["step"] for r in expected]
-    for a, b in zip(expected, actual):
-        for key, value in a.items():
-            if not key.startswith("time/") and key != "charts/tokens_per_second":
-                assert b[key] == value, (a["step"], key)
-
-
 def test_same_seed_same_metrics(tmp_path):
     for name in ("a", "b"):
         run_script("algorithms/grpo.py", "--steps", 2, "--output-dir", tmp_path / name, *FLAGS)
-    _assert_same_run(*(read_jsonl(os.path.join(only_run_dir(tmp_path / n), "metrics.jsonl")) for n in ("a", "b")))
+    assert_same_run(*(read_jsonl(os.path.join(only_run_dir(tmp_path / n), "metrics.jsonl")) for n in ("a", "b")))
 
 
 def test_resume_finds_only_complete_checkpoints(tmp_path):

@@ -1088,12 +1088,12 @@ def test_resume_continues_exactly_with_the_regularization_state(tmp_path):
     run_script("algorithms/isopo.py", "--steps", 4, "--output-dir", tmp_path / "split", "--resume", "auto", *flags)
     straight = read_jsonl(os.path.join(only_run_dir(tmp_path / "straight"), "metrics.jsonl"))
     split = read_jsonl(os.path.join(only_run_dir(tmp_path / "split"), "metrics.jsonl"))
-    assert [r["step"] for r in split] == [1, 2, 3, 4]
+    assert [r["step"] for r in straight] == [r["step"] for r in split] == [1, 2, 3, 4]
     assert straight[-1]["isopo/q_proj/reg_rel"] > 0 and "isopo/q_proj/euclid_norm" in straight[-1]
     checkpoint = os.path.join(only_run_dir(tmp_path / "split"), "checkpoints", "step_00000002")
     saved = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)["isopo"]["ema"]
     assert saved and all(value > 0 for value in saved.values())  # the trailing means of step 2 are in the checkpoint
-    for a, b in zip(straight, split):
+    for a, b in zip(straight, split, strict=True):
         for key in ("charts/reward", "losses/policy_loss", "losses/grad_norm", "isopo/q_proj/scale_mean"):
             assert a[key] == b[key], (a["step"], key)
 
@@ -1127,10 +1127,10 @@ def test_two_ranks_end_to_end_and_exact_resume(tmp_path):
         straight, split = (
             read_jsonl(os.path.join(only_run_dir(out / n), "metrics.jsonl")) for n in ("straight", "split")
         )
-        assert [r["step"] for r in split] == [1, 2, 3]
+        assert [r["step"] for r in straight] == [r["step"] for r in split] == [1, 2, 3]
         statistic = "isopo/q_proj/reg_fisher" if variant == "non-interacting" else "isopo/q_proj/ntk_reg"
         assert straight[-1][statistic] > 0
-        for a, b in zip(straight, split):
+        for a, b in zip(straight, split, strict=True):
             for key in ("charts/reward", "losses/policy_loss", "losses/grad_norm", statistic):
                 assert a[key] == pytest.approx(b[key], rel=1e-6), (variant, a["step"], key)
 
