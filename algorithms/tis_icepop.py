@@ -637,8 +637,8 @@ def check_args(args: Args) -> None:
     # ALGO LOGIC: this method's flags
     problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")
     problems += require(0 <= args.clip_high < math.inf, "--clip-high", ">= 0 and finite")
-    # one update per batch: π_old = π_θ, every ratio is 1, nothing clips (a resume keeps its flags)
-    if args.num_minibatches * args.update_epochs == 1 and not args.resume:
+    # one update per batch: π_old = π_θ, every ratio is 1 (a run resumed by path keeps its flags)
+    if args.num_minibatches * args.update_epochs == 1 and args.resume in (None, "auto"):
         one_update = "applies with --num-minibatches × --update-epochs > 1 only (one update: every ratio is 1)"
         problems += checks.unused(args, ["clip_low", "clip_high"], one_update)
     problems += require(0 <= args.kl_coef < math.inf, "--kl-coef", ">= 0 and finite")

@@ -76,6 +76,10 @@ def shared_flags(args) -> list[str]:
         problems += require(v["top_k"] >= 0, "--top-k", ">= 0 (0: off)")
     if has("rollout_lag"):
         problems += require(v["rollout_lag"] >= 0, "--rollout-lag", ">= 0 (0: on-policy)")
+    if has("rollout_lag", "steps") and v["rollout_lag"] >= v["steps"] >= 1 and os.environ.get("RANK", "0") == "0":
+        # allowed (a run resumed with more --steps continues as one started with them), but worth a word
+        print(f"note: --rollout-lag {v['rollout_lag']} >= --steps {v['steps']}: every step of this run trains on "
+              f"rollouts that the first weights sampled, before any update", file=sys.stderr)  # fmt: skip
     if has("rollout_engine"):
         problems += vllm_install_problems(v["rollout_engine"], "--rollout-engine")
     if has("model", "task"):

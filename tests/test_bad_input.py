@@ -112,6 +112,7 @@ METHOD_CASES = {
         # one update per batch: every ratio is 1, so a clip range or GSPO's sequence ratio would change nothing
         ({"clip_high": 0.3}, ONE_UPDATE),
         ({"ratio_level": "sequence"}, "--ratio-level applies with --num-minibatches × --update-epochs > 1 only"),
+        ({"resume": "auto", "clip_high": 0.3}, ONE_UPDATE),  # --resume auto may start a new run
     ],
     "ema_kpo": [
         ({"clip_high": NAN}, "--clip-high must be >= 0 and finite"),
@@ -200,6 +201,18 @@ def test_the_defaults_pass_and_every_problem_is_listed_at_once(name):
     with pytest.raises(BadInput) as error:
         module.check_args(flags.replace(args, steps=-1, lr=NAN, keep_checkpoints=-1))
     assert str(error.value).count("\n") == 3  # the header and the three problems
+
+
+def test_a_rollout_lag_of_the_whole_run_is_allowed_with_a_note(capsys):
+    """--rollout-lag k >= --steps trains every step on rollouts of the first weights: a run resumed with more
+    --steps continues as one started with them, so it is allowed, and said."""
+    module, args = _args("grpo", steps=2, rollout_lag=2)
+    module.check_args(args)
+    assert "note: --rollout-lag 2 >= --steps 2: every step of this run trains on rollouts that the first" in (
+        capsys.readouterr().err
+    )
+    module.check_args(flags.replace(args, steps=3))
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
