@@ -92,7 +92,12 @@ def _as_number(text: str) -> Fraction | None:
     text = text.strip()
     if _THOUSANDS_GROUPED.match(text):  # a comma is a number's own only between groups of three digits
         text = text.replace(",", "")
-    return Fraction(text) if _PLAIN_NUMBER.match(text) else None
+    if not _PLAIN_NUMBER.match(text):
+        return None
+    try:
+        return Fraction(text)
+    except ValueError:  # past Python's 4,300-digit limit on int(str) (a degenerate completion): not a plain number
+        return None
 
 
 def answers_match(predicted: str, gold: str, numbers_only: bool = False) -> bool:

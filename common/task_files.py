@@ -34,8 +34,11 @@ import math
 import multiprocessing
 import multiprocessing.util  # its exit handler registered before ours (_stop_workers)
 import os
+import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -95,7 +98,34 @@ class TaskFile:
             question = row.get("question")
             if not isinstance(question, str) or not question.strip():
                 raise BadInput(f'{self.path}: rows({split!r})[{index}] has no "question" (a non-empty string)')
+            if not question.isascii() and not _is_utf8(question):
+                raise BadInput(f'{self.path}: rows({split!r})[{index}]["question"] holds a lone surrogate, not text')
+            try:  # the row goes to the worker with each completion to score
+                pickle.dumps(row)
+            except Exception as error:
+                key = next((k for k, value in row.items() if not _picklable(value)), None)
+                where = f"[{key!r}]" if key is not None else ""
+                raise BadInput(
+                    f"{self.path}: rows({split!r})[{index}]{where} cannot be sent to the scoring process "
+                    f"({type(error).__name__}: {error}): keep a row to plain data (text, numbers, lists, dicts)"
+                ) from None
         return rows
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _picklable(value) -> bool:
+    try:
+        pickle.dumps(value)
+        return True
+    except Exception:
+        return False
 
 
 _LOADED: dict[str, TaskFile] = {}
@@ -243,8 +273,6 @@ def _ignored_by_the_child():
     across fork and exec (and Python then installs no KeyboardInterrupt handler), so a Ctrl-C while the worker imports
     torch is not fatal. This process only holds them back meanwhile: blocked, a signal stays pending even where it
     is ignored (Linux), and its handler receives it at the end."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's to change
         yield
         return
@@ -259,8 +287,6 @@ def _ignored_by_the_child():
 
 
 def _how_it_ended(exitcode: int | None) -> str:
-    import signal
-
     if exitcode is not None and exitcode < 0:
         try:
             return f"its process was killed by {signal.Signals(-exitcode).name}"
@@ -290,6 +316,7 @@ def _serve(connection, path: str) -> None:
     process group, from the processes the file's code starts (a pool's workers): those keep the default actions, so
     that their own parent can end them (a pool's terminate() sends SIGTERM)."""
     os.setsid()
+    threading.Thread(target=_end_with_the_trainer, args=(os.getppid(),), daemon=True).start()
     for number in STOP_SIGNALS:  # a handler that does nothing, not SIG_IGN, which a started process would inherit
         signal.signal(number, _take_no_stop_signal)
     # a forked child inherits the handler too: it takes the default actions back, and a stop signal sent before it
@@ -304,6 +331,15 @@ def _serve(connection, path: str) -> None:
         sys.stdout = sys.stderr = printed = _Bounded(PRINTED_CHARS)
         outcome = _run_one((path, *job))
         connection.send((outcome, (printed.text(), printed.size) if printed.size else None))
+
+
+def _end_with_the_trainer(trainer: int) -> None:
+    """In the worker: a trainer killed outright (SIGKILL, the OOM killer) cannot stop it, and a score that never
+    returns would keep it running, with what its code started, for good; once the trainer is gone (the worker has
+    another parent), its session is killed."""
+    while os.getppid() == trainer:
+        time.sleep(1)
+    os.killpg(0, signal.SIGKILL)
 
 
 def _kill_with_its_session(process) -> None:

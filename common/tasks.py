@@ -20,6 +20,7 @@ import math
 import os
 import random
 import sys
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -235,8 +236,15 @@ def _load_local_file(path: str, question_column: str, answer_column: str) -> lis
 
 def _check_json_lines(path: str) -> None:
     """Every non-blank line of a .jsonl file is one JSON object; else the error names the file, line and column."""
-    with open(path, encoding="utf-8-sig", errors="replace") as f:  # a byte-order mark is no part of line 1
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:  # a byte-order mark is no part of line 1
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise BadInput(
+                    f"{path}:{number}: not UTF-8 text (byte {error.start + 1} of the line is "
+                    f"0x{raw[error.start]:02x}); save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -247,6 +255,11 @@ def _check_json_lines(path: str) -> None:
                 ) from None
             if not isinstance(record, dict):
                 raise BadInput(f"{path}:{number}: a JSON {type(record).__name__}, not an object with named columns")
+            try:  # an escaped lone surrogate (\udc80) parses, but is no text a tokenizer takes
+                json.dumps(record, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                surrogate = "a lone surrogate escape (\\udXXX), not a character; fix the line"
+                raise BadInput(f"{path}:{number}: {surrogate}") from None
 
 
 def _require_columns(present, needed, where):
@@ -262,14 +275,21 @@ def _rows_from_records(records, question, answer, where) -> list[Row]:
     rows = []
     for index, record in enumerate(records):
         q, a = question(record), answer(record)
-        if q is None or a is None or str(q).strip() == "" or str(a).strip() == "":
-            raise BadInput(f"{where}: row {index} has an empty question or answer")
-        if not isinstance(q, str) or isinstance(a, (list, dict)):  # its repr would be the prompt or the gold answer
+        blank = [name for name, v in (("question", q), ("answer", a)) if v is None or str(v).strip() == ""]
+        if blank:
+            empty = " and ".join(blank)
+            raise BadInput(f"{where}: row {index} has an empty question or answer (its {empty}; rows count from 0)")
+        if not isinstance(q, str) or isinstance(a, (list, dict, bytes)):  # its repr: the prompt or the gold answer
             what = f"question is a {type(q).__name__}" if not isinstance(q, str) else f"answer is a {type(a).__name__}"
             columns = " (a .json file of columns? one object per row: .jsonl)" if isinstance(q, list) else ""
             raise BadInput(f"{where}: row {index}'s {what}, not text{columns}: {_short(q if what[0] == 'q' else a)}")
         if isinstance(a, float) and not math.isfinite(a):
             raise BadInput(f"{where}: row {index}'s answer is {a}, not a number any completion can equal")
+        if isinstance(a, float) and abs(a) >= 2**53 and a.is_integer():  # 12345678901234567 read as ...568
+            raise BadInput(
+                f"{where}: row {index}'s answer {a:.0f} was read as a float, past its exact integers (2^53): the "
+                "column mixes integers and decimals, or overflows int64; store the answers as text"
+            )
         # a float as written, never in exponent notation (5e-05), which no answer is compared with
         rows.append(Row(str(q), format(decimal.Decimal(repr(a)), "f") if isinstance(a, float) else str(a).strip()))
     if not rows:
@@ -306,8 +326,10 @@ def load_train_and_eval(
             print(f"held-out prompts: all {len(held_out)} rows of {eval_task}", file=sys.stderr)
         return train, held_out
     # The split is drawn over distinct questions, so that a question a file repeats is held out with every copy
-    # (a copy left to train would make its held-out accuracy a memory test); without repeats, one row each.
-    questions = list(dict.fromkeys(r.question for r in train))
+    # (a copy left to train would make its held-out accuracy a memory test); without repeats, one row each. Copies
+    # that differ in spacing or Unicode form (NFC) count as one question.
+    same = lambda question: unicodedata.normalize("NFC", " ".join(question.split()))  # noqa: E731
+    questions = list(dict.fromkeys(same(r.question) for r in train))
     if len(questions) < 2:
         raise BadInput(
             f"task file {task} has {len(questions)} distinct question: too few to hold some out; "
@@ -315,7 +337,7 @@ def load_train_and_eval(
         )
     count = min(HELD_OUT_MAX, max(1, round(HELD_OUT_SHARE * len(questions))))
     chosen = {questions[i] for i in random.Random(f"held-out/{len(questions)}").sample(range(len(questions)), count)}
-    held_out = [r for r in train if r.question in chosen]
+    held_out = [r for r in train if same(r.question) in chosen]
     if verbose:
         repeats = f" ({len(held_out)} rows: the file repeats some)" if len(held_out) > count else ""
         print(
@@ -323,7 +345,7 @@ def load_train_and_eval(
             "train); --eval-task FILE evaluates on another file",
             file=sys.stderr,
         )
-    return [r for r in train if r.question not in chosen], held_out
+    return [r for r in train if same(r.question) not in chosen], held_out
 
 
 def same_task(one: str, other: str) -> bool:

@@ -8,6 +8,7 @@ import math
 import os
 import random
 import shutil
+import unicodedata
 
 import pytest
 import torch
@@ -326,6 +327,15 @@ def test_a_local_task_file_holds_out_a_seeded_tenth_that_never_trains(tmp_path, 
     assert len(repeated_held_out) == 6 and len(repeated_train) == 54  # 2 of the 20 questions, 3 copies each
     assert not {r.question for r in repeated_train} & {r.question for r in repeated_held_out}
     assert "2 of the 20 questions of" in capsys.readouterr().err
+    # copies that differ in spacing or Unicode form (é composed or as e + accent) are the same question
+    spellings = ("café {}?", " café  {}? ", "cafe\u0301 {}?")
+    variants = tmp_path / "variants.jsonl"
+    rows = [{"question": spelling.format(i), "answer": "1"} for i in range(20) for spelling in spellings]
+    variants.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    variant_train, variant_held_out = tasks.load_train_and_eval(str(variants), None)
+    same = lambda question: unicodedata.normalize("NFC", " ".join(question.split()))  # noqa: E731
+    assert len(variant_held_out) == 6 and len({same(r.question) for r in variant_held_out}) == 2
+    assert not {same(r.question) for r in variant_train} & {same(r.question) for r in variant_held_out}
     repeats.write_text(2 * (json.dumps({"question": "q", "answer": "1"}) + "\n"))
     with pytest.raises(BadInput, match="1 distinct question: too few to hold some out"):
         tasks.load_train_and_eval(str(repeats), None)

@@ -4,6 +4,8 @@ test_scripts.py (test_dapo_rollout_flags_end_to_end)."""
 
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -144,18 +146,10 @@ def test_a_score_past_its_deadline_is_killed_with_the_processes_it_started(tmp_p
     rows = load_task(path, "train")
     assert [s.reward for s in score_completions(completions_of(tokenizer, ["2"]), rows, 1, tokenizer, path)] == [0.0]
     program = int(started.read_text())
-
-    def running():
-        try:
-            with open(f"/proc/{program}/stat") as f:
-                return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended (its reaper may be slow)
-        except FileNotFoundError:
-            return False
-
     deadline = time.time() + 30
-    while running() and time.time() < deadline:
+    while _running(program) and time.time() < deadline:
         time.sleep(0.1)
-    alive = running()
+    alive = _running(program)
     if alive:
         os.kill(program, signal.SIGKILL)
     assert not alive
@@ -187,6 +181,57 @@ def test_a_row_may_hold_an_instance_of_a_class_the_file_defines(tmp_path, tiny):
     for task, rewards in ((path, [1.0, 0.0]), (other, [0.0, 1.0])):
         scores = score_completions(completions_of(tokenizer, ["2", "3"]), rows[task], 2, tokenizer, task)
         assert [s.reward for s in scores] == rewards
+
+
+def test_a_worker_whose_trainer_was_killed_outright_ends_with_what_it_started(tmp_path):
+    """SIGKILL (the OOM killer, a crash) runs no exit handler of the trainer: the worker, whose score hangs, sees its
+    trainer gone and kills its session, the program its score started with it; it ran on at full CPU before."""
+    pids = tmp_path / "pids.txt"
+    path = write(
+        tmp_path,
+        f"""
+        import os, subprocess, time
+        SCORE_SECONDS = 600
+
+        def rows(split):
+            return [{{"question": "Q: 1+1="}}]
+
+        def score(completion, row):
+            program = subprocess.Popen(["sleep", "600"])
+            open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{program.pid}}")
+            time.sleep(600)
+        """,
+    )
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from common import task_files as t; t.score_all(t.load_task_file({path!r}), ['2'], "
+            f"t.load_task_file({path!r}).rows('train'))",
+        ],  # fmt: skip
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    deadline = time.time() + 120
+    while not (pids.exists() and len(pids.read_text().split()) == 2) and time.time() < deadline:
+        time.sleep(0.1)
+    worker, program = map(int, pids.read_text().split())
+    trainer.kill()
+    trainer.wait()
+    deadline = time.time() + 30
+    while any(map(_running, (worker, program))) and time.time() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in (worker, program) if _running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended (its reaper may be slow)
+    except FileNotFoundError:
+        return False
 
 
 def test_a_score_that_hangs_gets_reward_zero_and_the_others_are_still_scored(tmp_path, tiny, capsys):
@@ -260,6 +305,13 @@ def test_the_worker_takes_no_stop_signal_and_one_that_ended_while_idle_is_replac
         (ADDITION + "SYSTEM_PROMPT = 3\n", "SYSTEM_PROMPT is a int, not a string"),
         (ADDITION + "SCORE_SECONDS = 0\n", "SCORE_SECONDS must be a positive number"),
         (ADDITION.replace("return [", "return __import__('pandas').DataFrame([").replace("3)]", "3)])"), "a DataFrame"),
+        # rows go to the worker pickled: was an AttributeError at the first score, after the model had loaded
+        (
+            ADDITION.replace('"sum": 2 * a}', '"sum": 2 * a, "check": lambda text: text}'),
+            "rows('train')[0]['check'] cannot be sent to the scoring process (",
+        ),
+        # was a TypeError from the tokenizer
+        (ADDITION.replace('f"Q: {a}+{a}="', 'f"Q: {a}+{a}=\\udc80"'), '["question"] holds a lone surrogate'),
     ],
 )
 def test_a_broken_task_file_is_named_with_its_function(tmp_path, source, message):

@@ -104,6 +104,15 @@ def test_only_thousands_separators_are_dropped(predicted, gold, correct):
     assert scoring.answers_match(predicted, gold, numbers_only=True) is correct
 
 
+def test_a_number_past_pythons_digit_limit_is_wrong_not_a_crash():
+    """int(str) refuses more than 4,300 digits (Python 3.11+): a degenerate completion of repeated digits stopped the
+    run with a raw ValueError."""
+    long = "1" * 5000
+    assert not scoring.answers_match(long, "5", numbers_only=True)
+    assert (score(f"\\boxed{{{long}}}", "5", "gsm8k").reward, score(long, "5", "arith").reward) == (0.0, 0.0)
+    assert score("#### " + "7" * 4400, "7", "sums").reward == 0.0
+
+
 @pytest.mark.parametrize("completion", ["", "I do not know", "\\boxed{\\frac{1}{2", "\\boxed{}"])
 def test_no_answer_is_reported_separately(completion):
     result = check_answer(completion, "1")
@@ -263,8 +272,36 @@ def test_bad_task_inputs_name_the_problem(tmp_path):
     blank_answer = _write(
         tmp_path / "blank.jsonl", [{"question": "1+1", "answer": "2"}, {"question": "x", "answer": " "}]
     )
-    with pytest.raises(ValueError, match="row 1 has an empty question or answer"):
+    with pytest.raises(ValueError, match=r"row 1 has an empty question or answer \(its answer; rows count from 0\)"):
         load_task(blank_answer, "train")
+
+
+def test_bad_text_in_a_data_file_is_named_by_line_or_row(tmp_path):
+    """Each was a raw traceback from pyarrow or the tokenizer, or a gold answer no completion could match."""
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"question": "1+1", "answer": "2"}\n{"question": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(BadInput, match=rf"{latin1}:2: not UTF-8 text \(byte 18 of the line is 0xe9\)"):
+        load_task(str(latin1), "train")
+    surrogate = tmp_path / "surrogate.jsonl"
+    surrogate.write_text('{"question": "1+1", "answer": "2"}\n{"question": "x\\udc80", "answer": "1"}\n')
+    with pytest.raises(BadInput, match=rf"{surrogate}:2: a lone surrogate escape"):
+        load_task(str(surrogate), "train")
+    # a parquet binary column: the gold answer was "b'42'", and every reward 0
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    binary = str(tmp_path / "binary.parquet")
+    pq.write_table(pa.table({"question": ["6*7?"], "answer": pa.array([b"42"], pa.binary())}), binary)
+    with pytest.raises(BadInput, match="row 0's answer is a bytes, not text"):
+        load_task(binary, "train")
+    # a column of integers and decimals is read as floats: 12345678901234567 became the gold 12345678901234568
+    half = {"question": "b", "answer": 0.5}
+    mixed = _write(tmp_path / "mixed.jsonl", [{"question": "a", "answer": 12345678901234567}, half])
+    with pytest.raises(BadInput, match="row 0's answer 12345678901234568 was read as a float, past its exact"):
+        load_task(mixed, "train")
+    exact = _write(tmp_path / "exact.jsonl", [{"question": "a", "answer": 4503599627370495}, half])
+    exact_gold = load_task(exact, "train")[0].answer  # below 2^53: exact as a float
+    assert scoring.answers_match("4503599627370495", exact_gold, numbers_only=True)
 
 
 HUB_RECORDS = {  # one row shaped like each public dataset
