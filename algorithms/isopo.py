@@ -155,7 +155,7 @@ class Args:
     (0: none, as in the paper's runs)"""
     reg_form: Literal["paper", "authors"] = "paper"
     """paper: reg2(x) = sqrt(x² + λE[x²]) (Fig. 3); authors: the official
-    code's default sqrt(x²/(λE[x²]) + 1)"""
+    code's default sqrt(x²/(λE[x²]) + 1), where λ = 1 (--reg-coef 1)"""
     ntk_reg_coef: float = 1.0
     """interacting: c = this × EMA of the NTK's mean eigenvalue (Fig. 7: 1.0)"""
     ntk_scale: Literal["paper", "authors"] = "paper"
@@ -919,6 +919,14 @@ def check_args(args: Args) -> None:
         problems += checks.unused(args, non_interacting, "applies to --variant non-interacting only")
     else:
         problems += checks.unused(args, ["ntk_reg_coef", "ntk_scale"], "applies to --variant interacting only")
+        # λ = 0: reg2(x) = sqrt(x² + 1e-8), no E[x²] to keep and no form to choose
+        if not args.reg_coef:
+            no_reg = "applies with --reg-coef > 0 only"
+            problems += checks.unused(args, ["reg_form", "ema_decay"], no_reg)
+        # p = r = 0: s_i never reads ‖v_i‖_F (isopo/*/fisher_norm is still logged)
+        if not args.p and not args.r:
+            no_fisher = "applies with --p or --r non-zero only"
+            problems += checks.unused(args, ["n_overlap"], no_fisher)
     # END ALGO LOGIC
     checks.refuse(problems)
     check_full_logits(args)

@@ -132,8 +132,8 @@ class Args:
     # the loss: this method's own arguments
     ess_scope: Literal["minibatch", "micro-batch"] = "minibatch"
     """e_B over one optimizer step's tokens (the paper's batch) or of each
-    micro-batch (authors' code), all ranks; micro-batch keeps the rollout order (no sort by
-    length, which would change each micro-batch's e_B), and makes --micro-batch-size part of
+    micro-batch (authors' code), all ranks; micro-batch keeps the minibatch's shuffled order (no
+    sort by length, which would change each micro-batch's e_B), and makes --micro-batch-size part of
     the loss: keep it on --resume (which lets it change, as memory alone elsewhere)"""
     sampling_temperature: float | None = None
     """rollout temperature of the engine (μ) when it differs from --temperature (π_θ):

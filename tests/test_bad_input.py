@@ -142,6 +142,7 @@ METHOD_CASES = {
         ({"entropy_filter": "off", "entropy_threshold": 0.7}, "--entropy-threshold applies to --entropy-filter"),
         ({"entropy_threshold": 0.0}, "--entropy-threshold must be > 0 and finite"),
         ({"entropy_ini_prompts": 0}, "--entropy-ini-prompts must be >= 1"),
+        ({"entropy_filter": "on", "entropy_ini_prompts": 20}, "--entropy-ini-prompts applies to --entropy-filter auto"),
         ({"clip_high": 0.3}, ONE_UPDATE),
     ],
     "isopo": [
@@ -155,6 +156,10 @@ METHOD_CASES = {
         ({"n_overlap": 0}, "--n-overlap must be >= 1"),
         ({"variant": "interacting", "ntk_reg_coef": 0.0}, "--ntk-reg-coef must be > 0"),
         ({"ema_decay": 1.0}, "--ema-decay must be in [0, 1)"),
+        # λ = 0: reg2(x) = sqrt(x² + 1e-8), no trailing mean and no form; p = r = 0: s_i never reads ‖v_i‖_F
+        ({"reg_form": "authors"}, "--reg-form applies with --reg-coef > 0 only"),
+        ({"ema_decay": 0.5}, "--ema-decay applies with --reg-coef > 0 only"),
+        ({"p": 0.0, "q": -1.0, "n_overlap": 10}, "--n-overlap applies with --p or --r non-zero only"),
         ({"dtype": "float16"}, "--dtype must be auto, float32 or bfloat16: Eq. 6 normalizes"),
     ],
     "tis_icepop": [
@@ -214,6 +219,21 @@ def test_a_rollout_lag_of_the_whole_run_is_allowed_with_a_note(capsys):
     )
     module.check_args(flags.replace(args, steps=3))
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_method_flags_are_accepted_where_they_apply(name):
+    """The other side of the refusals above: two updates by epochs alone, and each method's flags in the variant
+    that reads them."""
+    module, args = _args(name, num_minibatches=1, update_epochs=2)
+    module.check_args(args)
+    applies = {
+        "gtpo": {"entropy_filter": "auto", "entropy_ini_prompts": 20},
+        "isopo": {"reg_coef": 0.5, "reg_form": "authors", "ema_decay": 0.5, "p": 0.0, "r": 1.0, "n_overlap": 10},
+    }
+    module.check_args(flags.replace(args, **applies.get(name, {})))
+    if name == "isopo":  # the NTK's trailing mean in the interacting variant
+        module.check_args(flags.replace(args, variant="interacting", ema_decay=0.5))
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

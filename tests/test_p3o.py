@@ -250,7 +250,8 @@ def test_update_gradient_matches_brute_force_of_the_written_objective(tiny):
 
     assert logged["losses/ess_min"] == pytest.approx(ess, abs=1e-6) and ess < 0.97
     assert logged["losses/ess"] == pytest.approx(ess, abs=1e-6)  # one e_B for the whole step
-    assert 0 < logged["losses/clip_fraction"] < 1  # capped and uncapped tokens
+    capped = (rho.detach() > ess).float().mean().item()  # the tokens whose weight min(ρ, e_B) is e_B
+    assert logged["losses/clip_fraction"] == pytest.approx(capped, abs=1e-6) and 0 < capped < 1
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(grads[0][name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
 
