@@ -54,6 +54,7 @@ Run it
   python algorithms/p3o.py --rollout-lag 1               # stale rollouts: a one-step pipeline
 """
 
+import collections
 import math
 import os
 import sys
@@ -438,11 +439,15 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                 continue
             minibatch_loss = 0.0
             # ALGO LOGIC: e_B from a no-grad pass over the step, unless each forward pass
-            # gives its own (minibatch_ess)
+            # gives its own (minibatch_ess); --loss clip only logs it: the step's, summed from
+            # its own forward passes, known after the last (no extra pass)
             ess_from_forward = args.ess_scope == "micro-batch" or len(minibatch) <= args.micro_batch_size
-            if not ess_from_forward:
+            ess_logged_after = not ess_from_forward and args.loss == "clip"
+            if not ess_from_forward and not ess_logged_after:
                 ess, fell_back = minibatch_ess(policy, batch, minibatch, args, dist, autocast)
                 ess_fallbacks += fell_back
+            # the same keys on every rank, for the all-reduce
+            step_sums = collections.Counter(ratio_sum=0.0, ratio_sq_sum=0.0, tokens=0.0)
             # END ALGO LOGIC
             for micro in micro_batches(
                 batch, minibatch, args.micro_batch_size, by_length=args.ess_scope != "micro-batch"
@@ -459,6 +464,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                         fsdp.all_reduce_dict(ratio_sums(logprobs, micro["sampler_logprobs"], mask), dist)
                     )
                     ess_fallbacks += fell_back
+                if ess_logged_after:
+                    step_sums.update(ratio_sums(logprobs, micro["sampler_logprobs"], mask))
                 if args.loss == "p3o":
                     token_losses, ratio, clip_active, kl_behavior = p3o_loss(
                         logprobs, micro["sampler_logprobs"], micro["advantages"], mask, ess
@@ -492,12 +499,18 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     metrics.mean("losses/ratio_mean", (ratio * mask).sum(), tokens)
                     # the penalty's k3 form of KL(π_θ ‖ μ), on μ's samples
                     metrics.mean("losses/kl_behavior", (kl_behavior * mask).sum(), tokens)
-                    # e_B, over the tokens it applied to
-                    metrics.mean("losses/ess", ess * tokens.item(), tokens)
-                    # e_B's minimum (e_B is the same on every rank)
-                    metrics.min("losses/ess_min", ess)
+                    if not ess_logged_after:
+                        # e_B, over the tokens it applied to
+                        metrics.mean("losses/ess", ess * tokens.item(), tokens)
+                        # e_B's minimum (e_B is the same on every rank)
+                        metrics.min("losses/ess_min", ess)
                     if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
+            if ess_logged_after:  # ALGO LOGIC: --loss clip's e_B of the step, logged only
+                ess, fell_back = effective_sample_size(fsdp.all_reduce_dict(dict(step_sums), dist))
+                ess_fallbacks += fell_back
+                metrics.mean("losses/ess", ess * rank_tokens, rank_tokens)
+                metrics.min("losses/ess_min", ess)
             # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss
             # or gradient norm is not finite is skipped (counted in charts/skipped_steps), so
             # weights never become NaN

@@ -318,18 +318,29 @@ def load_train_and_eval(
     eval_task = eval_task or task
     train = load_task(task, "train", *columns)
     local = os.path.splitext(task)[1].lower() in LOCAL_FORMATS
+    answers = {}
+    for row in train:
+        answers.setdefault(_same_question(row.question), set()).add(row.answer)
+    disagreeing = sum(len(golds) > 1 for golds in answers.values())
+    if verbose and disagreeing:
+        print(f"warning: {disagreeing} of the {len(answers)} questions of {task} have rows with different answers (a "
+              "completion can match one of them only): check the data", file=sys.stderr)  # fmt: skip
     if not evaluated and not local:
         return train, []
     if not same_task(eval_task, task) or not local:
         held_out = load_task(eval_task, "test", *columns)
         if verbose and os.path.splitext(eval_task)[1].lower() in LOCAL_FORMATS:
             print(f"held-out prompts: all {len(held_out)} rows of {eval_task}", file=sys.stderr)
+        evaluated_questions = {_same_question(r.question) for r in held_out}
+        trained = len(evaluated_questions & answers.keys())
+        if verbose and trained:
+            print(f"warning: {trained} of the {len(evaluated_questions)} held-out questions of {eval_task} are also in "
+                  f"{task}, which trains on them: their accuracy measures memory", file=sys.stderr)  # fmt: skip
         return train, held_out
     # The split is drawn over distinct questions, so that a question a file repeats is held out with every copy
     # (a copy left to train would make its held-out accuracy a memory test); without repeats, one row each. Copies
-    # that differ in spacing or Unicode form (NFC) count as one question.
-    same = lambda question: unicodedata.normalize("NFC", " ".join(question.split()))  # noqa: E731
-    questions = list(dict.fromkeys(same(r.question) for r in train))
+    # that differ in spacing or Unicode form (NFC) count as one question (_same_question).
+    questions = list(answers)
     if len(questions) < 2:
         raise BadInput(
             f"task file {task} has {len(questions)} distinct question: too few to hold some out; "
@@ -337,7 +348,7 @@ def load_train_and_eval(
         )
     count = min(HELD_OUT_MAX, max(1, round(HELD_OUT_SHARE * len(questions))))
     chosen = {questions[i] for i in random.Random(f"held-out/{len(questions)}").sample(range(len(questions)), count)}
-    held_out = [r for r in train if same(r.question) in chosen]
+    held_out = [r for r in train if _same_question(r.question) in chosen]
     if verbose:
         repeats = f" ({len(held_out)} rows: the file repeats some)" if len(held_out) > count else ""
         print(
@@ -345,7 +356,12 @@ def load_train_and_eval(
             "train); --eval-task FILE evaluates on another file",
             file=sys.stderr,
         )
-    return [r for r in train if same(r.question) not in chosen], held_out
+    return [r for r in train if _same_question(r.question) not in chosen], held_out
+
+
+def _same_question(question: str) -> str:
+    """A question as the held-out split compares it: copies that differ in spacing or Unicode form are one."""
+    return unicodedata.normalize("NFC", " ".join(question.split()))
 
 
 def same_task(one: str, other: str) -> bool:

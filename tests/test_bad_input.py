@@ -317,6 +317,24 @@ def test_output_dir_that_is_a_file_or_cannot_be_made(tmp_path):
 # --- files and models -------------------------------------------------------------------------------
 
 
+def test_held_out_questions_that_train_and_rows_that_disagree_are_warned_of(tmp_path, capsys):
+    """A separate --eval-task file is held out whole, but a copy of the training file (or a file sharing questions
+    with it) evaluates on questions that train; and a question whose rows give two answers rewards one of them."""
+    rows = [{"question": f"What is {i}+1?", "answer": str(i + 1)} for i in range(20)]
+    train, shared = tmp_path / "train.jsonl", tmp_path / "shared.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    shared.write_text("".join(json.dumps(row) + "\n" for row in rows[15:] + [{"question": "new?", "answer": "1"}]))
+    tasks.load_train_and_eval(str(train), str(shared))
+    assert f"warning: 5 of the 6 held-out questions of {shared} are also in {train}, which trains" in (
+        capsys.readouterr().err
+    )
+    tasks.load_train_and_eval(str(train), None)  # its own held-out split: disjoint, nothing to warn of
+    assert "warning" not in capsys.readouterr().err
+    train.write_text(train.read_text() + json.dumps({"question": "What is  3+1? ", "answer": "5"}) + "\n")
+    tasks.load_train_and_eval(str(train), None)
+    assert f"warning: 1 of the 20 questions of {train} have rows with different answers" in capsys.readouterr().err
+
+
 def test_a_torn_jsonl_names_its_line_and_column(tmp_path):
     path = tmp_path / "torn.jsonl"
     path.write_text('{"question": "1+1", "answer": "2"}\n{"question": "2+2", "answ\n')
