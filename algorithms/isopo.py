@@ -947,7 +947,7 @@ def main(args: Args) -> None:
     tokenizer = load_tokenizer(args.model)
     data = load_prompts(
         args.model, tokenizer, args.task, args.max_prompt_tokens, args.max_new_tokens,
-        args.task_format, args.tools, args.evaluation, verbose=dist.is_main,
+        args.task_format, args.tools, args.evaluation, verbose=dist.is_main, run_dir=run_dir,
     )  # fmt: skip
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
     policy = load_policy(args.model, checkpoint, systems, precision.dtype)  # LoRA: base frozen

@@ -468,11 +468,15 @@ class RunPrompts:
     context: int  # the tokens the engine's context must hold: the longest prompt and a whole episode
 
 
-def load_prompts(model, tokenizer, task, max_prompt_tokens, max_new_tokens, task_format, tools, evaluation, verbose):
+def load_prompts(
+    model, tokenizer, task, max_prompt_tokens, max_new_tokens, task_format, tools, evaluation, verbose, run_dir=None
+):
     """The prompts of a run on `task` (RunPrompts). `task_format`, `tools`, `evaluation`: the groups of
     common.flags. The training rows and the held-out ones of load_train_and_eval are encoded with the chat-template
     setting; a prompt is left out (and counted) when it is longer than --max-prompt-tokens or than what the model's
-    context leaves beside the new tokens (with tools, a whole episode's); --eval-prompts held-out rows at most."""
+    context leaves beside the new tokens (with tools, a whole episode's); --eval-prompts held-out rows at most.
+    `run_dir`: the run's folder, where the training rows are recorded (a digest) when it starts and checked when it
+    resumes (same_prompts_as_the_run)."""
     from common.tools import episode_tokens
 
     new_tokens = episode_tokens(task, max_new_tokens, tools)
@@ -482,7 +486,41 @@ def load_prompts(model, tokenizer, task, max_prompt_tokens, max_new_tokens, task
     evaluated = bool(evaluation.eval_every)
     train_rows, eval_rows = load_train_and_eval(task, eval_task, *columns, verbose=verbose, evaluated=evaluated)
     train_rows, prompts = encode_prompts(train_rows, tokenizer, task, template, prompt_limit, verbose)
+    if run_dir is not None:
+        same_prompts_as_the_run(run_dir, task, train_rows)
     eval_rows = encode_prompts(eval_rows, tokenizer, eval_task, template, prompt_limit, verbose)[0] if eval_rows else []
     return RunPrompts(
         train_rows, prompts, eval_rows[: evaluation.eval_prompts], eval_task, template, prompt_limit + new_tokens
     )
+
+
+PROMPTS_RECORD = "prompts.json"  # in a run's folder: its training rows' digest
+
+
+def same_prompts_as_the_run(run_dir: str, task: str, train_rows: list[Row]) -> None:
+    """A run resumes on the training rows it started with: a task file edited in between (a row appended, say)
+    would give other prompts at each step and, for a file that holds its own questions out, another split, where a
+    held-out question may train. The first start records the rows' digest in the run's folder; a resume compares.
+    A run started before the record existed, or with a damaged one, is recorded afresh."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps([[r.question, r.answer] for r in train_rows]).encode()).hexdigest()
+    record = {"task": task, "training_rows": len(train_rows), "sha256": digest}
+    path = os.path.join(run_dir, PROMPTS_RECORD)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        started = int(saved["training_rows"]), str(saved["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        temporary = f"{path}.{os.getpid()}.tmp"  # every rank writes the same record
+        with open(temporary, "w") as f:
+            json.dump(record, f)
+        os.replace(temporary, path)
+        return
+    if started[1] != digest:
+        raise BadInput(
+            f"--task {task}: the run started on other training rows ({started[0]} then, {len(train_rows)} now, "
+            "or the same number changed): a resumed run would train on other prompts, and a file's held-out "
+            "questions may train. Restore the task as it was, or start a new run; to resume on these rows anyway, "
+            f"delete {path}"
+        )

@@ -513,6 +513,34 @@ def test_a_resume_says_what_it_resumes_and_may_run_longer(finished_run, tmp_path
     )
     assert f"resuming {copy} at step 2" in result.stderr
     assert json.load(open(copy / "config.json"))["steps"] == 3  # the record says what the run now does
+    # the training rows are recorded when the run starts and checked when it resumes: other rows are refused
+    record = json.load(open(copy / tasks.PROMPTS_RECORD))
+    assert record["task"] == "arith" and record["training_rows"] > 0
+    json.dump({**record, "sha256": "0" * 64}, open(copy / tasks.PROMPTS_RECORD, "w"))
+    result = run_script(
+        "algorithms/grpo.py", "--eval-every", 0, *flags, "--steps", 4, "--resume", copy, check=False
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "--task arith: the run started on other training rows" in result.stderr
+
+
+def test_a_resume_on_an_edited_task_file_is_refused(tmp_path):
+    """A row appended to a task file between a run's start and its resume: other prompts at each step, and another
+    held-out split in which a held-out question may train (as here), unless the user says so by deleting the record."""
+    path = tmp_path / "data.jsonl"
+    rows = [{"question": f"What is {i}+1?", "answer": str(i + 1)} for i in range(20)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    started = tasks.load_train_and_eval(str(path), None)[0]
+    tasks.same_prompts_as_the_run(str(tmp_path), str(path), started)  # the first start: recorded
+    tasks.same_prompts_as_the_run(str(tmp_path), str(path), started)  # the same rows: resumes
+    path.write_text(path.read_text() + json.dumps({"question": "What is 20+1?", "answer": "21"}) + "\n")
+    edited, held_out = tasks.load_train_and_eval(str(path), None)
+    assert {r.question for r in held_out} & {r.question for r in started}  # a held-out question that trained
+    with pytest.raises(BadInput, match=r"the run started on other training rows \(18 then, 19 now, .* delete "):
+        tasks.same_prompts_as_the_run(str(tmp_path), str(path), edited)
+    os.remove(tmp_path / tasks.PROMPTS_RECORD)  # the user's choice, as the message says
+    tasks.same_prompts_as_the_run(str(tmp_path), str(path), edited)
+    tasks.same_prompts_as_the_run(str(tmp_path), str(path), edited)
 
 
 @pytest.mark.slow
