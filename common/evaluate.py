@@ -151,7 +151,7 @@ def main() -> None:
     from common import adapters, checks
     from common.engines import engine_kind, load_tokenizer, make_engine
     from common.errors import BadInput
-    from common.tasks import load_task, load_train_and_eval
+    from common.tasks import load_task, load_train_and_eval, same_task
     from common.tiny import resolve_model
     from common.tools import episode_tokens, with_tools
 
@@ -179,6 +179,13 @@ def main() -> None:
     where = "all rows" if args.whole_file else f"the {split} split"
     print(f"scoring {len(rows)} prompts of {where} of {args.task}", file=sys.stderr)
     path = resolve_model(args.model, args.task, adapter=True)  # a --lora-rank checkpoint too
+    if checks.is_data_file(args.task) and os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        # a run with an --eval-task file of its own trained on every row of its --task file
+        trained = checks.read_checkpoint_file(path, "trainer_state.pt").get("args", {})
+        other_eval = trained.get("eval_task") and not same_task(trained["eval_task"], trained.get("task", ""))
+        if trained.get("task") and same_task(trained["task"], args.task) and other_eval:
+            print(f"warning: the run of {args.model} trained on every row of {args.task} (its --eval-task was "
+                  f"{trained['eval_task']}): these rows are not held out from it", file=sys.stderr)  # fmt: skip
     adapter = adapters.is_adapter_folder(path)  # a --lora-rank checkpoint: base and adapter, merged
     base = adapters.existing_base(path) if adapter else path  # a base moved since the run: named
     if os.path.isdir(path):  # a checkpoint or a local model: a truncated weights file is named, not a traceback

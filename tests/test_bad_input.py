@@ -679,7 +679,7 @@ def test_evaluate_refuses_what_the_scripts_refuse(argv, message, monkeypatch, ca
     assert isinstance(error, BadInput) and message in str(error), error
 
 
-def test_evaluate_scores_a_data_files_held_out_rows_and_says_so(tmp_path, monkeypatch, capsys):
+def test_evaluate_scores_a_data_files_held_out_rows_and_says_so(tmp_path, monkeypatch, capsys, tiny_dir):
     """A local file has no test split: the held-out rows of a training run on it, not every row (which trained)."""
     from common import evaluate
 
@@ -698,6 +698,15 @@ def test_evaluate_scores_a_data_files_held_out_rows_and_says_so(tmp_path, monkey
     assert f"scoring 40 prompts of all rows of {path}" in err
     error = _evaluate(monkeypatch, capsys, "--task", "arith", "--whole-file")
     assert isinstance(error, BadInput) and "--whole-file must be used with a local data file as --task" in str(error)
+    # the checkpoint of a run that had an --eval-task file of its own, which trained on every row of this one
+    checkpoint = tmp_path / "step_00000002"
+    shutil.copytree(tiny_dir, checkpoint)
+    other = str(tmp_path / "other.jsonl")
+    torch.save({"args": {"task": str(path), "eval_task": other}}, checkpoint / "trainer_state.pt")
+    result, err = _evaluate(monkeypatch, capsys, "--task", path, "--model", checkpoint, "--engine", "hf", "--k", 1)
+    assert f"warning: the run of {checkpoint} trained on every row of {path} (its --eval-task was" in err
+    torch.save({"args": {"task": str(path), "eval_task": None}}, checkpoint / "trainer_state.pt")  # held out: fine
+    assert "warning" not in _evaluate(monkeypatch, capsys, "--task", path, "--model", checkpoint, "--engine", "hf")[1]
 
 
 def test_evaluate_names_the_base_a_lora_checkpoint_needs(tmp_path, monkeypatch, capsys):
