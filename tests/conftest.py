@@ -26,19 +26,10 @@ def tiny_dir():
 
 
 def _built(task, moe=False):
-    """The built-in model of `task`, built on first use with every core, as `./run.sh` builds it: a worker's single
-    thread would take twice as long, holding the build's lock, and might build another model (a float sum's order
-    follows the threads)."""
-    import torch
-
+    """The built-in model of `task`, built on first use (with common.tiny.BUILD_THREADS, whatever a worker's)."""
     from common.tiny import tiny_model_dir
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
-        return tiny_model_dir(task, moe=moe)
-    finally:
-        torch.set_num_threads(threads)
+    return tiny_model_dir(task, moe=moe)
 
 
 @pytest.fixture(scope="session")

@@ -121,12 +121,16 @@ def test_unreadable_cache_is_detected(tiny_dir, tmp_path):
     assert not tiny_module._is_valid(str(tmp_path / "missing"))
 
 
-def test_rebuilds_when_missing(tmp_path, monkeypatch):
+def test_rebuilds_when_missing(tmp_path, monkeypatch, request):
     """tiny_model_dir() builds into an empty location (the build itself is stubbed for speed here;
-    the real build runs once per session through the `tiny_dir` fixture)."""
-    built = []
+    the real build runs once per session through the `tiny_dir` fixture), with BUILD_THREADS threads whatever the
+    caller's (a float sum's order follows them: a test worker's one thread built another model than run.sh's)."""
+    built, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a test worker; 8 on a larger machine did the same
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
 
     def fake_build(path, task, moe=False):
+        assert torch.get_num_threads() == tiny_module.BUILD_THREADS == 2
         built.append(path)
         os.makedirs(path)
         with open(os.path.join(path, "build_info.json"), "w") as f:
@@ -137,6 +141,7 @@ def test_rebuilds_when_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny_module, "load", lambda path: None)
     assert tiny_module.tiny_model_dir() == str(tmp_path / "model") and built == [str(tmp_path / "model")]
     assert tiny_module.tiny_model_dir() == str(tmp_path / "model") and len(built) == 1  # cached now
+    assert torch.get_num_threads() == 1  # the caller's again
     # a trailing slash (TINY_MODEL_DIR=/x/model/) names the same folder: the lock and the build's temporary folder
     # beside it, not inside it
     monkeypatch.setenv("TINY_MODEL_DIR", str(tmp_path / "model") + "/")
