@@ -204,8 +204,9 @@ def locked_run_folder(output_dir: str, resume: str | None, name: str, settings: 
             _rewind(folder, checkpoint)
         return folder, checkpoint
     if resume and dist.is_main:  # auto, and nothing to resume: a sweep's point that never reached a checkpoint
-        print(f"--resume auto: no run {name}__* in {output_dir} with these settings has a checkpoint: a new run "
-              "starts", file=sys.stderr)  # fmt: skip
+        why = auto_mismatch(output_dir, name + "__", settings)
+        print(f"--resume auto: no run {name}__* in {output_dir} with these settings has a checkpoint{why}: a new "
+              "run starts", file=sys.stderr)  # fmt: skip
     stamp = f"{name}__{int(time.time())}"
     folder = fsdp.broadcast(_create_exclusively(os.path.join(output_dir, stamp)) if dist.is_main else None, dist)
     if dist.is_main:
@@ -326,6 +327,8 @@ class StopSignals:
                 if number == signal.SIGHUP and signal.getsignal(number) == signal.SIG_IGN:
                     continue  # nohup: the run was asked to outlive its terminal
                 self.previous[number] = signal.signal(number, self._handle)
+        self.streams = (sys.stdout, sys.stderr)
+        sys.stdout, sys.stderr = (_SurvivingStream(s) if _has_fd(s) else s for s in self.streams)
 
     def _handle(self, number, frame):
         import signal
@@ -361,6 +364,8 @@ class StopSignals:
             if handler is not None:  # None: a handler set outside Python, which Python cannot set back
                 signal.signal(number, handler)
         self.previous = {}
+        if isinstance(sys.stdout, _SurvivingStream) or isinstance(sys.stderr, _SurvivingStream):
+            sys.stdout, sys.stderr = self.streams
 
     def _pass_on(self, number, frame) -> None:
         """Restore the handlers, then handle the signal as the one this object replaced would have."""
@@ -431,6 +436,50 @@ def _agent_shutdown_timeout() -> float | None:
         return None
 
 
+class _SurvivingStream:
+    """sys.stdout or sys.stderr while training. A reader that went away (a closed terminal's `| tee`, which its
+    SIGHUP ends too; `| head`) makes the next write fail with EPIPE, a hung-up terminal with EIO: the progress bar's
+    next line would end the run there, before the checkpoint of the step. The stream's descriptor goes to /dev/null
+    instead, and the run goes on to its checkpoint (and its stop, after a signal)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as error:
+            self._lost(error)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as error:
+            self._lost(error)
+
+    def _lost(self, error: OSError) -> None:
+        import errno
+
+        if error.errno not in (errno.EPIPE, errno.EIO):
+            raise error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())  # what the stream still holds is flushed there
+        os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _has_fd(stream) -> bool:
+    """A stream on a file descriptor (not a test runner's capture, which has no reader to lose)."""
+    try:
+        stream.fileno()
+        return True
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 def _detach_from_terminal() -> None:
     """Point stdout and stderr, where they are a terminal, at /dev/null: the terminal has hung up."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -462,15 +511,10 @@ def find_checkpoint(resume: str, output_dir: str, run_prefix: str, settings: dic
     match `settings` (this command's; flags a resume may change apart), or None when no run has one. So one command
     starts a run and continues it, and each point of a restarted sweep (`--lr 1e-4`, `--lr 3e-4`) finds its own."""
     if resume == "auto":
-        runs = [
-            f
-            for f in glob.glob(os.path.join(glob.escape(output_dir), glob.escape(run_prefix) + "*"))
-            if os.path.isdir(f)
-        ]
-        for run in sorted(runs, key=lambda f: _started(f, run_prefix), reverse=True):
-            complete = _complete_checkpoints(run)
-            if complete and (settings is None or not resume_differences(settings, _settings_of(complete[-1]))):
-                return complete[-1]
+        for newest in _checkpointed_runs(output_dir, run_prefix):
+            saved = _settings_of(newest) if settings is not None else {}
+            if settings is None or (not resume_differences(settings, saved) and _same_model(settings, saved)):
+                return newest
         return None
     resume = os.path.normpath(resume)  # (a shell completes a folder's name with /)
     if os.path.isfile(os.path.join(resume, "trainer_state.pt")):
@@ -481,6 +525,41 @@ def find_checkpoint(resume: str, output_dir: str, run_prefix: str, settings: dic
     if not complete:
         raise BadInput(f"--resume {resume}: no complete checkpoint found")
     return complete[-1]
+
+
+def _checkpointed_runs(output_dir: str, run_prefix: str):
+    """The newest complete checkpoint of each run in `output_dir` named `run_prefix`*, the newest run first."""
+    runs = [
+        f for f in glob.glob(os.path.join(glob.escape(output_dir), glob.escape(run_prefix) + "*")) if os.path.isdir(f)
+    ]
+    for run in sorted(runs, key=lambda f: _started(f, run_prefix), reverse=True):
+        complete = _complete_checkpoints(run)
+        if complete:
+            yield complete[-1]
+
+
+def _same_model(settings: dict, saved: dict) -> bool:
+    """Whether --resume auto's candidate was trained on this command's --model (a resume may name it at another
+    place, but a point of a sweep over models is another run)."""
+    from common.checks import same_model_check
+
+    if "model" not in settings or "model" not in saved:
+        return True
+    try:
+        same_model_check(settings, saved["model"], adapter=bool(saved.get("lora_rank")))
+        return True
+    except BadInput:
+        return False
+
+
+def auto_mismatch(output_dir: str, run_prefix: str, settings: dict) -> str:
+    """Why --resume auto found nothing: how the newest checkpointed run of the name differs from this command (a
+    default the code has since changed, a flag set otherwise), or "" where no such run exists."""
+    for newest in _checkpointed_runs(output_dir, run_prefix):
+        saved = _settings_of(newest)
+        differences = resume_differences(settings, saved) or ([] if _same_model(settings, saved) else ["--model"])
+        return f"; the newest, {os.path.dirname(os.path.dirname(newest))}, differs: {', '.join(differences)}"
+    return ""
 
 
 def _complete_checkpoints(run: str) -> list[str]:
