@@ -90,8 +90,10 @@ class _RecordSampledLogprobs(LogitsProcessor):
     the next step (when the sampled token is visible in input_ids) the sampled token's log-prob is
     read off. Holds one step's [batch, vocab] at a time, not the whole [batch, steps, vocab]."""
 
-    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0):
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0, keep_mask: bool = True):
+        """`keep_mask`: record the kept ids of each step (a sampling mask is asked for; top-p's kept set may be
+        a large part of the vocabulary)."""
+        self.temperature, self.top_k, self.top_p, self.keep_mask = temperature, top_k, top_p, keep_mask
         self.previous: torch.Tensor | None = None
         self.sampled_logprobs: list[torch.Tensor] = []
         self.kept: list[torch.Tensor] = []  # per step [batch, K] kept ids (top-p / top-k)
@@ -102,7 +104,8 @@ class _RecordSampledLogprobs(LogitsProcessor):
         if self.top_k > 0 or self.top_p < 1.0:  # temperature first, then top-k, then top-p (vLLM's order)
             kept = truncate(scores, self.top_k, self.top_p)
             scores = scores.masked_fill(~kept, -math.inf)
-            self.kept.append(kept_ids(kept))
+            if self.keep_mask:
+                self.kept.append(kept_ids(kept))
         self.previous = torch.log_softmax(scores.float(), dim=-1)
         return scores
 
@@ -116,9 +119,9 @@ QUANTIZED_DTYPES = {"fp8": 448.0, "int8": 127.0}  # the largest magnitude each f
 
 
 def round_weight(weight: torch.Tensor, kind: str, per_channel: bool = True) -> torch.Tensor:
-    """`weight` [out, in] rounded through `kind` and scaled back, in its own dtype: fp8 (float8 e4m3) or symmetric int8,
-    with scale = absmax / largest value, per output channel (row) or for the whole tensor."""
-    absmax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().amax()
+    """`weight` [out, in] (or [experts, out, in]) rounded through `kind` and scaled back, in its own dtype: fp8 (float8
+    e4m3) or symmetric int8, with scale = absmax / largest value, per output channel (row) or for the whole tensor."""
+    absmax = weight.abs().amax(dim=-1, keepdim=True) if per_channel else weight.abs().amax()
     scale = (absmax.float() / QUANTIZED_DTYPES[kind]).clamp(min=1e-30)
     scaled = weight.float() / scale
     rounded = scaled.to(torch.float8_e4m3fn).float() if kind == "fp8" else scaled.round().clamp(-127, 127)
@@ -150,13 +153,13 @@ class HFEngine:
             own = own.merge_and_unload() if adapters.is_adapted(own) else own  # LoRA: a plain model, W + (α/r)·B·A
             self.model, self.shares_trainer_weights = own.to(dtype), False
         self.dtype = next(self.model.parameters()).dtype
-        # quantize: every Linear weight but the output layer's (which is also the embedding when tied), as
+        # quantize: every Linear weight but the output layer's (which is also the embedding when tied), and an MoE's
+        # experts (transformers keeps each layer's as one [experts, out, in] tensor, not Linear modules), as
         # weight-quantized inference engines do; rounded again after each weight push
         output = self.model.get_output_embeddings()
-        self.quantize, self.quantized = (
-            quantize,
-            [m.weight for m in self.model.modules() if quantize and isinstance(m, torch.nn.Linear) and m is not output],
-        )
+        linear = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear) and m is not output]
+        experts = [p for name, p in self.model.named_parameters() if p.ndim == 3 and ".experts." in f".{name}"]
+        self.quantize, self.quantized = quantize, (linear + experts if quantize else [])
         self._round_weights()
         if float32_head and self.dtype != torch.float32:  # its output layer's product in float32, as vLLM's head_dtype
             head = self.model.get_output_embeddings()
@@ -221,7 +224,11 @@ class HFEngine:
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompt_ids], device=device)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
         greedy = temperature == 0
-        recorder = _RecordSampledLogprobs(1.0, 0, 1.0) if greedy else _RecordSampledLogprobs(temperature, top_k, top_p)
+        recorder = (
+            _RecordSampledLogprobs(1.0, 0, 1.0)
+            if greedy
+            else _RecordSampledLogprobs(temperature, top_k, top_p, keep_mask=sampling_mask)
+        )
         # temperature is applied by the recorder, so it sees exactly the distribution sampled from
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
         rows = len(prompt_ids) * (1 if greedy else n)

@@ -269,6 +269,34 @@ def test_quantized_engine_rounds_its_linear_weights_and_shows_a_mismatch(tiny, k
         make_engine("vllm", model, tokenizer, dtype="int8")
 
 
+def test_a_quantized_engine_rounds_an_moes_experts_each_on_its_own(tiny):
+    """transformers keeps a layer's experts as one [experts, out, in] tensor, not Linear modules: they were left exact,
+    so an "fp8 engine" on an MoE rounded its attention alone (4% of the tiny MoE's weights). Each expert's matrix is
+    rounded per row, as a Linear weight is; the router stays exact, as in weight-quantized inference engines."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from common.engines import round_weight
+
+    _, tokenizer = tiny
+    config = MixtralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config)
+    engine = make_engine("hf", model, tokenizer, dtype="fp8")
+    rounded, experts = dict(engine.model.named_parameters()), 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            experts += 1
+            for expert in range(p.shape[0]):
+                assert torch.equal(rounded[name][expert], round_weight(p[expert], "fp8")), name
+            assert not torch.equal(rounded[name], p)
+        elif "gate" in name or "norm" in name or "embed" in name or "lm_head" in name:  # the routers, and the rest
+            assert torch.equal(rounded[name], p), name
+    assert experts == 2 * config.num_hidden_layers  # gate_up_proj and down_proj of each layer
+
+
 @pytest.mark.slow
 def test_a_script_logs_the_quantized_engines_mismatch(tmp_path):
     """--engine-dtype int8 end to end (tis_icepop.py, whose corrections are for this): the mismatch is logged and
@@ -366,6 +394,22 @@ def test_truncation_keeps_what_top_k_then_top_p_keep():
             assert set(keep.nonzero().flatten().tolist()) == set(order[: min(needed, len(allowed))].tolist())
     ids = kept_ids(truncate(scores, 3))
     assert ids.shape == (50, 3) and (ids >= 0).all()
+
+
+def test_without_a_kept_mask_the_engine_records_no_kept_sets(tiny, monkeypatch):
+    """--no-keep-sampling-mask: top-p's kept set can be most of a real vocabulary at a high-entropy position, and was
+    gathered at every step all the same (a [rows, K] sort and copy), then thrown away. The same tokens are sampled."""
+    from common import engines
+
+    model, tokenizer = tiny
+    engine, prompts = HFEngine(model, tokenizer), _prompt_ids(tokenizer)
+    torch.manual_seed(0)
+    kept = engine.generate(prompts, 2, 6, 1.0, top_p=0.8, sampling_mask=True)
+    monkeypatch.setattr(engines, "kept_ids", lambda kept: pytest.fail("kept ids gathered for no mask"))
+    torch.manual_seed(0)
+    unkept = engine.generate(prompts, 2, 6, 1.0, top_p=0.8, sampling_mask=False)
+    assert all(c.sampling_mask is None for c in unkept) and all(c.sampling_mask is not None for c in kept)
+    assert [c.token_ids for c in unkept] == [c.token_ids for c in kept]
 
 
 @pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.8), (8, 0.7)])
