@@ -142,10 +142,15 @@ def shared_flags(args) -> list[str]:
             from common.adapters import OUTPUT_LAYER_ADAPTER
 
             problems += [f"--lora-target-modules lm_head: {OUTPUT_LAYER_ADAPTER}"]
-    # a run resumed by path compares these values with its own instead (check_resume); --resume auto may start a
-    # new run, and finds a run made with such a flag without it too (resume_differences passes over inert flags)
-    if v.get("resume") in (None, "", "auto"):
-        problems += [f"--{n.replace('_', '-')} {why}" for n, why in inert_flags(v).items() if v[n] != defaults[n]]
+    # a run resumed by path compares these values with its own instead (check_resume), but for those a resume may
+    # change, which are this command's alone; --resume auto may start a new run, and finds a run made with such a
+    # flag without it too (resume_differences passes over inert flags)
+    new_run = v.get("resume") in (None, "", "auto")
+    problems += [
+        f"--{n.replace('_', '-')} {why}"
+        for n, why in inert_flags(v).items()
+        if v[n] != defaults[n] and (new_run or n in RESUME_MAY_CHANGE)
+    ]
     return problems
 
 

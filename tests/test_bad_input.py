@@ -93,6 +93,12 @@ SHARED_CASES = [
         "--gpu-memory-utilization applies to vLLM on a GPU only (--rollout-engine hf)",
     ),
     ({"cpu_offload": True}, "--cpu-offload applies with several ranks (torchrun) only"),  # one rank here
+    # a flag a resume may change is this command's alone: refused where it does nothing, resumed or not
+    ({"resume": "no/such/run", "cpu_offload": True}, "--cpu-offload applies with several ranks (torchrun) only"),
+    (
+        {"resume": "no/such/run", "rollout_engine": "hf", "vllm_sleep_mode": True},
+        "--vllm-sleep-mode applies to vLLM on a GPU only (--rollout-engine hf)",
+    ),
     ({"wandb_entity": "me"}, "--wandb-entity applies with --track only"),
     ({"wandb_project_name": "mine"}, "--wandb-project-name applies with --track only"),
     ({"question_column": "q"}, "--question-column applies to a local data file (.jsonl, .json, .parquet) as --task"),
