@@ -391,10 +391,15 @@ class StopSignals:
                      f"{max(900, 4 * round(now - self.last_step_end))} to stop safely")  # fmt: skip
             self.agent_timeout = None  # once
         self.last_step_end = now
-        signalled = fsdp.all_reduce_dict({"ranks": float(self.received is not None), "sum": self.received or 0}, dist)
-        if signalled["ranks"] and self.received is None:  # another rank's: this one exits with its code too
-            self.received = round(signalled["sum"] / signalled["ranks"])
-        return signalled["ranks"] > 0
+        import signal
+
+        # how many ranks received each signal: ranks that received different ones (a scheduler's SIGTERM to some, a
+        # terminal's SIGHUP to others) agree on one, the most common (at a tie, the first of these)
+        numbers = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+        counts = fsdp.all_reduce_dict({str(int(n)): float(self.received == n) for n in numbers}, dist)
+        if any(counts.values()) and self.received is None:  # another rank's: this one exits with its code too
+            self.received = int(max(numbers, key=lambda n: (counts[str(int(n))], -numbers.index(n))))
+        return any(counts.values())
 
     def finish(self, run_dir: str, dist, steps: int | None = None) -> None:
         """Restore the handlers; after a signal, say how to resume and exit with 128 + its number. A signal during

@@ -337,8 +337,21 @@ def test_under_torchrun_a_repeated_signal_is_the_agents_copy_and_another_ranks_s
             stop._handle(signal.SIGTERM, None)
         assert exit.value.code == 143
         stop.received = None
-        monkeypatch.setattr(fsdp, "all_reduce_dict", lambda values, dist: {"ranks": 1.0, "sum": float(signal.SIGTERM)})
+
+        def other_ranks(*received):  # what the all-reduce sums: each rank's one-hot of the signal it received
+            return lambda values, dist: {key: float(sum(str(int(n)) == key for n in received)) for key in values}
+
+        monkeypatch.setattr(fsdp, "all_reduce_dict", other_ranks(signal.SIGTERM))
         assert stop.requested(one_process()) and stop.received == signal.SIGTERM  # the other rank's
+        # ranks that received different signals: the most common, not their mean (SIGHUP and SIGTERM gave 8, SIGFPE)
+        for received, agreed in (((signal.SIGHUP, signal.SIGTERM, signal.SIGTERM), signal.SIGTERM),
+                                 ((signal.SIGHUP, signal.SIGTERM), signal.SIGTERM)):  # fmt: skip
+            stop.received = None
+            monkeypatch.setattr(fsdp, "all_reduce_dict", other_ranks(*received))
+            assert stop.requested(one_process()) and stop.received == agreed
+        stop.received = None
+        monkeypatch.setattr(fsdp, "all_reduce_dict", other_ranks())
+        assert not stop.requested(one_process()) and stop.received is None
     finally:
         stop.received = None
         stop.finish("unused", one_process())
