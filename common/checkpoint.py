@@ -75,6 +75,21 @@ def save_checkpoint(
         return _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist, checkpoints)
 
 
+def _sync_to_disk(folder: str, files: bool = True) -> None:
+    """fsync every file under `folder` (every rank's: written by then), and the folders: the page cache survives a
+    killed process, not an OS crash or a power loss, after which a renamed checkpoint could hold empty files while
+    the older ones it replaced were gone."""
+    for root, _, names in os.walk(folder) if files else [(folder, [], [])]:
+        for path in [os.path.join(root, name) for name in names] + [root]:
+            descriptor = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            except OSError:  # a file system that cannot (some network ones): as before
+                pass
+            finally:
+                os.close(descriptor)
+
+
 def _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist: Dist, checkpoints) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
@@ -113,7 +128,9 @@ def _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state,
         # count as complete
         if os.path.isdir(final):
             _set_aside(final)
+        _sync_to_disk(temporary)  # a power loss after the rename must not leave it named but empty
         os.replace(temporary, final)
+        _sync_to_disk(folder, files=False)  # the rename itself
         # a run resumed from an earlier checkpoint rewrites the steps after it (_rewind dropped their checkpoints as it
         # started: any still there go now), and the newest kept are its own; compared by name (glob writes the folder
         # part its own way: a // as /)

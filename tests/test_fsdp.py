@@ -278,6 +278,39 @@ def test_a_reader_gone_with_the_terminal_loses_no_step(tmp_path):
     assert done < 8 and os.listdir(os.path.join(only_run_dir(tmp_path), "checkpoints")) == [f"step_{done:08d}"]
 
 
+def test_a_checkpoint_is_on_disk_before_it_is_named(tiny, tmp_path, monkeypatch):
+    """Every file of a checkpoint is fsynced before its folder is renamed into place, and the rename after: an OS
+    crash or power loss could leave a named checkpoint of empty files (the page cache survives a killed process
+    only), with the older ones already removed."""
+    import copy
+
+    from helpers import one_process
+
+    from common import checkpoint
+    from common.flags import Checkpoints
+
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd)
+    )
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", str(a))) or replace(a, b))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    final = checkpoint.save_checkpoint(
+        str(tmp_path), 3, model, tokenizer, optimizer, scheduler, scaler, {}, one_process(), Checkpoints()
+    )
+    renamed = events.index(("replace", final + ".tmp"))
+    synced_before = {path for kind, path in events[:renamed] if kind == "fsync"}
+    written = {
+        os.path.join(root, name).replace(final, final + ".tmp") for root, _, names in os.walk(final) for name in names
+    }
+    assert written and written <= synced_before, written - synced_before
+    assert ("fsync", str(tmp_path / "checkpoints")) in events[renamed:]
+
+
 def test_a_second_ctrl_c_waits_for_the_checkpoint_being_written(tiny, tmp_path, monkeypatch):
     """Two Ctrl-C in a row, the second arriving while the first's checkpoint is being written: the write
     finishes (the checkpoint is whole, no .tmp folder), then the run stops at once with 130 and no
