@@ -573,9 +573,6 @@ def check_args(args: Args) -> None:
         problems += checks.unused(args, conflict_flags, "applies with conflict masks")
     if args.entropy_filter == "off":
         problems += checks.unused(args, ["entropy_threshold"], "applies to --entropy-filter auto / on")
-    # ⟨H⟩_ini decides nothing with the filter on or off (charts/entropy_ini is still logged)
-    if args.entropy_filter != "auto":
-        problems += checks.unused(args, ["entropy_ini_prompts"], "applies to --entropy-filter auto only")
     # END ALGO LOGIC
     checks.refuse(problems)
 

@@ -923,10 +923,6 @@ def check_args(args: Args) -> None:
         if not args.reg_coef:
             no_reg = "applies with --reg-coef > 0 only"
             problems += checks.unused(args, ["reg_form", "ema_decay"], no_reg)
-        # p = r = 0: s_i never reads ‖v_i‖_F (isopo/*/fisher_norm is still logged)
-        if not args.p and not args.r:
-            no_fisher = "applies with --p or --r non-zero only"
-            problems += checks.unused(args, ["n_overlap"], no_fisher)
     # END ALGO LOGIC
     checks.refuse(problems)
     check_full_logits(args)

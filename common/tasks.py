@@ -272,7 +272,7 @@ def _require_columns(present, needed, where):
 
 
 def _rows_from_records(records, question, answer, where) -> list[Row]:
-    rows = []
+    rows, rounded = [], []
     for index, record in enumerate(records):
         q, a = question(record), answer(record)
         blank = [name for name, v in (("question", q), ("answer", a)) if v is None or str(v).strip() == ""]
@@ -286,14 +286,16 @@ def _rows_from_records(records, question, answer, where) -> list[Row]:
         if isinstance(a, float) and not math.isfinite(a):
             raise BadInput(f"{where}: row {index}'s answer is {a}, not a number any completion can equal")
         if isinstance(a, float) and abs(a) >= 2**53 and a.is_integer():  # 12345678901234567 read as ...568
-            raise BadInput(
-                f"{where}: row {index}'s answer {a:.0f} was read as a float, past its exact integers (2^53): the "
-                "column mixes integers and decimals, or overflows int64; store the answers as text"
-            )
+            rounded.append(index)  # (1e16 written as a float is exact: said, not refused)
         # a float as written, never in exponent notation (5e-05), which no answer is compared with
         rows.append(Row(str(q), format(decimal.Decimal(repr(a)), "f") if isinstance(a, float) else str(a).strip()))
     if not rows:
         raise BadInput(f"{where} has no rows")
+    if rounded:
+        first = f"row {rounded[0]} first: {rows[rounded[0]].answer}"
+        print(f"warning: {where}: {len(rounded)} answers ({first}) were read as floats past 2^53, where not every "
+              "integer is one: if the file holds integers there (a column that mixes integers and decimals is read as "
+              "floats), they may have been rounded; store answers as text", file=sys.stderr)  # fmt: skip
     return rows
 
 

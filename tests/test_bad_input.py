@@ -148,7 +148,6 @@ METHOD_CASES = {
         ({"entropy_filter": "off", "entropy_threshold": 0.7}, "--entropy-threshold applies to --entropy-filter"),
         ({"entropy_threshold": 0.0}, "--entropy-threshold must be > 0 and finite"),
         ({"entropy_ini_prompts": 0}, "--entropy-ini-prompts must be >= 1"),
-        ({"entropy_filter": "on", "entropy_ini_prompts": 20}, "--entropy-ini-prompts applies to --entropy-filter auto"),
         ({"clip_high": 0.3}, ONE_UPDATE),
     ],
     "isopo": [
@@ -162,10 +161,9 @@ METHOD_CASES = {
         ({"n_overlap": 0}, "--n-overlap must be >= 1"),
         ({"variant": "interacting", "ntk_reg_coef": 0.0}, "--ntk-reg-coef must be > 0"),
         ({"ema_decay": 1.0}, "--ema-decay must be in [0, 1)"),
-        # λ = 0: reg2(x) = sqrt(x² + 1e-8), no trailing mean and no form; p = r = 0: s_i never reads ‖v_i‖_F
+        # λ = 0: reg2(x) = sqrt(x² + 1e-8), no trailing mean and no form
         ({"reg_form": "authors"}, "--reg-form applies with --reg-coef > 0 only"),
         ({"ema_decay": 0.5}, "--ema-decay applies with --reg-coef > 0 only"),
-        ({"p": 0.0, "q": -1.0, "n_overlap": 10}, "--n-overlap applies with --p or --r non-zero only"),
         ({"dtype": "float16"}, "--dtype must be auto, float32 or bfloat16: Eq. 6 normalizes"),
     ],
     "tis_icepop": [

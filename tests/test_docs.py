@@ -25,9 +25,9 @@ SCRIPTS = sorted(glob.glob(os.path.join(REPO, "algorithms", "[!_]*.py")))  # a n
 MAX_DIFF = {
     "ema_kpo": 261,
     "p3o": 293,
-    "gtpo": 313,
+    "gtpo": 310,
     "tis_icepop": 382,
-    "isopo": 788,
+    "isopo": 784,
 }  # isopo: + 4 for end_minibatch (stop 49); all + 5: grpo.py's own variants explained; p3o + 10: its metrics (stop 54);
 # tis_icepop + 19: --rollout-lag's log π_s routed as its log π_old (R3: the engine's routing; stop 57); stop 61: rows
 # that do not train (--mask-truncated) left out of a method's statistics (gtpo + 1, tis_icepop + 2, isopo + 9); stop 62:
@@ -35,8 +35,7 @@ MAX_DIFF = {
 # LoRA's statistics per adapter matrix, and minibatches of whole groups; stop 63: isopo + 1, the first minibatch's
 # ntk_reg of the blocks that train; the clip flags refused with one update per batch (grpo.py's 4 lines, the ratio-level
 # flag grpo.py's alone: ema_kpo + 4, which needs several updates anyway, isopo + 4, gtpo and tis_icepop + 2); stop 64:
-# method flags refused where their variant ignores them (gtpo + 3: --entropy-ini-prompts; isopo + 8: --reg-form,
-# --ema-decay at λ = 0, --n-overlap at p = r = 0)
+# method flags refused where their variant ignores them (isopo + 4: --reg-form, --ema-decay at λ = 0)
 
 
 def _read(path):
