@@ -221,7 +221,7 @@ def locked_run_folder(output_dir: str, resume: str | None, name: str, settings: 
             _rewind(folder, checkpoint)
         return folder, checkpoint
     if resume and dist.is_main:  # auto, and nothing to resume: a sweep's point that never reached a checkpoint
-        why = auto_mismatch(output_dir, name + "__", settings)
+        why = _auto_mismatch(output_dir, name + "__", settings)
         print(f"--resume auto: no run {name}__* in {output_dir} with these settings has a checkpoint{why}: a new "
               "run starts", file=sys.stderr)  # fmt: skip
     stamp = f"{name}__{int(time.time())}"
@@ -397,6 +397,8 @@ class StopSignals:
 
     def requested(self, dist) -> bool:
         """Whether any rank received a signal: a collective, so every rank stops after the same step."""
+        import signal
+
         from common import fsdp
 
         now, timeout = time.monotonic(), self.agent_timeout
@@ -408,8 +410,6 @@ class StopSignals:
                      f"{max(900, 4 * round(now - self.last_step_end))} to stop safely")  # fmt: skip
             self.agent_timeout = None  # once
         self.last_step_end = now
-        import signal
-
         # how many ranks received each signal: ranks that received different ones (a scheduler's SIGTERM to some, a
         # terminal's SIGHUP to others) agree on one, the most common (at a tie, the first of these)
         numbers = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
@@ -534,8 +534,7 @@ def find_checkpoint(resume: str, output_dir: str, run_prefix: str, settings: dic
     starts a run and continues it, and each point of a restarted sweep (`--lr 1e-4`, `--lr 3e-4`) finds its own."""
     if resume == "auto":
         for newest in _checkpointed_runs(output_dir, run_prefix):
-            saved = _settings_of(newest) if settings is not None else {}
-            if settings is None or (not resume_differences(settings, saved) and _same_model(settings, saved)):
+            if settings is None or not _auto_differences(settings, _settings_of(newest)):
                 return newest
         return None
     resume = os.path.normpath(resume)  # (a shell completes a folder's name with /)
@@ -560,26 +559,26 @@ def _checkpointed_runs(output_dir: str, run_prefix: str):
             yield complete[-1]
 
 
-def _same_model(settings: dict, saved: dict) -> bool:
-    """Whether --resume auto's candidate was trained on this command's --model (a resume may name it at another
-    place, but a point of a sweep over models is another run)."""
+def _auto_differences(settings: dict, saved: dict) -> list[str]:
+    """How a --resume auto candidate's settings differ from this command's: resume_differences, and --model where it
+    was trained on another model (a resume may name its model at another place, but a point of a sweep over models
+    is another run)."""
     from common.checks import same_model_check
 
-    if "model" not in settings or "model" not in saved:
-        return True
-    try:
-        same_model_check(settings, saved["model"], adapter=bool(saved.get("lora_rank")))
-        return True
-    except BadInput:
-        return False
+    differences = resume_differences(settings, saved)
+    if "model" in settings and "model" in saved:
+        try:
+            same_model_check(settings, saved["model"], adapter=bool(saved.get("lora_rank")))
+        except BadInput:
+            differences.append(f"--model {saved['model']} in the run, {settings['model']} now")
+    return differences
 
 
-def auto_mismatch(output_dir: str, run_prefix: str, settings: dict) -> str:
+def _auto_mismatch(output_dir: str, run_prefix: str, settings: dict) -> str:
     """Why --resume auto found nothing: how the newest checkpointed run of the name differs from this command (a
     default the code has since changed, a flag set otherwise), or "" where no such run exists."""
     for newest in _checkpointed_runs(output_dir, run_prefix):
-        saved = _settings_of(newest)
-        differences = resume_differences(settings, saved) or ([] if _same_model(settings, saved) else ["--model"])
+        differences = _auto_differences(settings, _settings_of(newest))
         return f"; the newest, {os.path.dirname(os.path.dirname(newest))}, differs: {', '.join(differences)}"
     return ""
 

@@ -15,6 +15,7 @@ common/task_files.py.
 from __future__ import annotations
 
 import decimal
+import hashlib
 import json
 import math
 import os
@@ -504,8 +505,6 @@ def same_prompts_as_the_run(run_dir: str, task: str, train_rows: list[Row]) -> N
     would give other prompts at each step and, for a file that holds its own questions out, another split, where a
     held-out question may train. The first start records the rows' digest in the run's folder; a resume compares.
     A run started before the record existed, or with a damaged one, is recorded afresh."""
-    import hashlib
-
     digest = hashlib.sha256(json.dumps([[r.question, r.answer] for r in train_rows]).encode()).hexdigest()
     record = {"task": task, "training_rows": len(train_rows), "sha256": digest}
     path = os.path.join(run_dir, PROMPTS_RECORD)

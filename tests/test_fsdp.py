@@ -582,7 +582,8 @@ def test_resume_auto_takes_the_newest_run_with_these_settings(tmp_path, capsys):
     # what kept the newest run from matching (a flag set otherwise, or a default the code has since changed)
     assert (
         f"--resume auto: no run arith__grpo__1__* in {tmp_path} with these settings has a checkpoint; the newest, "
-        f"{tmp_path}/arith__grpo__1__1800000300, differs: --lr 0.0001 in the run, 0.001 now: a new run starts"
+        f"{tmp_path}/arith__grpo__1__1800000300, differs: --lr 0.0001 in the run, 0.001 now, --model "
+        "Qwen/Qwen2.5-1.5B in the run, Qwen/Qwen2.5-0.5B now: a new run starts"
     ) in capsys.readouterr().err
     _LOCKS.pop().close()
 

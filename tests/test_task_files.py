@@ -10,7 +10,7 @@ import textwrap
 import time
 
 import pytest
-from helpers import run_script
+from helpers import REPO, run_script
 
 from common import task_files
 from common.engines import Completion, HFEngine
@@ -123,36 +123,45 @@ def test_a_score_may_start_processes_of_its_own(tmp_path, tiny):
     assert [s.reward for s in scores] == [1.0, 0.0, 1.0]
 
 
-def test_a_score_past_its_deadline_is_killed_with_the_processes_it_started(tmp_path, tiny):
-    """A worker is killed with its session's group: a program its score (or a tool) started is not left running."""
-    _, tokenizer = tiny
-    started = tmp_path / "started.txt"
-    path = write(
+def _hanging_task(tmp_path, pids, seconds):
+    """A task file whose score starts a program (`sleep 600`), writes "<worker pid> <program pid>" to `pids`, and
+    hangs; SCORE_SECONDS = `seconds`."""
+    return write(
         tmp_path,
         f"""
-        import subprocess
-        import time
-        SCORE_SECONDS = 2
+        import os, subprocess, time
+        SCORE_SECONDS = {seconds}
 
         def rows(split):
             return [{{"question": "Q: 1+1="}}]
 
         def score(completion, row):
             program = subprocess.Popen(["sleep", "600"])
-            open({str(started)!r}, "w").write(str(program.pid))
+            open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{program.pid}}")
             time.sleep(600)
         """,
     )
+
+
+def _left_running(pids, seconds=30):
+    """The processes of `pids` still running after up to `seconds` (killed, so that none outlives the test)."""
+    deadline = time.time() + seconds
+    while any(map(_running, pids)) and time.time() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if _running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def test_a_score_past_its_deadline_is_killed_with_the_processes_it_started(tmp_path, tiny):
+    """A worker is killed with its session's group: a program its score (or a tool) started is not left running."""
+    _, tokenizer = tiny
+    pids = tmp_path / "pids.txt"
+    path = _hanging_task(tmp_path, pids, 2)
     rows = load_task(path, "train")
     assert [s.reward for s in score_completions(completions_of(tokenizer, ["2"]), rows, 1, tokenizer, path)] == [0.0]
-    program = int(started.read_text())
-    deadline = time.time() + 30
-    while _running(program) and time.time() < deadline:
-        time.sleep(0.1)
-    alive = _running(program)
-    if alive:
-        os.kill(program, signal.SIGKILL)
-    assert not alive
+    assert not _left_running([int(pids.read_text().split()[1])])
 
 
 def test_a_row_may_hold_an_instance_of_a_class_the_file_defines(tmp_path, tiny):
@@ -187,43 +196,16 @@ def test_a_worker_whose_trainer_was_killed_outright_ends_with_what_it_started(tm
     """SIGKILL (the OOM killer, a crash) runs no exit handler of the trainer: the worker, whose score hangs, sees its
     trainer gone and kills its session, the program its score started with it; it ran on at full CPU before."""
     pids = tmp_path / "pids.txt"
-    path = write(
-        tmp_path,
-        f"""
-        import os, subprocess, time
-        SCORE_SECONDS = 600
-
-        def rows(split):
-            return [{{"question": "Q: 1+1="}}]
-
-        def score(completion, row):
-            program = subprocess.Popen(["sleep", "600"])
-            open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{program.pid}}")
-            time.sleep(600)
-        """,
-    )
-    trainer = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"from common import task_files as t; t.score_all(t.load_task_file({path!r}), ['2'], "
-            f"t.load_task_file({path!r}).rows('train'))",
-        ],  # fmt: skip
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
+    path = _hanging_task(tmp_path, pids, 600)
+    scoring = f"from common import task_files as t; task = t.load_task_file({path!r}); t.score_all(task, ['2'], "
+    trainer = subprocess.Popen([sys.executable, "-c", scoring + "task.rows('train'))"], cwd=REPO)
     deadline = time.time() + 120
     while not (pids.exists() and len(pids.read_text().split()) == 2) and time.time() < deadline:
         time.sleep(0.1)
     worker, program = map(int, pids.read_text().split())
     trainer.kill()
     trainer.wait()
-    deadline = time.time() + 30
-    while any(map(_running, (worker, program))) and time.time() < deadline:
-        time.sleep(0.1)
-    left = [pid for pid in (worker, program) if _running(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert not left
+    assert not _left_running([worker, program])
 
 
 def _running(pid: int) -> bool:
