@@ -62,7 +62,7 @@ from tqdm import tqdm
 from common import checks, fsdp
 from common.adapters import load_policy
 from common.batches import make_batch, micro_batches
-from common.checkpoint import StopSignals, load_checkpoint, locked_run_folder, save_checkpoint, seed_everything
+from common.checkpoint import load_checkpoint, locked_run_folder, save_checkpoint, seed_everything
 from common.checks import require
 from common.engines import load_tokenizer, make_training_engine
 from common.evaluate import Evaluator
@@ -70,6 +70,7 @@ from common.flags import Checkpoints, Evaluation, Group, Sampling, Systems, Task
 from common.logprobs import output_layer_scores
 from common.rollouts import Groups, PromptSampler, RolloutQueue, record_rollouts, record_staleness
 from common.scoring import overlong_penalty, score_completions
+from common.stopping import StopSignals
 from common.tasks import load_prompts
 from common.tiny import resolve_model
 from common.tools import policy_first, record_tool_use, record_turn_mismatch, restore_order, with_tools
@@ -544,9 +545,10 @@ def main(args: Args) -> None:
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
     precision = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs: dtype, autocast, scaler
-    # a new run folder, or with --resume the run's own (its settings kept: checks.RESUME_MAY_CHANGE)
+    # a new run folder, or with --resume the run's own, with its settings (a flag given changes those of
+    # checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
-    run_dir, checkpoint = locked_run_folder(args.output_dir, args.resume, run_name, flat(args), dist)
+    run_dir, checkpoint = locked_run_folder(run_name, args, dist)
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
@@ -568,7 +570,7 @@ def main(args: Args) -> None:
     start_step, skipped_steps = state.get("step", 0), state.get("skipped_steps", 0)
     tracker = Tracker(run_dir, flat(args), args.tracking, enabled=dist.is_main, resume_step=start_step)
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
-    stop = StopSignals()  # Ctrl-C, SIGTERM, SIGHUP: this step ends, is checkpointed; the run stops
+    stop = StopSignals(run_dir)  # Ctrl-C, SIGTERM, SIGHUP: this step ends, is checkpointed; the run stops
     if start_step == 0 and evaluator.due(0, args.steps):
         tracker.log(evaluator(), step=0)
     # each rank takes whole groups: its share of each step's prompts (and of DAPO's extra rounds)
@@ -637,7 +639,7 @@ def main(args: Args) -> None:
     tracker.close(plot_keys=PLOTTED + [f"eval/avg@{evaluator.k}"])  # curves.png
     engine.close()
     fsdp.cleanup(dist)
-    stop.finish(run_dir, dist, args.steps)  # after a signal: how to resume, exit code 128 + n
+    stop.finish(dist, args.steps)  # after a signal: how to resume, exit code 128 + n
 
 
 if __name__ == "__main__":

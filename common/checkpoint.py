@@ -20,12 +20,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import glob
+import json
 import os
 import random
 import shutil
 import sys
 import time
 import warnings
+from functools import partial
 
 import numpy as np
 import torch
@@ -34,6 +36,7 @@ from common import adapters
 from common.checks import check_resume, damaged, read_checkpoint_file, resume_differences
 from common.errors import BadInput
 from common.fsdp import Dist, barrier
+from common.stopping import writing_a_checkpoint
 
 
 def seed_everything(seed: int) -> None:
@@ -71,7 +74,7 @@ def save_checkpoint(
     trainer_state["loss_scale"] = scaler.state_dict()  # {} unless float16
     if adapters.is_adapted(model):  # what the adapter was trained over: common.evaluate merges it onto the same
         trainer_state["base_dtype"] = adapters.base_dtype(model)
-    with _writing_a_checkpoint():  # a second Ctrl-C waits for the write
+    with writing_a_checkpoint():  # a second Ctrl-C waits for the write
         return _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist, checkpoints)
 
 
@@ -95,6 +98,8 @@ def _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state,
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     this_rank = trainer_state.pop("this_rank", None)  # the rest is every rank's, written by rank 0
+    # the files every rank writes, so that a resume notices one that is missing (checks.check_checkpoint_files)
+    trainer_state["rank_files"] = {"world_size": dist.world_size, "rollouts": this_rank is not None}
     folder = os.path.join(run_dir, "checkpoints")
     final = os.path.join(folder, f"step_{step:08d}")
     temporary = final + ".tmp"
@@ -196,40 +201,101 @@ def load_checkpoint(path: str, model, optimizer, scheduler, scaler, dist: Dist) 
         scaler.load_state_dict(trainer_state["loss_scale"])
     if os.path.exists(os.path.join(path, f"rollouts_rank{dist.rank}.pt")):  # absent on more ranks, or in older ones
         trainer_state["this_rank"] = read_checkpoint_file(path, f"rollouts_rank{dist.rank}.pt")
+    if dist.is_main:  # every check of the resume has passed (rows, model, engine, this checkpoint): now, not before
+        _rewind(os.path.dirname(os.path.dirname(path)), path)
     return trainer_state
 
 
-def locked_run_folder(output_dir: str, resume: str | None, name: str, settings: dict, dist) -> tuple[str, str | None]:
+def locked_run_folder(name: str, args, dist) -> tuple[str, str | None]:
+    """(the run folder, the checkpoint to resume or None) of a script's run named `name`, the folder locked by this
+    run (open_run_folder). A resumed run keeps its own settings: where this command leaves a flag that a resume may
+    change at its default (checks.RESUME_MAY_CHANGE: --steps, --save-every, --eval-every, ...), `args` takes the
+    run's value, so a resume continues the run it names and never switches it to the defaults."""
+    from common.checks import kept_from_the_run
+    from common.flags import assign, flat
+
+    settings = flat(args)
+    keep = partial(kept_from_the_run, defaults=flat(type(args)()), argv=sys.argv[1:])
+    folder, checkpoint = open_run_folder(
+        settings["output_dir"], settings["resume"], name, settings, dist, script=script_of(args), keep=keep
+    )
+    kept = keep(flat(args), _settings_of(checkpoint)) if checkpoint else {}  # (what open_run_folder applied)
+    if kept:
+        assign(args, **kept)
+        if dist.is_main:
+            print("resuming with the run's own " + ", ".join(f"--{n.replace('_', '-')} {v}" for n, v in kept.items())
+                  + " (give a flag to change it)", file=sys.stderr)  # fmt: skip
+    return folder, checkpoint
+
+
+def script_of(args) -> str:
+    """The file name of the script whose `Args` these are (grpo.py): a run belongs to the script that made it."""
+    import inspect
+
+    return os.path.basename(inspect.getfile(type(args)))
+
+
+RUN_RECORD = "run.json"  # in a run's folder: the script that made it
+
+
+def open_run_folder(
+    output_dir: str, resume: str | None, name: str, settings: dict, dist, script: str | None = None, keep=None
+) -> tuple[str, str | None]:
     """(the run folder, the checkpoint to resume or None), the folder locked by this run. A new run:
     output_dir/<name>__<unix time>, created exclusively (a second run started in the same second, a sweep launched
-    in a shell loop, gets <name>__<time>-2), one name for all ranks. --resume: the checkpoint it names
-    (find_checkpoint) and its run's folder, after check_resume has compared `settings` (the command's flags,
-    flags.flat(args)) with the run's. Either way a lock held by rank 0 until the process ends keeps a second writer
-    out of the folder (two resumes of one run would interleave their metrics)."""
+    in a shell loop, gets <name>__<time>-2), one name for all ranks, recording `script`. --resume: the checkpoint it
+    names (find_checkpoint, which skips another script's runs) and its run's folder, after check_resume has compared
+    `settings` (the command's flags, flags.flat(args)) with the run's and the script with the run's; `keep(settings,
+    the run's settings)` names the flags that take the run's values, which `settings` then holds. Nothing is
+    deleted here: a resume from an earlier checkpoint drops the later ones only once the run's set-up has passed
+    (load_checkpoint). Either way a lock held by rank 0 until the run ends (stopping.StopSignals.finish) or the process
+    does keeps a second writer out of the folder (two resumes of one run would interleave their metrics)."""
     from common import fsdp
 
     resume = os.path.normpath(resume) if resume and resume != "auto" else resume  # (a shell completes folders with /)
-    checkpoint = find_checkpoint(resume, output_dir, name + "__", settings) if resume else None
+    checkpoint = find_checkpoint(resume, output_dir, name + "__", settings, script) if resume else None
     if checkpoint:  # <run folder>/checkpoints/step_N
         folder = os.path.dirname(os.path.dirname(checkpoint))
+        same_script_check(folder, script, resume)
         if dist.is_main:  # before its checkpoints are read: a live run may be replacing them
             _lock(folder)
         if not os.path.isfile(os.path.join(resume, "trainer_state.pt")):  # the newest, now that none is written
             checkpoint = find_checkpoint(folder, output_dir, name + "__")
+        settings.update(keep(settings, _settings_of(checkpoint)) if keep else {})
         check_resume(settings, checkpoint, verbose=dist.is_main)
-        if dist.is_main:
-            _rewind(folder, checkpoint)
         return folder, checkpoint
     if resume and dist.is_main:  # auto, and nothing to resume: a sweep's point that never reached a checkpoint
-        why = _auto_mismatch(output_dir, name + "__", settings)
+        why = _auto_mismatch(output_dir, name + "__", settings, script)
         print(f"--resume auto: no run {name}__* in {output_dir} with these settings has a checkpoint{why}: a new "
               "run starts", file=sys.stderr)  # fmt: skip
     stamp = f"{name}__{int(time.time())}"
     folder = fsdp.broadcast(_create_exclusively(os.path.join(output_dir, stamp)) if dist.is_main else None, dist)
     if dist.is_main:
         _lock(folder)
+        if script:
+            with open(os.path.join(folder, RUN_RECORD), "w") as f:
+                json.dump({"script": script}, f)
         atexit.register(_remove_if_unused, folder)
     return folder, checkpoint
+
+
+def _script_of_run(folder: str) -> str | None:
+    """The script that made a run (its run.json), or None for a run older than the record."""
+    try:
+        with open(os.path.join(folder, RUN_RECORD)) as f:
+            return str(json.load(f)["script"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def same_script_check(folder: str, script: str | None, resume: str) -> None:
+    """A run belongs to the script that made it: p3o.py does not continue a grpo.py run (its method, its flags)."""
+    made_by = _script_of_run(folder)
+    if script and made_by and made_by != script:
+        raise BadInput(
+            f"--resume {resume}: {folder} is a run of {made_by}, not of {script}: resume it with {made_by}, or start "
+            f"a new run of {script} (a new --exp-name gives it a folder of its own)"
+        )
 
 
 def _rewind(run: str, checkpoint: str) -> None:
@@ -247,9 +313,11 @@ def _rewind(run: str, checkpoint: str) -> None:
 
 
 def _remove_if_unused(folder: str) -> None:
-    """At exit: a new run's folder that holds nothing but its lock (a start refused after it was made: a model, a
-    data file, an adapter rank) is removed."""
-    if os.path.isdir(folder) and set(os.listdir(folder)) <= {"run.lock"}:
+    """At exit, or when main() ends: a new run's folder that holds nothing a run made (a start refused after it was
+    made: a model, a data file, an adapter rank) is removed; its records of the start alone are nothing."""
+    from common.tasks import PROMPTS_RECORD
+
+    if os.path.isdir(folder) and set(os.listdir(folder)) <= {"run.lock", RUN_RECORD, PROMPTS_RECORD}:
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -266,12 +334,26 @@ def _create_exclusively(path: str) -> str:
     raise BadInput(f"{path}: 10,000 run folders of this name already exist")
 
 
-_LOCKS = []  # the open lock files of this process's run folders (the lock lasts as long as the file is open)
+_LOCKS = {}  # this process's run folders (real paths) and their open lock files (a lock lasts while its file is open)
+
+
+def release_run_folder(folder: str) -> None:
+    """Release this process's lock on a run folder (at the end of a run: a notebook or a sweep driver that calls
+    main() again may resume it), and remove a new run's folder that holds nothing."""
+    handle = _LOCKS.pop(os.path.realpath(folder), None)
+    if handle is not None:
+        handle.close()
+    _remove_if_unused(folder)
 
 
 def _lock(folder: str) -> None:
-    """An exclusive lock on folder/run.lock, released by the system when the process ends, however it ends."""
+    """An exclusive lock on folder/run.lock, released by the system when the process ends, however it ends. A lock
+    this process holds already (an earlier main() in it that raised) is taken over, not refused."""
     import fcntl
+
+    held = _LOCKS.pop(os.path.realpath(folder), None)
+    if held is not None:
+        held.close()
 
     try:
         handle = open(os.path.join(folder, "run.lock"), "a+")
@@ -294,247 +376,19 @@ def _lock(folder: str) -> None:
     handle.truncate()
     handle.write(f"process {os.getpid()}\n")
     handle.flush()
-    _LOCKS.append(handle)
+    _LOCKS[os.path.realpath(folder)] = handle
 
 
-# torchrun's agent forwards each signal it receives to its workers, and a scheduler (SLURM) or a terminal's Ctrl-C
-# signals every process, the agent included: each worker gets the same signal twice at once. A repeat within
-# REPEAT_SECONDS is that copy, not a second request.
-_UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
-REPEAT_SECONDS = 2.0
-
-# A checkpoint being written, and the signal that asked meanwhile to stop at once (StopSignals defers it)
-_WRITING = {"active": False, "exit": None}
-
-
-def _say(text: str) -> None:
-    """A line on stderr from a signal handler: one write(2) call (print may be mid-write: "reentrant call"), and
-    nothing if the terminal is gone."""
-    try:
-        os.write(2, (text + "\n").encode())
-    except OSError:
-        pass
-
-
-class StopSignals:
-    """Ctrl-C (SIGINT), a scheduler's SIGTERM (preemption) and a closed terminal or dropped ssh connection (SIGHUP)
-    during training lose nothing: the step under way finishes, the loop checkpoints it on every rank and ends, and
-    `finish` exits with 128 + the signal's number after saying how to resume. A second signal stops at once, with the
-    same exit code and no traceback, but never inside a checkpoint's write: that finishes first. After SIGHUP the
-    run's output to the terminal goes to /dev/null (writing to a hung-up terminal fails). SIGHUP is left alone where
-    it is ignored (nohup). Signals are caught only while training (in the main thread), that is while the function
-    that made this object runs: if it raised before `finish`, the next signal finds it gone, restores the handlers
-    that were there before and is handled by them (a notebook's or a test runner's Ctrl-C still works). Under
-    torchrun a signal on one rank stops every rank after the same step, each exiting with its code; the agent kills
-    its workers --shutdown-timeout seconds (30 by default) after forwarding a signal, so a step and its checkpoint
-    must fit: rank 0 warns once when a step takes more than half of it, while there is time to restart with more."""
-
-    def __init__(self):
-        import signal
-        import threading
-
-        self.received = None
-        self.when = 0.0  # time.monotonic() of the first signal
-        self.previous = {}
-        self.owner = sys._getframe(1).f_code  # the function that catches signals (main), while it runs
-        self.agent_timeout = _agent_shutdown_timeout() if _UNDER_TORCHRUN else None
-        self.last_step_end = None  # time.monotonic() at the last `requested`: once a step
-        if threading.current_thread() is threading.main_thread():
-            for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                if number == signal.SIGHUP and signal.getsignal(number) == signal.SIG_IGN:
-                    continue  # nohup: the run was asked to outlive its terminal
-                self.previous[number] = signal.signal(number, self._handle)
-        self.streams = (sys.stdout, sys.stderr)
-        sys.stdout, sys.stderr = (_SurvivingStream(s) if _has_fd(s) else s for s in self.streams)
-
-    def _handle(self, number, frame):
-        import signal
-
-        if not self._owner_running():  # main() raised: the handlers that were there before take it
-            return self._pass_on(number, frame)
-        name = signal.Signals(number).name
-        if number == signal.SIGHUP:
-            _detach_from_terminal()
-        if self.received is not None and number == self.received and _UNDER_TORCHRUN:
-            if time.monotonic() - self.when < REPEAT_SECONDS:  # the agent's copy of what every process was sent
-                return
-        if self.received is not None:  # the second one: now, unless a checkpoint is being written
-            if _WRITING["active"]:
-                _WRITING["exit"] = number
-                _say(f"\n{name} again: the checkpoint being written is finished first, then the run stops")
-                return
-            _say(f"\n{name} again: stopped now; --resume continues from the newest checkpoint")
-            raise SystemExit(128 + number)
-        self.received, self.when = number, time.monotonic()
-        _say(f"\n{name}: the step under way finishes and is checkpointed, then the run stops ({name} again: now)")
-
-    def _owner_running(self) -> bool:
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code is not self.owner:
-            frame = frame.f_back
-        return frame is not None
-
-    def _restore(self) -> None:
-        import signal
-
-        for number, handler in self.previous.items():
-            if handler is not None:  # None: a handler set outside Python, which Python cannot set back
-                signal.signal(number, handler)
-        self.previous = {}
-        if isinstance(sys.stdout, _SurvivingStream) or isinstance(sys.stderr, _SurvivingStream):
-            sys.stdout, sys.stderr = self.streams
-
-    def _pass_on(self, number, frame) -> None:
-        """Restore the handlers, then handle the signal as the one this object replaced would have."""
-        import signal
-
-        handler = self.previous.get(number, signal.SIG_DFL)
-        self._restore()
-        if callable(handler):
-            return handler(number, frame)  # Python's default for SIGINT raises KeyboardInterrupt
-        if handler == signal.SIG_DFL:
-            os.kill(os.getpid(), number)  # the default action (ends the process), now that it is set again
-
-    def requested(self, dist) -> bool:
-        """Whether any rank received a signal: a collective, so every rank stops after the same step."""
-        import signal
-
-        from common import fsdp
-
-        now, timeout = time.monotonic(), self.agent_timeout
-        if self.last_step_end is not None and timeout is not None and now - self.last_step_end > timeout / 2:
-            if dist.is_main:
-                _say(f"warning: a step takes {now - self.last_step_end:.0f} s, and torchrun kills its workers "
-                     f"{timeout:.0f} s after it forwards a signal (its --shutdown-timeout): a stop would lose the "
-                     f"steps since the last checkpoint. Restart with torchrun --shutdown-timeout "
-                     f"{max(900, 4 * round(now - self.last_step_end))} to stop safely")  # fmt: skip
-            self.agent_timeout = None  # once
-        self.last_step_end = now
-        # how many ranks received each signal: ranks that received different ones (a scheduler's SIGTERM to some, a
-        # terminal's SIGHUP to others) agree on one, the most common (at a tie, the first of these)
-        numbers = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
-        counts = fsdp.all_reduce_dict({str(int(n)): float(self.received == n) for n in numbers}, dist)
-        if any(counts.values()) and self.received is None:  # another rank's: this one exits with its code too
-            self.received = int(max(numbers, key=lambda n: (counts[str(int(n))], -numbers.index(n))))
-        return any(counts.values())
-
-    def finish(self, run_dir: str, dist, steps: int | None = None) -> None:
-        """Restore the handlers; after a signal, say how to resume and exit with 128 + its number. A signal during
-        the last of the run's `steps` stopped nothing: its checkpoint is the end of the run, said as such (exit 0)."""
-        import signal
-
-        self._restore()
-        if self.received is None:
-            return
-        name = signal.Signals(self.received).name
-        newest = checkpoint_folders(run_dir)
-        if steps is not None and newest and int(os.path.basename(newest[-1]).split("_")[-1]) >= steps:
-            if dist.is_main:
-                _say(f"{name} during the last step: the run is complete ({newest[-1]}), nothing to resume")
-            return
-        if dist.is_main:
-            _say(f"stopped by {name}: continue with --resume {run_dir}")
-        raise SystemExit(128 + self.received)
-
-
-def _agent_shutdown_timeout() -> float | None:
-    """The seconds torchrun's agent, this worker's parent, waits after forwarding a signal before it kills its
-    workers: its --shutdown-timeout, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 (None where /proc cannot tell)."""
-    try:
-        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
-        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
-            environ = dict(e.decode(errors="replace").partition("=")[::2] for e in f.read().split(b"\0") if e)
-    except OSError:
-        return None
-    given = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
-    for i, arg in enumerate(argv):
-        name, equals, value = arg.partition("=")
-        if name in ("--shutdown-timeout", "--shutdown_timeout"):
-            given = value if equals else argv[i + 1] if i + 1 < len(argv) else given
-    try:
-        return float(given)
-    except ValueError:
-        return None
-
-
-class _SurvivingStream:
-    """sys.stdout or sys.stderr while training. A reader that went away (a closed terminal's `| tee`, which its
-    SIGHUP ends too; `| head`) makes the next write fail with EPIPE, a hung-up terminal with EIO: the progress bar's
-    next line would end the run there, before the checkpoint of the step. The stream's descriptor goes to /dev/null
-    instead, and the run goes on to its checkpoint (and its stop, after a signal)."""
-
-    def __init__(self, stream):
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except OSError as error:
-            self._lost(error)
-            return len(text)
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except OSError as error:
-            self._lost(error)
-
-    def _lost(self, error: OSError) -> None:
-        import errno
-
-        if error.errno not in (errno.EPIPE, errno.EIO):
-            raise error
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self._stream.fileno())  # what the stream still holds is flushed there
-        os.close(devnull)
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
-def _has_fd(stream) -> bool:
-    """A stream on a file descriptor (not a test runner's capture, which has no reader to lose)."""
-    try:
-        stream.fileno()
-        return True
-    except (AttributeError, OSError, ValueError):
-        return False
-
-
-def _detach_from_terminal() -> None:
-    """Point stdout and stderr, where they are a terminal, at /dev/null: the terminal has hung up."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    for fd in (1, 2):
-        try:
-            if os.isatty(fd):
-                os.dup2(devnull, fd)
-        except OSError:
-            pass
-    os.close(devnull)
-
-
-@contextlib.contextmanager
-def _writing_a_checkpoint():
-    """A checkpoint's write: a second signal waits for its end (StopSignals), then stops the run."""
-    _WRITING["active"] = True
-    try:
-        yield
-    finally:
-        _WRITING["active"] = False
-    if _WRITING["exit"] is not None:
-        number, _WRITING["exit"] = _WRITING["exit"], None
-        raise SystemExit(128 + number)
-
-
-def find_checkpoint(resume: str, output_dir: str, run_prefix: str, settings: dict | None = None) -> str | None:
+def find_checkpoint(
+    resume: str, output_dir: str, run_prefix: str, settings: dict | None = None, script: str | None = None
+) -> str | None:
     """Resolve --resume: a checkpoint folder, a run folder (its newest complete checkpoint), or "auto": the newest
     complete checkpoint of the newest run in `output_dir` whose name starts with `run_prefix` and whose settings
     match `settings` (this command's; flags a resume may change apart), or None when no run has one. So one command
     starts a run and continues it, and each point of a restarted sweep (`--lr 1e-4`, `--lr 3e-4`) finds its own."""
     if resume == "auto":
         for newest in _checkpointed_runs(output_dir, run_prefix):
-            if settings is None or not _auto_differences(settings, _settings_of(newest)):
+            if settings is None or not _auto_differences(settings, _settings_of(newest), script, newest):
                 return newest
         return None
     resume = os.path.normpath(resume)  # (a shell completes a folder's name with /)
@@ -559,13 +413,16 @@ def _checkpointed_runs(output_dir: str, run_prefix: str):
             yield complete[-1]
 
 
-def _auto_differences(settings: dict, saved: dict) -> list[str]:
-    """How a --resume auto candidate's settings differ from this command's: resume_differences, and --model where it
+def _auto_differences(settings: dict, saved: dict, script: str | None = None, checkpoint: str = "") -> list[str]:
+    """How a --resume auto candidate's settings differ from this command's: resume_differences, --model where it
     was trained on another model (a resume may name its model at another place, but a point of a sweep over models
-    is another run)."""
+    is another run), and the script where another script made it (a sweep over scripts that shares --exp-name)."""
     from common.checks import same_model_check
 
     differences = resume_differences(settings, saved)
+    made_by = _script_of_run(os.path.dirname(os.path.dirname(checkpoint))) if checkpoint else None
+    if script and made_by and made_by != script:
+        differences.append(f"made by {made_by}, not {script}")
     if "model" in settings and "model" in saved:
         try:
             same_model_check(settings, saved["model"], adapter=bool(saved.get("lora_rank")))
@@ -574,11 +431,11 @@ def _auto_differences(settings: dict, saved: dict) -> list[str]:
     return differences
 
 
-def _auto_mismatch(output_dir: str, run_prefix: str, settings: dict) -> str:
+def _auto_mismatch(output_dir: str, run_prefix: str, settings: dict, script: str | None = None) -> str:
     """Why --resume auto found nothing: how the newest checkpointed run of the name differs from this command (a
     default the code has since changed, a flag set otherwise), or "" where no such run exists."""
     for newest in _checkpointed_runs(output_dir, run_prefix):
-        differences = _auto_differences(settings, _settings_of(newest))
+        differences = _auto_differences(settings, _settings_of(newest), script, newest)
         return f"; the newest, {os.path.dirname(os.path.dirname(newest))}, differs: {', '.join(differences)}"
     return ""
 

@@ -24,6 +24,7 @@ from common.tasks import MIN_NEW_TOKENS
 from common.tools import toolbox_of
 
 INFINITY = math.inf
+MAX_ROLLOUT_LAG = 64
 
 
 def require(ok: bool, flag: str, rule: str) -> list[str]:
@@ -75,7 +76,13 @@ def shared_flags(args) -> list[str]:
     if has("top_k"):
         problems += require(v["top_k"] >= 0, "--top-k", ">= 0 (0: off)")
     if has("rollout_lag"):
-        problems += require(v["rollout_lag"] >= 0, "--rollout-lag", ">= 0 (0: on-policy)")
+        # each step of lag is a batch sampled ahead, held in memory and in every checkpoint, and step 0 samples all
+        # of them before it trains: 1e6 would never reach its first step
+        problems += require(
+            0 <= v["rollout_lag"] <= MAX_ROLLOUT_LAG, "--rollout-lag",
+            f"in [0, {MAX_ROLLOUT_LAG}] (0: on-policy; each step of lag holds one more batch sampled ahead, and "
+            "asynchronous pipelines run at 1 to 8)",
+        )  # fmt: skip
     if has("rollout_lag", "steps") and v["rollout_lag"] >= v["steps"] >= 1 and os.environ.get("RANK", "0") == "0":
         # allowed (a run resumed with more --steps continues as one started with them), but worth a word
         print(f"note: --rollout-lag {v['rollout_lag']} >= --steps {v['steps']}: every step of this run trains on "
@@ -362,6 +369,16 @@ RESUME_MAY_CHANGE = {
 }
 
 
+def kept_from_the_run(settings: dict, saved: dict, defaults: dict, argv: list[str]) -> dict:
+    """The flags a resume may change (RESUME_MAY_CHANGE) that this command leaves at their default, neither given on
+    its command line (`argv`) nor set otherwise, where the run has its own value: {name: the run's value}. A resume
+    continues the run as it was started (its length, its cadences, its engine) unless a flag says otherwise."""
+    given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
+    kept = RESUME_MAY_CHANGE - {"resume", "output_dir", "model"}  # a model's place: same_model_check compares them
+    at_default = {n for n in kept & settings.keys() if settings[n] == defaults.get(n) and n not in given}
+    return {n: saved[n] for n in sorted(at_default) if n in saved and saved[n] != settings[n]}
+
+
 def resume_differences(settings: dict, saved: dict, verbose: bool = False) -> list[str]:
     """The flags of `settings` (this command's) that differ from `saved` (a run's) where they would change the run's
     math, each as "--flag <the run's> in the run, <now's> now". A flag that does nothing in this run (the run may be
@@ -530,6 +547,11 @@ def check_checkpoint_files(checkpoint: str, weights_only: bool = False) -> None:
     for name in sorted(os.listdir(checkpoint)):
         if name.startswith(("rng_rank", "rollouts_rank")) or name == "trainer_state.pt":
             read_checkpoint_file(checkpoint, name)
+    written = read_checkpoint_file(checkpoint, "trainer_state.pt").get("rank_files")  # (older checkpoints: not said)
+    for rank in range(written["world_size"] if written else 0):
+        for name in [f"rng_rank{rank}.pt"] + ([f"rollouts_rank{rank}.pt"] if written["rollouts"] else []):
+            if not os.path.isfile(os.path.join(checkpoint, name)):
+                raise damaged(checkpoint, name, FileNotFoundError("missing: the run wrote it"))
     optimizer = os.path.join(checkpoint, "optimizer")
     shards = sorted(os.listdir(optimizer)) if os.path.isdir(optimizer) else []
     if ".metadata" not in shards:

@@ -170,6 +170,19 @@ def make(cls, **values):
     return cls(**{k: v for k, v in values.items() if k in own}, **groups)
 
 
+def assign(args, **values) -> None:
+    """Set flags of `args` in place, by their plain names, in whichever group holds each."""
+    for name, value in values.items():
+        holder = args if name in {f.name for f in dataclasses.fields(args)} else None
+        for spec in dataclasses.fields(args) if holder is None else ():
+            group = getattr(args, spec.name)
+            if dataclasses.is_dataclass(group) and name in {f.name for f in dataclasses.fields(group)}:
+                holder = group
+        if holder is None:
+            raise TypeError(f"{type(args).__name__} has no flag {name}")
+        setattr(holder, name, value)
+
+
 def replace(args, **values):
     """A copy of `args` with flags (plain names, in any group) changed."""
     return make(type(args), **(flat(args) | values))

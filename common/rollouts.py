@@ -57,7 +57,7 @@ import torch
 
 from common import fsdp, moe
 from common.batches import make_batch
-from common.tasks import sample_batch
+from common.tasks import Row, sample_batch
 from common.tracking import StepMetrics
 
 
@@ -239,8 +239,15 @@ class RolloutQueue:
                 completion.trainer_logprobs = logprobs[: len(completion.token_ids)].tolist()
 
     def state(self) -> dict:
-        """What a checkpoint keeps of this rank's queue."""
-        return {"world_size": self.dist.world_size, "queued": list(self.queued)}
+        """What a checkpoint keeps of this rank's queue: its batches, each row as its question and answer alone. A
+        task file's row may hold objects of the file's own classes, which pickle names by the module the file was
+        imported as, and that name depends on the file's path: a resume from another folder could not load them. A
+        scored batch needs neither."""
+        bare = lambda rows: [Row(row.question, row.answer) for row in rows]  # noqa: E731
+        queued = [
+            dataclasses.replace(q, groups=dataclasses.replace(q.groups, rows=bare(q.groups.rows))) for q in self.queued
+        ]
+        return {"world_size": self.dist.world_size, "queued": queued}
 
 
 def record_staleness(metrics, batch, old_logprobs: torch.Tensor) -> None:

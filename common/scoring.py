@@ -10,19 +10,19 @@ process under a deadline per completion; correct means a reward of at least 1.
 The final answer is the last \\boxed{...}, else the last `#### x`, else the last `Answer: x`; for the built-in
 `arith` task the whole completion. It is compared with the gold answer: plain numbers exactly, anything else
 with math-verify (the built-in tasks accept plain numbers only). math-verify's timeouts are signals, which
-cannot interrupt sympy inside C code (`1E55910418` hangs it), so it runs in a worker process that is killed
-when it overruns a deadline.
+cannot interrupt sympy inside C code (`1E55910418` hangs it), so it runs in a helper process (common/processes.py)
+that is killed when it overruns a deadline.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import re
-import signal
+import sys
 import threading
 from dataclasses import dataclass
 from fractions import Fraction
 
+from common.processes import Helper, HelperEnded
 from common.task_files import is_task_file, load_task_file, score_all
 
 NUMBER_ANSWER_TASKS = ("arith", "sums")  # the built-in tasks: a plain number is the only right answer
@@ -112,49 +112,63 @@ def answers_match(predicted: str, gold: str, numbers_only: bool = False) -> bool
     return _math_verify_with_deadline(predicted, gold)
 
 
-_VERIFIER = None  # a one-process pool, started on first use
-VERIFY_DEADLINE_SECONDS = 10.0  # per answer, once the worker has started
+_VERIFIER = None  # the helper process that runs math-verify, started on first use
+VERIFY_DEADLINE_SECONDS = 10.0  # per answer, once the helper has started
 VERIFIER_START_SECONDS = 120.0  # a spawned process imports the main script (torch, ...) and math-verify (sympy)
 
 
 def _math_verify_with_deadline(predicted: str, gold: str) -> bool:
     """math-verify's own timeouts are signals, which cannot interrupt sympy inside C code: an answer
-    such as `1E55910418` hangs it for minutes. So it runs in a worker process that is killed (and
-    replaced) when it overruns the deadline; the overrunning answer counts as wrong."""
+    such as `1E55910418` hangs it for minutes. So it runs in a helper process (common/processes.py) that is killed
+    (and replaced) when it overruns the deadline; the overrunning answer counts as wrong, as does one during which
+    the helper died (a new one takes the next answer)."""
     global _VERIFIER
     verifier = _started_verifier()
     try:
-        return verifier.apply_async(_math_verify, (predicted, gold)).get(VERIFY_DEADLINE_SECONDS)
-    except multiprocessing.TimeoutError:
-        verifier.terminate()
+        answer = verifier.ask((predicted, gold), VERIFY_DEADLINE_SECONDS)
+    except HelperEnded as ended:
+        print(f"warning: the process that runs math-verify ended ({ended.how}); the answer counts as wrong, and a "
+              "new process takes the next", file=sys.stderr)  # fmt: skip
+        answer = None
+    if answer is None:
+        verifier.stop()
         _VERIFIER = None
         return False
+    return answer
 
 
-def _started_verifier():
-    """The worker, started with math-verify imported and its parsers loaded before an answer's deadline counts: a
+def _started_verifier() -> Helper:
+    """The helper, started with math-verify imported and its parsers loaded before an answer's deadline counts: a
     spawned process imports the main script first, which took 8.5 s of a 10 s deadline on a busy 2-core machine."""
     global _VERIFIER
+    if _VERIFIER is not None and not _VERIFIER.alive():  # died while idle (a kill, the out-of-memory killer)
+        _VERIFIER.stop()
+        _VERIFIER = None
     if _VERIFIER is None:
-        pool = multiprocessing.get_context("spawn").Pool(1, initializer=_deaf_to_the_terminal)
+        helper = Helper(_serve_math_verify)
         try:
-            pool.apply_async(_math_verify, ("1", "1")).get(VERIFIER_START_SECONDS)
-        except multiprocessing.TimeoutError:
-            pool.terminate()
+            started = helper.ask(("1", "1"), VERIFIER_START_SECONDS)
+        except HelperEnded:
+            started = None
+        if started is None:
+            helper.stop()
             raise RuntimeError(
                 f"the process that runs math-verify did not start in {VERIFIER_START_SECONDS:g} s (a script that "
                 'starts it needs the `if __name__ == "__main__":` guard)'
-            ) from None
-        _VERIFIER = pool
+            )
+        _VERIFIER = helper
     return _VERIFIER
 
 
-def _deaf_to_the_terminal() -> None:
-    """Ctrl-C and a closed terminal reach every process of the terminal's group; the trainer answers them by scoring
-    the step under way, so this process must not end in the middle of an answer. SIGTERM (its pool's terminate())
-    and a kill of its group (a task file's worker that ran past its deadline, with what it started) still end it."""
-    for number in (signal.SIGINT, signal.SIGHUP):
-        signal.signal(number, signal.SIG_IGN)
+def _serve_math_verify(connection) -> None:
+    """In the helper: (predicted, gold) pairs in, math-verify's verdicts out, until the trainer closes the
+    connection."""
+    while True:
+        try:
+            predicted, gold = connection.recv()
+        except (EOFError, OSError):
+            return
+        connection.send(_math_verify(predicted, gold))
 
 
 def _math_verify(predicted: str, gold: str) -> bool:

@@ -18,31 +18,26 @@ may set its own); a completion that overruns it gets reward 0 (it counts as no a
 worker is replaced. The file's import is not timed: what score needs is best imported (or started) there. A file
 that cannot be imported (or calls sys.exit as it is), lacks a function, or whose score raises, ends its process, or
 returns something other than a number stops the run with an error that names the file and the function. What the
-file's code prints goes to the trainer's stderr, its first PRINTED_CHARS per call. The worker takes no signal from
-the terminal or a scheduler (Ctrl-C, a closed terminal, SIGTERM to the process group): the trainer decides when a
-run stops (common/checkpoint.StopSignals), and scores the step under way first.
+file's code prints goes to the trainer's stderr, its first PRINTED_CHARS per call. The worker is a helper process
+(common/processes.py): it takes no signal from the terminal or a scheduler (Ctrl-C, a closed terminal, SIGTERM to
+the process group), since the trainer decides when a run stops and scores the step under way first, and it never
+outlives the trainer.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import hashlib
 import importlib.util
 import io
 import math
-import multiprocessing
-import multiprocessing.util  # its exit handler registered before ours (_stop_workers)
 import os
 import pickle
-import signal
 import sys
-import threading
-import time
 import traceback
 from dataclasses import dataclass
 
 from common.errors import BadInput
+from common.processes import Helper, HelperEnded, how_it_ended
 
 SCORE_SECONDS = 10.0  # per completion, unless the file sets SCORE_SECONDS
 TOOL_SECONDS = 10.0  # per tool call, unless the file sets TOOL_SECONDS
@@ -50,8 +45,6 @@ TOOL_RESULT = "<result>{}</result>"  # how a tool's output is shown to the polic
 WORKER_START_SECONDS = 120  # a spawned worker imports the main script (torch, ...) and the task file
 REQUIRED = {"rows": "rows(split)", "score": "score(completion, row)"}
 MAX_REWARD = 1e9  # |reward| at most: a group's std squares its rewards, and float32 overflows at 3e38
-# the signals a run stops on (common/checkpoint.StopSignals): the trainer's alone, never a worker's
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 # built-in tasks written as task files: the project's own code, run in the trainer's process (no worker)
@@ -222,77 +215,36 @@ class Scored:
     timed_out: bool = False
 
 
-_WORKERS: dict[str, _Worker] = {}  # one per task file, started on first use
+_WORKERS: dict[str, Helper] = {}  # one per task file, started on first use
 OUTPUT_CHARS = 100_000  # of a tool's output at most, before it is sent: the rest is cut (marked)
 PRINTED_CHARS = 4_000  # of what the file's code prints in one job at most, shown on stderr
 
 
-class _Worker:
-    """A spawned process that imports a task file and runs its code, a job at a time (`_serve`)."""
-
-    def __init__(self, path: str):
-        context = multiprocessing.get_context("spawn")
-        self.connection, child = context.Pipe()
-        # not a daemon: a score may start processes of its own (a multiprocessing pool, common.scoring's
-        # math-verify), which a daemon may not; _stop_workers ends it at exit all the same
-        self.process = context.Process(target=_serve, args=(child, path))
-        with _ignored_by_the_child():
-            self.process.start()
-        _STARTED[:] = [p for p in _STARTED if p.is_alive()] + [self.process]
-        child.close()
-
-    def run(self, job: tuple, seconds: float) -> tuple[str, object] | None:
-        """What `_run_one` returns for `job`; ("exited", how) when the process ended during it, or
-        None when it ran past `seconds`. What the code printed goes to stderr (`_show_printed`)."""
-        from multiprocessing.connection import wait
-
+def _serve(connection, path: str) -> None:
+    """In the worker (a common.processes.Helper): answer jobs until the trainer closes the connection. The file's
+    code writes to a bounded buffer, not to the inherited stdout and stderr."""
+    while True:
         try:
-            self.connection.send(job)
-        except OSError:  # ended before the job was sent (BrokenPipeError)
-            self.process.join(5)
-            return ("exited", _how_it_ended(self.process.exitcode))
-        if not wait([self.connection, self.process.sentinel], seconds):
-            return None
-        try:
-            outcome, printed = self.connection.recv()
-        except (EOFError, OSError):  # ended without an answer: os._exit, a crash, the OOM killer
-            self.process.join(5)
-            return ("exited", _how_it_ended(self.process.exitcode))
-        _show_printed(printed)
-        return outcome
-
-    def stop(self) -> None:
-        _kill_with_its_session(self.process)
-        self.process.join(5)
-        self.connection.close()
+            job = connection.recv()
+        except (EOFError, OSError):
+            return
+        sys.stdout = sys.stderr = printed = _Bounded(PRINTED_CHARS)
+        outcome = _run_one((path, *job))
+        connection.send((outcome, (printed.text(), printed.size) if printed.size else None))
 
 
-@contextlib.contextmanager
-def _ignored_by_the_child():
-    """A process started inside ignores the stop signals from its first instruction: an ignored signal stays ignored
-    across fork and exec (and Python then installs no KeyboardInterrupt handler), so a Ctrl-C while the worker imports
-    torch is not fatal. This process only holds them back meanwhile: blocked, a signal stays pending even where it
-    is ignored (Linux), and its handler receives it at the end."""
-    if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's to change
-        yield
-        return
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    handlers = {number: signal.signal(number, signal.SIG_IGN) for number in STOP_SIGNALS}
+def _ask(worker: Helper, job: tuple, seconds: float) -> tuple[str, object] | None:
+    """What `_run_one` returns for `job` in `worker`; ("exited", how) when its process ended during it, or None when
+    it ran past `seconds`. What the code printed goes to stderr (`_show_printed`)."""
     try:
-        yield
-    finally:
-        for number, handler in handlers.items():
-            signal.signal(number, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
-def _how_it_ended(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        try:
-            return f"its process was killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            pass
-    return f"its process ended with exit code {exitcode}"
+        answer = worker.ask(job, seconds)
+    except HelperEnded as ended:
+        return ("exited", ended.how)
+    if answer is None:
+        return None
+    outcome, printed = answer
+    _show_printed(printed)
+    return outcome
 
 
 def _show_printed(printed: tuple[str, int] | None) -> None:
@@ -306,66 +258,6 @@ def _show_printed(printed: tuple[str, int] | None) -> None:
     if size > len(text):
         more = f"{size - len(text):,} more characters"
         sys.stderr.write(f"[... {more} printed by the task file's code, not shown]\n")
-
-
-def _serve(connection, path: str) -> None:
-    """In the worker: answer jobs until the trainer closes the connection. The file's code writes
-    to a bounded buffer, not to the inherited stdout and stderr. The stop signals are ignored (since
-    the process started: _ignored_by_the_child): a run stops when its trainer says so, after scoring
-    the step under way. A session of its own keeps the terminal's Ctrl-C and hang-up, and a signal to the trainer's
-    process group, from the processes the file's code starts (a pool's workers): those keep the default actions, so
-    that their own parent can end them (a pool's terminate() sends SIGTERM)."""
-    os.setsid()
-    threading.Thread(target=_end_with_the_trainer, args=(os.getppid(),), daemon=True).start()
-    for number in STOP_SIGNALS:  # a handler that does nothing, not SIG_IGN, which a started process would inherit
-        signal.signal(number, _take_no_stop_signal)
-    # a forked child inherits the handler too: it takes the default actions back, and a stop signal sent before it
-    # could (a terminate() at once) waits, held, until then
-    os.register_at_fork(before=_hold_stop_signals, after_in_parent=_release_stop_signals, after_in_child=_default)
-    _release_stop_signals()  # held by the trainer while it started this process (and inherited)
-    while True:
-        try:
-            job = connection.recv()
-        except (EOFError, OSError):
-            return
-        sys.stdout = sys.stderr = printed = _Bounded(PRINTED_CHARS)
-        outcome = _run_one((path, *job))
-        connection.send((outcome, (printed.text(), printed.size) if printed.size else None))
-
-
-def _end_with_the_trainer(trainer: int) -> None:
-    """In the worker: a trainer killed outright (SIGKILL, the OOM killer) cannot stop it, and a score that never
-    returns would keep it running, with what its code started, for good; once the trainer is gone (the worker has
-    another parent), its session is killed."""
-    while os.getppid() == trainer:
-        time.sleep(1)
-    os.killpg(0, signal.SIGKILL)
-
-
-def _kill_with_its_session(process) -> None:
-    """Kill a worker and every process its code started (a code-running tool's program, a pool): they share its
-    session's group (_serve), and would outlive it, running, if it alone were killed."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # no group yet: the worker is still starting
-        os.killpg(process.pid, signal.SIGKILL)
-    process.kill()
-
-
-def _take_no_stop_signal(number, frame) -> None:
-    pass
-
-
-def _hold_stop_signals() -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-
-
-def _release_stop_signals() -> None:
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-
-
-def _default() -> None:
-    for number in STOP_SIGNALS:
-        signal.signal(number, signal.SIG_DFL)
-    _release_stop_signals()
 
 
 class _Bounded(io.TextIOBase):
@@ -401,7 +293,7 @@ def run_each(task: TaskFile, jobs: list[tuple], seconds: float, on_exit=None) ->
     else:
         outcomes = []
         for job in jobs:
-            outcome = _worker(task).run(job, seconds)
+            outcome = _ask(_worker(task), job, seconds)
             outcomes.append(outcome)
             if outcome is None or outcome[0] == "exited":  # hung or gone: a new worker for the next
                 _WORKERS.pop(task.path).stop()
@@ -413,19 +305,19 @@ def run_each(task: TaskFile, jobs: list[tuple], seconds: float, on_exit=None) ->
     return outcomes
 
 
-def _worker(task: TaskFile) -> _Worker:
+def _worker(task: TaskFile) -> Helper:
     """The task file's worker, started if there is none (its file imported before any deadline
     counts)."""
-    if task.path in _WORKERS and _WORKERS[task.path].process.is_alive():
+    if task.path in _WORKERS and _WORKERS[task.path].alive():
         return _WORKERS[task.path]
     if task.path in _WORKERS:  # ended between jobs (the out-of-memory killer, a kill): a new one takes over
         gone = _WORKERS.pop(task.path)
         gone.stop()
-        how = _how_it_ended(gone.process.exitcode)
+        how = how_it_ended(gone.process.exitcode)
         print(f"warning: {task.name}: the worker process that runs its code ended while idle ({how}): "
               "a new one takes over", file=sys.stderr)  # fmt: skip
-    worker = _Worker(task.path)
-    outcome = worker.run(("load", None, None), WORKER_START_SECONDS)
+    worker = Helper(_serve, task.path)
+    outcome = _ask(worker, ("load", None, None), WORKER_START_SECONDS)
     if outcome is None:
         worker.stop()
         raise BadInput(
@@ -439,21 +331,6 @@ def _worker(task: TaskFile) -> _Worker:
         raise BadInput(f"{task.path}: {what} ({outcome[1]})")
     _WORKERS[task.path] = worker
     return worker
-
-
-_STARTED = []  # every worker process this process started
-
-
-@atexit.register  # after multiprocessing.util's own exit handler (imported above), so it runs first
-def _stop_workers() -> None:
-    """At exit, each worker is killed: it ignores SIGTERM, and multiprocessing's own exit handler (which runs after
-    this one) would otherwise wait for it."""
-    for process in _STARTED:
-        if process.is_alive():
-            _kill_with_its_session(process)
-            process.join(5)
-    _STARTED.clear()
-    _WORKERS.clear()
 
 
 def score_all(task: TaskFile, texts: list[str], rows: list[dict]) -> list[Scored]:

@@ -168,11 +168,11 @@ def run(name: str, settings: dict, folder: str, resume: bool = False) -> list[di
         values["resume"] = "auto"
     try:
         module.main(flags.make(module.Args, **values))
-    finally:  # the run folder's lock lasts as long as the process: release it for the next run here
+    finally:  # a main() that raised keeps its run folder's lock: release it for the next run here
         from common import checkpoint
 
-        while checkpoint._LOCKS:
-            checkpoint._LOCKS.pop().close()
+        for locked in list(checkpoint._LOCKS):
+            checkpoint.release_run_folder(locked)
     [run_dir] = [os.path.join(folder, d) for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))]
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 

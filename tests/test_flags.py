@@ -139,29 +139,32 @@ def _saved_run(run_dir, steps, keep=0):
     return model, tokenizer, optimizer, scheduler, scaler, checkpoints, state
 
 
-def test_a_resume_from_an_earlier_checkpoint_drops_the_later_ones_as_it_starts(tmp_path, capsys):
+def test_a_resume_from_an_earlier_checkpoint_drops_the_later_ones_once_its_checks_have_passed(tmp_path, capsys):
     """--resume <run>/checkpoints/step_2 of a run that reached step 4 rewrites steps 3 and 4, their metrics and their
-    checkpoints: the later checkpoints go as the run starts, when the metrics after step 2 are cut (tracking.Tracker).
-    Left until the first save, a run stopped before it resumed from the abandoned step 4 over metrics cut to step 2,
-    the steps between lost from both runs. The path as a shell completes it (a trailing /), and an --output-dir with
-    glob characters in its name (a sweep's `runs/[lr=1e-4]`), are resumed alike."""
+    checkpoints. Opening the run deletes nothing (a resume refused later, on its rows or its model, kept them all);
+    the later checkpoints go when the checkpoint is loaded, the last check of the set-up, before the metrics after
+    step 2 are cut (tracking.Tracker). Left until the first save, a run stopped before it resumed from the abandoned
+    step 4 over metrics cut to step 2, the steps between lost from both runs. The path as a shell completes it (a
+    trailing /), and an --output-dir with glob characters in its name (a sweep's `runs/[lr=1e-4]`), are resumed
+    alike."""
     from helpers import one_process
 
-    from common.checkpoint import _LOCKS, find_checkpoint, locked_run_folder
+    from common.checkpoint import find_checkpoint, load_checkpoint, open_run_folder, release_run_folder
 
     output_dir = tmp_path / "runs [lr=1e-4]"
     run = output_dir / "arith__grpo__1__1800000100"
-    _saved_run(f"{output_dir}//{run.name}", [2, 4])  # (a // in the path: compared as glob returns it, all went)
+    # (a // in the path: compared as glob returns it, all went)
+    model, _, optimizer, scheduler, scaler, _, _ = _saved_run(f"{output_dir}//{run.name}", [2, 4])
     checkpoints = run / "checkpoints"
     assert sorted(os.listdir(checkpoints)) == ["step_00000002", "step_00000004"]
     settings = {"lr": 1e-4, "steps": 10, "resume": "auto"}
     assert find_checkpoint("auto", str(output_dir), "arith__grpo__1__", settings) == str(checkpoints / "step_00000004")
     settings["resume"] = str(checkpoints / "step_00000002") + "/"
-    folder, checkpoint = locked_run_folder(
-        str(output_dir), settings["resume"], "arith__grpo__1", settings, one_process()
-    )
-    _LOCKS.pop().close()
+    folder, checkpoint = open_run_folder(str(output_dir), settings["resume"], "arith__grpo__1", settings, one_process())
     assert (folder, checkpoint) == (str(run), str(checkpoints / "step_00000002"))
+    assert sorted(os.listdir(checkpoints)) == ["step_00000002", "step_00000004"]  # nothing deleted yet
+    load_checkpoint(checkpoint, model, optimizer, scheduler, scaler, one_process())
+    release_run_folder(folder)
     assert sorted(os.listdir(checkpoints)) == ["step_00000002"]
     assert "the run's later checkpoints (step_00000004) and metrics are dropped" in capsys.readouterr().err
     assert find_checkpoint("auto", str(output_dir), "arith__grpo__1__", settings) == checkpoint

@@ -319,7 +319,7 @@ def test_a_second_ctrl_c_waits_for_the_checkpoint_being_written(tiny, tmp_path, 
 
     from helpers import one_process
 
-    from common import checkpoint, checks
+    from common import checkpoint, checks, stopping
     from common.flags import Checkpoints
 
     model, tokenizer = tiny
@@ -335,7 +335,7 @@ def test_a_second_ctrl_c_waits_for_the_checkpoint_being_written(tiny, tmp_path, 
         return rng_state()
 
     monkeypatch.setattr(checkpoint, "rng_state", two_ctrl_c_mid_write)
-    stop = checkpoint.StopSignals()
+    stop = stopping.StopSignals(str(tmp_path))
     try:
         with pytest.raises(SystemExit) as exit:
             checkpoint.save_checkpoint(
@@ -349,7 +349,7 @@ def test_a_second_ctrl_c_waits_for_the_checkpoint_being_written(tiny, tmp_path, 
         assert exit.value.code == 143
     finally:
         stop.received = None
-        stop.finish(str(tmp_path), one_process())  # the handlers as they were
+        stop.finish(one_process())  # the handlers as they were
 
 
 def test_under_torchrun_a_repeated_signal_is_the_agents_copy_and_another_ranks_signal_stops_this_one(monkeypatch):
@@ -358,14 +358,14 @@ def test_under_torchrun_a_repeated_signal_is_the_agents_copy_and_another_ranks_s
     same step as the one that did, with the same exit code."""
     from helpers import one_process
 
-    from common import checkpoint, fsdp
+    from common import fsdp, stopping
 
-    monkeypatch.setattr(checkpoint, "_UNDER_TORCHRUN", True)
-    stop = checkpoint.StopSignals()
+    monkeypatch.setattr(stopping, "_UNDER_TORCHRUN", True)
+    stop = stopping.StopSignals("unused")
     try:
         stop._handle(signal.SIGTERM, None)
         stop._handle(signal.SIGTERM, None)  # the agent's copy: no SystemExit
-        stop.when -= checkpoint.REPEAT_SECONDS
+        stop.when -= stopping.REPEAT_SECONDS
         with pytest.raises(SystemExit) as exit:  # a real second request
             stop._handle(signal.SIGTERM, None)
         assert exit.value.code == 143
@@ -387,17 +387,17 @@ def test_under_torchrun_a_repeated_signal_is_the_agents_copy_and_another_ranks_s
         assert not stop.requested(one_process()) and stop.received is None
     finally:
         stop.received = None
-        stop.finish("unused", one_process())
+        stop.finish(one_process())
 
 
 def test_after_a_main_that_raised_the_next_ctrl_c_reaches_the_handler_that_was_there_before():
     """A main() that raises never calls StopSignals.finish. In a long-lived process (a notebook, a test runner, a
     sweep that calls main() in a loop) the next Ctrl-C must still interrupt: the stale handler gives it to the
     handler it replaced, and restores that one."""
-    from common.checkpoint import StopSignals
+    from common.stopping import StopSignals
 
     def main():
-        StopSignals()
+        StopSignals("unused")
         raise RuntimeError("a run that failed")
 
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -416,7 +416,7 @@ def test_after_a_main_that_raised_the_next_ctrl_c_reaches_the_handler_that_was_t
 def test_the_agents_shutdown_timeout_is_read_from_its_command_line_or_environment():
     """torchrun's agent is the worker's parent: its --shutdown-timeout (either spelling, with = or not), else
     TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else torchrun's default of 30 s."""
-    child = "from common.checkpoint import _agent_shutdown_timeout as t; print(t())"
+    child = "from common.stopping import _agent_shutdown_timeout as t; print(t())"
     parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
     cases = [([], {}, "30.0"), (["--shutdown-timeout", "900"], {}, "900.0"), (["--shutdown_timeout=7"], {}, "7.0")]
     cases.append(([], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}, "120.0"))
@@ -432,13 +432,13 @@ def test_a_step_longer_than_half_the_agents_timeout_warns_once(monkeypatch, capf
     once, after the first step that takes more than half of it, with the flag to restart with."""
     from helpers import one_process
 
-    from common import checkpoint
+    from common import stopping
 
-    monkeypatch.setattr(checkpoint, "_UNDER_TORCHRUN", True)
-    monkeypatch.setattr(checkpoint, "_agent_shutdown_timeout", lambda: 30.0)
+    monkeypatch.setattr(stopping, "_UNDER_TORCHRUN", True)
+    monkeypatch.setattr(stopping, "_agent_shutdown_timeout", lambda: 30.0)
     clock = iter([100.0, 110.0, 130.0, 160.0])  # steps of 10 s (fine), then 20 s, then 30 s
-    monkeypatch.setattr(checkpoint.time, "monotonic", lambda: next(clock))
-    stop = checkpoint.StopSignals()
+    monkeypatch.setattr(stopping.time, "monotonic", lambda: next(clock))
+    stop = stopping.StopSignals("unused")
     try:
         said = []
         for _ in range(4):
@@ -448,7 +448,7 @@ def test_a_step_longer_than_half_the_agents_timeout_warns_once(monkeypatch, capf
         assert "a step takes 20 s, and torchrun kills its workers 30 s after it forwards a signal" in said[2]
         assert "Restart with torchrun --shutdown-timeout 900 to stop safely" in said[2]
     finally:
-        stop.finish("unused", one_process())
+        stop.finish(one_process())
 
 
 @pytest.mark.slow
@@ -479,17 +479,17 @@ def test_a_signal_during_the_last_step_ends_a_complete_run_without_resume_advice
     one step earlier, the advice and exit code 128 + the signal's number."""
     from helpers import one_process
 
-    from common.checkpoint import StopSignals
+    from common.stopping import StopSignals
 
     (tmp_path / "checkpoints" / "step_00000005").mkdir(parents=True)
     for steps, code, said in ((5, None, "the run is complete"), (6, 143, f"continue with --resume {tmp_path}")):
-        stop = StopSignals()
+        stop = StopSignals(str(tmp_path))
         stop.received = signal.SIGTERM
         if code is None:
-            stop.finish(str(tmp_path), one_process(), steps)
+            stop.finish(one_process(), steps)
         else:
             with pytest.raises(SystemExit) as exit:
-                stop.finish(str(tmp_path), one_process(), steps)
+                stop.finish(one_process(), steps)
             assert exit.value.code == code
         assert said in capfd.readouterr().err
 
@@ -499,12 +499,12 @@ def test_runs_started_in_the_same_second_get_their_own_folders_and_a_run_has_one
     folder is locked while its run lives: a second process resuming it is refused, naming the holder."""
     from helpers import one_process
 
-    from common.checkpoint import locked_run_folder
+    from common.checkpoint import open_run_folder
     from common.errors import BadInput
 
     monkeypatch.setattr(time, "time", lambda: 1_800_000_000.0)
-    first, _ = locked_run_folder(str(tmp_path), None, "arith__grpo__1", {}, one_process())
-    second, _ = locked_run_folder(str(tmp_path), None, "arith__grpo__1", {}, one_process())
+    first, _ = open_run_folder(str(tmp_path), None, "arith__grpo__1", {}, one_process())
+    second, _ = open_run_folder(str(tmp_path), None, "arith__grpo__1", {}, one_process())
     assert os.path.basename(first) == "arith__grpo__1__1800000000" and second == first + "-2"
     holder = (
         "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); f.write('process X'); "
@@ -556,7 +556,7 @@ def test_resume_auto_takes_the_newest_run_with_these_settings(tmp_path, capsys):
     folder is locked before a checkpoint is read."""
     from helpers import one_process
 
-    from common.checkpoint import _LOCKS, find_checkpoint, locked_run_folder
+    from common.checkpoint import _LOCKS, find_checkpoint, open_run_folder, release_run_folder
 
     def run(stamp, step, lr, model="Qwen/Qwen2.5-0.5B"):
         folder = tmp_path / f"arith__grpo__1__{stamp}" / "checkpoints" / f"step_{step:08d}"
@@ -577,7 +577,7 @@ def test_resume_auto_takes_the_newest_run_with_these_settings(tmp_path, capsys):
     assert found(3e-4) == str(tmp_path / "arith__grpo__1__1800000200-2" / "checkpoints" / "step_00000004")
     assert found(1e-3) is None
     held = len(_LOCKS)
-    folder, checkpoint = locked_run_folder(str(tmp_path), "auto", "arith__grpo__1", settings(1e-3), one_process())
+    folder, checkpoint = open_run_folder(str(tmp_path), "auto", "arith__grpo__1", settings(1e-3), one_process())
     assert checkpoint is None and folder.startswith(str(tmp_path / "arith__grpo__1__")) and len(_LOCKS) == held + 1
     # what kept the newest run from matching (a flag set otherwise, or a default the code has since changed)
     assert (
@@ -585,7 +585,7 @@ def test_resume_auto_takes_the_newest_run_with_these_settings(tmp_path, capsys):
         f"{tmp_path}/arith__grpo__1__1800000300, differs: --lr 0.0001 in the run, 0.001 now, --model "
         "Qwen/Qwen2.5-1.5B in the run, Qwen/Qwen2.5-0.5B now: a new run starts"
     ) in capsys.readouterr().err
-    _LOCKS.pop().close()
+    release_run_folder(folder)
 
 
 def test_two_ranks_keep_no_bf16_copy_of_the_weights_for_the_backward(tmp_path):

@@ -16,6 +16,7 @@ from common import task_files
 from common.engines import Completion, HFEngine
 from common.errors import BadInput
 from common.evaluate import evaluate
+from common.processes import Helper
 from common.scoring import score, score_completions
 from common.tasks import arith_rows, encode_prompt, format_prompt, load_task, load_train_and_eval
 
@@ -264,9 +265,9 @@ def test_the_worker_takes_no_stop_signal_and_one_that_ended_while_idle_is_replac
     worker.process.join(5)
     assert rewards() == [1.0, 0.0] and task_files._WORKERS[path] is not worker
     assert "ended while idle (its process was killed by SIGKILL): a new one takes over" in capsys.readouterr().err
-    starting = task_files._Worker(path)  # a Ctrl-C while it imports (torch, the file) is not fatal either
+    starting = Helper(task_files._serve, path)  # a Ctrl-C while it imports (torch, the file) is not fatal either
     os.kill(starting.process.pid, signal.SIGINT)
-    assert starting.run(("load", None, None), 60) == ("value", None)
+    assert task_files._ask(starting, ("load", None, None), 60) == ("value", None)
     starting.stop()
 
 

@@ -52,7 +52,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import zlib
@@ -96,6 +95,7 @@ from common.bench.suites import (  # noqa: F401
     TRUNCATED_SAMPLING,
     build_long_model,
 )
+from common.processes import start_program, stop_programs
 
 
 # running ---------------------------------------------------------------------------------------------
@@ -104,6 +104,8 @@ def task_of(flags: tuple[str, ...]) -> str:
     return flags[flags.index("--task") + 1] if "--task" in flags else "arith"
 
 
+# a stopped bench's runs each finish their step and its checkpoint within this many seconds, or are killed
+RUN_STOP_SECONDS = 300.0
 RAN_WITH = "bench_ran_with.json"  # in a finished run's folder: how many runs shared the cores, and its threads
 
 
@@ -233,7 +235,7 @@ def _run_all(runs: list[Run], jobs: int) -> list[str]:
                 os.makedirs(log_dir, exist_ok=True)
                 log_path = os.path.join(log_dir, f"{run.exp_name}__{run.seed}.log")
                 with open(log_path, "a") as log:  # a resumed run's log follows its first attempt's
-                    process = subprocess.Popen(run.command(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                    process = start_program(run.command(), REPO, env, log)  # its own session (common/processes.py)
                 running.append((run, process, log_path, time.time()))
             time.sleep(0.5)
             for entry in list(running):
@@ -255,10 +257,8 @@ def _run_all(runs: list[Run], jobs: int) -> list[str]:
                     f"({time.time() - start:.0f} s)",
                     flush=True,
                 )
-    finally:  # interrupted (Ctrl-C): stop the runs too; they resume from their checkpoints next time
-        for _, process, _, _ in running:
-            process.terminate()
-            process.wait()
+    finally:  # interrupted (Ctrl-C): each run saves its step and stops; they resume from their checkpoints next time
+        stop_programs([process for _, process, _, _ in running], RUN_STOP_SECONDS)
     return failures
 
 
