@@ -481,8 +481,20 @@ def main(args: Args) -> None:
     queue = RolloutQueue(systems.rollout_lag, dist, tokenizer.pad_token_id, state)
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
+
+    # what a resume needs beyond the weights and the optimizer (a checkpoint's trainer_state.pt)
+    def trainer_state() -> dict:
+        return {"skipped_steps": skipped_steps, "args": flat(args), "this_rank": queue.state()}
+
+    # a checkpoint (common/checkpoint.py): at --save-every, at the end, after a signal, and after an error that ends a
+    # step before its update (then of the steps before it: stop.step_begins)
+    save = partial(
+        save_checkpoint, run_dir, model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+        scaler=precision.scaler, dist=dist, checkpoints=args.checkpoints,
+    )  # fmt: skip
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
+        stop.step_begins(step, partial(save, step, trainer_state=trainer_state()))  # (an error then saves this)
         # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
         # (--rollout-lag k: step + k's batch, whose sampling/* the step that trains on it logs)
         with metrics.timer("time/rollout"):
@@ -531,11 +543,7 @@ def main(args: Args) -> None:
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
         if stopping or args.checkpoints.due(step + 1, args.steps):
-            trainer_state = {"skipped_steps": skipped_steps, "args": flat(args), "this_rank": queue.state()}
-            save_checkpoint(
-                run_dir, step + 1, policy, tokenizer, optimizer, scheduler, precision.scaler, trainer_state, dist,
-                args.checkpoints,
-            )  # fmt: skip
+            save(step + 1, trainer_state=trainer_state())
         if stopping:
             break
 

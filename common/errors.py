@@ -18,9 +18,16 @@ class BadInput(ValueError):
 
 @contextlib.contextmanager
 def clear_errors():
-    """Within the context, a BadInput ends the program with its message and exit code 2."""
+    """Within the context, a BadInput ends the program with its message and exit code 2. Any error that ends a run
+    first checkpoints the steps it finished, where it can (common.stopping.save_finished_steps)."""
+    from common.stopping import save_finished_steps
+
     try:
         yield
     except BadInput as error:
+        save_finished_steps(error)
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Exception as error:
+        save_finished_steps(error)
+        raise

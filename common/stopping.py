@@ -108,6 +108,8 @@ class StopSignals:
 
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
+        self.begun = None  # the step under way and how to save the steps before it (step_begins)
+        _RUN["stop"] = self
         self.received = None
         self.when = 0.0  # time.monotonic() of the first signal
         self.previous = {}
@@ -121,6 +123,17 @@ class StopSignals:
                 self.previous[number] = signal.signal(number, self._handle)
         self.streams = (sys.stdout, sys.stderr)
         sys.stdout, sys.stderr = (_SurvivingStream(s) if _has_fd(s) else s for s in self.streams)
+
+    def step_begins(self, step: int, save) -> None:
+        """Step `step` starts, and `save()` would checkpoint the run as it is now: a functools.partial of
+        checkpoint.save_checkpoint with every argument. An error that ends the run before the step's first optimizer
+        step (a task file's score() that raises, during a rollout) calls it (save_finished_steps), with the RNG as it
+        is now: the steps before this one are kept, and a resume repeats this one exactly."""
+        from common.checkpoint import rng_state
+
+        scheduler = save.keywords["scheduler"]  # it steps with the optimizer: the weights have changed once it has
+        self.begun = {"step": step, "save": save, "rng": rng_state(), "scheduler": scheduler}
+        self.begun["updates"] = scheduler.last_epoch
 
     def _handle(self, number, frame):
         if not self._owner_running():  # main() raised: the handlers that were there before take it
@@ -193,6 +206,7 @@ class StopSignals:
 
         self._restore()
         release_run_folder(self.run_dir)  # the run has ended: main() may run again in this process
+        _RUN.pop("stop", None)
         if self.received is None:
             return
         name = signal.Signals(self.received).name
@@ -206,11 +220,43 @@ class StopSignals:
         raise SystemExit(128 + self.received)
 
 
+_RUN = {}  # the StopSignals of the run under way in this process (save_finished_steps)
+
+
+def save_finished_steps(error: BaseException) -> None:
+    """An error is ending the run (checks.clear_errors calls this): checkpoint the steps it finished, as a signal
+    would, where the step under way has not yet changed the weights and no checkpoint holds them already; else say
+    what a resume finds. One rank only: a checkpoint of several ranks is a collective, which the others, ended or
+    elsewhere, cannot join."""
+    from common.checkpoint import checkpoint_folders, set_rng_state
+
+    stop = _RUN.pop("stop", None)
+    if stop is None or stop.begun is None:
+        return
+    stop._restore()
+    begun, saved = stop.begun, [c for c in checkpoint_folders(stop.run_dir) if _complete(c)]
+    step, what = begun["step"], f"{type(error).__name__} during step {begun['step'] + 1}"
+    if step == 0 or (saved and int(os.path.basename(saved[-1]).split("_")[-1]) >= step):
+        return
+    if begun["scheduler"].last_epoch != begun["updates"] or begun["save"].keywords["dist"].world_size > 1:
+        _say(f"{what}, after its update (or on one of several ranks): {_what_a_resume_finds(stop.run_dir)}")
+        return
+    set_rng_state(begun["rng"])  # as the step found it, so that a resume repeats it exactly
+    path = begun["save"]()
+    finished = "step 1 is" if step == 1 else f"steps 1-{step} are"
+    _say(f"{what}, before its update: {finished} saved ({path}); once the cause is fixed, --resume {stop.run_dir} "
+         f"continues with step {step + 1}")  # fmt: skip
+
+
+def _complete(checkpoint: str) -> bool:
+    return os.path.isfile(os.path.join(checkpoint, "trainer_state.pt"))
+
+
 def _what_a_resume_finds(run_dir: str) -> str:
     """What a second signal leaves to resume: the run's newest checkpoint, or, before its first, nothing."""
     from common.checkpoint import checkpoint_folders
 
-    saved = [c for c in checkpoint_folders(run_dir) if os.path.isfile(os.path.join(c, "trainer_state.pt"))]
+    saved = [c for c in checkpoint_folders(run_dir) if _complete(c)]
     if saved:
         return f"--resume {run_dir} continues from {os.path.basename(saved[-1])}, and the steps after it are lost"
     return (
