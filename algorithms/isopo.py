@@ -936,8 +936,7 @@ def main(args: Args) -> None:
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
     precision = fsdp.mixed_precision(systems.dtype, device)  # bf16 on GPUs: dtype, autocast, scaler
-    # a new run folder, or with --resume the run's own, with its settings (a flag given changes those of
-    # checks.RESUME_MAY_CHANGE)
+    # a new run folder, or with --resume the run's own and its settings (checks.RESUME_MAY_CHANGE)
     run_name = f"{os.path.basename(args.task)}__{args.exp_name}__{args.seed}"
     run_dir, checkpoint = locked_run_folder(run_name, args, dist)
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
@@ -963,7 +962,9 @@ def main(args: Args) -> None:
     isopo = IsopoGradients(policy, args, dist, state.get("isopo"))
     tracker = Tracker(run_dir, flat(args), args.tracking, enabled=dist.is_main, resume_step=start_step)
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
-    stop = StopSignals(run_dir)  # Ctrl-C, SIGTERM, SIGHUP: this step ends, is checkpointed; the run stops
+    saved = dict(model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, scaler=precision.scaler)
+    save = partial(save_checkpoint, run_dir, dist=dist, checkpoints=args.checkpoints, **saved)
+    stop = StopSignals(run_dir, save)  # Ctrl-C, SIGTERM, SIGHUP, an error: the steps done are saved
     if start_step == 0 and evaluator.due(0, args.steps):
         tracker.log(evaluator(), step=0)
     # each rank takes whole groups: its share of each step's prompts (and of DAPO's extra rounds)
@@ -971,21 +972,8 @@ def main(args: Args) -> None:
     queue = RolloutQueue(systems.rollout_lag, dist, tokenizer.pad_token_id, state)
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
-
-    # what a resume needs beyond the weights and the optimizer (a checkpoint's trainer_state.pt)
-    def trainer_state() -> dict:
-        running_statistics = {"isopo": {"ema": dict(isopo.stats.ema)}}  # exact resume
-        return {"skipped_steps": skipped_steps, "args": flat(args), "this_rank": queue.state()} | running_statistics
-
-    # a checkpoint (common/checkpoint.py): at --save-every, at the end, after a signal, and after an error that ends a
-    # step before its update (then of the steps before it: stop.step_begins)
-    save = partial(
-        save_checkpoint, run_dir, model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-        scaler=precision.scaler, dist=dist, checkpoints=args.checkpoints,
-    )  # fmt: skip
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
-        stop.step_begins(step, partial(save, step, trainer_state=trainer_state()))  # (an error then saves this)
         # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
         # (--rollout-lag k: step + k's batch, whose sampling/* the step that trains on it logs)
         with metrics.timer("time/rollout"):
@@ -1033,8 +1021,12 @@ def main(args: Args) -> None:
         watch.step(logged, step + 1)  # warns of steps changing nothing, a uniform policy, no answer
         progress.set_postfix({k.split("/")[1]: f"{logged[k]:.3f}" for k in PROGRESS if k in logged})
         stopping = stop.requested(dist)  # a signal on any rank: every rank stops after this step
+        trainer_state = {"skipped_steps": skipped_steps, "args": flat(args), "this_rank": queue.state()}
+        # the running statistics: exact resume
+        trainer_state["isopo"] = {"ema": dict(isopo.stats.ema)}
         if stopping or args.checkpoints.due(step + 1, args.steps):
-            save(step + 1, trainer_state=trainer_state())
+            save(step + 1, trainer_state=trainer_state)
+        stop.step_ends(step + 1, trainer_state)  # an error before the next update saves this step
         if stopping:
             break
 

@@ -36,7 +36,6 @@ from common import adapters
 from common.checks import check_resume, damaged, read_checkpoint_file, resume_differences
 from common.errors import BadInput
 from common.fsdp import Dist, barrier
-from common.stopping import writing_a_checkpoint
 
 
 def seed_everything(seed: int) -> None:
@@ -76,6 +75,23 @@ def save_checkpoint(
         trainer_state["base_dtype"] = adapters.base_dtype(model)
     with writing_a_checkpoint():  # a second Ctrl-C waits for the write
         return _write_checkpoint(run_dir, step, model, tokenizer, optimizer, trainer_state, dist, checkpoints)
+
+
+# a checkpoint being written, and the signal that asked meanwhile to stop at once (stopping.StopSignals defers it)
+WRITING = {"active": False, "exit": None}
+
+
+@contextlib.contextmanager
+def writing_a_checkpoint():
+    """A checkpoint's write: a second signal waits for its end (StopSignals), then stops the run."""
+    WRITING["active"] = True
+    try:
+        yield
+    finally:
+        WRITING["active"] = False
+    if WRITING["exit"] is not None:
+        number, WRITING["exit"] = WRITING["exit"], None
+        raise SystemExit(128 + number)
 
 
 def _sync_to_disk(folder: str, files: bool = True) -> None:

@@ -16,18 +16,21 @@ class BadInput(ValueError):
     what to do. The scripts print it as one line, without a traceback (`clear_errors`)."""
 
 
+WHEN_A_RUN_FAILS = []  # what to do with an error before it ends a command (common/stopping.py adds the run's save)
+
+
 @contextlib.contextmanager
 def clear_errors():
-    """Within the context, a BadInput ends the program with its message and exit code 2. Any error that ends a run
-    first checkpoints the steps it finished, where it can (common.stopping.save_finished_steps)."""
-    from common.stopping import save_finished_steps
-
+    """Within the context, a BadInput ends the program with its message and exit code 2. Any error first goes to
+    WHEN_A_RUN_FAILS (a run's StopSignals checkpoints the steps it finished, where it can: common/stopping.py)."""
     try:
         yield
     except BadInput as error:
-        save_finished_steps(error)
+        for then in WHEN_A_RUN_FAILS:
+            then(error)
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     except Exception as error:
-        save_finished_steps(error)
+        for then in WHEN_A_RUN_FAILS:
+            then(error)
         raise

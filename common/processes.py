@@ -10,11 +10,12 @@ none outlives it.
 
 A helper (the math-verify worker of common/scoring.py, a task file's worker of common/task_files.py) has its own
 session: the terminal's Ctrl-C and hang-up and a signal to the trainer's process group (torchrun's agent, `scancel`,
-`kill -- -PGID`) do not reach it. It ignores the stop signals from its first instruction (common/stopping.py), so
-the trainer, which decides when a run stops, can finish the step under way with it. It is killed by its session's
-id, never through a lock it may hold (a multiprocessing pool's terminate() waits on its queue's lock forever when a
-worker died holding it), on a deadline, at exit, and when its parent goes: a trainer killed outright (SIGKILL, the
-out-of-memory killer) cannot stop it, so it watches its parent and kills its own session once the parent is gone.
+`kill -- -PGID`) do not reach it. It ignores the stop signals (STOP_SIGNALS, those common/stopping.py stops a run on)
+from its first instruction, so the trainer, which decides when a run stops, can finish the step under way with it.
+It is killed by its session's id, never through a lock it may hold (a multiprocessing pool's terminate() waits on
+its queue's lock forever when a worker died holding it), on a deadline, at exit, and when its parent goes: a trainer
+killed outright (SIGKILL, the out-of-memory killer) cannot stop it, so it watches its parent and kills its own
+session once the parent is gone.
 
 A program (a bench's run of a script) is a trainer itself: it has its own session too, so that the terminal's Ctrl-C
 reaches only the program that started it, which then sends one SIGTERM to each run (each finishes its step, saves
@@ -33,7 +34,57 @@ import subprocess
 import threading
 import time
 
-from common.stopping import deaf_to_stop_signals, take_no_stop_signal
+# the signals a run stops on: an interrupt (Ctrl-C), a scheduler's or torchrun's termination (preemption), a closed
+# terminal or dropped ssh connection
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def deaf_to_stop_signals():
+    """A process started inside ignores the stop signals from its first instruction: an ignored signal stays ignored
+    across fork and exec (and Python then installs no KeyboardInterrupt handler), so a Ctrl-C while a helper imports
+    torch is not fatal to it. This process only holds them back meanwhile: blocked, a signal stays pending even where
+    it is ignored (Linux), and its handler receives it at the end."""
+    if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's to change
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    handlers = {number: signal.signal(number, signal.SIG_IGN) for number in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def take_no_stop_signal() -> None:
+    """In a helper process (common/processes.py): a stop signal does nothing. A handler that does nothing, not
+    SIG_IGN, which a process the helper's code starts would inherit: a forked child takes the default actions back
+    (a pool's terminate() sends SIGTERM), and a stop signal sent before it could waits, held, until then."""
+    for number in STOP_SIGNALS:
+        signal.signal(number, _no_action)
+    os.register_at_fork(before=_hold, after_in_parent=_release, after_in_child=_default_actions)
+    _release()  # held by the parent while it started this process, and inherited
+
+
+def _no_action(number, frame) -> None:
+    pass
+
+
+def _hold() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def _release() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def _default_actions() -> None:
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_DFL)
+    _release()
+
 
 STOP_SECONDS = 5.0  # how long a killed helper is waited for (SIGKILL cannot be refused; this bounds a zombie's reap)
 

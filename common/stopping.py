@@ -1,78 +1,28 @@
 """How a run stops: the stop signals, handled here and nowhere else.
 
-    stop = StopSignals(run_dir)          # in main(), once the run is set up: Ctrl-C, SIGTERM, SIGHUP end the step
+    stop = StopSignals(run_dir, save)    # in main(), once the run is set up: Ctrl-C, SIGTERM, SIGHUP end the step
     ...                                  # under way, which is checkpointed, then the run
     if stop.requested(dist): ...         # after each step, on every rank (a collective)
+    stop.step_ends(step, trainer_state)  # an error in the next step, before its update, saves this one
     stop.finish(dist, steps)             # after the loop: how to resume, exit code 128 + the signal's number
-    with deaf_to_stop_signals(): ...     # a process started inside ignores them from its first instruction
-    with writing_a_checkpoint(): ...     # a second signal waits for the write to end
 
-A run's helper processes (common/processes.py) never take a stop signal: the trainer decides when the run stops,
-and they finish the step under way with it. A signal before StopSignals exists (the model loading, the engine
+A second signal stops at once, but never inside a checkpoint's write (checkpoint.writing_a_checkpoint finishes the
+write first). A run's helper processes (common/processes.py) never take a stop signal: the trainer decides when the
+run stops, and they finish the step under way with it. A signal before StopSignals exists (the model loading, the engine
 starting) has its default action: nothing has been trained, and nothing of a resumed run has been deleted yet
 (common/checkpoint.py deletes a resumed run's later steps only once its set-up has passed).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
 import threading
 import time
 
-# the signals a run stops on: an interrupt (Ctrl-C), a scheduler's or torchrun's termination (preemption), a closed
-# terminal or dropped ssh connection
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def deaf_to_stop_signals():
-    """A process started inside ignores the stop signals from its first instruction: an ignored signal stays ignored
-    across fork and exec (and Python then installs no KeyboardInterrupt handler), so a Ctrl-C while a helper imports
-    torch is not fatal to it. This process only holds them back meanwhile: blocked, a signal stays pending even where
-    it is ignored (Linux), and its handler receives it at the end."""
-    if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's to change
-        yield
-        return
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    handlers = {number: signal.signal(number, signal.SIG_IGN) for number in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for number, handler in handlers.items():
-            signal.signal(number, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
-def take_no_stop_signal() -> None:
-    """In a helper process (common/processes.py): a stop signal does nothing. A handler that does nothing, not
-    SIG_IGN, which a process the helper's code starts would inherit: a forked child takes the default actions back
-    (a pool's terminate() sends SIGTERM), and a stop signal sent before it could waits, held, until then."""
-    for number in STOP_SIGNALS:
-        signal.signal(number, _no_action)
-    os.register_at_fork(before=_hold, after_in_parent=_release, after_in_child=_default_actions)
-    _release()  # held by the parent while it started this process, and inherited
-
-
-def _no_action(number, frame) -> None:
-    pass
-
-
-def _hold() -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-
-
-def _release() -> None:
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-
-
-def _default_actions() -> None:
-    for number in STOP_SIGNALS:
-        signal.signal(number, signal.SIG_DFL)
-    _release()
-
+from common import errors
+from common.processes import STOP_SIGNALS
 
 # torchrun's agent forwards each signal it receives to its workers, and a scheduler (SLURM) or a terminal's Ctrl-C
 # signals every process, the agent included: each worker gets the same signal twice at once. A repeat within
@@ -81,7 +31,6 @@ _UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
 REPEAT_SECONDS = 2.0
 
 # A checkpoint being written, and the signal that asked meanwhile to stop at once (StopSignals defers it)
-_WRITING = {"active": False, "exit": None}
 
 
 def _say(text: str) -> None:
@@ -106,9 +55,11 @@ class StopSignals:
     its workers --shutdown-timeout seconds (30 by default) after forwarding a signal, so a step and its checkpoint
     must fit: rank 0 warns once when a step takes more than half of it, while there is time to restart with more."""
 
-    def __init__(self, run_dir: str):
-        self.run_dir = run_dir
-        self.begun = None  # the step under way and how to save the steps before it (step_begins)
+    def __init__(self, run_dir: str, save=None):
+        """`save(step, trainer_state=...)`: checkpoint.save_checkpoint with every other argument given (a
+        functools.partial), for an error that ends the run (save_finished_steps)."""
+        self.run_dir, self.save = run_dir, save
+        self.ended = None  # the last step that ended, and what its checkpoint holds (step_ends)
         _RUN["stop"] = self
         self.received = None
         self.when = 0.0  # time.monotonic() of the first signal
@@ -124,16 +75,15 @@ class StopSignals:
         self.streams = (sys.stdout, sys.stderr)
         sys.stdout, sys.stderr = (_SurvivingStream(s) if _has_fd(s) else s for s in self.streams)
 
-    def step_begins(self, step: int, save) -> None:
-        """Step `step` starts, and `save()` would checkpoint the run as it is now: a functools.partial of
-        checkpoint.save_checkpoint with every argument. An error that ends the run before the step's first optimizer
-        step (a task file's score() that raises, during a rollout) calls it (save_finished_steps), with the RNG as it
-        is now: the steps before this one are kept, and a resume repeats this one exactly."""
+    def step_ends(self, step: int, trainer_state: dict) -> None:
+        """Step `step` (counted from 1) has ended, and `trainer_state` is what its checkpoint holds besides the
+        weights, the optimizer and the RNG. An error that ends the run during the next step, before its first
+        optimizer step (a task file's score() that raises, in a rollout), saves it (save_finished_steps), with the
+        RNG as it is now: the steps so far are kept, and a resume repeats the failed one exactly."""
         from common.checkpoint import rng_state
 
-        scheduler = save.keywords["scheduler"]  # it steps with the optimizer: the weights have changed once it has
-        self.begun = {"step": step, "save": save, "rng": rng_state(), "scheduler": scheduler}
-        self.begun["updates"] = scheduler.last_epoch
+        scheduler = self.save.keywords["scheduler"]  # it steps with the optimizer: once it has, the weights changed
+        self.ended = {"step": step, "trainer_state": trainer_state, "rng": rng_state(), "updates": scheduler.last_epoch}
 
     def _handle(self, number, frame):
         if not self._owner_running():  # main() raised: the handlers that were there before take it
@@ -145,8 +95,10 @@ class StopSignals:
             if time.monotonic() - self.when < REPEAT_SECONDS:  # the agent's copy of what every process was sent
                 return
         if self.received is not None:  # the second one: now, unless a checkpoint is being written
-            if _WRITING["active"]:
-                _WRITING["exit"] = number
+            from common.checkpoint import WRITING
+
+            if WRITING["active"]:
+                WRITING["exit"] = number
                 _say(f"\n{name} again: the checkpoint being written is finished first, then the run stops")
                 return
             _say(f"\n{name} again: stopped now; {_what_a_resume_finds(self.run_dir)}")
@@ -221,28 +173,29 @@ class StopSignals:
 
 
 _RUN = {}  # the StopSignals of the run under way in this process (save_finished_steps)
+errors.WHEN_A_RUN_FAILS.append(lambda error: save_finished_steps(error))  # errors.clear_errors calls it
 
 
 def save_finished_steps(error: BaseException) -> None:
-    """An error is ending the run (checks.clear_errors calls this): checkpoint the steps it finished, as a signal
+    """An error is ending the run (errors.clear_errors calls this): checkpoint the steps it finished, as a signal
     would, where the step under way has not yet changed the weights and no checkpoint holds them already; else say
     what a resume finds. One rank only: a checkpoint of several ranks is a collective, which the others, ended or
     elsewhere, cannot join."""
     from common.checkpoint import checkpoint_folders, set_rng_state
 
     stop = _RUN.pop("stop", None)
-    if stop is None or stop.begun is None:
+    if stop is None or stop.ended is None or stop.save is None:
         return
     stop._restore()
-    begun, saved = stop.begun, [c for c in checkpoint_folders(stop.run_dir) if _complete(c)]
-    step, what = begun["step"], f"{type(error).__name__} during step {begun['step'] + 1}"
-    if step == 0 or (saved and int(os.path.basename(saved[-1]).split("_")[-1]) >= step):
+    ended, saved = stop.ended, [c for c in checkpoint_folders(stop.run_dir) if _complete(c)]
+    step, what = ended["step"], f"{type(error).__name__} during step {ended['step'] + 1}"
+    if saved and int(os.path.basename(saved[-1]).split("_")[-1]) >= step:
         return
-    if begun["scheduler"].last_epoch != begun["updates"] or begun["save"].keywords["dist"].world_size > 1:
+    if stop.save.keywords["scheduler"].last_epoch != ended["updates"] or stop.save.keywords["dist"].world_size > 1:
         _say(f"{what}, after its update (or on one of several ranks): {_what_a_resume_finds(stop.run_dir)}")
         return
-    set_rng_state(begun["rng"])  # as the step found it, so that a resume repeats it exactly
-    path = begun["save"]()
+    set_rng_state(ended["rng"])  # as the step found it, so that a resume repeats it exactly
+    path = stop.save(step, trainer_state=ended["trainer_state"])
     finished = "step 1 is" if step == 1 else f"steps 1-{step} are"
     _say(f"{what}, before its update: {finished} saved ({path}); once the cause is fixed, --resume {stop.run_dir} "
          f"continues with step {step + 1}")  # fmt: skip
@@ -340,16 +293,3 @@ def _detach_from_terminal() -> None:
         except OSError:
             pass
     os.close(devnull)
-
-
-@contextlib.contextmanager
-def writing_a_checkpoint():
-    """A checkpoint's write: a second signal waits for its end (StopSignals), then stops the run."""
-    _WRITING["active"] = True
-    try:
-        yield
-    finally:
-        _WRITING["active"] = False
-    if _WRITING["exit"] is not None:
-        number, _WRITING["exit"] = _WRITING["exit"], None
-        raise SystemExit(128 + number)
