@@ -45,7 +45,10 @@ def shared_flags(args) -> list[str]:
     has = lambda *names: all(name in v for name in names)  # noqa: E731
     problems = []
     if has("exp_name"):
-        problems += require(v["exp_name"] != "" and os.sep not in v["exp_name"], "--exp-name", "a name without '/'")
+        problems += require(
+            v["exp_name"].strip() != "", "--exp-name", "a name (part of the run folder's name), not empty"
+        )
+        problems += require(os.sep not in v["exp_name"], "--exp-name", "a name without '/'")
     if has("output_dir"):
         problems += output_dir_problems(v["output_dir"])
     if has("output_dir", "resume") and v["resume"] not in (None, "auto") and v["output_dir"] != defaults["output_dir"]:
@@ -500,11 +503,12 @@ def earlier_checkpoints(checkpoint: str) -> str:
     return f"other checkpoints of this run: {', '.join(others)}" if others else "the run has no other checkpoint"
 
 
-def damaged(checkpoint: str, name: str, error: Exception) -> BadInput:
+def damaged(checkpoint: str, name: str, error: Exception, to_use: str = "--resume PATH") -> BadInput:
+    """`name` of `checkpoint` cannot be read: what, why, and the run's other checkpoints, to pass as `to_use`."""
     reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
     return BadInput(
         f"checkpoint {checkpoint}: {name} is damaged or incomplete ({reason}); {earlier_checkpoints(checkpoint)} "
-        "(pass one with --resume PATH)"
+        f"(pass one with {to_use})"
     )
 
 
@@ -533,15 +537,16 @@ def check_checkpoint_files(checkpoint: str, weights_only: bool = False) -> None:
     optimizer's metadata and shards."""
     from safetensors import safe_open
 
+    to_use = "--model PATH" if weights_only else "--resume PATH"  # common.evaluate's flag, or a script's
     weights = [n for n in sorted(os.listdir(checkpoint)) if n.endswith(".safetensors")]
     if not weights and not any(n.endswith(".bin") for n in os.listdir(checkpoint)):
-        raise damaged(checkpoint, "the model weights", FileNotFoundError("no *.safetensors file"))
+        raise damaged(checkpoint, "the model weights", FileNotFoundError("no *.safetensors file"), to_use)
     for name in weights:
         try:
             with safe_open(os.path.join(checkpoint, name), "pt") as f:
                 f.keys()
         except Exception as error:
-            raise damaged(checkpoint, name, error) from None
+            raise damaged(checkpoint, name, error, to_use) from None
     if weights_only:
         return
     for name in sorted(os.listdir(checkpoint)):

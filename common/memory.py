@@ -40,6 +40,7 @@ from typing import Literal
 import torch
 
 from common import fsdp
+from common.errors import BadInput
 from common.logprobs import CHUNK_BYTES
 
 GiB = 2**30
@@ -106,7 +107,6 @@ def load_config(model: str):
     from transformers import AutoConfig
 
     from common.engines import unreachable_model
-    from common.errors import BadInput
     from common.tiny import resolve_model
 
     path = resolve_model(model)
@@ -178,9 +178,22 @@ def parameter_counts(config) -> dict[str, int]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = sum(p.numel() for p in model.parameters())  # a tied output layer counts once
-    layers = model.model.layers
+    layers = decoder_layers(model)
     per_layer = sum(p.numel() for p in layers[0].parameters())
     return {"total": total, "layer": per_layer, "root": total - per_layer * len(layers), "layers": len(layers)}
+
+
+def decoder_layers(model):
+    """The decoder layers of a causal LM as the scripts train it (model.model.layers: Llama, Qwen2/3, Mistral,
+    Mixtral, OLMoE, ...); another architecture is named, not an AttributeError."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        kind = getattr(model.config, "model_type", type(model).__name__)
+        raise BadInput(
+            f"{type(model).__name__} ({kind}) keeps no decoder layers at model.model.layers: the estimate is for the "
+            "decoder-only models the scripts train (Llama, Qwen2, Qwen3, Mistral, Mixtral, OLMoE, ...)"
+        )
+    return layers
 
 
 def saved_activation_bytes(model, length: int, compute_dtype: torch.dtype, residual_dtype: torch.dtype) -> int:
@@ -229,7 +242,7 @@ def lora_parameters(config, rank: int) -> int:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    linear = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    linear = [m for m in decoder_layers(model).modules() if isinstance(m, torch.nn.Linear)]
     return sum(rank * (m.in_features + m.out_features) for m in linear)
 
 

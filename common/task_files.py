@@ -397,7 +397,7 @@ def _run_one(job: tuple) -> tuple[str, object]:
         return ("raised", str(error))
     except SystemExit as error:  # sys.exit: it would end the worker (or, in-process, the trainer)
         return ("exited", f"it called sys.exit({error.code!r})")
-    except Exception as error:
+    except (Exception, KeyboardInterrupt) as error:  # a KeyboardInterrupt the code raised: named, not an exit
         return ("raised", _describe(error))
     if kind == "tool":
         if isinstance(value, (bytes, bytearray)):  # its repr would reach the policy: b'...'

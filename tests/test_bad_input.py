@@ -41,7 +41,7 @@ SHARED_CASES = [
     ({"top_p": 0.0}, "--top-p must be in (0, 1]"),
     ({"top_p": NAN}, "--top-p must be in (0, 1]"),
     ({"top_k": -1}, "--top-k must be >= 0"),
-    ({"rollout_lag": -1}, "--rollout-lag must be >= 0"),
+    ({"rollout_lag": -1}, "--rollout-lag must be in [0, 64]"),
     ({"keep_sampling_mask": False}, "--keep-sampling-mask applies with --top-p < 1 or --top-k > 0 only"),
     # vLLM returns at most 20 kept tokens per position: a kept mask needs a top-k there, refused before loading
     (
@@ -69,6 +69,7 @@ SHARED_CASES = [
     ({"micro_batch_size": 0}, "--micro-batch-size must be >= 1"),
     ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization must be in (0, 1)"),
     ({"exp_name": "a/b"}, "--exp-name must be a name without '/'"),
+    ({"exp_name": ""}, "--exp-name must be a name (part of the run folder's name), not empty"),  # was: without '/'
     ({"lora_rank": -4}, "--lora-rank must be >= 0 (0: full fine-tuning)"),
     ({"lora_rank": 8, "lora_alpha": 0.0}, "--lora-alpha must be > 0 and finite"),
     ({"lora_rank": 8, "lora_alpha": NAN}, "--lora-alpha must be > 0 and finite"),
@@ -999,3 +1000,23 @@ def test_run_sh_names_an_unknown_vllm_choice_before_it_installs_anything(tmp_pat
     out = subprocess.run(["bash", os.path.join(REPO, "run.sh"), "test"], env=env, capture_output=True, text=True)
     assert out.returncode == 2 and f"VLLM={vllm}: not a choice" in out.stderr, out.stderr
     assert not (tmp_path / "venv").exists()  # nothing created, nothing installed
+
+
+def test_a_score_that_raises_keyboardinterrupt_is_named_and_a_model_the_estimate_cannot_read_too(tmp_path):
+    """A score() raising KeyboardInterrupt was reported as its process ending; `python -m common.memory` on a
+    BERT-style config ended in an AttributeError; common.evaluate on a damaged checkpoint advised --resume."""
+    from transformers import BertConfig
+
+    from common import memory, task_files
+
+    path = tmp_path / "interrupting.py"
+    path.write_text(
+        "def rows(split):\n    return [{'question': 'q'}]\n\ndef score(c, r):\n    raise KeyboardInterrupt\n"
+    )
+    kind, said = task_files._run_one((str(path), "score", "text", {"question": "q"}))
+    assert kind == "raised" and "KeyboardInterrupt" in said
+    with pytest.raises(BadInput, match=r"BertLMHeadModel \(bert\) keeps no decoder layers at model.model.layers"):
+        memory.parameter_counts(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=50))
+    (tmp_path / "model").mkdir()
+    with pytest.raises(BadInput, match=r"no \*.safetensors file.*pass one with --model PATH"):
+        checks.check_checkpoint_files(str(tmp_path / "model"), weights_only=True)
