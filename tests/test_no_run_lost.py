@@ -14,11 +14,10 @@ from helpers import one_process, run_script
 from common import checks
 from common.errors import BadInput
 
-# trials of the soak's seed 0, chosen for their spread, each seen to fail on a mutant of what it checks: an error in a
-# task file's score() (its answers compared by math-verify in a helper of the task file's helper) at step 2, with
-# the error's save removed ("lost"); SIGTERM to the group during an update at lag 2, --save-every 2, with the stop's
-# save removed ("lost"); SIGTERM inside a checkpoint's write with LoRA and a task file at lag 2 (SIGKILL and the
-# other moments: the soak)
+# trials of the soak's seed 0, chosen for their spread: an error in a task file's score() (its answers compared by
+# math-verify in a helper of the task file's helper) at step 2, seen to fail ("lost") with the error's save removed;
+# SIGTERM to the group during an update at lag 2, --save-every 2, seen to fail with the stop's save removed; SIGTERM
+# inside a checkpoint's write with LoRA and a task file at lag 2 (SIGKILL and the other moments: the soak)
 CI_TRIALS = [44, 31, 41]
 
 
