@@ -157,7 +157,11 @@ def test_at_lag_k_step_t_trains_on_the_batch_sampled_at_step_t_minus_k(lag, caps
     steps too, batches a longer resumed run trains on), and step t takes the batch sampled at max(0, t − k), with
     what that batch's sampling recorded (sampling/*), not what this step's sampling did. A checkpoint's queue
     continues where it stopped on as many ranks (the batches' metrics kept); on another number it is sampled again."""
-    from common.rollouts import RolloutQueue
+    from common.rollouts import Groups, RolloutQueue
+    from common.tasks import Row
+
+    def batch(step):  # a batch that says which step it was sampled for
+        return Groups([[step]], [Row(f"Q: {step}", "0")], [], [], torch.zeros(1, 1), [])
 
     def sample(queue, step):
         metrics = StepMetrics()
@@ -166,8 +170,8 @@ def test_at_lag_k_step_t_trains_on_the_batch_sampled_at_step_t_minus_k(lag, caps
             batch_metrics.sum("sampling/rollouts", 100 + ahead)
             batch_metrics.max("sampling/longest", ahead)
             sampled.append((step, ahead))
-            queue.put(ahead, f"batch {ahead}")
-        assert queue.take(step, metrics) == f"batch {step}"
+            queue.put(ahead, batch(ahead))
+        assert queue.take(step, metrics).prompt_ids == [[step]]
         return metrics.reduce()
 
     queue, sampled, logged = RolloutQueue(lag, ONE_PROCESS, 0), [], []
