@@ -256,7 +256,8 @@ def test_a_resumed_run_at_lag_two_draws_and_trains_on_what_an_uninterrupted_one_
     queue a checkpoint holds, scored again under each checkpoint's weights), and a run stopped at step 2 and resumed
     (the queue restored from its checkpoint) logs every metric an uninterrupted one logs. The task is the README's
     task file (the built-in task's rows and rewards) with each row's sum an instance of a class the file defines:
-    the queued rows are pickled in the checkpoint, and the file is imported before they are read back."""
+    a checkpoint keeps the queued rows' questions and answers, not the file's objects, which pickle names by a module
+    whose name depends on the file's path (a resume from another folder could not read them back)."""
     with open(readme_task_file) as f:
         source = "class Gold(int):\n    pass\n\n\n" + f.read().replace('"sum": a + b}', '"sum": Gold(a + b)}')
     assert "Gold(a + b)" in source  # the README's example still builds its rows so
@@ -289,14 +290,12 @@ def test_a_resumed_run_at_lag_two_draws_and_trains_on_what_an_uninterrupted_one_
     from common import flags as common_flags
     from common.batches import make_batch
     from common.checks import read_checkpoint_file
-    from common.task_files import load_task_file
     from common.tiny import load
 
     checkpoints = os.path.join(only_run_dir(tmp_path / "straight"), "checkpoints")
-    load_task_file(str(task))  # its class, for the queued rows (as a script imports it while it checks its flags)
     queued = read_checkpoint_file(os.path.join(checkpoints, "step_00000002"), "rollouts_rank0.pt")["queued"]
     assert [(q.step, q.sampled_at) for q in queued] == [(2, 0), (3, 1)]
-    assert all(type(row.data["sum"]).__name__ == "Gold" for q in queued for row in q.groups.rows)
+    assert all(row.data is None and row.question.startswith("Q: ") for q in queued for row in q.groups.rows)
     args = common_flags.make(grpo.Args, micro_batch_size=8)
     newest = load(os.path.join(checkpoints, "step_00000002"))[0]
     for q, weights in zip(queued, [tiny_dir, os.path.join(checkpoints, "step_00000001")]):
