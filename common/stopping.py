@@ -30,8 +30,6 @@ from common.processes import STOP_SIGNALS
 _UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
 REPEAT_SECONDS = 2.0
 
-# A checkpoint being written, and the signal that asked meanwhile to stop at once (StopSignals defers it)
-
 
 def _say(text: str) -> None:
     """A line on stderr from a signal handler: one write(2) call (print may be mid-write: "reentrant call"), and
