@@ -412,7 +412,7 @@ def find_checkpoint(
         return resume
     if not os.path.isdir(resume):
         raise BadInput(f"--resume {resume}: no such checkpoint or run folder")
-    complete = _complete_checkpoints(resume)
+    complete = complete_checkpoints(resume)
     if not complete:
         raise BadInput(f"--resume {resume}: no complete checkpoint found")
     return complete[-1]
@@ -424,7 +424,7 @@ def _checkpointed_runs(output_dir: str, run_prefix: str):
         f for f in glob.glob(os.path.join(glob.escape(output_dir), glob.escape(run_prefix) + "*")) if os.path.isdir(f)
     ]
     for run in sorted(runs, key=lambda f: _started(f, run_prefix), reverse=True):
-        complete = _complete_checkpoints(run)
+        complete = complete_checkpoints(run)
         if complete:
             yield complete[-1]
 
@@ -456,7 +456,7 @@ def _auto_mismatch(output_dir: str, run_prefix: str, settings: dict, script: str
     return ""
 
 
-def _complete_checkpoints(run: str) -> list[str]:
+def complete_checkpoints(run: str) -> list[str]:
     """A run folder's checkpoints that were written to the end, oldest first."""
     return [c for c in checkpoint_folders(run) if os.path.isfile(os.path.join(c, "trainer_state.pt"))]
 

@@ -179,13 +179,13 @@ def save_finished_steps(error: BaseException) -> None:
     would, where the step under way has not yet changed the weights and no checkpoint holds them already; else say
     what a resume finds. One rank only: a checkpoint of several ranks is a collective, which the others, ended or
     elsewhere, cannot join."""
-    from common.checkpoint import checkpoint_folders, set_rng_state
+    from common.checkpoint import complete_checkpoints, set_rng_state
 
     stop = _RUN.pop("stop", None)
     if stop is None or stop.ended is None or stop.save is None:
         return
     stop._restore()
-    ended, saved = stop.ended, [c for c in checkpoint_folders(stop.run_dir) if _complete(c)]
+    ended, saved = stop.ended, complete_checkpoints(stop.run_dir)
     step, what = ended["step"], f"{type(error).__name__} during step {ended['step'] + 1}"
     if saved and int(os.path.basename(saved[-1]).split("_")[-1]) >= step:
         return
@@ -199,15 +199,11 @@ def save_finished_steps(error: BaseException) -> None:
          f"continues with step {step + 1}")  # fmt: skip
 
 
-def _complete(checkpoint: str) -> bool:
-    return os.path.isfile(os.path.join(checkpoint, "trainer_state.pt"))
-
-
 def _what_a_resume_finds(run_dir: str) -> str:
     """What a second signal leaves to resume: the run's newest checkpoint, or, before its first, nothing."""
-    from common.checkpoint import checkpoint_folders
+    from common.checkpoint import complete_checkpoints
 
-    saved = [c for c in checkpoint_folders(run_dir) if _complete(c)]
+    saved = complete_checkpoints(run_dir)
     if saved:
         return f"--resume {run_dir} continues from {os.path.basename(saved[-1])}, and the steps after it are lost"
     return (
