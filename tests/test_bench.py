@@ -49,6 +49,8 @@ def write_run(run, records, checkpoint_steps=()):
         f.writelines(json.dumps(r) + "\n" for r in records)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"max_new_tokens": 16}, f)
+    with open(os.path.join(folder, bench.RAN_WITH), "w") as f:  # what made it: the bench writes it when a run ends
+        json.dump(run.made_by(), f)
     for step in checkpoint_steps:
         checkpoint = os.path.join(folder, "checkpoints", f"step_{step:08d}")
         os.makedirs(checkpoint)
@@ -422,7 +424,7 @@ def test_a_kept_record_stands_for_its_run_when_the_folder_is_gone(tmp_path, caps
         json.dump({"0": 0.0, "4": 0.125}, f)  # what summarise measured from the checkpoints
     assert bench.summarise(suite, [run])[0]["ran_with"] == "runs at a time not recorded"
     with open(os.path.join(folder, bench.RAN_WITH), "w") as f:  # what run_all writes when the run finishes
-        json.dump({"runs_at_a_time": 1, "threads": 2}, f)
+        json.dump({"runs_at_a_time": 1, "threads": 2, **run.made_by(), "machine": "a test machine"}, f)
     before = bench.summarise(suite, [run])
     assert before[0]["ran_with"] == "1 runs at a time, 2 thread(s) each"
     run.keep_record(folder)
@@ -447,6 +449,74 @@ def test_a_kept_record_stands_for_its_run_when_the_folder_is_gone(tmp_path, caps
     open(os.path.join(record, "metrics.jsonl.gz"), "wb").write(data[: len(data) // 2])
     assert run.finished_folder() is None
     assert "metrics.jsonl.gz is damaged" in capsys.readouterr().err
+
+
+def test_a_record_made_by_an_edited_algorithm_file_or_other_weights_is_not_reused(tmp_path, monkeypatch, capsys):
+    """A run's name holds its algorithm file's digest: after a one-line edit the kept record no longer stands for the
+    run, and the bench runs it again. A record copied under today's name but made by another file, from other
+    weights, or saying nothing of what made it, is not counted either, and the bench says why."""
+    algorithms = tmp_path / "algorithms"
+    algorithms.mkdir()
+    shutil.copy(os.path.join(bench.ALGORITHMS, "grpo.py"), algorithms / "grpo.py")
+    monkeypatch.setattr(bench, "ALGORITHMS", str(algorithms))
+    records_dir = str(tmp_path / "records")
+    run = bench.Run(GRPO, 1, 4, (), str(tmp_path / "runs"), records_dir=records_dir)
+    run.keep_record(write_run(run, records(4, 0.75)))
+    shutil.rmtree(tmp_path / "runs")
+    assert run.finished_folder() is not None
+    with open(algorithms / "grpo.py", "a") as f:
+        f.write("# a one-line edit\n")
+    edited = bench.Run(GRPO, 1, 4, (), str(tmp_path / "runs"), records_dir=records_dir)
+    assert edited.exp_name != run.exp_name and edited.finished_folder() is None
+    assert "0 of 1 runs already finished" in _planned_only(edited, capsys)
+    # today's name, another file's digest / another model's weights / no record of either: not counted
+    record = write_run(edited, records(4, 0.75))
+    for made, why in [
+        ({"algorithm": run.algorithm, "model": edited.made_by()["model"]}, "grpo.py has changed since"),
+        ({"algorithm": edited.algorithm, "model": "0123456789abcdef"}, "it started from other weights"),
+        ({}, "it does not record the code that made it"),
+    ]:
+        with open(os.path.join(record, bench.RAN_WITH), "w") as f:
+            json.dump(made, f)
+        assert edited.finished_folder() is None
+        assert why in edited.stale_attempts()[0]
+
+
+def _planned_only(run, capsys):
+    """What run_all says of `run` before it starts anything (it is stopped at its first launch)."""
+    with pytest.raises(RuntimeError), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench, "start_program", lambda *a: (_ for _ in ()).throw(RuntimeError("not here")))
+        bench.run_all([run], jobs=1, output_dir=run.output_dir)
+    return capsys.readouterr().out
+
+
+def test_a_redraw_never_publishes_less_than_what_was_published(tmp_path, monkeypatch):
+    """--plot-only where a run of the suite has no finished run made by today's code (a fresh clone after an edit;
+    --output-dir at a new place) leaves the published page and the README as they were, and draws what there is
+    under --output-dir; with every run there, it publishes."""
+    published = tmp_path / "published"
+    (published / "records").mkdir(parents=True)
+    page = "# Demo\n<!-- bench:demo -->\nthe published table\n<!-- /bench:demo -->\n"
+    (published / "demo.md").write_text(page)
+    monkeypatch.setattr(bench, "PUBLISHED", str(published))
+    p3o = bench.Config("P3O", "p3o")
+    suite = bench.Suite("demo", "demo", [GRPO, p3o], [bench.Panel("charts/reward", "reward")], steps=4)
+    monkeypatch.setitem(bench.SUITES, "demo", suite)
+    output_dir = tmp_path / "runs"
+    args = bench.BenchArgs(suites=("demo",), seeds=None, output_dir=str(output_dir), plot_only=True)
+    done = [
+        bench.Run(c, s, 4, c.flags, str(output_dir), records_dir=str(published / "records"))
+        for c in [GRPO, p3o]
+        for s in (1, 2, 3)
+    ]
+    for run in done[:-1]:  # P3O's seed 3 has not finished
+        write_run(run, records(4, 0.75))
+    assert bench.main(args) == 0
+    assert (published / "demo.md").read_text() == page and not (published / "demo.json").exists()
+    assert "| P3O (n = 2) |" in (output_dir / "results" / "demo.md").read_text()
+    write_run(done[-1], records(4, 0.75))
+    assert bench.main(args) == 0
+    assert "| P3O |" in (published / "demo.md").read_text() and (published / "demo.json").exists()
 
 
 def test_a_record_is_kept_whole_or_not_at_all(tmp_path, monkeypatch):

@@ -21,7 +21,11 @@ finished runs are kept, unfinished ones continue from their last checkpoint (--r
 in parallel, one thread each: on two cores, two one-thread runs take about as long as one run on two.
 A finished run is also kept beside the results, in <results-dir>/records/ (its metrics, gzipped: about
 10 KB a run): the published records come with a clone, so it redraws the tables and plots and goes on
-with a suite where an earlier machine stopped, without redoing a run.
+with a suite where an earlier machine stopped, without redoing a run. A run is named after its algorithm file's
+digest too, and records the digest of the weights it started from and the machine: after an edit of the file, or on
+a machine whose built-in model differs, its runs are run again, never reused; each table says the machines its rows
+ran on. A redraw (--plot-only; another --output-dir) where a run has no finished run made by today's code leaves the
+published results as they are and draws what it has under --output-dir.
 
 For each suite, --results-dir gets <suite>.png (mean over seeds, shaded from the lowest to the highest
 seed), <suite>.md (a table of final accuracy ± std over seeds and seconds per step, with the date,
@@ -43,6 +47,7 @@ import collections
 import dataclasses
 import datetime
 import fcntl
+import functools
 import glob
 import gzip
 import hashlib
@@ -104,9 +109,47 @@ def task_of(flags: tuple[str, ...]) -> str:
     return flags[flags.index("--task") + 1] if "--task" in flags else "arith"
 
 
+def model_of(flags: tuple[str, ...]) -> str:
+    """The --model these flags give a script (its default: the built-in model of the task)."""
+    return flags[flags.index("--model") + 1] if "--model" in flags else "tiny"
+
+
 # a stopped bench's runs each finish their step and its checkpoint within this many seconds, or are killed
 RUN_STOP_SECONDS = 300.0
-RAN_WITH = "bench_ran_with.json"  # in a finished run's folder: how many runs shared the cores, and its threads
+# in a finished run's folder and its record: how many runs shared the cores and its threads, and what made it (the
+# algorithm file's and the model's digests, the machine; Run.made_by)
+RAN_WITH = "bench_ran_with.json"
+ALGORITHMS = os.path.join(REPO, "algorithms")
+
+
+def file_digest(*paths: str) -> str:
+    """The SHA-256 of the files' contents, in order (16 hex digits)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()[:16]
+
+
+def model_digest(name: str, task: str) -> str | None:
+    """The digest of the weights a run starts from: the built-in model's (`tiny`, `tiny-moe`: built on each machine,
+    and its weights differ by processor) or a local model folder's; a hub model's name; None where a built-in or
+    local model is not here (not built yet)."""
+    from common.tiny import WARM_STARTS, cache_dir
+
+    path = name
+    if name in ("tiny", "tiny-moe"):
+        path = cache_dir(task if task in WARM_STARTS else "arith", moe=name == "tiny-moe")
+    elif not os.path.exists(name):
+        return name  # a hub model: its name is all a run can record
+    weights = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    # read once per version of the files (a table asks for each run, again and again)
+    return _weights_digest(tuple((w, os.stat(w).st_mtime_ns, os.stat(w).st_size) for w in weights)) if weights else None
+
+
+@functools.lru_cache(maxsize=None)
+def _weights_digest(files: tuple[tuple[str, int, int], ...]) -> str:
+    return file_digest(*(path for path, _, _ in files))
 
 
 @dataclass
@@ -118,12 +161,16 @@ class Run:
     output_dir: str
     checkpoints: int = 3  # at most, the last at the end (the suite's)
     records_dir: str | None = None  # where finished runs are kept beside the results (keep_record); None: nowhere
+    algorithm: str = ""  # the digest of the algorithm file, as the bench found it when it planned the run
+
+    def __post_init__(self):
+        self.algorithm = self.algorithm or file_digest(os.path.join(ALGORITHMS, self.config.script + ".py"))
 
     @property
     def exp_name(self) -> str:
-        # what the run computes, as far as flags say: after editing an algorithm file, delete its runs and
-        # their kept records (or use another --output-dir and --results-dir), or the bench reuses them as they are
-        identity = json.dumps([self.config.script, self.steps, list(self.flags)])
+        # what the run computes: its script's code (an edited algorithm file makes new runs, and its earlier runs and
+        # records are not reused), its length and flags; the model it started from is in its RAN_WITH file (stale)
+        identity = json.dumps([self.config.script, self.algorithm, self.steps, list(self.flags)])
         return f"{self.config.script}-{hashlib.sha1(identity.encode()).hexdigest()[:10]}"
 
     @property
@@ -137,18 +184,56 @@ class Run:
             return []
         return sorted(os.path.join(root, d) for d in os.listdir(root) if d.startswith(self.prefix))
 
+    def made_by(self) -> dict:
+        """What makes this run's numbers besides its flags: the digest of its algorithm file and of the weights it
+        starts from (None: the model is not built here yet)."""
+        return {"algorithm": self.algorithm, "model": model_digest(model_of(self.flags), task_of(self.flags))}
+
+    def stale(self, folder: str) -> str | None:
+        """Why a finished attempt does not stand for this run (it started from other weights than this machine's,
+        or it did not record what made it), or None. Where the model is not built here, the weights are not
+        compared."""
+        made, today = made_by(folder), self.made_by()
+        if "algorithm" not in made:
+            return "it does not record the code that made it"
+        if made["algorithm"] != today["algorithm"]:  # (its name holds the digest: a record copied by hand)
+            return f"algorithms/{self.config.script}.py has changed since"
+        if today["model"] is not None and made.get("model") != today["model"]:
+            return f"it started from other weights ({made.get('model')}, here {today['model']})"
+        return None
+
     def finished_folder(self) -> str | None:
-        """The newest finished attempt of this run: its folder under --output-dir, else its kept record."""
+        """The newest finished attempt of this run made by today's algorithm file and model: its folder under
+        --output-dir, else its kept record."""
         kept = self.folders(self.records_dir) if self.records_dir else []
         for folder in [*reversed(self.folders()), *reversed(kept)]:
+            finished = final_record(read_metrics(os.path.join(folder, "metrics.jsonl")), self.steps) is not None
+            if finished and self.stale(folder) is None:
+                return folder
+        return None
+
+    def newest_finished(self) -> str | None:
+        """The newest attempt under --output-dir that finished, whatever made it (the run that just ended)."""
+        for folder in reversed(self.folders()):
             if final_record(read_metrics(os.path.join(folder, "metrics.jsonl")), self.steps) is not None:
                 return folder
         return None
 
+    def stale_attempts(self) -> list[str]:
+        """The finished attempts of this run that no longer count, each with why (for the bench to say so)."""
+        kept = self.folders(self.records_dir) if self.records_dir else []
+        return [
+            f"{folder}: {why}"
+            for folder in [*self.folders(), *kept]
+            if final_record(read_metrics(os.path.join(folder, "metrics.jsonl")), self.steps) is not None
+            and (why := self.stale(folder))
+        ]
+
     def keep_record(self, folder: str) -> None:
         """Keep a finished run beside the results: its metrics (gzipped) and its KL-drift cache, all that the
         tables and plots read. The results can then be redrawn, and the run is not redone, where its folder
-        is gone (a fresh clone; runs/ cleaned). After editing an algorithm file, delete its records too."""
+        is gone (a fresh clone; runs/ cleaned). A record stands for its run only as long as it was made by today's
+        algorithm file and model (stale)."""
         if not self.records_dir or os.path.dirname(os.path.abspath(folder)) == os.path.abspath(self.records_dir):
             return
         kept = os.path.join(self.records_dir, os.path.basename(folder))
@@ -173,7 +258,9 @@ class Run:
             c for folder in self.folders() for c in glob.glob(os.path.join(folder, "checkpoints", "step_*[0-9]"))
         ]
         resume = any(os.path.isfile(os.path.join(c, "trainer_state.pt")) for c in checkpoints)
-        if not resume:  # nothing to continue from: start clean
+        if self.newest_finished() is not None:  # finished, yet to be run again (stale): a new folder, the old kept
+            resume = False
+        elif not resume:  # nothing to continue from: start clean
             for folder in self.folders():
                 shutil.rmtree(folder)
         save_every = math.ceil(self.steps / self.checkpoints)  # the last at the end: the KL-drift points
@@ -244,10 +331,11 @@ def _run_all(runs: list[Run], jobs: int) -> list[str]:
                     continue
                 running.remove(entry)
                 done += 1
-                folder = run.finished_folder() if process.returncode == 0 else None
+                folder = run.newest_finished() if process.returncode == 0 else None
                 if folder:  # kept at once: a bench cut off later keeps this run
+                    made_by = {**run.made_by(), "machine": machine()}
                     with open(os.path.join(folder, RAN_WITH), "w") as f:  # what its seconds per step ran beside
-                        json.dump({"runs_at_a_time": jobs, "threads": threads}, f)
+                        json.dump({"runs_at_a_time": jobs, "threads": threads, **made_by}, f)
                     run.keep_record(folder)
                 status = "done" if folder else f"FAILED (log: {log_path})"
                 if status != "done":
@@ -258,7 +346,7 @@ def _run_all(runs: list[Run], jobs: int) -> list[str]:
                     flush=True,
                 )
     finally:  # interrupted (Ctrl-C): each run saves its step and stops; they resume from their checkpoints next time
-        stop_programs([process for _, process, _, _ in running], RUN_STOP_SECONDS)
+        stop_programs([entry[1] for entry in running], RUN_STOP_SECONDS)
     return failures
 
 
@@ -347,16 +435,24 @@ def read_metrics(path: str) -> list[dict]:
     return records
 
 
+def made_by(folder: str) -> dict:
+    """A finished run's RAN_WITH file: how it shared the machine, and the code, model and machine that made it ({}
+    where it has none)."""
+    try:
+        with open(os.path.join(folder, RAN_WITH)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def ran_with(folders: list[str]) -> str:
     """How the runs in these folders shared the machine, as the table's header says it; "not recorded" for runs
     that finished before the bench kept it."""
     said = set()
-    for folder in folders:
-        try:
-            with open(os.path.join(folder, RAN_WITH)) as f:
-                ran = json.load(f)
+    for ran in map(made_by, folders):
+        if "runs_at_a_time" in ran and "threads" in ran:
             said.add(f"{ran['runs_at_a_time']} runs at a time, {ran['threads']} thread(s) each")
-        except (OSError, ValueError, KeyError):
+        else:
             said.add("runs at a time not recorded")
     return " and ".join(sorted(said))  # seeds of one row that ran differently
 
@@ -422,6 +518,7 @@ def summarise(suite: Suite, runs: list[Run]) -> list[dict]:
             "seeds": len(folders),
             "finished": max(finished_at(folder) for folder in folders),
             "ran_with": ran_with(folders),
+            "machines": sorted({made_by(folder).get("machine", "a machine not recorded") for folder in folders}),
         }
         for key, name in [("eval/greedy_accuracy", "greedy"), ("eval/avg@4", "avg@4"), ("eval/pass@4", "pass@4")]:
             row[name], row[name + "_std"] = mean_std([f.get(key) for f in final])
@@ -562,7 +659,8 @@ def write_table(suite: Suite, rows: list[dict], seeds, command: str, path: str, 
             f"{extra} {row['s_per_step']:.2f} | {row['rollout_s']:.2f} | {row['train_s']:.2f} "
             f"| {row['rollouts_per_step']:.0f} |"
         )
-    lines += ["", f"Run {date} on {machine()}; command: `{command}`."]
+    machines = sorted({m for row in rows for m in row.get("machines", ["a machine not recorded"])})
+    lines += ["", f"Run {date} on {'; '.join(machines)}; command: `{command}`."]
     table = "\n".join(lines) + "\n"
     if _marked(path, suite.name):
         replace_between_markers(path, suite.name, table)  # a page with broken markers is kept as it is (a warning)
@@ -747,6 +845,13 @@ def main(args: BenchArgs) -> int:
         for name in planned:  # what a suite's runs need, before any starts (the long-response suite's model)
             if SUITES[name].prepare:
                 SUITES[name].prepare()
+        from common.tiny import resolve_model
+
+        # the built-in models, built before any run is judged finished: a kept record counts where it started from
+        # this machine's weights (Run.stale)
+        for model, task in {(model_of(r.flags), task_of(r.flags)) for runs in planned.values() for r in runs}:
+            if model in ("tiny", "tiny-moe"):
+                resolve_model(model, task)
         unique = {}  # a run two suites share runs once (under the first suite's label)
         for run in (r for runs in planned.values() for r in runs):
             unique.setdefault((run.exp_name, run.seed), run)
@@ -762,9 +867,22 @@ def main(args: BenchArgs) -> int:
         for run in runs:  # what ran before records were kept, and the KL drift summarise measured
             if folder := run.finished_folder():
                 run.keep_record(folder)
+        for stale in (line for run in runs for line in run.stale_attempts()):
+            print(f"{name}: not counted: {stale}", file=sys.stderr)
         if not rows:
             print(f"{name}: no finished run to summarise", file=sys.stderr)
             continue
+        suite_dir = results_dir
+        missing = [f"{run.config.label} seed {run.seed}" for run in runs if run.finished_folder() is None]
+        if missing and results_dir == PUBLISHED:  # a redraw never publishes less than a complete run did
+            suite_dir = os.path.join(output_dir, "results")
+            os.makedirs(suite_dir, exist_ok=True)
+            print(
+                f"{name}: {len(missing)} of {len(runs)} runs have no finished run made by today's code and model "
+                f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): the published results are kept, "
+                f"and these go to {suite_dir}",
+                file=sys.stderr,
+            )
         # the command that makes these runs, whatever this invocation was (--plot-only, several suites)
         command = " ".join(
             [
@@ -777,15 +895,15 @@ def main(args: BenchArgs) -> int:
             ]
         )
         date = datetime.date.fromtimestamp(max(row["finished"] for row in rows)).isoformat()  # of the runs
-        table_path = os.path.join(results_dir, f"{name}.md")
+        table_path = os.path.join(suite_dir, f"{name}.md")
         table = write_table(suite, rows, seeds, command, table_path, date)
-        with open(os.path.join(results_dir, f"{name}.json"), "w") as f:
+        with open(os.path.join(suite_dir, f"{name}.json"), "w") as f:
             json.dump({"suite": name, "steps": suite.steps, "seeds": seeds, "rows": rows}, f, indent=1)
         for figure_name, panels in {name: suite.panels, **suite.extra_figures}.items():
-            plot(suite, runs, panels, os.path.join(results_dir, f"{figure_name}.png"))
+            plot(suite, runs, panels, os.path.join(suite_dir, f"{figure_name}.png"))
         print(f"{name}: {table_path} and {name}.png\n{table}")
         if (
-            results_dir == PUBLISHED
+            suite_dir == PUBLISHED
             and complete
             and replace_between_markers(os.path.join(REPO, "README.md"), name, table)
         ):
