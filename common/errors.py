@@ -17,6 +17,12 @@ class BadInput(ValueError):
 
 
 WHEN_A_RUN_FAILS = []  # what to do with an error before it ends a command (common/stopping.py adds the run's save)
+# flags a script had and has no more, with what replaced them: named before the command line is parsed (the parser
+# would say "Unrecognized options" and no more)
+RETIRED_FLAGS = {
+    "--sync-every": "p3o.py's --sync-every k (weights pushed every k steps) became --rollout-lag in every script: "
+    "each step trains on rollouts sampled that many steps earlier (common/rollouts.py)",
+}
 
 
 @contextlib.contextmanager
@@ -24,6 +30,9 @@ def clear_errors():
     """Within the context, a BadInput ends the program with its message and exit code 2. Any error first goes to
     WHEN_A_RUN_FAILS (a run's StopSignals checkpoints the steps it finished, where it can: common/stopping.py)."""
     try:
+        retired = [flag for flag in RETIRED_FLAGS if any(a.split("=")[0] == flag for a in sys.argv[1:])]
+        if retired:
+            raise BadInput(f"{retired[0]} is no longer a flag: {RETIRED_FLAGS[retired[0]]}")
         yield
     except BadInput as error:
         for then in WHEN_A_RUN_FAILS:

@@ -251,6 +251,14 @@ def test_the_command_prints_one_line_per_problem_and_no_traceback(name, tmp_path
     assert "--max-grad-norm must be > 0" in result.stderr and not os.listdir(tmp_path)
 
 
+def test_a_retired_flag_names_what_replaced_it():
+    """p3o.py's --sync-every became --rollout-lag: the command says so (the parser alone says "Unrecognized")."""
+    result = run_script("algorithms/p3o.py", "--sync-every=2", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "error: --sync-every is no longer a flag: p3o.py's --sync-every k" in result.stderr
+    assert "became --rollout-lag" in result.stderr
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

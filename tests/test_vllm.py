@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import only_run_dir, read_jsonl, run_script, torchrun
+from helpers import assert_same_run, only_run_dir, read_jsonl, run_script, torchrun
 
 from common import fsdp
 from common.engines import VLLMEngine, make_engine, vllm_available
@@ -104,6 +104,18 @@ def test_sampled_logprobs_match_the_trainer(tiny, tiny_dir, engines):
     assert any("1" in text for text in texts)
     for text, completion in zip(texts, stopped):
         assert "1" not in text or (text.index("1") == len(text) - 1 and completion.finish_reason == "stop"), text
+
+
+def test_vllm_samples_from_torchs_random_stream(tiny_dir, engines):
+    """What vLLM samples is a function of torch's random state (what a checkpoint saves and a resume restores),
+    whatever the engine sampled before: a resumed vLLM run samples what the uninterrupted one did."""
+    engine = engines(tiny_dir)
+    prompts = [[5, 6, 7]] * 4  # not a question of the built-in task: the model's next tokens are far from certain
+    torch.manual_seed(3)
+    first = [c.token_ids for c in engine.generate(prompts, 2, 8, 1.0, ignore_eos=True)]
+    engine.generate(prompts, 2, 8, 1.0)  # the engine has sampled since
+    torch.manual_seed(3)
+    assert [c.token_ids for c in engine.generate(prompts, 2, 8, 1.0, ignore_eos=True)] == first
 
 
 @pytest.mark.slow
@@ -288,17 +300,24 @@ def test_a_missing_vllm_says_how_to_install_it(monkeypatch, tiny_dir):
 @pytest.mark.slow
 def test_grpo_with_vllm_end_to_end(tmp_path):
     """Three steps and two evaluations on vLLM. The held-out file has prompts longer than --max-prompt-tokens:
-    they are left out as in training (the engine's context, prompt + --max-new-tokens, has no room for them)."""
+    they are left out as in training (the engine's context, prompt + --max-new-tokens, has no room for them).
+    Resumed from its step-1 checkpoint, the run logs the same numbers at steps 2 and 3: vLLM samples from torch's
+    generator, which the checkpoint restores after the engine's start reseeded it, and the step-0 evaluation
+    (not repeated by the resume) leaves as it found it."""
     held_out = tmp_path / "held_out.jsonl"
     rows = [{"question": f"Q: {a}+{b}=", "answer": str(a + b)} for a, b in zip(range(10, 40), range(50, 80))]
     rows[3:3] = [{"question": "Q: " + "1+" * 100 + "1=", "answer": "101"}] * 2  # 295 tokens formatted, the others 99
     held_out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     # float32 on both sides, also on a GPU (where the engine's default is bfloat16): the bound below is theirs
-    run_script(
+    flags = [
         "algorithms/grpo.py",
         "--rollout-engine",
         "vllm",
         "--steps",
+        3,
+        "--save-every",
+        1,
+        "--keep-checkpoints",
         3,
         "--eval-every",
         3,
@@ -316,14 +335,18 @@ def test_grpo_with_vllm_end_to_end(tmp_path):
         "float32",
         "--output-dir",
         tmp_path / "runs",
-    )
-    records = read_jsonl(os.path.join(only_run_dir(tmp_path / "runs"), "metrics.jsonl"))
+    ]
+    run_script(*flags)
+    run_dir = only_run_dir(tmp_path / "runs")
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert "eval/greedy_accuracy" in records[0] and "eval/greedy_accuracy" in records[-1]
     for record in records[1:]:
         assert record["mismatch/max_abs_logprob_diff"] < 1e-3  # engine and trainer agree after every push
         assert record["time/weight_sync"] > 0
     assert records[-1]["losses/ratio_max"] != 1.0 or records[-1]["losses/ratio_min"] != 1.0
+    run_script(*flags, "--resume", os.path.join(run_dir, "checkpoints", "step_00000001"))
+    assert_same_run(records, read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
 
 
 @pytest.mark.slow
