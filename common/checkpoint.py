@@ -241,7 +241,20 @@ def locked_run_folder(name: str, args, dist) -> tuple[str, str | None]:
         if dist.is_main:
             print("resuming with the run's own " + ", ".join(f"--{n.replace('_', '-')} {v}" for n, v in kept.items())
                   + " (give a flag to change it)", file=sys.stderr)  # fmt: skip
+    changed = changed_on_resume(flat(args), _settings_of(checkpoint)) if checkpoint else []
+    if changed and dist.is_main:  # allowed, never silent: P3O's --ess-scope micro-batch reads --micro-batch-size
+        print(f"resuming with {', '.join(changed)}: from here on the run continues with the new value", file=sys.stderr)
     return folder, checkpoint
+
+
+def changed_on_resume(settings: dict, saved: dict) -> list[str]:
+    """The flags a resume may change (checks.RESUME_MAY_CHANGE) that this command changes, each as "--flag <now's>
+    (the run: <its>)"."""
+    from common.checks import RESUME_MAY_CHANGE
+
+    names = sorted(RESUME_MAY_CHANGE - {"resume", "output_dir", "model"})
+    differ = [n for n in names if n in settings and n in saved and settings[n] != saved[n]]
+    return [f"--{n.replace('_', '-')} {settings[n]} (the run: {saved[n]})" for n in differ]
 
 
 def script_of(args) -> str:

@@ -41,6 +41,17 @@ def test_a_resume_keeps_the_runs_length_and_cadences_unless_given():
     assert "steps" not in checks.kept_from_the_run(settings, saved, defaults, [])
 
 
+def test_a_resume_that_changes_a_flag_it_may_change_says_so():
+    """--micro-batch-size may change on a resume (memory alone, except in P3O's --ess-scope micro-batch, whose loss
+    reads it): never silently."""
+    from common.checkpoint import changed_on_resume
+
+    saved = {"micro_batch_size": 8, "steps": 12, "lr": 1e-4, "resume": None, "model": "tiny"}
+    settings = dict(saved, micro_batch_size=4, resume="x", model="/models/tiny")
+    assert changed_on_resume(settings, saved) == ["--micro-batch-size 4 (the run: 8)"]
+    assert changed_on_resume(saved, saved) == []
+
+
 def test_a_checkpoint_that_lacks_a_file_its_run_wrote_is_damaged(tmp_path):
     """A deleted rng_rank0.pt or rollouts_rank0.pt went unnoticed: the resume exited 0 and differed from the run."""
     from test_flags import _saved_run
