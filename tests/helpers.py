@@ -1,6 +1,7 @@
 """What the tests share: runners for the scripts (one process or torchrun), the rollouts the brute-force
 tests use, the metrics every script logs, and assertions on checkpoints and run folders."""
 
+import glob
 import json
 import os
 import subprocess
@@ -8,7 +9,12 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
-ALGORITHMS = ["grpo", "ema_kpo", "p3o", "gtpo", "isopo", "tis_icepop"]
+# every script of algorithms/, grpo.py (the baseline) first: a new fork gets every per-script test without being named
+ALGORITHMS = ["grpo"] + sorted(
+    os.path.basename(path)[: -len(".py")]
+    for path in glob.glob(os.path.join(REPO, "algorithms", "[!_]*.py"))
+    if os.path.basename(path) != "grpo.py"
+)
 
 
 def one_process():

@@ -490,6 +490,15 @@ def _planned_only(run, capsys):
     return capsys.readouterr().out
 
 
+def test_list_names_each_run_and_its_command_and_runs_nothing(tmp_path, capsys):
+    args = bench.BenchArgs(suites=("lag",), output_dir=str(tmp_path / "runs"), list=True)
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"lag: {len(bench.SUITES['lag'].configs) * 3} runs, 60 steps\n")
+    assert "  lag 1 · P3O, seed 2 (to run): python algorithms/p3o.py --rollout-lag 1" in out
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_redraw_never_publishes_less_than_what_was_published(tmp_path, monkeypatch):
     """--plot-only where a run of the suite has no finished run made by today's code (a fresh clone after an edit;
     --output-dir at a new place) leaves the published page and the README as they were, and draws what there is

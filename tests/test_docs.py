@@ -36,6 +36,7 @@ MAX_DIFF = {
 # ntk_reg of the blocks that train; the clip flags refused with one update per batch (grpo.py's 4 lines, the ratio-level
 # flag grpo.py's alone: ema_kpo + 4, which needs several updates anyway, isopo + 4, gtpo and tis_icepop + 2); stop 64:
 # method flags refused where their variant ignores them (isopo + 4: --reg-form, --ema-decay at λ = 0)
+NEW_FORK_DIFF = 400  # a fork not in MAX_DIFF (a user's new method): its docstring, flags and ALGO LOGIC sections
 
 
 def _read(path):
@@ -67,7 +68,8 @@ def test_docstring_main_and_closing_notes(path):
     closing = source[source.index('if __name__ == "__main__":') :]
     assert "# Paper scale" in closing
     if not path.endswith("grpo.py"):  # the baseline has no authors' code to differ from
-        assert re.search(r"# Differences from the (authors'|frameworks') code", closing, re.I)
+        differences = r"# Differences from the (authors'|frameworks') code|# The authors published no code"
+        assert re.search(differences, closing, re.I), "the closing notes: differences from the authors' code, or none"
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=os.path.basename)
@@ -109,11 +111,6 @@ def test_markers_are_balanced(path):
     assert re.search(r"^# END TRY NOT TO MODIFY", source, re.M)
 
 
-def test_every_script_is_tested():
-    """tests/helpers.py's ALGORITHMS parametrizes the checks every script gets: it must name every file."""
-    assert sorted(ALGORITHMS) == sorted(os.path.basename(p)[: -len(".py")] for p in SCRIPTS)
-
-
 @pytest.mark.parametrize("name", [name for name in ALGORITHMS if name != "grpo"])
 def test_a_fork_is_grpo_plus_its_method(name):
     """The code of a fork (everything above the closing notes, whose paper-scale command, memory budget and
@@ -125,7 +122,7 @@ def test_a_fork_is_grpo_plus_its_method(name):
         for line in difflib.unified_diff(*code, lineterm="", n=0)
         if line[:1] in "+-" and not line.startswith(("+++", "---"))
     )
-    assert changed <= MAX_DIFF[name], f"{name}.py differs from grpo.py in {changed} lines"
+    assert changed <= MAX_DIFF.get(name, NEW_FORK_DIFF), f"{name}.py differs from grpo.py in {changed} lines"
 
 
 def test_the_repository_stands_alone():

@@ -4,7 +4,7 @@
     ./run.sh bench --quick         # every method, 1 seed, 8 steps: a few minutes
     ./run.sh bench ema_kpo p3o     # paper-claim experiments (ema_kpo, p3o, tis_icepop, gtpo, isopo)
     ./run.sh bench all             # the benchmark and every experiment
-    ./run.sh bench isopo --plot-only   # redraw from the runs already there
+    ./run.sh bench isopo --plot-only   # redraw from the runs already there (--list: the runs, none run)
     ./run.sh bench stress_search   # GRPO alone on the reasoning task, in each setting searched for a failure
     ./run.sh bench stress          # each method in the stress setting of its claim, beside GRPO there
     ./run.sh bench fp16            # the train-inference mismatch of fp32 / bf16 / fp16 trainers and engines
@@ -251,8 +251,9 @@ class Run:
                 shutil.copy(os.path.join(folder, name), os.path.join(kept, name + ".tmp"))
                 os.replace(os.path.join(kept, name + ".tmp"), os.path.join(kept, name))
 
-    def command(self) -> list[str]:
-        """The script's command line; continues the newest complete checkpoint of this run if there is one."""
+    def command(self, dry: bool = False) -> list[str]:
+        """The script's command line; continues the newest complete checkpoint of this run if there is one (and
+        removes the run's unfinished folders when none has one, unless `dry`: the command alone)."""
         # what --resume auto would find: step_N folders (a step_N.tmp is a write the kill interrupted)
         checkpoints = [
             c for folder in self.folders() for c in glob.glob(os.path.join(folder, "checkpoints", "step_*[0-9]"))
@@ -260,7 +261,7 @@ class Run:
         resume = any(os.path.isfile(os.path.join(c, "trainer_state.pt")) for c in checkpoints)
         if self.newest_finished() is not None:  # finished, yet to be run again (stale): a new folder, the old kept
             resume = False
-        elif not resume:  # nothing to continue from: start clean
+        elif not resume and not dry:  # nothing to continue from: start clean
             for folder in self.folders():
                 shutil.rmtree(folder)
         save_every = math.ceil(self.steps / self.checkpoints)  # the last at the end: the KL-drift points
@@ -802,6 +803,9 @@ class BenchArgs:
     run; <output-dir>/results with --quick, --only, --seeds or --steps)"""
     plot_only: bool = False
     """draw plots and tables from the runs already there, run nothing"""
+    list: bool = False
+    """list each suite's runs (its label, seed, command and whether a finished run of today's code stands for it),
+    run nothing"""
 
 
 PUBLISHED = os.path.join(REPO, "common", "bench", "results")  # the results the README shows
@@ -840,6 +844,15 @@ def main(args: BenchArgs) -> int:
             f"--only {' '.join(args.only)}: no such config in {', '.join(names)} (labels: "
             f"{', '.join(c.label for n in names for c in SUITES[n].configs)})"
         )
+    if args.list:
+        for name, runs in planned.items():
+            print(f"{name}: {len(runs)} runs, {runs[0].steps} steps")
+            for run in runs:
+                state = "finished" if run.finished_folder() else "to run"
+                script, *flags = run.command(dry=True)[1:]
+                command = " ".join(["python", os.path.relpath(script, REPO), *flags])
+                print(f"  {run.config.label}, seed {run.seed} ({state}): {command}")
+        return 0
     failures = []
     if not args.plot_only:
         for name in planned:  # what a suite's runs need, before any starts (the long-response suite's model)
