@@ -44,7 +44,7 @@ inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts
 tokens. GSPO's s_i averages log ρ over the policy's tokens only.
 
 Run it
-  python algorithms/grpo.py                      # the built-in task on a CPU, about two minutes
+  python algorithms/grpo.py                      # the built-in task on a CPU, 2-4 minutes
   python algorithms/grpo.py --help               # every flag, with its default
   python algorithms/grpo.py --resume auto        # continue the newest run of this task/name/seed
   python algorithms/grpo.py --dynamic-sampling --overlong-buffer 4   # DAPO
@@ -159,8 +159,10 @@ class Args:
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation; memory only, not the math)"""
 
-    # the groups a method never changes (common/flags.py), each under its own heading in --help;
-    # their flags keep their plain names (--lora-rank 16)
+    # The groups a method never changes (common/flags.py), each under its own heading in --help;
+    # their flags keep their plain names (--lora-rank 16). (Not joined to the first group's line:
+    # --help would print this under every heading.)
+
     task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
     sampling: Group[Sampling] = field(default_factory=Sampling)
     tools: Group[Tools] = field(default_factory=Tools)

@@ -38,7 +38,7 @@ tokens. The conflict spans of §5.1 run along the policy's own tokens, skipping 
 and the entropy filter average the policy's tokens.
 
 Run it
-  python algorithms/gtpo.py                      # the built-in task on a CPU, about two minutes
+  python algorithms/gtpo.py                      # the built-in task on a CPU, 2-4 minutes
   python algorithms/gtpo.py --help               # every flag, with its default
   ./run.sh bench                                 # every method × 3 seeds on the built-in task
   python algorithms/gtpo.py --no-scale-advantages --mask-combine product \\
@@ -167,8 +167,10 @@ class Args:
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation; memory only, not the math)"""
 
-    # the groups a method never changes (common/flags.py), each under its own heading in --help;
-    # their flags keep their plain names (--lora-rank 16)
+    # The groups a method never changes (common/flags.py), each under its own heading in --help;
+    # their flags keep their plain names (--lora-rank 16). (Not joined to the first group's line:
+    # --help would print this under every heading.)
+
     task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
     sampling: Group[Sampling] = field(default_factory=Sampling)
     tools: Group[Tools] = field(default_factory=Tools)

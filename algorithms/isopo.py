@@ -186,8 +186,10 @@ class Args:
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation; memory only, not the math)"""
 
-    # the groups a method never changes (common/flags.py), each under its own heading in --help;
-    # their flags keep their plain names (--lora-rank 16)
+    # The groups a method never changes (common/flags.py), each under its own heading in --help;
+    # their flags keep their plain names (--lora-rank 16). (Not joined to the first group's line:
+    # --help would print this under every heading.)
+
     task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
     sampling: Group[Sampling] = field(default_factory=Sampling)
     tools: Group[Tools] = field(default_factory=Tools)

@@ -157,6 +157,10 @@ def help_text(script, args_class, count_defaults=True):
         assert "--" + field.replace("_", "-") in text, field
     if count_defaults:
         assert text.count("(default") >= len(fields) - 2
+    # no paragraph printed under several headings (a source comment above the groups once was, under all seven)
+    lines = [line.strip("│╭╮╰╯─ ") for line in text.splitlines()]
+    repeated = {line for line in lines if len(line) > 40 and "(default" not in line and lines.count(line) > 1}
+    assert not repeated, repeated
     return text
 
 
