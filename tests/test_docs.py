@@ -6,6 +6,7 @@ import ast
 import difflib
 import glob
 import io
+import math
 import os
 import re
 import subprocess
@@ -192,3 +193,54 @@ def test_the_readme_is_a_map_whose_links_resolve():
     for path in [os.path.join(REPO, "README.md"), *glob.glob(os.path.join(results, "*.md"))]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", _read(path)):
             assert os.path.exists(os.path.join(os.path.dirname(path), target)), f"{path}: broken link {target}"
+
+
+def _documented_commands() -> list[tuple[str, str, list[str]]]:
+    """(where, script name, flags, for a GPU machine) of every `python algorithms/X.py ...` or `torchrun ... algorithms/X.py ...` that a
+    script's docstring or closing notes, or the README, give a reader to run: continuation lines joined, the comment
+    after a command dropped. Placeholders (`...`, `<...>`) and files a reader brings (`--task my_task.py`) are not
+    commands to check."""
+    import shlex
+
+    commands = []
+    for path in [*SCRIPTS, os.path.join(REPO, "README.md")]:
+        text = re.sub(r"\\{1,2}\n#?\s*", " ", _read(path))  # a command continued on the next line (closing notes: "# ")
+        closing = text.find('if __name__ == "__main__":')
+        closing_line = text[:closing].count("\n") + 1 if closing >= 0 else math.inf
+        for number, line in enumerate(text.splitlines(), 1):
+            found = re.search(r"(?:python|torchrun[^\n]*?)\s+algorithms/(\w+)\.py([^`#\n]*)", line)
+            if not found or "..." in line or "<" in found.group(2) or "my_task.py" in line or "my.jsonl" in line:
+                continue
+            flags = shlex.split(found.group(2))
+            if "--help" not in flags:
+                commands.append((f"{os.path.basename(path)}:{number}", found.group(1), flags, number > closing_line))
+    return commands
+
+
+@pytest.mark.parametrize("where, name, flags, on_gpu", [pytest.param(*c, id=c[0]) for c in _documented_commands()])
+def test_every_documented_command_is_accepted(where, name, flags, on_gpu, monkeypatch):
+    """A command the docs give (a recipe, a paper-scale run) parses, and its script's flag checks find no problem
+    (a closing note's DeepSeekMath recipe once was refused at one update per batch). A closing note's command is
+    checked as on the GPU machine it is written for; what a script checks after its flags (a memory estimate from
+    the model's config, which is on the hub) is for that machine to say."""
+    import importlib
+
+    import torch
+    import tyro
+
+    from common import checks, engines
+
+    if on_gpu:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(engines, "vllm_available", lambda: True)
+    found = []
+
+    def refuse(problems):
+        found.extend(problems)
+        raise StopIteration  # the flags are checked: nothing after them
+
+    monkeypatch.setattr(checks, "refuse", refuse)
+    module = importlib.import_module(f"algorithms.{name}")
+    with pytest.raises(StopIteration):
+        module.check_args(tyro.cli(module.Args, args=flags))
+    assert not found, f"{where}: {' '.join(flags)}"
