@@ -196,10 +196,10 @@ def test_the_readme_is_a_map_whose_links_resolve():
 
 
 def _documented_commands() -> list[tuple[str, str, list[str]]]:
-    """(where, script name, flags, for a GPU machine) of every `python algorithms/X.py ...` or `torchrun ... algorithms/X.py ...` that a
-    script's docstring or closing notes, or the README, give a reader to run: continuation lines joined, the comment
-    after a command dropped. Placeholders (`...`, `<...>`) and files a reader brings (`--task my_task.py`) are not
-    commands to check."""
+    """(where, script name, flags, for a GPU machine) of every `python algorithms/X.py ...` or `torchrun ...
+    algorithms/X.py ...` that a script's docstring or closing notes, or the README, give a reader to run:
+    continuation lines joined, the comment after a command dropped. Placeholders (`...`, `<...>`) and files a
+    reader brings (`--task my_task.py`) are not commands to check."""
     import shlex
 
     commands = []
