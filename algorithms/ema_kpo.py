@@ -11,8 +11,10 @@ GRPO's group-normalized advantages):
 
     z_t   = log π_θ(o_t | q, o_<t) − log π_old(o_t | q, o_<t)              (Eq. 1; detached)
     ρ̂_t   = (1 − α_t) ρ̂_t−1 + α_t z_t,  ρ̂_0 = 0,  α_t = K_t (Eqs. 4, 5, 7)   (Eqs. 6, 9)
-    r̃_t   = exp(log π_θ(o_t) − sg(log π_θ(o_t)) + sg(ρ̂_t))   value exp(ρ̂_t), gradient exp(ρ̂_t)·∇log π_θ
-    J(θ)  = 1/N Σ_i 1/|o_i| Σ_t min(r̃_it A_i, clip(r̃_it, 1 − ε_low, 1 + ε_high) A_i)   (ε_low, ε_high: ε−, ε+)
+    r̃_t   = exp(log π_θ(o_t) − sg(log π_θ(o_t)) + sg(ρ̂_t))
+            its value exp(ρ̂_t), its gradient exp(ρ̂_t)·∇log π_θ
+    J(θ)  = 1/N Σ_i 1/|o_i| Σ_t min(r̃_it A_i, clip(r̃_it, 1 − ε_low, 1 + ε_high) A_i)
+            (ε_low, ε_high: the paper's ε−, ε+)
 
 The model behind it: a random walk ρ_t = ρ_t−1 + η (variance Q = 1e-6) observed as
 z_t = ρ_t + ε (variance V = 1) (Eqs. 2-3). The covariance recursion never sees z, so
@@ -649,11 +651,11 @@ if __name__ == "__main__":
 
 
 # Paper scale: the KPO script's setting that EMA-KPO follows, on 8 80 GB GPUs with torchrun (FSDP2)
-#   torchrun --nproc_per_node 8 algorithms/ema_kpo.py --model Qwen/Qwen3-4B-Base --task dapo_math --eval-task aime24 \
-#       --steps 500 --prompts-per-step 32 --group-size 8 --max-new-tokens 4096 --max-prompt-tokens 1024 \
-#       --lr 1e-6 --warmup-steps 100 --weight-decay 0.1 --num-minibatches 4 --micro-batch-size 4 \
-#       --gradient-checkpointing --dtype bfloat16 --vllm-sleep-mode --gpu-memory-utilization 0.5 \
-#       --eval-every 50 --eval-k 16 --track
+#   torchrun --nproc_per_node 8 algorithms/ema_kpo.py --model Qwen/Qwen3-4B-Base --task dapo_math \
+#       --eval-task aime24 --steps 500 --prompts-per-step 32 --group-size 8 --max-new-tokens 4096 \
+#       --max-prompt-tokens 1024 --lr 1e-6 --warmup-steps 100 --weight-decay 0.1 \
+#       --num-minibatches 4 --micro-batch-size 4 --gradient-checkpointing --dtype bfloat16 \
+#       --vllm-sleep-mode --gpu-memory-utilization 0.5 --eval-every 50 --eval-k 16 --track
 # Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 7.5 GiB
 # (16 bytes × 4.02 B parameters / 8), bf16 gathers 1.1, checkpointed activations 8.4
 # (4 × 5,120 tokens, 166 KiB per token per layer), output-layer chunks 0.5, the sleeping

@@ -9,7 +9,7 @@ Objective. For each prompt q, sample a group of G completions o_1..o_G from the 
 score them (r_i = 1 for a correct answer, else 0, plus DAPO's overlong penalty with
 --overlong-buffer), and maximize
 
-    J(θ) = 1/Σ|o_i| · Σ_i Σ_t min(ρ_it A_i, clip(ρ_it, 1−ε_low, 1+ε_high) A_i) − β·KL_k3(π_θ ‖ π_ref)
+    J(θ) = 1/Σ|o_i|·Σ_i Σ_t min(ρ_it A_i, clip(ρ_it, 1−ε_low, 1+ε_high) A_i) − β·KL_k3(π_θ ‖ π_ref)
     ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t)
     A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)     (--no-scale-advantages: no division)
 

@@ -699,10 +699,11 @@ if __name__ == "__main__":
 # torchrun (FSDP2); its other run: --model Qwen/Qwen2.5-3B-Instruct --task math --eval-task math500.
 # The paper trains one prompt per step with LoRA on one GPU; here every weight trains, which needs
 # the 8 GPUs, and each takes one prompt per step (8 in all)
-#   torchrun --nproc_per_node 8 algorithms/gtpo.py --model meta-llama/Llama-3.1-8B-Instruct --task gsm8k \
-#       --eval-task gsm8k --steps 934 --prompts-per-step 8 --group-size 12 --max-new-tokens 1500 --lr 1e-6 \
-#       --max-grad-norm 0.1 --weight-decay 0.1 --entropy-coef 0.1 --micro-batch-size 4 --gradient-checkpointing \
-#       --dtype bfloat16 --vllm-sleep-mode --gpu-memory-utilization 0.5 --eval-every 60 --eval-k 8 --track
+#   torchrun --nproc_per_node 8 algorithms/gtpo.py --model meta-llama/Llama-3.1-8B-Instruct \
+#       --task gsm8k --eval-task gsm8k --steps 934 --prompts-per-step 8 --group-size 12 \
+#       --max-new-tokens 1500 --lr 1e-6 --max-grad-norm 0.1 --weight-decay 0.1 --entropy-coef 0.1 \
+#       --micro-batch-size 4 --gradient-checkpointing --dtype bfloat16 --vllm-sleep-mode \
+#       --gpu-memory-utilization 0.5 --eval-every 60 --eval-k 8 --track
 # Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 15.0 GiB
 # (16 bytes × 8.03 B parameters / 8), bf16 gathers 2.8, checkpointed activations 4.2
 # (4 × 2,012 tokens, 196 KiB per token per layer), output-layer chunks 0.5, the sleeping

@@ -1044,10 +1044,10 @@ if __name__ == "__main__":
 
 
 # Paper scale: the paper's setting (§2.1; the authors' run.sh), Qwen3-0.6B on GSM8K on one GPU
-#   python algorithms/isopo.py --model Qwen/Qwen3-0.6B --task gsm8k --eval-task gsm8k \
-#       --steps 102 --prompts-per-step 128 --group-size 8 --max-prompt-tokens 512 --max-new-tokens 2048 \
-#       --lr 2e-6 --weight-decay 0.01 --num-minibatches 2 --block-size 8 --micro-batch-size 8 --dtype bfloat16 \
-#       --gradient-checkpointing --rollout-engine vllm --vllm-sleep-mode \
+#   python algorithms/isopo.py --model Qwen/Qwen3-0.6B --task gsm8k --eval-task gsm8k --steps 102 \
+#       --prompts-per-step 128 --group-size 8 --max-prompt-tokens 512 --max-new-tokens 2048 \
+#       --lr 2e-6 --weight-decay 0.01 --num-minibatches 2 --block-size 8 --micro-batch-size 8 \
+#       --dtype bfloat16 --gradient-checkpointing --rollout-engine vllm --vllm-sleep-mode \
 #       --eval-every 10 --eval-prompts 1319 --eval-k 1 --log-kl-ref --track
 # (micro-batches of one block: ISOPO keeps full [B, T, vocabulary] logits, whose gradient lm_head's
 # update needs; a micro-batch whose logits cannot fit on the device is refused at start-up).

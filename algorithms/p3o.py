@@ -666,10 +666,11 @@ if __name__ == "__main__":
 # per batch, the authors' DeepScaleR config (dapo_math for DeepScaleR-Preview); add
 # --sampling-temperature 1.2 or --rollout-lag 1 (asynchronous). On 8 80 GB GPUs with torchrun
 # (FSDP2; one vLLM engine per GPU):
-#   torchrun --nproc_per_node 8 algorithms/p3o.py --model Qwen/Qwen3-4B-Thinking-2507 --task dapo_math \
-#       --eval-task aime24 --steps 500 --prompts-per-step 256 --group-size 4 --max-new-tokens 4096 --lr 1e-5 \
-#       --weight-decay 0.01 --max-grad-norm 0.5 --warmup-steps 50 --num-minibatches 1 --micro-batch-size 4 \
-#       --gradient-checkpointing --dtype bfloat16 --rollout-engine vllm --engine-dtype bfloat16 --vllm-sleep-mode \
+#   torchrun --nproc_per_node 8 algorithms/p3o.py --model Qwen/Qwen3-4B-Thinking-2507 \
+#       --task dapo_math --eval-task aime24 --steps 500 --prompts-per-step 256 --group-size 4 \
+#       --max-new-tokens 4096 --lr 1e-5 --weight-decay 0.01 --max-grad-norm 0.5 --warmup-steps 50 \
+#       --num-minibatches 1 --micro-batch-size 4 --gradient-checkpointing --dtype bfloat16 \
+#       --rollout-engine vllm --engine-dtype bfloat16 --vllm-sleep-mode \
 #       --gpu-memory-utilization 0.5 --eval-every 25 --eval-k 16 --track
 # Memory per GPU (`python -m common.memory --gpus 8` with these flags): training state 7.5 GiB
 # (16 bytes × 4.02 B parameters / 8), bf16 gathers 1.1, checkpointed activations 7.6

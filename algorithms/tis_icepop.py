@@ -19,11 +19,11 @@ Objective (survey eq. 3, decoupled into three policies μ, π_old, π_θ; o_i ~ 
     A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)     (--no-scale-advantages: no division)
     k_it = π_old(o_it)/μ(o_it), the mismatch ratio (ρ_it: the staleness), clamped at exp(±20)
     w_it = sg(·), by --correction (none: 1):
-      tis       min(k_it, C)                               token TIS (survey eq. 2-3), --tis-cap C = 2
-      tis-seq   min(k_i, C),  k_i = Π_t k_it               sequence TIS: one weight per completion
-      mis       k_it · 1[lo ≤ k_it ≤ hi]                   token MIS, [lo, hi] = [0.5, 2] (slime)
-      mis-seq   k_i · 1[k_i ≤ C]                           sequence MIS (survey J_seq-mis), --tis-cap C
-      icepop    k_it · 1[α ≤ k_it ≤ β]                     IcePop's M(k; α, β), α = 0.5, β = 5
+      tis       min(k_it, C)                          token TIS (survey eq. 2-3), --tis-cap C = 2
+      tis-seq   min(k_i, C),  k_i = Π_t k_it          sequence TIS: one weight per completion
+      mis       k_it · 1[lo ≤ k_it ≤ hi]              token MIS, [lo, hi] = [0.5, 2] (slime)
+      mis-seq   k_i · 1[k_i ≤ C]                      sequence MIS (survey J_seq-mis), --tis-cap C
+      icepop    k_it · 1[α ≤ k_it ≤ β]                IcePop's M(k; α, β), α = 0.5, β = 5
       kpop      k_it · 1[D_B(p‖q) ≤ φ] · 1[D_B(q‖p) ≤ φ]   KPop (survey M(y_t; φ)), φ = 0.1,
                 D_B(p‖q) = p log(p/q) + (1−p) log((1−p)/(1−q)),  p = π_old(o_it), q = μ(o_it)
       seq-mask  M_i = 0 if A_i < 0 and 1/|o_i| Σ_t log(μ(o_it)/π_θ(o_it)) > δ, else 1  (V3.2 eq. 9)
@@ -33,7 +33,7 @@ experts per layer: a rounding difference flips a choice and changes every later 
 survey finds the mismatch severe. --router-replay routes the policy's tokens as recorded
 (common/moe.py, routing/* metrics), the router keeping its gradient at the replayed experts:
   r2   the π_old pass's experts, in every update (GSPO, arXiv:2507.18071): ρ compares the same ones
-  r3   the engine's experts, in the π_old pass and each update (arXiv:2510.11370): k compares them too
+  r3   the engine's experts, in the π_old pass and each update (arXiv:2510.11370): k compares them
 
 What this file changes relative to grpo.py: --correction and its thresholds (ALGO LOGIC's top);
 update_policy weights each token's clipped loss by w (correction/*); record_mismatch neutralizes
@@ -58,8 +58,8 @@ Run it
   python algorithms/tis_icepop.py                # TIS, built-in task, CPU: no mismatch (below)
   python algorithms/tis_icepop.py --help         # every flag, with its default
   python algorithms/tis_icepop.py --resume auto  # continue the newest run of this task/name/seed
-  ./run.sh bench tis_icepop                      # none vs tis / icepop / kpop / seq-mask, bf16 engine
-  python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction none --steps 200   # collapse-prone
+  ./run.sh bench tis_icepop                      # none, tis, icepop, kpop, seq-mask; bf16 engine
+  python algorithms/tis_icepop.py --engine-dtype bfloat16 --correction none --steps 200  # no remedy
   python algorithms/tis_icepop.py --model tiny-moe --engine-dtype bfloat16 --router-replay r3
 The hf engine shares the trainer's float32 module (μ = π_old); --engine-dtype bfloat16 copies it.
 """
@@ -790,10 +790,10 @@ if __name__ == "__main__":
 # Paper scale: the TIS blog's GSM8K setting on one GPU (Qwen2.5-0.5B-Instruct, bf16 vLLM rollouts,
 # fp32 trainer weights, C = 2, 15 epochs of 256 prompts; the blog trains PPO with a critic, this
 # file GRPO); or --correction icepop
-#   python algorithms/tis_icepop.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --eval-task gsm8k \
-#       --rollout-engine vllm --engine-dtype bfloat16 --correction tis --tis-cap 2 \
-#       --steps 435 --prompts-per-step 256 --group-size 8 --max-new-tokens 512 --lr 1e-6 \
-#       --num-minibatches 4 --micro-batch-size 8 --eval-every 10 --eval-k 4 --track
+#   python algorithms/tis_icepop.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k \
+#       --eval-task gsm8k --rollout-engine vllm --engine-dtype bfloat16 --correction tis \
+#       --tis-cap 2 --steps 435 --prompts-per-step 256 --group-size 8 --max-new-tokens 512 \
+#       --lr 1e-6 --num-minibatches 4 --micro-batch-size 8 --eval-every 10 --eval-k 4 --track
 #   torchrun --nproc_per_node 8 algorithms/tis_icepop.py ...
 # Memory per GPU (`python -m common.memory` with these flags), one 80 GB GPU: training state
 # 7.4 GiB (16 bytes × 0.49 B parameters), activations 12.4 (8 × 1,024 tokens,

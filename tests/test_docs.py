@@ -5,13 +5,11 @@ grpo.py plus its method, and the repository stands alone. Also: common/ has no i
 import ast
 import difflib
 import glob
-import io
 import math
 import os
 import re
 import subprocess
 import sys
-import tokenize
 
 import pytest
 from helpers import ALGORITHMS, REPO
@@ -24,7 +22,7 @@ SCRIPTS = sorted(glob.glob(os.path.join(REPO, "algorithms", "[!_]*.py")))  # a n
 # Each docstring says how its method treats a tool's output (EMA-KPO's filter and GTPO's spans skip it: 4 lines)
 # Prose is wrapped at 100 columns: a method's paragraphs take more lines than at 120 (and so does its diff).
 MAX_DIFF = {
-    "ema_kpo": 261,
+    "ema_kpo": 263,
     "p3o": 293,
     "gtpo": 310,
     "tis_icepop": 382,
@@ -37,6 +35,7 @@ MAX_DIFF = {
 # ntk_reg of the blocks that train; the clip flags refused with one update per batch (grpo.py's 4 lines, the ratio-level
 # flag grpo.py's alone: ema_kpo + 4, which needs several updates anyway, isopo + 4, gtpo and tis_icepop + 2); stop 64:
 # method flags refused where their variant ignores them (isopo + 4: --reg-form, --ema-decay at λ = 0)
+# stop 70: ema_kpo + 2, its formulas wrapped at 100 columns (ruff's max-doc-length)
 NEW_FORK_DIFF = 400  # a fork not in MAX_DIFF (a user's new method): its docstring, flags and ALGO LOGIC sections
 
 
@@ -71,36 +70,6 @@ def test_docstring_main_and_closing_notes(path):
     if not path.endswith("grpo.py"):  # the baseline has no authors' code to differ from
         differences = r"# Differences from the (authors'|frameworks') code|# The authors published no code"
         assert re.search(differences, closing, re.I), "the closing notes: differences from the authors' code, or none"
-
-
-@pytest.mark.parametrize("path", SCRIPTS, ids=os.path.basename)
-def test_prose_is_wrapped_at_100_columns(path):
-    """Comments and docstrings, the prose a newcomer reads, are wrapped at 100 columns (code: the formatter's 120).
-    Indented lines inside them are preformatted (formulas, command lines, tables) and keep their width."""
-    source = _read(path)
-    lines = source.splitlines()
-    prose = {token.start[0] for token in _tokens(source) if token.type == tokenize.COMMENT}
-    for node in ast.walk(ast.parse(source)):
-        for statement in getattr(node, "body", None) if isinstance(getattr(node, "body", None), list) else []:
-            if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
-                if isinstance(statement.value.value, str):  # a docstring: its first line, and its paragraphs
-                    indent = len(lines[statement.lineno - 1]) - len(lines[statement.lineno - 1].lstrip())
-                    prose.add(statement.lineno)
-                    prose.update(
-                        n
-                        for n in range(statement.lineno + 1, statement.end_lineno + 1)
-                        if not lines[n - 1][indent:].startswith("  ")
-                    )
-    wide = [
-        f"{os.path.basename(path)}:{n}: {lines[n - 1].strip()[:60]}"
-        for n in sorted(prose)
-        if len(lines[n - 1]) > 100 and not re.match(r"\s*#   ", lines[n - 1])
-    ]
-    assert not wide, "prose over 100 columns:\n" + "\n".join(wide)
-
-
-def _tokens(source):
-    return tokenize.generate_tokens(io.StringIO(source).readline)
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=os.path.basename)
