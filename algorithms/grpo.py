@@ -14,8 +14,8 @@ score them (r_i = 1 for a correct answer, else 0, plus DAPO's overlong penalty w
     A_i  = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)     (--no-scale-advantages: no division)
 
 Variants, each a flag (the first three concern rollouts and rewards, so every fork has them too):
-  --dynamic-sampling (DAPO §3.2): a group whose rewards are all equal (A_i = 0)
-    is replaced by another prompt's
+  --dynamic-sampling (DAPO §3.2): a group whose rewards are all equal (A_i = 0) is replaced by
+    another prompt's, for at most --max-sampling-rounds rounds (then it stays, without gradient)
   --overlong-buffer L (DAPO Eq. 13): r_i falls linearly to −1 over the last L
     tokens before --max-new-tokens
   --mask-truncated (DAPO's overlong filtering): completions cut off by the length limit get
@@ -28,16 +28,19 @@ Presets: DAPO `--dynamic-sampling --overlong-buffer 4` (token-mean, clip-higher,
 defaults; a clip acts with several updates per batch, e.g. --num-minibatches 4); Dr. GRPO
 `--loss-aggregation token-sum-norm --no-scale-advantages`; GSPO `--ratio-level sequence
 --loss-aggregation sequence-mean` with `--clip-low 3e-4 --clip-high 4e-4` and
-`--num-minibatches 4` (with one update per batch every ratio is 1).
+`--num-minibatches 4` (with one update per batch every ratio is 1). A stale batch (--rollout-lag)
+is used as if fresh: π_old is the trainer now, not the weights that sampled it (p3o.py and
+tis_icepop.py correct for staleness).
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
 the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
 are defined where recorded; the paper-scale command and a list of differences end the file.
-Three k3 KLs, three pairs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer at one
-set of weights; losses/approx_kl = KL(π_old ‖ π_θ), how far the updates moved; losses/kl_ref =
-KL(π_θ ‖ π_ref), the --kl-coef penalty.
+μ is the engine that sampled a batch, π_old the trainer at the weights this step starts from (never
+μ). Three k3 KLs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer (at --rollout-lag
+k ≥ 1 with the batch's staleness in it); losses/approx_kl = KL(π_old ‖ π_θ), how far the updates
+moved; losses/kl_ref = KL(π_θ ‖ π_ref), the --kl-coef penalty.
 
 Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own

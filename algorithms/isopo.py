@@ -34,9 +34,10 @@ score them, compute advantages, update the policy on minibatches, push new weigh
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
 the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
 are defined where recorded; the paper-scale command and a list of differences end the file.
-Three k3 KLs, three pairs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer at one
-set of weights; losses/approx_kl = KL(π_old ‖ π_θ), how far the updates moved; losses/kl_ref =
-KL(π_θ ‖ π_ref), the --kl-coef penalty.
+μ is the engine that sampled a batch, π_old the trainer at the weights this step starts from (never
+μ). Three k3 KLs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer (at --rollout-lag
+k ≥ 1 with the batch's staleness in it); losses/approx_kl = KL(π_old ‖ π_θ), how far the updates
+moved; losses/kl_ref = KL(π_θ ‖ π_ref), the --kl-coef penalty.
 
 Tools. With a task that has tools (common/tools.py) a response is an episode, and a tool's output
 inside it is context: no loss, no ratio, no place in any statistic; |o_i| counts the policy's own
