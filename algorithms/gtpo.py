@@ -25,9 +25,9 @@ no KL term (§5.2).
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
-log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
-the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
-are defined where recorded; the paper-scale command and a list of differences end the file.
+log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; the rest is
+plumbing a fork keeps (`# TRY NOT TO MODIFY` marks its helpers). Comments explain the code they
+sit at, metrics are defined where recorded; the paper-scale command and the differences end it.
 μ is the engine that sampled a batch, π_old the trainer at the weights this step starts from (never
 μ). Three k3 KLs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer (at --rollout-lag
 k ≥ 1 with the batch's staleness in it); losses/approx_kl = KL(π_old ‖ π_θ), how far the updates
@@ -477,8 +477,8 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, me
         record_mismatch(metrics, batch, batch["old_logprobs"])
     # END ALGO LOGIC
 
-    # TRY NOT TO MODIFY: minibatches (token totals over every rank) and micro-batches (memory only);
-    # the method is the ALGO LOGIC lines inside
+    # plumbing: minibatches (token totals over every rank) and micro-batches (memory only), around
+    # the method's ALGO LOGIC regions
     skipped = 0
     for _ in range(args.update_epochs):
         order = torch.randperm(len(every_row), device=every_row.device)
@@ -498,9 +498,10 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, me
                 mask = micro["response_mask"]
                 with autocast:
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
-                # π_old: the pass before the updates, or at one update π_θ itself, detached (ρ = 1)
-                old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the GTPO loss of this micro-batch (Eq. 7)
+                # π_old: the trainer before this batch's updates (the pass above), or at one update
+                # π_θ itself, detached (ρ = 1), never the engine's μ: where a staleness fix begins
+                old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 entropy_i = micro["completion_entropy"] if multiple_updates else completion_entropy(entropy, mask)
                 # kept for the step's statistics (one update: π_θ = π_old, no extra pass)
                 batch["completion_entropy"][micro["rows"]] = entropy_i
@@ -529,7 +530,7 @@ def update_policy(policy, optimizer, scheduler, batch, args, dist, precision, me
                     metrics.max("losses/ratio_max", ratio[valid])
                     if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss
+            # plumbing: clip the gradient to --max-grad-norm, then step. A step whose loss
             # or gradient norm is not finite is skipped (counted in charts/skipped_steps), so
             # weights never become NaN
             scaler.unscale_(optimizer)  # float16: divided by the loss scale, before clipping
@@ -583,7 +584,7 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16)
+    # set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
@@ -656,13 +657,13 @@ def main(args: Args) -> None:
                 policy, optimizer, scheduler, batch, args, dist, precision, metrics, initial_entropy
             )
 
-        # TRY NOT TO MODIFY: 5. push the new weights to the engine (each full tensor in turn)
+        # 5. push the new weights to the engine (each full tensor in turn)
         with metrics.timer("time/weight_sync"):
             engine.wake_up(["weights"])
             engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
             engine.wake_up(["kv_cache"])
 
-        # TRY NOT TO MODIFY: 6. log, evaluate, checkpoint
+        # 6. log, evaluate, checkpoint
         metrics.set("charts/lr", scheduler.get_last_lr()[0])
         metrics.set("charts/skipped_steps", skipped_steps)  # so far: not finite, or no token
         metrics.set("time/step", time.time() - step_start)  # evaluation excluded

@@ -42,9 +42,9 @@ NaN log-probs and records k1, min / max k; --router-replay. --correction none is
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
-log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; forks keep
-the plumbing under `# TRY NOT TO MODIFY` as it is. Comments explain the code they sit at, metrics
-are defined where recorded; the paper-scale command and a list of differences end the file.
+log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; the rest is
+plumbing a fork keeps (`# TRY NOT TO MODIFY` marks its helpers). Comments explain the code they
+sit at, metrics are defined where recorded; the paper-scale command and the differences end it.
 μ is the engine that sampled a batch, π_old the trainer at the weights this step starts from (never
 μ). Three k3 KLs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer (at --rollout-lag
 k ≥ 1 with the batch's staleness in it); losses/approx_kl = KL(π_old ‖ π_θ), how far the updates
@@ -426,13 +426,14 @@ def batch_logprobs(model, batch, args, autocast, with_entropy=False):
     return logprobs, (entropy if with_entropy else None)
 
 
+# END TRY NOT TO MODIFY
+# ALGO LOGIC: the train-inference mismatch, with log ρ as the corrections see it
 def record_mismatch(metrics, batch, old_logprobs):
     """The train-inference mismatch over the response tokens of `batch` (or of a micro-batch), μ
     being the engine's log-probs: mismatch/kl_k3 = k3 KL(μ ‖ π_old) = E_μ[ρ − 1 − log ρ]
     with ρ = π_old/μ, and mismatch/max_abs_logprob_diff."""
     sampler_logprobs, mask = batch["sampler_logprobs"], batch["response_mask"]
-    # ALGO LOGIC: log ρ as the corrections see it: a NaN log-prob counts as
-    # matched (ρ = 1), clamped to ±20
+    # log ρ as the corrections see it: a NaN log-prob counts as matched (ρ = 1), clamped to ±20
     log_ratio, valid = safe_log_ratio(old_logprobs, sampler_logprobs, mask), mask.bool()
     k3 = torch.exp(log_ratio) - 1 - log_ratio
     metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
@@ -446,13 +447,16 @@ def record_mismatch(metrics, batch, old_logprobs):
     if valid.any():  # the smallest / largest π_old/μ over response tokens, before any correction
         metrics.min("mismatch/ratio_min", torch.exp(log_ratio[valid].min()))
         metrics.max("mismatch/ratio_max", torch.exp(log_ratio[valid].max()))
-    # END ALGO LOGIC
     # with tools: mismatch/kl_k3_*_turn(s)
     record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))
     # --rollout-lag: mismatch/kl_k3_discrepancy (the engine) and _staleness (older weights)
     record_staleness(metrics, batch, old_logprobs)
 
 
+# END ALGO LOGIC
+
+
+# TRY NOT TO MODIFY: the curves and the progress bar
 PLOTTED = [
     "charts/reward",
     "eval/greedy_accuracy",
@@ -520,8 +524,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
         batch["ref_logprobs"] = batch_logprobs(reference, batch, args, autocast)[0]  # log π_ref
     # END ALGO LOGIC
 
-    # TRY NOT TO MODIFY: minibatches (token totals over every rank) and micro-batches (memory only);
-    # the method is the ALGO LOGIC lines inside
+    # plumbing: minibatches (token totals over every rank) and micro-batches (memory only), around
+    # the method's ALGO LOGIC regions
     skipped = 0
     thresholds = {
         name: getattr(args, name)
@@ -549,9 +553,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     routing.replay(micro[replayed] if replayed else None)
                 with autocast, routing.recording() if routing else contextlib.nullcontext():
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
-                # π_old: the pass before the updates, or at one update π_θ itself, detached (ρ = 1)
-                old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # ALGO LOGIC: the GRPO loss of this micro-batch, each token's clipped loss
+                # π_old: the trainer before this batch's updates (the pass above), or at one update
+                # π_θ itself, detached (ρ = 1), never the engine's μ: where a staleness fix begins
+                old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
                 # times the detached weight w
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
                     logprobs, old_logprobs, micro["advantages"], args.clip_low, args.clip_high
@@ -609,7 +614,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                             moe.record_drift(metrics, micro["old_own_routing"], own, positions, moe_layers)
                         elif "engine_routing" in micro:
                             moe.record_agreement(metrics, micro["engine_routing"], used, own, positions, moe_layers)
-            # TRY NOT TO MODIFY: clip the gradient to --max-grad-norm, then step. A step whose loss
+            # plumbing: clip the gradient to --max-grad-norm, then step. A step whose loss
             # or gradient norm is not finite is skipped (counted in charts/skipped_steps), so
             # weights never become NaN
             scaler.unscale_(optimizer)  # float16: divided by the loss scale, before clipping
@@ -673,7 +678,7 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> None:
     check_args(args)
-    # TRY NOT TO MODIFY: set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16)
+    # set-up (several ranks: torchrun, FSDP2; float32 weights, bf16 / fp16)
     dist = fsdp.setup()
     seed_everything(args.seed + dist.rank)
     device, systems = dist.device, args.systems
@@ -749,13 +754,13 @@ def main(args: Args) -> None:
                 policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics
             )
 
-        # TRY NOT TO MODIFY: 5. push the new weights to the engine (each full tensor in turn)
+        # 5. push the new weights to the engine (each full tensor in turn)
         with metrics.timer("time/weight_sync"):
             engine.wake_up(["weights"])
             engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))
             engine.wake_up(["kv_cache"])
 
-        # TRY NOT TO MODIFY: 6. log, evaluate, checkpoint
+        # 6. log, evaluate, checkpoint
         metrics.set("charts/lr", scheduler.get_last_lr()[0])
         metrics.set("charts/skipped_steps", skipped_steps)  # so far: not finite, or no token
         metrics.set("time/step", time.time() - step_start)  # evaluation excluded
