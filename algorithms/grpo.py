@@ -228,7 +228,7 @@ def aggregate(token_losses, mask, mode, totals):
 
 
 # TRY NOT TO MODIFY: log-probs, rollouts and the train-inference mismatch
-def sampled_logprobs(logits, targets, temperature):
+def policy_logprobs(logits, targets, temperature):
     """log π(o_t | q, o_<t) = log_softmax(z_t / temperature)[o_t] of the sampled tokens: logits
     z [..., V] (float32), tokens o [...]. Divided by the temperature, the logits give the
     distribution an engine samples from at that temperature. Also returns the whole log-softmax
@@ -242,11 +242,11 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
     the entropy of π at each of those positions (no gradient; None unless `with_entropy`)."""
     response_ids = micro["response_ids"]  # [B, T]
     # Inside the context the output layer takes its hidden states, a chunk of positions at a
-    # time, to logits, to sampled_logprobs and to the entropy H_t = −Σ_v π_v log π_v, and
+    # time, to logits, to policy_logprobs and to the entropy H_t = −Σ_v π_v log π_v, and
     # returns those two numbers per position instead of the logits: no [B, T, vocabulary]
     # tensor (common/logprobs.py). Top-p / top-k: π renormalised over the kept ids [B, T, K]
     kept = micro.get("sampling_mask")
-    score = partial(sampled_logprobs, temperature=temperature)
+    score = partial(policy_logprobs, temperature=temperature)
     with output_layer_scores(model, response_ids, score, with_entropy, sampling_mask=kept):
         scores = model(
             input_ids=micro["input_ids"],

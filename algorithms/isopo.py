@@ -642,7 +642,7 @@ def compute_advantages(rewards, scale=True, eps=1e-4):
 
 
 # TRY NOT TO MODIFY: log-probs, rollouts and the train-inference mismatch
-def sampled_logprobs(logits, targets, temperature):
+def policy_logprobs(logits, targets, temperature):
     """log π(o_t | q, o_<t) = log_softmax(z_t / temperature)[o_t] of the sampled tokens: logits
     z [..., V] (float32), tokens o [...]. Divided by the temperature, the logits give the
     distribution an engine samples from at that temperature. Also returns the whole log-softmax
@@ -664,7 +664,7 @@ def token_logprobs(model, micro, temperature, with_entropy=False):
         logits_to_keep=response_ids.shape[1] + 1,
         use_cache=False,
     ).logits[:, :-1]  # the last position predicts past the end
-    logprobs, logp_all = sampled_logprobs(logits.float(), response_ids, temperature)
+    logprobs, logp_all = policy_logprobs(logits.float(), response_ids, temperature)
     # top-p / top-k: π renormalised over the kept ids of each position (−1: padding),
     # log π_kept(o) = log π(o) − log Σ_kept π
     if "sampling_mask" in micro:

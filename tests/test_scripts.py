@@ -55,10 +55,10 @@ def test_help_documents_every_flag(name):
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
-def test_token_logprobs_are_the_scripts_sampled_logprobs(name, tiny, monkeypatch):
+def test_token_logprobs_are_the_scripts_policy_logprobs(name, tiny, monkeypatch):
     """token_logprobs at temperature 0.7, the output layer scored 5 positions at a time (ISOPO: full logits): the
     log-probs and entropies of a float64 log_softmax(logits / 0.7) of a plain forward, per completion without
-    padding. And they are the script's own `sampled_logprobs`: a fork that changes it changes what trains."""
+    padding. And they are the script's own `policy_logprobs`: a fork that changes it changes what trains."""
     import common.logprobs
 
     algorithm = importlib.import_module(f"algorithms.{name}")
@@ -98,9 +98,9 @@ def test_token_logprobs_are_the_scripts_sampled_logprobs(name, tiny, monkeypatch
             torch.testing.assert_close(kept_logprobs[i, : len(response)].double(), expected, rtol=0, atol=1e-5)
             expected_entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
             torch.testing.assert_close(kept_entropy[i, : len(response)].double(), expected_entropy, rtol=0, atol=1e-5)
-        original = algorithm.sampled_logprobs
+        original = algorithm.policy_logprobs
         monkeypatch.setattr(
-            algorithm, "sampled_logprobs", lambda *a, **k: (original(*a, **k)[0] + 1.0, original(*a, **k)[1])
+            algorithm, "policy_logprobs", lambda *a, **k: (original(*a, **k)[0] + 1.0, original(*a, **k)[1])
         )
         shifted = algorithm.token_logprobs(model, batch, 0.7)[0]
         kept_shifted = algorithm.token_logprobs(model, batch_kept, 0.7)[0]
