@@ -557,10 +557,8 @@ def main(args: Args) -> None:
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
-    data = load_prompts(
-        args.model, tokenizer, args.task, args.max_prompt_tokens, args.max_new_tokens,
-        args.task_format, args.tools, args.evaluation, verbose=dist.is_main, run_dir=run_dir,
-    )  # fmt: skip
+    data = load_prompts(args.model, tokenizer, args.task, args.max_prompt_tokens, args.max_new_tokens, args.task_format,
+                        args.tools, args.evaluation, verbose=dist.is_main, run_dir=run_dir)  # fmt: skip
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
     policy = load_policy(args.model, checkpoint, systems, precision.dtype)  # LoRA: base frozen
     engine = make_training_engine(systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed)

@@ -595,10 +595,8 @@ def main(args: Args) -> None:
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
-    data = load_prompts(
-        args.model, tokenizer, args.task, args.max_prompt_tokens, args.max_new_tokens,
-        args.task_format, args.tools, args.evaluation, verbose=dist.is_main, run_dir=run_dir,
-    )  # fmt: skip
+    data = load_prompts(args.model, tokenizer, args.task, args.max_prompt_tokens, args.max_new_tokens, args.task_format,
+                        args.tools, args.evaluation, verbose=dist.is_main, run_dir=run_dir)  # fmt: skip
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
     policy = load_policy(args.model, checkpoint, systems, precision.dtype)  # LoRA: base frozen
     engine = make_training_engine(systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed)
@@ -613,9 +611,8 @@ def main(args: Args) -> None:
     tracker = Tracker(run_dir, flat(args), args.tracking, enabled=dist.is_main, resume_step=start_step)
     # ALGO LOGIC: ⟨H⟩_ini of the initial policy (Eq. 6), measured once, kept in the checkpoints
     first_prompts, pad_id = data.prompts[: args.entropy_ini_prompts], tokenizer.pad_token_id
-    initial_entropy = measure_initial_entropy(
-        policy, engine, first_prompts, args, dist, precision.autocast, pad_id, state.get("entropy_ini")
-    )
+    initial_entropy = measure_initial_entropy(policy, engine, first_prompts, args, dist, precision.autocast, pad_id,
+                                              state.get("entropy_ini"))  # fmt: skip
     # END ALGO LOGIC
     evaluator = Evaluator(engine, tokenizer, data, args.evaluation, args.max_new_tokens, args.temperature, dist)
     saved = dict(model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, scaler=precision.scaler)

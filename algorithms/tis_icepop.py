@@ -689,17 +689,14 @@ def main(args: Args) -> None:
     # training prompts, and held-out ones that never train (10% of a local task file, seeded)
     args.model = resolve_model(args.model, args.task)
     tokenizer = load_tokenizer(args.model)
-    data = load_prompts(
-        args.model, tokenizer, args.task, args.max_prompt_tokens, args.max_new_tokens,
-        args.task_format, args.tools, args.evaluation, verbose=dist.is_main, run_dir=run_dir,
-    )  # fmt: skip
+    data = load_prompts(args.model, tokenizer, args.task, args.max_prompt_tokens, args.max_new_tokens, args.task_format,
+                        args.tools, args.evaluation, verbose=dist.is_main, run_dir=run_dir)  # fmt: skip
     # the engine first: vLLM sizes its KV cache from the GPU memory that is free when it starts
     policy = load_policy(args.model, checkpoint, systems, precision.dtype)  # LoRA: base frozen
     # --router-replay: whether the engine records an MoE model's routing (common/moe.py)
     routing = moe.engine_records_routing(policy, args.router_replay, engine_kind(systems.rollout_engine), args.model)
-    engine = make_training_engine(
-        systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed, routing=routing
-    )
+    engine = make_training_engine(systems, policy, tokenizer, dist, checkpoint or args.model, data.context, args.seed,
+                                  routing=routing)  # fmt: skip
     engine = with_tools(engine, tokenizer, args.task, args.tools, args.max_new_tokens)  # episodes
     # train mode, no dropout; sharded from CPU memory: each GPU receives one unit at a time
     policy = fsdp.shard_for_training(policy, dist, systems, precision.dtype)
@@ -740,10 +737,9 @@ def main(args: Args) -> None:
             groups.prompt_ids, groups.completions, args.group_size, tokenizer.pad_token_id, device, groups.trains
         )
         batch["advantages"] = compute_advantages(groups.rewards.to(device), args.scale_advantages).flatten()
-        # ALGO LOGIC: the engine's routing of an MoE model (--router-replay r3, routing/agreement)
-        routed = moe.batch_routing(groups.prompt_ids, groups.completions, args.group_size, batch)
-        batch |= {"engine_routing": routed} if routed is not None else {}
-        # END ALGO LOGIC
+        # the engine's routing of an MoE model (--router-replay r3, routing/agreement; None: dense)
+        routed = moe.batch_routing(groups.prompt_ids, groups.completions, args.group_size, batch)  # ALGO LOGIC
+        batch |= {"engine_routing": routed} if routed is not None else {}  # ALGO LOGIC
         record_rollouts(metrics, groups)
 
         # 3-4. old / reference log-probs, then the minibatch updates (the engine sleeps meanwhile)
