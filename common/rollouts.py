@@ -225,11 +225,17 @@ class RolloutQueue:
     def score_under_sampling_weights(self, batch_logprobs, model, *options) -> None:
         """At lag > 0, while the trainer still holds the weights that sampled them: each queued batch's log-probs
         under the trainer (a script's `batch_logprobs(model, batch, *options)[0]`: [B, T], no gradient) kept with its
-        completions (trainer_logprobs), for the split of the mismatch (`record_staleness`)."""
+        completions (trainer_logprobs), for the split of the mismatch (`record_staleness`). A script calls it in the
+        step that sampled them, before its update: a batch the updates have passed is refused, not scored wrongly."""
         for queued in self.queued if self.lag else []:
             completions = queued.groups.completions
             if not completions or completions[0].trainer_logprobs is not None:
                 continue
+            if queued.sampled_at != self.step:  # the weights that sampled it are gone: its split would be wrong
+                raise RuntimeError(
+                    f"step {queued.step}'s batch, sampled in step {queued.sampled_at}, is scored in step {self.step}: "
+                    "call queue.score_under_sampling_weights in the step that samples, before update_policy"
+                )
             group_size, device = queued.groups.rewards.shape[1], self.dist.device
             batch = make_batch(queued.groups.prompt_ids, completions, group_size, self.pad_id, device)
             # an MoE engine's routing, as the step's batch holds it, for a method that replays it

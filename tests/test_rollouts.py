@@ -222,6 +222,12 @@ def test_queued_batches_are_scored_once_under_the_weights_that_sampled_them(tiny
         fresh[0].trainer_logprobs = [0.5] * len(fresh[0].token_ids)  # scored already: left alone
         queue.score_under_sampling_weights(grpo.batch_logprobs, model, args, NO_AUTOCAST)
         assert fresh[0].trainer_logprobs[0] == 0.5
+    # a script that scores a step late (after an update) is stopped: the split needs the weights that sampled
+    late = [dataclasses.replace(c, trainer_logprobs=None) for c in completions]
+    queue.put(2, Groups(prompts, [None, None], late, [None] * 8, torch.zeros(2, 4), [True] * 8))
+    queue.steps_to_sample(1, StepMetrics())  # the next step began: the update came between
+    with pytest.raises(RuntimeError, match="sampled in step 0, is scored in step 1"):
+        queue.score_under_sampling_weights(grpo.batch_logprobs, model, args, NO_AUTOCAST)
 
 
 def test_the_mismatch_splits_into_the_engines_part_and_the_staleness():
