@@ -18,13 +18,26 @@ group is shown under its own heading in `--help`. common/ receives a group, or p
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Annotated, Literal, TypeVar
 
 import tyro
+import tyro._strings
 
 T = TypeVar("T")
 Group = Annotated[T, tyro.conf.OmitArgPrefixes]  # a group whose flags keep their plain names
+
+
+def _reflowed(remove_single_line_breaks):
+    """tyro (1.0.17, requirements.txt) joins a flag's docstring lines into one paragraph only where the next line starts
+    with a letter, and it dedents after joining: every indented continuation line of a docstring wrapped in the
+    source broke the `--help` text mid-sentence. Dedented first (inspect.cleandoc), the lines join; a line that
+    starts a list (`-`, a digit, a parenthesis) still starts a line of its own."""
+    return lambda helptext: remove_single_line_breaks(inspect.cleandoc(helptext))
+
+
+tyro._strings.remove_single_line_breaks = _reflowed(tyro._strings.remove_single_line_breaks)
 
 
 @dataclass

@@ -30,6 +30,17 @@ def test_group_flags_keep_their_plain_names_on_the_command_line():
         tyro.cli(Args, args=["--systems.lora-rank", "8"])
 
 
+def test_a_flags_help_wrapped_in_the_source_reads_as_one_paragraph():
+    """tyro kept the line break before each indented continuation line of a flag's docstring: --help broke its text
+    mid-sentence ("... (advantage 0) are" / "replaced by ..."). common/flags.py dedents before tyro joins."""
+    import tyro._docstrings
+
+    from algorithms import grpo
+
+    help_text = tyro._docstrings.get_field_docstring(grpo.Args, "dynamic_sampling", ())
+    assert help_text.endswith("all equal (advantage 0) are replaced by newly drawn prompts"), help_text
+
+
 def test_flat_names_make_and_replace_see_one_namespace():
     args = flags.make(Args, lr=2.0, lora_rank=4, eval_k=2)
     assert (args.lr, args.systems.lora_rank, args.evaluation.eval_k) == (2.0, 4, 2)
