@@ -288,9 +288,9 @@ def compute_advantages(rewards, scale=True, eps=1e-4):
 def aggregate(token_losses, mask, mode, totals):
     """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to
     the mean); `totals` holds the minibatch's counts over all ranks.
-    token-mean (DAPO): every response token of the minibatch weighs the same (totals["tokens"]).
-    sequence-mean (GRPO): a mean over each completion, then over the completions that have a
-    token (totals["sequences"])."""
+    token-mean (DAPO): every response token that trains weighs the same (totals["tokens"]).
+    sequence-mean (GRPO): a mean over each completion, then over the completions with a token
+    that trains (totals["sequences"]); a row that does not train (a filler) has none."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / totals["tokens"]
     per_sequence = (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)

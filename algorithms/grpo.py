@@ -211,11 +211,11 @@ def completion_mean_logprob(values, mask):
 def aggregate(token_losses, mask, mode, totals):
     """This micro-batch's share of the minibatch loss (the shares of its micro-batches add up to
     the mean); `totals` holds the minibatch's counts over all ranks.
-    token-mean (DAPO): every response token of the minibatch weighs the same (totals["tokens"]).
-    sequence-mean (GRPO): a mean over each completion, then over the completions that have a
-    token (totals["sequences"]).
-    token-sum-norm (Dr. GRPO, arXiv:2503.20783 §3.2): the sum over a constant, completions ×
-    --max-new-tokens (totals["token_budget"])."""
+    token-mean (DAPO): every response token that trains weighs the same (totals["tokens"]).
+    sequence-mean (GRPO): a mean over each completion, then over the completions with a token
+    that trains (totals["sequences"]); a row that does not train (a filler) has none.
+    token-sum-norm (Dr. GRPO, arXiv:2503.20783 §3.2): the sum over a constant, every row ×
+    --max-new-tokens (totals["token_budget"]), rows that do not train included."""
     if mode == "token-mean":
         return (token_losses * mask).sum() / totals["tokens"]
     if mode == "token-sum-norm":
