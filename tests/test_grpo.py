@@ -306,9 +306,10 @@ def test_update_policy_gradient_matches_brute_force(
         model.zero_grad()
         (-objective).backward(retain_graph=True)
         for (name, parameter), gradient in zip(model.named_parameters(), gradients):
-            # float32 sums in other orders: about 1e-6 of the norm (5e-5 in minibatches of one or two rows, whose
-            # gradients are small); a wrong π_old, ratio or KL: 1e-2 and more
-            tolerance = 1e-4 if len(rows) <= 2 else 1e-5
+            # float32 sums in other orders: about 1e-6 of the norm, up to 8e-5 in minibatches of one or two rows
+            # (small gradients) and under GSPO's sequence ratio (one exp of a sum over the tokens) on some builds of
+            # the model; a wrong π_old, ratio or KL: 1e-2 and more
+            tolerance = 2e-4
             assert (gradient - parameter.grad).norm() <= tolerance * parameter.grad.norm(), name
     # the statistics, over every token of every update (each sees π_start here)
     seen = {key: torch.cat(values) for key, values in seen.items()}

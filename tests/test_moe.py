@@ -278,8 +278,9 @@ def test_engine_routing_then_r3_reproduces_the_engines_logprobs(tiny_moe, top_k)
         logprobs = tim.token_logprobs(trainer, batch, 1.0)[0]
     routing.replay(None)
     mask = batch["response_mask"].bool()
-    # float32 both; the engine computes with a KV cache, one position at a time (1.7e-6 measured)
-    assert (logprobs - batch["sampler_logprobs"])[mask].abs().max() <= 5e-6
+    # float32 both; the engine computes with a KV cache, one position at a time (1.7e-6 and 1.6e-5 measured on two
+    # builds of the model, which differ by processor)
+    assert (logprobs - batch["sampler_logprobs"])[mask].abs().max() <= 5e-5
 
 
 def test_no_routing_recorded_gives_no_batch_routing():

@@ -178,15 +178,16 @@ def test_dapo_rollout_flags_end_to_end(name, tmp_path, readme_task_file):
 def test_lora_with_top_k_top_p_end_to_end(name, tmp_path):
     """--lora-rank in every script, two updates per batch, sampling with --top-k 5 --top-p 0.9 and the mask kept:
     no step is skipped; the engine generates with the adapted model and the trainer scores what it sampled
-    (μ = π_old to float rounding: an engine on the base weights, or a mask left out, is off by more than 1e-2 on
-    the second step's rollouts); the checkpoint is the adapter alone, in peft's format, its B moved off zero."""
+    (μ = π_old to float rounding, 1e-4 on some builds of the model: an engine on the base weights, or a mask left
+    out, is off by more than 1e-2 on the second step's rollouts); the checkpoint is the adapter alone, in peft's
+    format, its B moved off zero."""
     from safetensors.torch import load_file
 
     flags = ["--lora-rank", 4, "--lr", 1e-2, "--num-minibatches", 2, "--steps", 2, "--output-dir", tmp_path]
     run_script(f"algorithms/{name}.py", *flags, *SMALL, "--top-k", 5, "--top-p", 0.9, "--keep-sampling-mask")
     run_dir = only_run_dir(tmp_path)
     record = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[-1]
-    assert record["charts/skipped_steps"] == 0 and record["mismatch/max_abs_logprob_diff"] < 1e-4, record
+    assert record["charts/skipped_steps"] == 0 and record["mismatch/max_abs_logprob_diff"] < 1e-3, record
     checkpoint = os.path.join(run_dir, "checkpoints", "step_00000002")
     adapter = load_file(os.path.join(checkpoint, "adapter_model.safetensors"))
     assert adapter and all(".lora_" in key for key in adapter), sorted(adapter)[:3]
@@ -418,6 +419,12 @@ def test_float16_gradients_are_unscaled_before_clipping(name, tiny):
     algorithm = importlib.import_module(f"algorithms.{name}")
     model, tokenizer = tiny
     prompts, completions = two_group_rollouts(tokenizer)
+    with torch.no_grad():  # μ: the model's own log-probs, as an engine at these weights gives them (the placeholder
+        # μ of −1 made P3O's ratio π/μ, and its gradient norm, 15,730 on one build of the model: float16 overflows)
+        for i, completion in enumerate(completions):
+            ids = torch.tensor([prompts[i // 4] + completion.token_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompts[i // 4]) - 1 : -1].float(), -1)
+            completion.logprobs = logp.gather(-1, ids[0, len(prompts[i // 4]) :, None]).squeeze(-1).tolist()
     rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
     norms = {}
     for dtype in ("float32", "float16"):
