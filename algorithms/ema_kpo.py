@@ -156,7 +156,7 @@ class Args:
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
-    """gradient clipping threshold on the global norm (1e9: no clipping)"""
+    """gradient clipping threshold on the global norm (0: no clipping)"""
     num_minibatches: int = 4
     """optimizer steps per rollout batch and epoch (EMA-KPO needs > 1:
     with one update r̃ ≡ 1; 4: the KPO script's)"""

@@ -119,7 +119,7 @@ def shared_flags(args) -> list[str]:
     if has("weight_decay"):
         problems += require(0 <= v["weight_decay"] < INFINITY, "--weight-decay", ">= 0 and finite")
     if has("max_grad_norm"):
-        problems += require(0 < v["max_grad_norm"] < INFINITY, "--max-grad-norm", "> 0 and finite (1e9: no clipping)")
+        problems += require(0 <= v["max_grad_norm"] < INFINITY, "--max-grad-norm", ">= 0 and finite (0: no clipping)")
     if has("num_minibatches", "prompts_per_step", "group_size"):  # each rank splits its own rollouts
         rollouts = max(1, v["prompts_per_step"] // world_size()) * v["group_size"]
         rule = f"in [1, {rollouts}] (the rollouts of a rank)"

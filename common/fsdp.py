@@ -203,13 +203,15 @@ def named_full_tensors(model, device: torch.device, dtype: torch.dtype | None = 
 
 
 def clip_grad_norm(model, max_norm: float, device: torch.device) -> torch.Tensor:
-    """Clip gradients to `max_norm`; returns the total norm before clipping as a plain tensor on `device`.
+    """Clip gradients to `max_norm` (0: no clipping, the norm measured all the same); returns the total norm before
+    clipping as a plain tensor on `device`.
     The norm of sharded gradients is reduced over ranks and moved to the compute device before it scales
     them, wherever they live (CPU-offloaded gradients included, as verl's fsdp2_clip_grad_norm_ does)."""
     parameters = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
     norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).to(device)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm
 
 

@@ -23,8 +23,8 @@ NAN = math.nan
 SMALL = {"prompts_per_step": 4, "group_size": 4, "eval_every": 0}
 # (flag overrides, a part of the message); every script refuses each of these in check_args
 SHARED_CASES = [
-    ({"max_grad_norm": -1.0}, "--max-grad-norm must be > 0 and finite (1e9: no clipping)"),  # reversed the update
-    ({"max_grad_norm": NAN}, "--max-grad-norm must be > 0"),
+    ({"max_grad_norm": -1.0}, "--max-grad-norm must be >= 0 and finite (0: no clipping)"),  # reversed the update
+    ({"max_grad_norm": NAN}, "--max-grad-norm must be >= 0"),
     ({"keep_checkpoints": -1}, "--keep-checkpoints must be >= 0 (0: keep them all)"),  # deleted the final one
     ({"steps": -3}, "--steps must be >= 1"),
     ({"steps": 0}, "--steps must be >= 1"),
@@ -248,7 +248,7 @@ def test_the_command_prints_one_line_per_problem_and_no_traceback(name, tmp_path
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "error: invalid arguments:\n  --steps must be >= 1\n" in result.stderr
-    assert "--max-grad-norm must be > 0" in result.stderr and not os.listdir(tmp_path)
+    assert "--max-grad-norm must be >= 0" in result.stderr and not os.listdir(tmp_path)
 
 
 def test_a_retired_flag_names_what_replaced_it():

@@ -628,3 +628,14 @@ def test_training_mode_leaves_no_router_jitter():
     assert not torch.equal(model(ids).logits, model(ids).logits)  # the noise is there before
     model = fsdp.prepare_for_training(model)
     assert torch.equal(model(ids).logits, model(ids).logits)
+
+
+def test_a_max_grad_norm_of_zero_measures_the_norm_and_clips_nothing():
+    """--max-grad-norm 0 is off, as every other flag's 0: the norm is measured (and logged), the gradients kept."""
+    model = torch.nn.Linear(3, 2)  # 8 parameters, each gradient 2: norm 2·√8
+    for parameter in model.parameters():
+        parameter.grad = torch.full_like(parameter, 2.0)
+    assert fsdp.clip_grad_norm(model, 0.0, torch.device("cpu")).item() == pytest.approx(2.0 * math.sqrt(8))
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in model.parameters())
+    fsdp.clip_grad_norm(model, 1.0, torch.device("cpu"))
+    assert torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item() == pytest.approx(1.0, rel=1e-5)
