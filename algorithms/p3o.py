@@ -170,9 +170,8 @@ class Args:
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation; memory only, not the math)"""
 
-    # The groups a method never changes (common/flags.py), each under its own heading in --help;
-    # their flags keep their plain names (--lora-rank 16). (Not joined to the first group's line:
-    # --help would print this under every heading.)
+    # The groups a method never changes (common/flags.py), each under its own --help heading; their
+    # flags keep their plain names (--lora-rank 16). (The blank line keeps this out of --help.)
 
     task_format: Group[TaskFormat] = field(default_factory=TaskFormat)
     sampling: Group[Sampling] = field(default_factory=Sampling)

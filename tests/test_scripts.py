@@ -419,12 +419,13 @@ def test_float16_gradients_are_unscaled_before_clipping(name, tiny):
     algorithm = importlib.import_module(f"algorithms.{name}")
     model, tokenizer = tiny
     prompts, completions = two_group_rollouts(tokenizer)
-    with torch.no_grad():  # μ: the model's own log-probs, as an engine at these weights gives them (the placeholder
-        # μ of −1 made P3O's ratio π/μ, and its gradient norm, 15,730 on one build of the model: float16 overflows)
-        for i, completion in enumerate(completions):
-            ids = torch.tensor([prompts[i // 4] + completion.token_ids])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompts[i // 4]) - 1 : -1].float(), -1)
-            completion.logprobs = logp.gather(-1, ids[0, len(prompts[i // 4]) :, None]).squeeze(-1).tolist()
+    # μ: the model's own log-probs, as an engine at these weights gives them (the placeholder μ of −1 made P3O's
+    # ratio π/μ, and its gradient norm, 15,730 on one build of the model: float16 overflowed)
+    batch = algorithm.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
+    with torch.no_grad():
+        own = algorithm.token_logprobs(model, batch, 1.0)[0]
+    for row, completion in enumerate(completions):
+        completion.logprobs = own[row, : len(completion.token_ids)].tolist()
     rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
     norms = {}
     for dtype in ("float32", "float16"):

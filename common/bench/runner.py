@@ -202,32 +202,25 @@ class Run:
             return f"it started from other weights ({made.get('model')}, here {today['model']})"
         return None
 
+    def finished_attempts(self, kept: bool = True) -> list[str]:
+        """This run's attempts that finished, whatever made them, newest first: its folders under --output-dir,
+        then (`kept`) its kept records."""
+        records = self.folders(self.records_dir) if kept and self.records_dir else []
+        folders = [*reversed(self.folders()), *reversed(records)]
+        return [f for f in folders if final_record(read_metrics(os.path.join(f, "metrics.jsonl")), self.steps)]
+
     def finished_folder(self) -> str | None:
         """The newest finished attempt of this run made by today's algorithm file and model: its folder under
         --output-dir, else its kept record."""
-        kept = self.folders(self.records_dir) if self.records_dir else []
-        for folder in [*reversed(self.folders()), *reversed(kept)]:
-            finished = final_record(read_metrics(os.path.join(folder, "metrics.jsonl")), self.steps) is not None
-            if finished and self.stale(folder) is None:
-                return folder
-        return None
+        return next((folder for folder in self.finished_attempts() if self.stale(folder) is None), None)
 
     def newest_finished(self) -> str | None:
         """The newest attempt under --output-dir that finished, whatever made it (the run that just ended)."""
-        for folder in reversed(self.folders()):
-            if final_record(read_metrics(os.path.join(folder, "metrics.jsonl")), self.steps) is not None:
-                return folder
-        return None
+        return next(iter(self.finished_attempts(kept=False)), None)
 
     def stale_attempts(self) -> list[str]:
         """The finished attempts of this run that no longer count, each with why (for the bench to say so)."""
-        kept = self.folders(self.records_dir) if self.records_dir else []
-        return [
-            f"{folder}: {why}"
-            for folder in [*self.folders(), *kept]
-            if final_record(read_metrics(os.path.join(folder, "metrics.jsonl")), self.steps) is not None
-            and (why := self.stale(folder))
-        ]
+        return [f"{folder}: {why}" for folder in self.finished_attempts() if (why := self.stale(folder))]
 
     def keep_record(self, folder: str) -> None:
         """Keep a finished run beside the results: its metrics (gzipped) and its KL-drift cache, all that the
