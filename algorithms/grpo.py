@@ -16,10 +16,8 @@ score them (r_i = 1 for a correct answer, else 0, plus DAPO's overlong penalty w
 Variants, each a flag (the first three concern rollouts and rewards, so every fork has them too):
   --dynamic-sampling (DAPO §3.2): a group whose rewards are all equal (A_i = 0) is replaced by
     another prompt's, for at most --max-sampling-rounds rounds (then it stays, without gradient)
-  --overlong-buffer L (DAPO Eq. 13): r_i falls linearly to −1 over the last L
-    tokens before --max-new-tokens
-  --mask-truncated (DAPO's overlong filtering): completions cut off by the length limit get
-    no gradient
+  --overlong-buffer L (DAPO Eq. 13): r_i falls linearly to −1 over the last L tokens allowed
+  --mask-truncated (DAPO's overlong filtering): completions cut at the length limit: no gradient
   --loss-aggregation token-sum-norm (Dr. GRPO): the token sum divided by a constant,
     completions × --max-new-tokens, not by Σ|o_i|
   --ratio-level sequence (GSPO): one ratio per completion, s_i = exp(mean_t log ρ_it), clipped
@@ -35,8 +33,7 @@ tis_icepop.py correct for staleness).
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; the rest is
-plumbing a fork keeps (`# TRY NOT TO MODIFY` marks its helpers). Comments explain the code they
-sit at, metrics are defined where recorded; the paper-scale command and the differences end it.
+plumbing a fork keeps (`# TRY NOT TO MODIFY` marks its helpers). Metrics are defined where recorded.
 μ is the engine that sampled a batch, π_old the trainer at the weights this step starts from (never
 μ). Three k3 KLs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer (at --rollout-lag
 k ≥ 1 with the batch's staleness in it); losses/approx_kl = KL(π_old ‖ π_θ), how far the updates
@@ -263,8 +260,6 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     """G completions of each prompt from the engine, with the engine's log-prob μ of each
     sampled token, each scored against its row's gold answer: reward 1 for a correct answer,
     else 0, plus DAPO's overlong penalty."""
-    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is
-    # the naive full-vocabulary one
     completions = engine.generate(
         prompt_ids,
         args.group_size,
@@ -276,18 +271,15 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     )
     # prompt i: [iG, (i+1)G)
     scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)
-    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens,
-    # then down to −1 at the limit
+    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before the limit, then down to −1 at it
     rewards = [
         score.reward + overlong_penalty(completion.policy_length, args.max_new_tokens, args.overlong_buffer)
         for score, completion in zip(scores, completions)
     ]
-    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
-    # length limit gets no gradient
+    # --mask-truncated (DAPO's overlong filtering): a completion cut at the limit gets no gradient
     trains = [not (args.mask_truncated and c.finish_reason == "length") for c in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
-    # completions generated, all ranks (and rounds)
-    metrics.sum("sampling/rollouts", len(completions))
+    metrics.sum("sampling/rollouts", len(completions))  # generated, all ranks (and rounds)
     rewards = torch.tensor(rewards).view(-1, args.group_size)  # [prompts, G]
     return Groups(prompt_ids, rows, completions, scores, rewards, trains)
 
@@ -321,17 +313,9 @@ def record_mismatch(metrics, batch, old_logprobs):
     record_staleness(metrics, batch, old_logprobs)
 
 
-PLOTTED = [
-    "charts/reward",
-    "eval/greedy_accuracy",
-    "charts/entropy",
-    "charts/response_length_mean",
-    "losses/approx_kl",
-    "losses/clip_fraction",
-    "losses/grad_norm",
-    "mismatch/kl_k3",
-]  # curves.png
-# the progress bar's numbers
+# the curves of curves.png, and the progress bar's numbers
+PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/response_length_mean"]
+PLOTTED += ["losses/approx_kl", "losses/clip_fraction", "losses/grad_norm", "mismatch/kl_k3"]
 PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]
 # END TRY NOT TO MODIFY
 
@@ -341,9 +325,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     autocast, scaler = precision.autocast, precision.scaler  # bf16 / fp16 (fsdp.mixed_precision)
     # ALGO LOGIC: what the loss needs before the updates (grpo.py: the log-probs of π_old and π_ref)
-    # old log-probs only when π_θ will move away from π_old within this batch. With one
-    # update per batch π_old = π_θ: the ratio is exactly 1, its gradient is the policy
-    # gradient, and no pass is needed
+    # One update per batch: π_old is π_θ's own forward, detached, so ρ is exactly 1 and its gradient
+    # the policy gradient (no pass). Several: π_old from the pass below, whose micro-batches differ
+    # in rows and padding, so the first update's ρ is 1 to rounding (|ρ − 1| ≤ 4e-6 in float32 here)
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     if multiple_updates:
@@ -410,12 +394,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     metrics.max("losses/ratio_max", ratio[valid])
                     if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # plumbing: clip the gradient to --max-grad-norm, then step. A step whose loss
-            # or gradient norm is not finite is skipped (counted in charts/skipped_steps), so
-            # weights never become NaN
+            # plumbing: clip the gradient to --max-grad-norm, then step; a step whose loss or
+            # gradient norm is not finite is skipped (charts/skipped_steps): weights never turn NaN
             scaler.unscale_(optimizer)  # float16: divided by the loss scale, before clipping
-            # the norm before clipping
-            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)  # unclipped
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
             if torch.isfinite(grad_norm) and math.isfinite(minibatch_loss):
                 scaler.step(optimizer)  # optimizer.step(), after fp16's overflow check
@@ -431,8 +413,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
 
 
 def check_args(args: Args) -> None:
-    """Every flag's range, before anything is loaded: one error lists every
-    problem (NaN fails every check)."""
+    """Every flag's range, before anything loads: one error lists every problem (NaN fails all)."""
     problems = checks.shared_flags(args)  # experiment, rollouts, optimization, evaluation, systems
     # ALGO LOGIC: this method's flags
     problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")
@@ -569,12 +550,10 @@ if __name__ == "__main__":
 # clip-higher (ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip
 # (--loss-aggregation sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04
 # (--kl-coef 0.04); AdamW betas (0.9, 0.99). DAPO's recipe (verl) draws 3× the batch per round,
-# keeps groups whose *accuracies* differ and stops with an error after its last round; here extra
-# rounds are sized by the share of informative groups so far, groups whose rewards differ are
-# kept, and a batch still short at the cap is completed with all-equal groups that do not train.
-# Eq. 13's penalty reaches −1, the whole gap between a right (1) and a wrong (0) answer here; with
-# DAPO's ±1 rewards it is half the gap.
-# No clamp on the log-ratio, as in the papers' objectives and TRL: verl's PPO loss clamps log ρ
-# to ±20 and its GSPO loss the sequence log-ratio at 10, which zeroes the gradient of extremely
-# stale tokens there; here such a token keeps the clipped surrogate's gradient: none when A > 0
-# and ρ > 1 + ε_high, ρ·A·∇log π (unbounded) when A < 0.
+# keeps groups whose *accuracies* differ and stops with an error after its last round; here a
+# round is sized by the share of informative groups so far, groups whose rewards differ are kept,
+# and a batch short at the cap is completed with all-equal groups that do not train. Eq. 13's
+# penalty reaches −1: the whole gap between a right (1) and a wrong (0) answer here, half with ±1.
+# No clamp on the log-ratio (the papers' objectives, TRL): verl clamps log ρ at ±20 and GSPO's
+# sequence log-ratio at 10, zeroing an extremely stale token's gradient; here such a token keeps
+# the clipped surrogate's: none when A > 0 and ρ > 1 + ε_high, ρ·A·∇log π (unbounded) when A < 0.

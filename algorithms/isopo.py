@@ -32,8 +32,7 @@ logits; --log-kl-ref for --kl-coef.
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; the rest is
-plumbing a fork keeps (`# TRY NOT TO MODIFY` marks its helpers). Comments explain the code they
-sit at, metrics are defined where recorded; the paper-scale command and the differences end it.
+plumbing a fork keeps (`# TRY NOT TO MODIFY` marks its helpers). Metrics are defined where recorded.
 μ is the engine that sampled a batch, π_old the trainer at the weights this step starts from (never
 μ). Three k3 KLs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer (at --rollout-lag
 k ≥ 1 with the batch's staleness in it); losses/approx_kl = KL(π_old ‖ π_θ), how far the updates
@@ -212,9 +211,7 @@ def overlap_rows(valid: torch.Tensor, n: int) -> torch.Tensor:
     return keys.topk(min(n, int(valid.sum(1).max())), dim=1, largest=False).indices
 
 
-def fisher_norms(
-    g: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor | None = None
-) -> torch.Tensor:
+def fisher_norms(g, a, rows, valid=None) -> torch.Tensor:
     """Eq. 6's estimate of ‖v_i‖_F [blocks, b] over each block's token rows `rows`,
     in k·N·(out+in) FLOPs per block of N non-pad rows (`valid` [blocks, b, T];
     None: every row): no V_i is formed."""
@@ -603,20 +600,13 @@ class IsopoGradients:
         )
 
 
-def isopo_backward(
-    policy,
-    isopo: IsopoGradients,
-    micro: dict,
-    temperature: float,
-    minibatch_sequences: int,
-    autocast,
-    world_size: int = 1,
-):
+def isopo_backward(policy, isopo, micro, temperature, total_sequences, autocast, world_size=1):
     """One micro-batch: the forward and one backward of Σ log π without advantages (Alg. 2 line 2),
     the ISOPO forwards armed: every parameter's .grad gains this micro-batch's share. Returns
     logprobs, entropy, L (losses/policy_loss; ISOPO transforms ∇L)."""
-    # ∂L/∂log π(o_i|q_i), L = −(1/M) Σ_i A_i log π(o_i|q_i)
-    weights = -micro["advantages"] / minibatch_sequences
+    # ∂L/∂log π(o_i|q_i), L = −(1/M) Σ_i A_i log π(o_i|q_i), M = total_sequences: those of the
+    # minibatch that train, over every rank
+    weights = -micro["advantages"] / total_sequences
     # FSDP2 averages over ranks: × N undoes it
     with isopo.capture(micro["attention_mask"], weights * world_size, micro["response_mask"]):
         with autocast:
@@ -713,8 +703,6 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     """G completions of each prompt from the engine, with the engine's log-prob μ of each
     sampled token, each scored against its row's gold answer: reward 1 for a correct answer,
     else 0, plus DAPO's overlong penalty."""
-    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is
-    # the naive full-vocabulary one
     completions = engine.generate(
         prompt_ids,
         args.group_size,
@@ -726,18 +714,15 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     )
     # prompt i: [iG, (i+1)G)
     scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)
-    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens,
-    # then down to −1 at the limit
+    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before the limit, then down to −1 at it
     rewards = [
         score.reward + overlong_penalty(completion.policy_length, args.max_new_tokens, args.overlong_buffer)
         for score, completion in zip(scores, completions)
     ]
-    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
-    # length limit gets no gradient
+    # --mask-truncated (DAPO's overlong filtering): a completion cut at the limit gets no gradient
     trains = [not (args.mask_truncated and c.finish_reason == "length") for c in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
-    # completions generated, all ranks (and rounds)
-    metrics.sum("sampling/rollouts", len(completions))
+    metrics.sum("sampling/rollouts", len(completions))  # generated, all ranks (and rounds)
     rewards = torch.tensor(rewards).view(-1, args.group_size)  # [prompts, G]
     return Groups(prompt_ids, rows, completions, scores, rewards, trains)
 
@@ -771,18 +756,10 @@ def record_mismatch(metrics, batch, old_logprobs):
     record_staleness(metrics, batch, old_logprobs)
 
 
-PLOTTED = [
-    "charts/reward",
-    "eval/greedy_accuracy",
-    "charts/entropy",
-    "charts/response_length_mean",
-    "losses/kl_ref",
-    "losses/grad_norm",
-    "isopo/lm_head/fisher_norm",
-    "isopo/lm_head/ntk_reg",
-    "mismatch/kl_k3",
-]
-# the progress bar's numbers
+# the curves of curves.png, and the progress bar's numbers
+PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/response_length_mean"]
+PLOTTED += ["losses/kl_ref", "losses/grad_norm", "isopo/lm_head/fisher_norm"]
+PLOTTED += ["isopo/lm_head/ntk_reg", "mismatch/kl_k3"]
 PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]
 # END TRY NOT TO MODIFY
 
@@ -857,12 +834,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     metrics.mean("charts/entropy", (entropy * mask).sum(), tokens)
                     if not multiple_updates:  # one pass sees every rollout, under π_old
                         record_mismatch(metrics, micro, old_logprobs)
-            # plumbing: clip the gradient to --max-grad-norm, then step. A step whose loss
-            # or gradient norm is not finite is skipped (counted in charts/skipped_steps), so
-            # weights never become NaN
+            # plumbing: clip the gradient to --max-grad-norm, then step; a step whose loss or
+            # gradient norm is not finite is skipped (charts/skipped_steps): weights never turn NaN
             scaler.unscale_(optimizer)  # float16: divided by the loss scale, before clipping
-            # the norm before clipping
-            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)  # unclipped
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
             if torch.isfinite(grad_norm) and math.isfinite(minibatch_loss):
                 scaler.step(optimizer)  # optimizer.step(), after fp16's overflow check
@@ -883,8 +858,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
 
 
 def check_args(args: Args) -> None:
-    """Every flag's range, before anything is loaded: one error lists every
-    problem (NaN fails every check)."""
+    """Every flag's range, before anything loads: one error lists every problem (NaN fails all)."""
     problems = checks.shared_flags(args)  # experiment, rollouts, optimization, evaluation, systems
     # ALGO LOGIC: this method's flags
     problems += require(args.block_size >= 1, "--block-size", ">= 1")

@@ -29,8 +29,7 @@ What this file changes relative to grpo.py: the loss above replaces the clipped 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; the rest is
-plumbing a fork keeps (`# TRY NOT TO MODIFY` marks its helpers). Comments explain the code they
-sit at, metrics are defined where recorded; the paper-scale command and the differences end it.
+plumbing a fork keeps (`# TRY NOT TO MODIFY` marks its helpers). Metrics are defined where recorded.
 μ is the engine that sampled a batch, π_old the trainer at the weights this step starts from (never
 μ). Three k3 KLs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer (at --rollout-lag
 k ≥ 1 with the batch's staleness in it); losses/approx_kl = KL(π_old ‖ π_θ), how far the updates
@@ -333,8 +332,6 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     else 0, plus DAPO's overlong penalty."""
     # μ's; off-policy data if it differs
     sampling_temperature = args.sampling_temperature or args.temperature
-    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is
-    # the naive full-vocabulary one
     completions = engine.generate(
         prompt_ids,
         args.group_size,
@@ -346,18 +343,15 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     )
     # prompt i: [iG, (i+1)G)
     scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)
-    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens,
-    # then down to −1 at the limit
+    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before the limit, then down to −1 at it
     rewards = [
         score.reward + overlong_penalty(completion.policy_length, args.max_new_tokens, args.overlong_buffer)
         for score, completion in zip(scores, completions)
     ]
-    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
-    # length limit gets no gradient
+    # --mask-truncated (DAPO's overlong filtering): a completion cut at the limit gets no gradient
     trains = [not (args.mask_truncated and c.finish_reason == "length") for c in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
-    # completions generated, all ranks (and rounds)
-    metrics.sum("sampling/rollouts", len(completions))
+    metrics.sum("sampling/rollouts", len(completions))  # generated, all ranks (and rounds)
     rewards = torch.tensor(rewards).view(-1, args.group_size)  # [prompts, G]
     return Groups(prompt_ids, rows, completions, scores, rewards, trains)
 
@@ -391,18 +385,9 @@ def record_mismatch(metrics, batch, old_logprobs):
     record_staleness(metrics, batch, old_logprobs)
 
 
-PLOTTED = [
-    "charts/reward",
-    "eval/greedy_accuracy",
-    "charts/entropy",
-    "charts/response_length_mean",
-    "losses/ess",
-    "losses/kl_behavior",
-    "losses/clip_fraction",
-    "losses/grad_norm",
-    "mismatch/kl_k3",
-]  # curves.png
-# the progress bar's numbers
+# the curves of curves.png, and the progress bar's numbers
+PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/response_length_mean"]
+PLOTTED += ["losses/ess", "losses/kl_behavior", "losses/clip_fraction", "losses/grad_norm", "mismatch/kl_k3"]
 PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]
 # END TRY NOT TO MODIFY
 
@@ -515,12 +500,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                 ess_fallbacks += fell_back
                 metrics.mean("losses/ess", ess * rank_tokens, rank_tokens)
                 metrics.min("losses/ess_min", ess)
-            # plumbing: clip the gradient to --max-grad-norm, then step. A step whose loss
-            # or gradient norm is not finite is skipped (counted in charts/skipped_steps), so
-            # weights never become NaN
+            # plumbing: clip the gradient to --max-grad-norm, then step; a step whose loss or
+            # gradient norm is not finite is skipped (charts/skipped_steps): weights never turn NaN
             scaler.unscale_(optimizer)  # float16: divided by the loss scale, before clipping
-            # the norm before clipping
-            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)  # unclipped
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
             if torch.isfinite(grad_norm) and math.isfinite(minibatch_loss):
                 scaler.step(optimizer)  # optimizer.step(), after fp16's overflow check
@@ -539,8 +522,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
 
 
 def check_args(args: Args) -> None:
-    """Every flag's range, before anything is loaded: one error lists every
-    problem (NaN fails every check)."""
+    """Every flag's range, before anything loads: one error lists every problem (NaN fails all)."""
     problems = checks.shared_flags(args)  # experiment, rollouts, optimization, evaluation, systems
     # ALGO LOGIC: this method's flags
     temperature = args.sampling_temperature

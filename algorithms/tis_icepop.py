@@ -43,8 +43,7 @@ NaN log-probs and records k1, min / max k; --router-replay. --correction none is
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
 log, evaluate, checkpoint. The method is between `# ALGO LOGIC` and `# END ALGO LOGIC`; the rest is
-plumbing a fork keeps (`# TRY NOT TO MODIFY` marks its helpers). Comments explain the code they
-sit at, metrics are defined where recorded; the paper-scale command and the differences end it.
+plumbing a fork keeps (`# TRY NOT TO MODIFY` marks its helpers). Metrics are defined where recorded.
 μ is the engine that sampled a batch, π_old the trainer at the weights this step starts from (never
 μ). Three k3 KLs: mismatch/kl_k3 = KL(μ ‖ π_old), the engine against the trainer (at --rollout-lag
 k ≥ 1 with the batch's staleness in it); losses/approx_kl = KL(π_old ‖ π_θ), how far the updates
@@ -381,8 +380,6 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     """G completions of each prompt from the engine, with the engine's log-prob μ of each
     sampled token, each scored against its row's gold answer: reward 1 for a correct answer,
     else 0, plus DAPO's overlong penalty."""
-    # --no-keep-sampling-mask: the engine returns no kept set, and the ratio is
-    # the naive full-vocabulary one
     completions = engine.generate(
         prompt_ids,
         args.group_size,
@@ -394,18 +391,15 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     )
     # prompt i: [iG, (i+1)G)
     scores = score_completions(completions, rows, args.group_size, tokenizer, args.task)
-    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before --max-new-tokens,
-    # then down to −1 at the limit
+    # --overlong-buffer L (DAPO Eq. 13): 0 up to L tokens before the limit, then down to −1 at it
     rewards = [
         score.reward + overlong_penalty(completion.policy_length, args.max_new_tokens, args.overlong_buffer)
         for score, completion in zip(scores, completions)
     ]
-    # --mask-truncated (DAPO's overlong filtering): a completion cut off by the
-    # length limit gets no gradient
+    # --mask-truncated (DAPO's overlong filtering): a completion cut at the limit gets no gradient
     trains = [not (args.mask_truncated and c.finish_reason == "length") for c in completions]
     record_tool_use(metrics, completions, args.max_new_tokens)  # a task with tools: tools/*
-    # completions generated, all ranks (and rounds)
-    metrics.sum("sampling/rollouts", len(completions))
+    metrics.sum("sampling/rollouts", len(completions))  # generated, all ranks (and rounds)
     rewards = torch.tensor(rewards).view(-1, args.group_size)  # [prompts, G]
     return Groups(prompt_ids, rows, completions, scores, rewards, trains)
 
@@ -456,18 +450,10 @@ def record_mismatch(metrics, batch, old_logprobs):
 
 
 # TRY NOT TO MODIFY: the curves and the progress bar
-PLOTTED = [
-    "charts/reward",
-    "eval/greedy_accuracy",
-    "charts/entropy",
-    "charts/response_length_mean",
-    "losses/approx_kl",
-    "losses/clip_fraction",
-    "losses/grad_norm",
-    "mismatch/kl_k3",
-    "correction/masked_token_fraction",
-]  # curves.png
-# the progress bar's numbers
+# the curves of curves.png, and the progress bar's numbers
+PLOTTED = ["charts/reward", "eval/greedy_accuracy", "charts/entropy", "charts/response_length_mean"]
+PLOTTED += ["losses/approx_kl", "losses/clip_fraction", "losses/grad_norm", "mismatch/kl_k3"]
+PLOTTED += ["correction/masked_token_fraction"]
 PROGRESS = ["charts/reward", "eval/greedy_accuracy", "memory/peak_allocated_gib"]
 # END TRY NOT TO MODIFY
 
@@ -494,9 +480,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
     share). Records the statistics in `metrics`; returns how many optimizer steps were skipped."""
     autocast, scaler = precision.autocast, precision.scaler  # bf16 / fp16 (fsdp.mixed_precision)
     # ALGO LOGIC: what the loss needs before the updates (grpo.py: the log-probs of π_old and π_ref)
-    # old log-probs only when π_θ will move away from π_old within this batch. With one
-    # update per batch π_old = π_θ: the ratio is exactly 1, its gradient is the policy
-    # gradient, and no pass is needed
+    # One update per batch: π_old is π_θ's own forward, detached, so ρ is exactly 1 and its gradient
+    # the policy gradient (no pass). Several: π_old from the pass below, whose micro-batches differ
+    # in rows and padding, so the first update's ρ is 1 to rounding (|ρ − 1| ≤ 4e-6 in float32 here)
     multiple_updates = args.num_minibatches * args.update_epochs > 1
     every_row = torch.arange(len(batch["advantages"]), device=batch["advantages"].device)
     # an MoE policy's routing, recorded in every forward and replayed by --router-replay
@@ -613,12 +599,10 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                             moe.record_drift(metrics, micro["old_own_routing"], own, positions, moe_layers)
                         elif "engine_routing" in micro:
                             moe.record_agreement(metrics, micro["engine_routing"], used, own, positions, moe_layers)
-            # plumbing: clip the gradient to --max-grad-norm, then step. A step whose loss
-            # or gradient norm is not finite is skipped (counted in charts/skipped_steps), so
-            # weights never become NaN
+            # plumbing: clip the gradient to --max-grad-norm, then step; a step whose loss or
+            # gradient norm is not finite is skipped (charts/skipped_steps): weights never turn NaN
             scaler.unscale_(optimizer)  # float16: divided by the loss scale, before clipping
-            # the norm before clipping
-            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)
+            grad_norm = fsdp.clip_grad_norm(policy, args.max_grad_norm, dist.device)  # unclipped
             minibatch_loss = fsdp.all_reduce(minibatch_loss, dist)  # the loss of all ranks
             if torch.isfinite(grad_norm) and math.isfinite(minibatch_loss):
                 scaler.step(optimizer)  # optimizer.step(), after fp16's overflow check
@@ -638,8 +622,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
 
 
 def check_args(args: Args) -> None:
-    """Every flag's range, before anything is loaded: one error lists every
-    problem (NaN fails every check)."""
+    """Every flag's range, before anything loads: one error lists every problem (NaN fails all)."""
     problems = checks.shared_flags(args)  # experiment, rollouts, optimization, evaluation, systems
     # ALGO LOGIC: this method's flags
     problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")

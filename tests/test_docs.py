@@ -22,11 +22,11 @@ SCRIPTS = sorted(glob.glob(os.path.join(REPO, "algorithms", "[!_]*.py")))  # a n
 # Each docstring says how its method treats a tool's output (EMA-KPO's filter and GTPO's spans skip it: 4 lines)
 # Prose is wrapped at 100 columns: a method's paragraphs take more lines than at 120 (and so does its diff).
 MAX_DIFF = {
-    "ema_kpo": 265,
-    "p3o": 293,
-    "gtpo": 312,
-    "tis_icepop": 389,
-    "isopo": 786,
+    "ema_kpo": 264,
+    "p3o": 284,
+    "gtpo": 309,
+    "tis_icepop": 385,
+    "isopo": 771,
 }  # isopo: + 4 for end_minibatch (stop 49); all + 5: grpo.py's own variants explained; p3o + 10: its metrics (stop 54);
 # tis_icepop + 19: --rollout-lag's log π_s routed as its log π_old (R3: the engine's routing; stop 57); stop 61: rows
 # that do not train (--mask-truncated) left out of a method's statistics (gtpo + 1, tis_icepop + 2, isopo + 9); stop 62:
@@ -38,6 +38,7 @@ MAX_DIFF = {
 # stop 70: ema_kpo + 2, its formulas wrapped at 100 columns (ruff's max-doc-length); all + 2, grpo.py's docstring
 # on a stale batch and on dynamic sampling's round cap (tis_icepop + 1: its Tools paragraph a line shorter); tis_icepop
 # + 4: its record_mismatch an ALGO LOGIC region of its own, no longer one inside the helpers' TRY NOT TO MODIFY
+# stop 71: the files shortened (grpo.py 580 -> 559 lines; isopo's code diff 474 -> 461), each limit set to its diff
 NEW_FORK_DIFF = 400  # a fork not in MAX_DIFF (a user's new method): its docstring, flags and ALGO LOGIC sections
 
 
@@ -65,6 +66,8 @@ def test_docstring_main_and_closing_notes(path):
     # code keeps the formatter's 120 columns, prose 100: few lines pass 100 (grpo.py 4.0%; isopo.py, whose
     # ISOPO backward is dense machinery, 5.9%)
     lines = source.splitlines()
+    # the file every reader starts with and every fork copies: its length is a budget
+    assert not path.endswith("grpo.py") or len(lines) <= 560, f"grpo.py has {len(lines)} lines (at most 560)"
     wide = sum(len(line) > 100 for line in lines)
     assert wide <= (0.05 if path.endswith("grpo.py") else 0.06) * len(lines), f"{wide} of {len(lines)} lines over 100"
     closing = source[source.index('if __name__ == "__main__":') :]
