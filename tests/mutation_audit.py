@@ -1,249 +1,303 @@
-"""Mutation audit: which lines of a method can be broken with every fast test still green?
+"""Mutation audit, on mutmut 3 (https://github.com/boxed/mutmut): which lines of a method can be broken with
+every fast test still green?
 
-    .venv/bin/python tests/mutation_audit.py                       # every script, then common/'s math
-    .venv/bin/python tests/mutation_audit.py grpo isopo --list     # the mutants only, nothing run
-    .venv/bin/python tests/mutation_audit.py common --out /tmp/audit
-    .venv/bin/python tests/mutation_audit.py ema_kpo p3o --own-lines  # a fork's lines that grpo.py lacks
+    .venv/bin/python tests/mutation_audit.py              # the functions changed since the kept audit (CI does this)
+    .venv/bin/python tests/mutation_audit.py --all        # every target function again (about an hour on 2 cores)
+    .venv/bin/python tests/mutation_audit.py grpo --list  # grpo.py's functions and whether their verdicts are current
 
-Each mutant changes one thing in a copy of the repository: a statement replaced by `pass`, a comparison
-negated (< and >=, == and !=, in and not in, is and is not), or an arithmetic operator swapped (+ and -,
-* and /). The places mutated are each script's `# ALGO LOGIC` sections and its `update_policy`, and the
-common/ functions that carry the methods' math (TARGETS). A mutant is *killed* when the fast tier of the
-tests that look at its file fails (pytest -x, stopped at the first failure); else it *survives*, and the
-line needs a test, or a reason it cannot matter (REASONS below: a log line, a check of a flag already
-refused elsewhere). Results go to OUT/results.jsonl, one line per mutant, and a rerun skips the mutants
-already there (delete the file to start over). A mutant is named by the text of its mutated section or
-function, so an edit elsewhere in the file keeps its verdict and an edit of that section runs it again;
-OUT/summary.md lists the survivors per file. OUT defaults to tests/mutation_audit_results/, which the
-repository keeps: a clone goes on where the last audit stopped, and its summary.md is the latest word.
---own-lines leaves out a fork's lines that are also in grpo.py: grpo.py's audit covers those, and a change
-to one shows in `diff algorithms/grpo.py algorithms/X.py`. Slow (about 20-60 s a mutant on 2 cores, so
-hours for all): not part of the test suite."""
+The lines mutated are each script's `# ALGO LOGIC` regions and its `update_policy`, and the common/ functions that
+carry the methods' math (COMMON). mutmut writes every mutant of a function beside the original (operators, numbers,
+names, arguments swapped, calls dropped) and runs, for each, the fast tests that called that function in a first
+clean run: a mutant is *killed* when one of them fails. It runs in a scratch copy of the repository.
+
+The verdicts are kept per function in tests/mutation_audit_results/results.jsonl, each under the hash of the code it
+judged (the function's code, comments and formatting apart, and which of its lines were mutated). A function whose
+hash differs from its kept one is *stale*: its verdicts do not count, and a run judges it again. A survivor needs a
+reason (REASONS: a statement that cannot change the update, a second path to the same numbers) or a test that kills
+it; a survivor without one makes this script exit 1, which is CI's ratchet (tests/test_docs.py runs the stale
+functions' mutants). summary.md lists every file's score, its survivors and the commit it describes.
+
+What mutmut does not reach: a decorated function (a context manager: common/logprobs.py's output_layer_scores and
+_post_head_transform, isopo.py's capture), and main(), which the tests run as a subprocess; their lines are listed
+in summary.md as not audited."""
 
 import argparse
 import ast
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
-import time
+import tempfile
 
 from helpers import ALGORITHMS, REPO
 
-FAST = ["-m", "not slow", "-x", "-q", "-p", "no:cacheprovider"]
-
-# common/ functions that carry a method's math, and the tests that look at them
+OUT = os.path.join(REPO, "tests", "mutation_audit_results")
+# common/ files, the functions of each whose math a method uses (None: all), and the tests that look at them
 COMMON = {
-    "common/logprobs.py": (
-        ["output_layer_scores", "_same", "_post_head_transform", "chunked_scores", "_scores", "log_softmax_gather"],
-        ["tests/test_logprobs.py", "tests/test_scripts.py"],
-    ),
-    "common/batches.py": (None, ["tests/test_batches.py", "tests/test_scripts.py", "tests/test_grpo.py"]),
+    "common/logprobs.py": (["chunked_scores", "_scores", "log_softmax_gather", "_same"], ["tests/test_logprobs.py"]),
+    "common/batches.py": (None, ["tests/test_batches.py", "tests/test_grpo.py"]),
     "common/moe.py": (None, ["tests/test_moe.py", "tests/test_tis_icepop.py"]),
-    "common/rollouts.py": (
-        ["RolloutQueue", "record_staleness"],
-        ["tests/test_rollouts.py", "tests/test_moe.py", "tests/test_fsdp.py"],
-    ),
+    "common/rollouts.py": (["RolloutQueue", "record_staleness"], ["tests/test_rollouts.py", "tests/test_moe.py"]),
 }
-NEGATED = {
-    ast.Lt: ast.GtE, ast.GtE: ast.Lt, ast.Gt: ast.LtE, ast.LtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
-    ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
-}  # fmt: skip
-SWAPPED = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult}
-SYMBOL = {
-    ast.Lt: "<", ast.GtE: ">=", ast.Gt: ">", ast.LtE: "<=", ast.Eq: "==", ast.NotEq: "!=", ast.In: "in",
-    ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not", ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/",
-}  # fmt: skip
-# Lines that may survive, each with the reason (matched against the stripped source line)
-REASONS = {
-    "# END ALGO LOGIC": "a comment",
-    "if cap is None and scaling == 1 and scale == 1:": "a fast path: without it the identity transform is applied",
-    "assert queued.step == step": "a check of the queue's own schedule, which the schedule's tests show holds",
+# Survivors that may stay, each with its reason: (the original line, the mutated line: regular expressions, both
+# searched), reason
+REASONS = [
     # isopo.weighted_gradient: which side of the one GEMM the weights multiply (the cheaper); the product is the same
-    "if g.shape[-1] >= a.shape[-1]:": "a choice of the cheaper side: both sides give the same Σ_t w_t g_t a_tᵀ",
-    "return g.flatten(0, 1).T @ (a * weights[:, None, None]).flatten(0, 1)": "the same product, the other side",
-}
+    (r"^if g\.shape\[-1\] >= a\.shape\[-1\]:", "", "a choice of the cheaper side: both give the same Σ_t w_t g_t a_tᵀ"),
+    (r"^return g\.flatten\(0, 1\)\.T @ \(a \* weights", "", "the same product as the other side's"),
+    (
+        r"device=",
+        r"device=None|^(?!.*device=)",
+        "where a tensor is made: the tests here run on the CPU, its only device",
+    ),
+    (r"dist\.world_size", "", "one process here, world size 1: the two-rank runs (torchrun, test_fsdp.py) judge it"),
+    (r"zero_grad\(set_to_none=True\)", "", "zeroed gradients and none make the same next step (memory only)"),
+    (r'^metrics\.mean\("losses/grad_norm", grad_norm, 1\)', r", 2\)$", "one weight for every minibatch: the same mean"),
+    (
+        r"^if torch\.isfinite\(grad_norm\) and math\.isfinite\(minibatch_loss\):",
+        r" or ",
+        "a loss that is not finite makes the gradient not finite (its backward): `or` skips the same steps",
+    ),
+]
+# Tests that fail under mutmut's own capture of the output (they read the file descriptors a worker writes to)
+DESELECTED = ["tests/test_bad_input.py::test_a_tool_that_exits_is_reported_as_exiting_and_a_flood_is_cut"]
+KILLED = {"killed", "timeout", "segfault", "caught by type check"}  # a test run that failed or never finished
 
 
-def algorithm_ranges(source: str) -> list[tuple[int, int]]:
-    """1-based inclusive line ranges of a script's ALGO LOGIC sections and of its update_policy."""
-    lines, ranges, start = source.splitlines(), [], None
+def script_lines(source: str) -> set[int]:
+    """The lines of a script that are mutated: its ALGO LOGIC regions (main() apart) and its update_policy."""
+    lines, chosen, start = source.splitlines(), set(), None
     for number, line in enumerate(lines, 1):
         if line.strip().startswith("# ALGO LOGIC") and start is None:
             start = number
         elif line.strip().startswith("# END ALGO LOGIC") and start is not None:
-            ranges.append((start, number))
+            chosen |= set(range(start, number + 1))
             start = None
     for node in ast.parse(source).body:
         if isinstance(node, ast.FunctionDef) and node.name == "update_policy":
-            ranges.append((node.lineno, node.end_lineno))
-    return ranges
+            chosen |= set(range(node.lineno, node.end_lineno + 1))
+        if isinstance(node, ast.FunctionDef) and node.name == "main":  # a subprocess in every test: not reached
+            chosen -= set(range(node.lineno, node.end_lineno + 1))
+    return chosen
 
 
-def function_ranges(source: str, names: list[str] | None) -> list[tuple[int, int]]:
-    """The line ranges of the module-level functions and classes named (all of them: None)."""
-    return [
-        (node.lineno, node.end_lineno)
-        for node in ast.parse(source).body
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and (names is None or node.name in names)
-    ]
-
-
-def inside(node, ranges) -> bool:
-    return any(start <= node.lineno and node.end_lineno <= end for start, end in ranges)
-
-
-def docstring(node) -> bool:
-    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
-
-
-def mutants(path: str, ranges) -> list[dict]:
-    """Every mutant of the file at `path` (relative to REPO) within `ranges`: {file, line, kind, text, source}."""
-    source = open(os.path.join(REPO, path)).read()
-    lines = source.splitlines(keepends=True)
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if not hasattr(node, "lineno") or not inside(node, ranges):
-            continue
-        skipped = (ast.Pass, ast.FunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom, ast.AnnAssign)  # not the math
-        if isinstance(node, ast.stmt) and not docstring(node) and not isinstance(node, skipped):
-            indent = lines[node.lineno - 1][: node.col_offset]
-            if lines[node.lineno - 1][: node.col_offset].strip():  # a statement after another on its line
-                continue
-            blank = "\n" * (node.end_lineno - node.lineno)  # the line numbers stay
-            mutated = lines[: node.lineno - 1] + [indent + "pass\n" + blank] + lines[node.end_lineno :]
-            text = lines[node.lineno - 1].strip()
-            found.append(dict(file=path, line=node.lineno, kind="delete", text=text, source="".join(mutated)))
-        pairs = []
-        if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in NEGATED:
-            pairs = [(node.left, node.comparators[0], type(node.ops[0]), NEGATED[type(node.ops[0])])]
-        elif isinstance(node, ast.BinOp) and type(node.op) in SWAPPED:
-            pairs = [(node.left, node.right, type(node.op), SWAPPED[type(node.op)])]
-        for left, right, old, new in pairs:
-            if left.end_lineno != right.lineno:
-                continue  # an operator on a line of its own: not mutated
-            line = lines[left.end_lineno - 1]
-            gap = line[left.end_col_offset : right.col_offset]
-            if gap.strip().strip("()") != SYMBOL[old] and gap.replace("(", "").replace(")", "").strip() != SYMBOL[old]:
-                continue
-            replaced = gap.replace(SYMBOL[old], SYMBOL[new], 1)
-            mutated_line = line[: left.end_col_offset] + replaced + line[right.col_offset :]
-            mutated = lines[: left.end_lineno - 1] + [mutated_line] + lines[left.end_lineno :]
-            text = f"{line.strip()}   [{SYMBOL[old]} -> {SYMBOL[new]} at column {left.end_col_offset}]"
-            found.append(dict(file=path, line=left.end_lineno, kind="operator", text=text, source="".join(mutated)))
-    for mutant in found:  # named by its mutated range alone: an edit elsewhere in the file keeps its verdict
-        start, end = next((start, end) for start, end in ranges if start <= mutant["line"] <= end)
-        region = "".join(mutant["source"].splitlines(keepends=True)[start - 1 : end])
-        mutant["id"] = hashlib.sha1((mutant["file"] + region).encode()).hexdigest()[:12]
-    return sorted(found, key=lambda m: (m["line"], m["kind"], m["text"]))
-
-
-def own_lines(mutants_found: list[dict], path: str) -> list[dict]:
-    """The mutants of a fork whose line is not a line of grpo.py (the method's own lines)."""
-    baseline = {line.strip() for line in open(os.path.join(REPO, "algorithms", "grpo.py"))}
-    lines = open(os.path.join(REPO, path)).read().splitlines()
-    return [m for m in mutants_found if lines[m["line"] - 1].strip() not in baseline]
-
-
-def targets(names: list[str]) -> list[tuple[str, list, list[str]]]:
-    """(file, line ranges, the tests that look at it) for each name: a script, or "common"."""
-    chosen = []
+def target_files(names: list[str]) -> dict[str, tuple[set[int], list[str]]]:
+    """{file: (its mutated lines, the tests that look at it)} for each name: a script, or "common"."""
+    chosen = {}
     for name in names:
         if name in ALGORITHMS:
             path = f"algorithms/{name}.py"
             tests = [f"tests/test_{name}.py", "tests/test_scripts.py", "tests/test_bad_input.py"]
-            chosen.append((path, algorithm_ranges(open(os.path.join(REPO, path)).read()), tests, name))
+            chosen[path] = (script_lines(_read(path)), tests)
         elif name == "common":
             for path, (functions, tests) in COMMON.items():
-                chosen.append((path, function_ranges(open(os.path.join(REPO, path)).read(), functions), tests, None))
+                nodes = [
+                    n for n in _units(ast.parse(_read(path))) if functions is None or n[0].split(".")[0] in functions
+                ]
+                chosen[path] = ({line for _, node in nodes for line in range(node.lineno, node.end_lineno + 1)}, tests)
         else:
             raise SystemExit(f"unknown target {name!r}: one of {' '.join(ALGORITHMS)} common")
     return chosen
 
 
-def run(mutant: dict, tests: list[str], keyword: str | None, workdir: str, timeout: int) -> tuple[str, float, str]:
-    """Write the mutant into the copy, run the fast tests, put the file back: (killed / survived / timeout, s, why)."""
-    target = os.path.join(workdir, mutant["file"])
-    original = open(target).read()
-    try:
-        open(target, "w").write(mutant["source"])
-        start = time.time()
-        for group in (tests[:1], tests[1:]):  # the file's own tests first (they kill most mutants, in seconds)
-            command = [sys.executable, "-m", "pytest", *FAST, "-n", "0", *group]
-            if keyword and group != tests[:1]:  # the per-script checks of test_scripts / test_bad_input: this one's
-                command += ["-k", f"{keyword} or not ({' or '.join(a for a in ALGORITHMS if a != keyword)})"]
-            try:
-                done = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=timeout)
-            except subprocess.TimeoutExpired:
-                return "timeout", time.time() - start, ""
-            if done.returncode != 0:
-                tail = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))][:1]
-                return "killed", time.time() - start, tail[0] if tail else done.stdout.strip().splitlines()[-1:]
-        return "survived", time.time() - start, ""
-    finally:
-        open(target, "w").write(original)
+def _read(path: str) -> str:
+    with open(os.path.join(REPO, path)) as f:
+        return f.read()
 
 
-def summary(results: list[dict]) -> str:
-    lines = ["# Mutation audit: survivors", ""]
-    for path in sorted({r["file"] for r in results}):
-        mine = [r for r in results if r["file"] == path]
-        survivors = [r for r in mine if r["verdict"] == "survived"]
-        lines += [f"## {path}: {len(survivors)} of {len(mine)} mutants survive", ""]
-        for r in survivors:
-            reason = next((why for text, why in REASONS.items() if r["text"].startswith(text)), "")
-            lines.append(f"- line {r['line']} ({r['kind']}): `{r['text']}`" + (f" — {reason}" if reason else ""))
-        lines += [""] if survivors else []
-    return "\n".join(lines)
+def _units(tree):
+    """(qualified name, node) of every function mutmut mutates on its own: top-level functions and methods."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            yield node.name, node
+        elif isinstance(node, ast.ClassDef):
+            yield from ((f"{node.name}.{n.name}", n) for n in node.body if isinstance(n, ast.FunctionDef))
+
+
+def functions(path: str, lines: set[int]) -> dict[str, dict]:
+    """{qualified name: {hash, mutated, decorated}} of the file's functions with a mutated line."""
+    source = _read(path)
+    found = {}
+    for name, node in _units(ast.parse(source)):
+        mutated = sorted(set(range(node.lineno, node.end_lineno + 1)) & lines)
+        if mutated:
+            code = ast.unparse(node) + "\n" + "\n".join(source.splitlines()[n - 1].strip() for n in mutated)
+            digest = hashlib.sha256(code.encode()).hexdigest()[:16]
+            found[name] = {"hash": digest, "decorated": bool(node.decorator_list), "lines": len(mutated)}
+    return found
+
+
+def mutmut_name(path: str, function: str) -> str:
+    """mutmut's name pattern of a function's mutants: algorithms.grpo.x_aggregate__mutmut_*."""
+    module = path[: -len(".py")].replace("/", ".")
+    if "." in function:
+        cls, method = function.split(".")
+        return f"{module}.xǁ{cls}ǁ{method}__mutmut_*"
+    return f"{module}.x_{function}__mutmut_*"
+
+
+def load_results() -> dict[tuple[str, str], dict]:
+    path = os.path.join(OUT, "results.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {(r["file"], r["function"]): r for r in map(json.loads, f) if "function" in r}
+
+
+def reason(mutant: dict) -> str:
+    matches = (re.search(old, mutant["original"]) and re.search(new, mutant["mutated"]) for old, new, _ in REASONS)
+    return next((why for match, (_, _, why) in zip(matches, REASONS) if match), "")
+
+
+def run_mutmut(files: dict, stale: list[tuple[str, str]], workers: int) -> list[dict]:
+    """Every mutant of the `stale` functions, judged in a scratch copy: [{file, function, original, mutated,
+    status}]."""
+    with tempfile.TemporaryDirectory(prefix="mutation_audit_") as work:
+        for folder in ("algorithms", "common", "tests"):
+            shutil.copytree(os.path.join(REPO, folder), os.path.join(work, folder), ignore=_ignored)
+        shutil.copy(os.path.join(REPO, "pytest.ini"), work)
+        os.makedirs(os.path.join(work, "mutants"))
+        os.symlink(os.path.join(REPO, ".cache"), os.path.join(work, "mutants", ".cache"))  # the built-in models
+        tests = sorted({test for path in {p for p, _ in stale} for test in files[path][1]})
+        config = [
+            "[mutmut]",
+            "source_paths =\n    algorithms/\n    common/",
+            "only_mutate =\n" + "".join(f"    {p}\n" for p in sorted({p for p, _ in stale})),
+            "also_copy =\n    pytest.ini",
+            # one process (mutmut's stats are collected in it), one thread: the fast tier of the file's tests
+            "pytest_add_cli_args =\n    -n\n    0\n    -p\n    no:cacheprovider\n    -q\n"
+            + "".join(f"    --deselect\n    {test}\n" for test in DESELECTED),
+            "pytest_add_cli_args_test_selection =\n" + "".join(f"    {t}\n" for t in tests) + "    -m\n    not slow",
+        ]
+        with open(os.path.join(work, "setup.cfg"), "w") as f:
+            f.write("\n".join(config) + "\n")
+        lines = {path: sorted(files[path][0]) for path in files}
+        env = dict(os.environ, MUTATION_AUDIT_LINES=json.dumps(lines), OMP_NUM_THREADS="1")
+        patterns = [mutmut_name(path, function) for path, function in stale]
+        command = [sys.executable, os.path.abspath(__file__), "--mutmut"]
+        subprocess.run([*command, "run", "--max-children", str(workers), *patterns], cwd=work, env=env, check=True)
+        report = subprocess.run([*command, "report", *patterns], cwd=work, env=env, check=True, capture_output=True)
+        return json.loads(report.stdout.decode().splitlines()[-1])
+
+
+def _ignored(folder, names):
+    return [n for n in names if n in ("__pycache__", "mutation_audit_results")]
+
+
+def mutmut_main(argv: list[str]) -> None:
+    """Inside the scratch copy: mutmut's command line, mutating only the audited lines (MUTATION_AUDIT_LINES); or
+    `report PATTERN...`, the mutants' verdicts and their changed lines as JSON."""
+    from mutmut.mutation import file_mutation
+
+    allowed = {path: set(lines) for path, lines in json.loads(os.environ["MUTATION_AUDIT_LINES"]).items()}
+    original = file_mutation.get_ignored_lines
+
+    def ignored_lines(filename, source, *args, **kwargs):
+        ignored = original(filename, source, *args, **kwargs)
+        path = os.path.relpath(os.path.abspath(filename), os.getcwd())
+        keep = allowed.get(path, set())
+        ignored.no_mutate_lines |= set(range(1, source.count("\n") + 2)) - keep
+        return ignored
+
+    file_mutation.get_ignored_lines = ignored_lines
+    if argv[0] != "report":
+        from mutmut.__main__ import cli
+
+        sys.argv = ["mutmut", *argv]
+        cli()  # exits
+    import fnmatch
+
+    from mutmut.__main__ import get_diff_for_mutant, status_by_exit_code, walk_mutatable_files
+    from mutmut.mutation.data import SourceFileMutationData
+
+    verdicts = []
+    for path in walk_mutatable_files():
+        data = SourceFileMutationData(path=path)
+        data.load()
+        for name, code in sorted(data.exit_code_by_key.items()):
+            if not any(fnmatch.fnmatch(name, pattern) for pattern in argv[1:]):
+                continue
+            diff = get_diff_for_mutant(name, path=path).splitlines()
+            removed = [line[1:].strip() for line in diff if line.startswith("-") and not line.startswith("---")]
+            added = [line[1:].strip() for line in diff if line.startswith("+") and not line.startswith("+++")]
+            mangled = name.partition("__mutmut_")[0].rpartition(".")[2]
+            function = mangled[2:] if mangled.startswith("x_") else ".".join(mangled.strip("xǁ").split("ǁ"))
+            verdicts.append(
+                dict(
+                    file=str(path),
+                    function=function,
+                    mutant=int(name.rpartition("_")[2]),
+                    original=" / ".join(removed),
+                    mutated=" / ".join(added),
+                    status=status_by_exit_code[code],
+                )
+            )
+    print(json.dumps(verdicts))
+
+
+def summary(results: dict, files: dict, commit: str) -> str:
+    out = ["# Mutation audit: survivors", "", f"Judged on the code of commit {commit} (mutmut 3.8.1).", ""]
+    for path in sorted({p for p, _ in results}):
+        units = [r for (p, _), r in sorted(results.items()) if p == path]
+        mutants = [m for r in units for m in r["mutants"]]
+        killed = sum(m["status"] in KILLED for m in mutants)
+        out += [f"## {path}: {killed} of {len(mutants)} mutants killed", ""]
+        for r in units:
+            for m in r["mutants"]:
+                if m["status"] not in KILLED:
+                    why = reason(m) or "NO REASON"
+                    out.append(f"- {r['function']} ({m['status']}): `{m['original']}` → `{m['mutated']}` — {why}")
+        skipped = (
+            [f for f, info in functions(path, files[path][0]).items() if info["decorated"]] if path in files else []
+        )
+        if skipped:
+            out.append(f"- not audited (decorated, which mutmut leaves alone): {', '.join(skipped)}")
+        out.append("")
+    return "\n".join(out)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", default=[*ALGORITHMS, "common"], help="scripts, or common")
-    parser.add_argument("--out", default=os.path.join(REPO, "tests", "mutation_audit_results"), help="results folder")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per mutant")
-    parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
-    parser.add_argument("--own-lines", action="store_true", help="a fork's lines that are not in grpo.py only")
+    if sys.argv[1:2] == ["--mutmut"]:
+        return mutmut_main(sys.argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("targets", nargs="*", default=[*ALGORITHMS, "common"], help="scripts, or common")
+    parser.add_argument("--all", action="store_true", help="judge every function again, current or not")
+    parser.add_argument("--list", action="store_true", help="each function and whether its verdicts are current")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
-    chosen = targets(args.names)
-
-    def mutants_of(path, ranges):
-        found = mutants(path, ranges)
-        fork = path.startswith("algorithms/") and path != "algorithms/grpo.py"  # common/'s lines are all its own
-        return own_lines(found, path) if args.own_lines and fork else found
-
+    files = target_files(args.targets)
+    results = load_results()
+    stale = []
+    for path, (lines, _) in files.items():
+        for function, info in functions(path, lines).items():
+            kept = results.get((path, function))
+            current = kept is not None and kept["hash"] == info["hash"]
+            if args.list:
+                print(f"{path} {function}: {'current' if current else 'stale'}{' (decorated)' * info['decorated']}")
+            if (args.all or not current) and not info["decorated"]:
+                stale.append((path, function, info["hash"]))
     if args.list:
-        for path, ranges, _, _ in chosen:
-            for mutant in mutants_of(path, ranges):
-                print(f"{mutant['file']}:{mutant['line']} {mutant['kind']}: {mutant['text']}")
         return
-    os.makedirs(args.out, exist_ok=True)
-    results_path = os.path.join(args.out, "results.jsonl")
-    done = {}
-    if os.path.exists(results_path):
-        done = {r["id"]: r for r in map(json.loads, open(results_path)) if r["verdict"] != "timeout"}
-    # a copy of the repository, outside it: the mutants never touch the working tree
-    workdir = os.path.join(REPO, "runs", "mutation_audit_repo")
-    shutil.rmtree(workdir, ignore_errors=True)
-    ignore = shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__", "*.egg-info")
-    shutil.copytree(REPO, workdir, ignore=ignore)
-    current = {m["id"] for path, ranges, _, _ in chosen for m in mutants_of(path, ranges)}
-    for path, ranges, tests, keyword in chosen:
-        todo = [m for m in mutants_of(path, ranges) if m["id"] not in done]
-        print(f"{path}: {len(todo)} mutants to run", file=sys.stderr)
-        for number, mutant in enumerate(todo, 1):
-            verdict, seconds, why = run(mutant, tests, keyword, workdir, args.timeout)
-            record = {k: mutant[k] for k in ("id", "file", "line", "kind", "text")}
-            record.update(verdict=verdict, seconds=round(seconds, 1), why=why)
-            with open(results_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            done[mutant["id"]] = record
-            print(f"[{number}/{len(todo)}] {verdict} {seconds:.0f}s {path}:{mutant['line']} {mutant['text']}")
-        with open(os.path.join(args.out, "summary.md"), "w") as f:  # after each file: a run cut off keeps its part
-            f.write(summary([r for r in done.values() if r["id"] in current]))
-    print(f"survivors: {os.path.join(args.out, 'summary.md')}")
+    if stale:
+        print(f"judging {len(stale)} functions: {', '.join(f'{p}:{f}' for p, f, _ in stale)}", flush=True)
+        verdicts = run_mutmut(files, [(p, f) for p, f, _ in stale], args.workers)
+        for path, function, digest in stale:
+            mine = [m for m in verdicts if (m["file"], m["function"]) == (path, function)]
+            results[(path, function)] = dict(file=path, function=function, hash=digest, mutants=mine)
+        with open(os.path.join(OUT, "results.jsonl"), "w") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for _, r in sorted(results.items()))
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        with open(os.path.join(OUT, "summary.md"), "w") as f:
+            f.write(summary(results, files, commit.stdout.strip() or "unknown"))
+    judged = [(key, m) for key, r in results.items() if key[0] in files for m in r["mutants"]]
+    unexplained = [(key, m) for key, m in judged if m["status"] not in KILLED and not reason(m)]
+    print(f"{len(judged)} mutants, {len(unexplained)} survivors without a reason (tests/mutation_audit_results)")
+    for (path, function), m in unexplained:
+        print(f"  {path} {function}: `{m['original']}` → `{m['mutated']}` ({m['status']})")
+    sys.exit(1 if unexplained else 0)
 
 
 if __name__ == "__main__":

@@ -239,6 +239,12 @@ def test_method_flags_are_accepted_where_they_apply(name):
     module.check_args(flags.replace(args, **applies.get(name, {})))
     if name == "isopo":  # the NTK's trailing mean in the interacting variant
         module.check_args(flags.replace(args, variant="interacting", ema_decay=0.5))
+    # the ends of the ranges: a clip range of 0 is one (set, with two updates), an infinite one or β is not
+    names = flags.names(module.Args)
+    module.check_args(flags.replace(args, **{k: 0.0 for k in ("clip_low", "clip_high") if k in names}))
+    for flag in [k for k in ("clip_high", "kl_coef") if k in names]:
+        with pytest.raises(BadInput, match=f"--{flag.replace('_', '-')}"):
+            module.check_args(flags.replace(args, **{flag: float("inf")}))
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

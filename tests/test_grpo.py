@@ -67,13 +67,17 @@ def test_equal_rewards_give_zero_advantage(name):
         (0.5, -1.0, 0.8, True, 0.0),  # below 1−ε_low with A < 0: clipped
         (0.8, -1.0, 0.8, False, 0.8),  # exactly at the lower boundary
         (1.5, -1.0, 1.5, False, 1.5),  # above 1+ε_high with A < 0: pessimistic, unclipped
-        (2.0, 0.0, 0.0, False, 0.0),  # zero advantage: no loss, no gradient
+        (2.0, 0.0, 0.0, False, 0.0),  # zero advantage: no loss, no gradient, nothing clipped (clip_fraction)
+        (0.5, 0.0, 0.0, False, 0.0),  # zero advantage below the range: nothing clipped either
     ],
 )
-def test_clipped_surrogate_by_hand(ratio, advantage, loss, active, gradient):
+@pytest.mark.parametrize("name", [n for n in ALGORITHMS if n in ("grpo", "gtpo", "p3o", "tis_icepop")])
+def test_clipped_surrogate_by_hand(name, ratio, advantage, loss, active, gradient):
+    """grpo.py's clipped surrogate, and the forks' copies of it (ema_kpo.py's takes its filtered ratio)."""
+    algorithm = importlib.import_module(f"algorithms.{name}")
     old = torch.tensor([[-1.0]], dtype=torch.float64)
     logprobs = (old + torch.log(torch.tensor(ratio, dtype=torch.float64))).requires_grad_()
-    token_loss, ratio_out, clip_active = grpo.clipped_surrogate_loss(
+    token_loss, ratio_out, clip_active = algorithm.clipped_surrogate_loss(
         logprobs, old, torch.tensor([advantage], dtype=torch.float64), clip_low=0.2, clip_high=0.28
     )
     token_loss.sum().backward()

@@ -257,7 +257,7 @@ def test_a_non_finite_step_leaves_the_weights_untouched(name, tmp_path, monkeypa
         "output_dir": str(tmp_path),
         "prompts_per_step": 4,
         "group_size": 4,
-        "num_minibatches": 2 if name == "ema_kpo" else 1,  # EMA-KPO needs more than one update per batch
+        "num_minibatches": 2,  # two skipped steps per batch: each is counted
     }
     algorithm.main(flags.make(algorithm.Args, **{k: v for k, v in overrides.items() if k in fields}))
     run_dir = only_run_dir(tmp_path)
@@ -438,16 +438,38 @@ def test_float16_gradients_are_unscaled_before_clipping(name, tiny):
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_a_minibatch_without_response_tokens_is_skipped_and_counted(name, tiny):
     """No response token in a minibatch (0/0 in a token mean): no NaN, no optimizer step, counted as
-    skipped; no loss is logged for an update that did not happen (not a made-up 0)."""
+    skipped, and the next minibatch is still tried (two skipped of two); no loss is logged for an update that did
+    not happen (not a made-up 0)."""
     algorithm = importlib.import_module(f"algorithms.{name}")
     model, tokenizer = tiny
     prompts, _ = two_group_rollouts(tokenizer)
     empty = [Completion([], [], "length") for _ in range(8)]
-    args = _args(algorithm, loss_aggregation="token-mean")
+    args = _args(algorithm, loss_aggregation="token-mean", num_minibatches=2)
     weights, logged = _updated(algorithm, model, tokenizer, prompts, empty, [1.0, 0.0] * 4, args)
     for key, p in model.named_parameters():
         assert torch.equal(weights[key], p), key
-    assert logged["skipped"] == 1 and "losses/policy_loss" not in logged
+    assert logged["skipped"] == 2 and "losses/policy_loss" not in logged
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_micro_batches_change_no_number(name, tiny):
+    """--micro-batch-size is memory only: micro-batches of 4 rows make the update and log the loss of one
+    micro-batch of 8 (each micro-batch's share of the loss adds up to the minibatch's)."""
+    algorithm = importlib.import_module(f"algorithms.{name}")
+    model, tokenizer = tiny
+    prompts, completions = two_group_rollouts(tokenizer)
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+    runs = []
+    for size in (8, 4):  # two epochs: the second's ratios are not 1, so every method's loss is away from 0
+        torch.manual_seed(0)
+        args = _args(algorithm, size, update_epochs=2, block_size=4, lr=0.01)
+        runs.append(_updated(algorithm, model, tokenizer, prompts, completions, rewards, args))
+    (weights, logged), (micro_weights, micro_logged) = runs
+    assert abs(logged["losses/policy_loss"]) > 1e-3
+    assert micro_logged["losses/policy_loss"] == pytest.approx(logged["losses/policy_loss"], rel=1e-4)
+    initial = dict(model.named_parameters())
+    for key, weight in weights.items():  # float32 sums in another order: about 1e-4 of a step at most
+        assert (micro_weights[key] - weight).norm() <= 1e-3 * (weight - initial[key]).norm() + 1e-9, key
 
 
 @pytest.mark.parametrize("name, lora_rank", [(n, 0) for n in ALGORITHMS] + [("grpo", 4)])
