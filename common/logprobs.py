@@ -139,13 +139,8 @@ def _post_head_transform(model):
         yield lambda score: score
         return
 
-    def transform(logits):
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits / scaling * scale
-
     def transformed(score):
-        return lambda logits, targets: score(transform(logits), targets)
+        return lambda logits, targets: score(post_head_logits(logits, cap, scaling, scale), targets)
 
     settings = [(config, "final_logit_softcapping", cap, None), (config, "logits_scaling", scaling, 1.0)]
     settings += [(inner, "logit_scale", scale, 1.0)]
@@ -157,6 +152,14 @@ def _post_head_transform(model):
     finally:
         for owner, name, value in changed:
             setattr(owner, name, value)
+
+
+def post_head_logits(logits: torch.Tensor, cap: float | None, scaling: float, scale: float) -> torch.Tensor:
+    """The logits a model hands out after its output layer's z: Gemma's soft-capping c·tanh(z / c) (`cap`, None: off),
+    then Granite's z / `scaling` and Cohere's z · `scale`."""
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits / scaling * scale
 
 
 def chunked_scores(

@@ -24,6 +24,7 @@ in summary.md as not audited."""
 import argparse
 import ast
 import hashlib
+import io
 import json
 import os
 import re
@@ -31,13 +32,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tokenize
 
 from helpers import ALGORITHMS, REPO
 
-OUT = os.path.join(REPO, "tests", "mutation_audit_results")
+ROOT = REPO  # the repository audited (--repo: another copy of it)
+RESULTS = os.path.join("tests", "mutation_audit_results")
 # common/ files, the functions of each whose math a method uses (None: all), and the tests that look at them
 COMMON = {
-    "common/logprobs.py": (["chunked_scores", "_scores", "log_softmax_gather", "_same"], ["tests/test_logprobs.py"]),
+    "common/logprobs.py": (
+        ["post_head_logits", "chunked_scores", "_scores", "log_softmax_gather", "_same"],
+        ["tests/test_logprobs.py"],
+    ),
     "common/batches.py": (None, ["tests/test_batches.py", "tests/test_grpo.py"]),
     "common/moe.py": (None, ["tests/test_moe.py", "tests/test_tis_icepop.py"]),
     "common/rollouts.py": (["RolloutQueue", "record_staleness"], ["tests/test_rollouts.py", "tests/test_moe.py"]),
@@ -48,11 +54,7 @@ REASONS = [
     # isopo.weighted_gradient: which side of the one GEMM the weights multiply (the cheaper); the product is the same
     (r"^if g\.shape\[-1\] >= a\.shape\[-1\]:", "", "a choice of the cheaper side: both give the same Σ_t w_t g_t a_tᵀ"),
     (r"^return g\.flatten\(0, 1\)\.T @ \(a \* weights", "", "the same product as the other side's"),
-    (
-        r"device=",
-        r"device=None|^(?!.*device=)",
-        "where a tensor is made: the tests here run on the CPU, its only device",
-    ),
+    (r"device", r"device=None|, None\)|, \)", "where a tensor is made: these tests run on the CPU, the one device"),
     (r"dist\.world_size", "", "one process here, world size 1: the two-rank runs (torchrun, test_fsdp.py) judge it"),
     (r"zero_grad\(set_to_none=True\)", "", "zeroed gradients and none make the same next step (memory only)"),
     (r'^metrics\.mean\("losses/grad_norm", grad_norm, 1\)', r", 2\)$", "one weight for every minibatch: the same mean"),
@@ -62,26 +64,32 @@ REASONS = [
         "a loss that is not finite makes the gradient not finite (its backward): `or` skips the same steps",
     ),
 ]
+# lines whose strings are messages to a user: a refusal (require, checks.unused), an error, a warning
+MESSAGES = r"\b(require|unused|BadInput|ValueError|RuntimeError|print|warn)\("
 # Tests that fail under mutmut's own capture of the output (they read the file descriptors a worker writes to)
 DESELECTED = ["tests/test_bad_input.py::test_a_tool_that_exits_is_reported_as_exiting_and_a_flood_is_cut"]
 KILLED = {"killed", "timeout", "segfault", "caught by type check"}  # a test run that failed or never finished
 
 
-def script_lines(source: str) -> set[int]:
-    """The lines of a script that are mutated: its ALGO LOGIC regions (main() apart) and its update_policy."""
-    lines, chosen, start = source.splitlines(), set(), None
+def script_lines(source: str, inside_main: bool = False) -> set[int]:
+    """The lines of a script that are mutated: its ALGO LOGIC regions (main() apart) and its update_policy; or, with
+    `inside_main`, the ALGO LOGIC lines in main(), which no test runs in its own process (not audited)."""
+    lines, regions, start = source.splitlines(), set(), None
     for number, line in enumerate(lines, 1):
         if line.strip().startswith("# ALGO LOGIC") and start is None:
             start = number
         elif line.strip().startswith("# END ALGO LOGIC") and start is not None:
-            chosen |= set(range(start, number + 1))
+            regions |= set(range(start, number + 1))
             start = None
+        elif re.search(r"\S  # ALGO LOGIC", line):  # a one-line region: its code, then the marker
+            regions.add(number)
+    chosen, in_main = set(regions), set()
     for node in ast.parse(source).body:
         if isinstance(node, ast.FunctionDef) and node.name == "update_policy":
             chosen |= set(range(node.lineno, node.end_lineno + 1))
         if isinstance(node, ast.FunctionDef) and node.name == "main":  # a subprocess in every test: not reached
-            chosen -= set(range(node.lineno, node.end_lineno + 1))
-    return chosen
+            in_main = regions & set(range(node.lineno, node.end_lineno + 1))
+    return in_main if inside_main else chosen - in_main
 
 
 def target_files(names: list[str]) -> dict[str, tuple[set[int], list[str]]]:
@@ -90,7 +98,10 @@ def target_files(names: list[str]) -> dict[str, tuple[set[int], list[str]]]:
     for name in names:
         if name in ALGORITHMS:
             path = f"algorithms/{name}.py"
-            tests = [f"tests/test_{name}.py", "tests/test_scripts.py", "tests/test_bad_input.py"]
+            # test_grpo.py and test_scripts.py also check every fork's copy of grpo.py's functions (by name)
+            tests = sorted(
+                {f"tests/test_{name}.py", "tests/test_grpo.py", "tests/test_scripts.py", "tests/test_bad_input.py"}
+            )
             chosen[path] = (script_lines(_read(path)), tests)
         elif name == "common":
             for path, (functions, tests) in COMMON.items():
@@ -104,7 +115,7 @@ def target_files(names: list[str]) -> dict[str, tuple[set[int], list[str]]]:
 
 
 def _read(path: str) -> str:
-    with open(os.path.join(REPO, path)) as f:
+    with open(os.path.join(ROOT, path)) as f:
         return f.read()
 
 
@@ -117,14 +128,15 @@ def _units(tree):
             yield from ((f"{node.name}.{n.name}", n) for n in node.body if isinstance(n, ast.FunctionDef))
 
 
-def functions(path: str, lines: set[int]) -> dict[str, dict]:
-    """{qualified name: {hash, mutated, decorated}} of the file's functions with a mutated line."""
-    source = _read(path)
+def functions(source: str, lines: set[int]) -> dict[str, dict]:
+    """{qualified name: {hash, lines, decorated}} of the functions of `source` with a mutated line among `lines`."""
     found = {}
     for name, node in _units(ast.parse(source)):
         mutated = sorted(set(range(node.lineno, node.end_lineno + 1)) & lines)
         if mutated:
-            code = ast.unparse(node) + "\n" + "\n".join(source.splitlines()[n - 1].strip() for n in mutated)
+            # the code, and which of its statements are audited (by their code: comments and formatting apart)
+            audited = [ast.unparse(s) for s in ast.walk(node) if isinstance(s, ast.stmt) and s.lineno in lines]
+            code = ast.unparse(node) + "\n" + "\n".join(audited)
             digest = hashlib.sha256(code.encode()).hexdigest()[:16]
             found[name] = {"hash": digest, "decorated": bool(node.decorator_list), "lines": len(mutated)}
     return found
@@ -140,14 +152,27 @@ def mutmut_name(path: str, function: str) -> str:
 
 
 def load_results() -> dict[tuple[str, str], dict]:
-    path = os.path.join(OUT, "results.jsonl")
+    path = os.path.join(ROOT, RESULTS, "results.jsonl")
     if not os.path.exists(path):
         return {}
     with open(path) as f:
         return {(r["file"], r["function"]): r for r in map(json.loads, f) if "function" in r}
 
 
+def only_text_changed(original: str, mutated: str) -> bool:
+    """The mutant changes a string's text (or puts None in its place) and nothing else."""
+    try:
+        before, after = (list(tokenize.generate_tokens(io.StringIO(line).readline)) for line in (original, mutated))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return False
+    text = lambda token: token.type == tokenize.STRING or token.string == "None"  # noqa: E731
+    same = [a.string == b.string or text(a) and text(b) for a, b in zip(before, after)]
+    return len(before) == len(after) and all(same) and original != mutated
+
+
 def reason(mutant: dict) -> str:
+    if only_text_changed(mutant["original"], mutant["mutated"]) and re.search(MESSAGES, mutant["original"]):
+        return "the wording of a message (the tests check which check refuses, not its words)"
     matches = (re.search(old, mutant["original"]) and re.search(new, mutant["mutated"]) for old, new, _ in REASONS)
     return next((why for match, (_, _, why) in zip(matches, REASONS) if match), "")
 
@@ -157,8 +182,8 @@ def run_mutmut(files: dict, stale: list[tuple[str, str]], workers: int) -> list[
     status}]."""
     with tempfile.TemporaryDirectory(prefix="mutation_audit_") as work:
         for folder in ("algorithms", "common", "tests"):
-            shutil.copytree(os.path.join(REPO, folder), os.path.join(work, folder), ignore=_ignored)
-        shutil.copy(os.path.join(REPO, "pytest.ini"), work)
+            shutil.copytree(os.path.join(ROOT, folder), os.path.join(work, folder), ignore=_ignored)
+        shutil.copy(os.path.join(ROOT, "pytest.ini"), work)
         os.makedirs(os.path.join(work, "mutants"))
         os.symlink(os.path.join(REPO, ".cache"), os.path.join(work, "mutants", ".cache"))  # the built-in models
         tests = sorted({test for path in {p for p, _ in stale} for test in files[path][1]})
@@ -238,23 +263,37 @@ def mutmut_main(argv: list[str]) -> None:
     print(json.dumps(verdicts))
 
 
-def summary(results: dict, files: dict, commit: str) -> str:
-    out = ["# Mutation audit: survivors", "", f"Judged on the code of commit {commit} (mutmut 3.8.1).", ""]
+def summary(results: dict) -> str:
+    files = target_files([*ALGORITHMS, "common"])
+    commits = sorted({r.get("commit", "unknown") for r in results.values()})
+    out = ["# Mutation audit: survivors", "", f"Judged by mutmut 3.8.1 on the code of commit {', '.join(commits)}", ""]
+    out += ["(each function's verdicts are kept with the hash of its code: tests/mutation_audit_results/results.jsonl)"]
+    out += [""]
+    current = {(path, f): info["hash"] for path in files for f, info in functions(_read(path), files[path][0]).items()}
     for path in sorted({p for p, _ in results}):
-        units = [r for (p, _), r in sorted(results.items()) if p == path]
+        every = [r for (p, _), r in sorted(results.items()) if p == path]
+        units = [r for r in every if current.get((path, r["function"])) == r["hash"]]
         mutants = [m for r in units for m in r["mutants"]]
         killed = sum(m["status"] in KILLED for m in mutants)
         out += [f"## {path}: {killed} of {len(mutants)} mutants killed", ""]
+        stale = [r["function"] for r in every if r not in units]
+        if stale:  # judged on code that has changed since: not counted
+            out.append(f"- stale, not counted (their code changed since): {', '.join(stale)}")
         for r in units:
             for m in r["mutants"]:
                 if m["status"] not in KILLED:
                     why = reason(m) or "NO REASON"
                     out.append(f"- {r['function']} ({m['status']}): `{m['original']}` → `{m['mutated']}` — {why}")
         skipped = (
-            [f for f, info in functions(path, files[path][0]).items() if info["decorated"]] if path in files else []
+            [f for f, info in functions(_read(path), files[path][0]).items() if info["decorated"]]
+            if path in files
+            else []
         )
         if skipped:
             out.append(f"- not audited (decorated, which mutmut leaves alone): {', '.join(skipped)}")
+        in_main = script_lines(_read(path), inside_main=True) if path.startswith("algorithms/") else set()
+        if in_main:
+            out.append(f"- not audited: main()'s ALGO LOGIC lines {min(in_main)}-{max(in_main)} (the tests run main())")
         out.append("")
     return "\n".join(out)
 
@@ -267,37 +306,72 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="judge every function again, current or not")
     parser.add_argument("--list", action="store_true", help="each function and whether its verdicts are current")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--check", action="store_true", help="judge the stale functions, keep nothing (CI)")
+    parser.add_argument("--rejudge", action="store_true", help="judge again the functions with survivors (new tests)")
+    parser.add_argument("--repo", default=REPO, help="audit this copy of the repository (its results files too)")
     args = parser.parse_args()
+    global ROOT
+    ROOT = os.path.abspath(args.repo)
     files = target_files(args.targets)
-    results = load_results()
-    stale = []
+    kept = load_results()
+    present, stale = set(), []
     for path, (lines, _) in files.items():
-        for function, info in functions(path, lines).items():
-            kept = results.get((path, function))
-            current = kept is not None and kept["hash"] == info["hash"]
+        for function, info in functions(_read(path), lines).items():
+            current = (path, function) in kept and kept[path, function]["hash"] == info["hash"]
             if args.list:
                 print(f"{path} {function}: {'current' if current else 'stale'}{' (decorated)' * info['decorated']}")
-            if (args.all or not current) and not info["decorated"]:
-                stale.append((path, function, info["hash"]))
+            if not info["decorated"]:
+                present.add((path, function))
+                again = (
+                    args.all or not current or args.rejudge and any(map(unexplained, kept[path, function]["mutants"]))
+                )
+                stale += [(path, function, info["hash"])] if again else []
     if args.list:
         return
+    results = dict(kept)
     if stale:
         print(f"judging {len(stale)} functions: {', '.join(f'{p}:{f}' for p, f, _ in stale)}", flush=True)
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         verdicts = run_mutmut(files, [(p, f) for p, f, _ in stale], args.workers)
         for path, function, digest in stale:
             mine = [m for m in verdicts if (m["file"], m["function"]) == (path, function)]
-            results[(path, function)] = dict(file=path, function=function, hash=digest, mutants=mine)
-        with open(os.path.join(OUT, "results.jsonl"), "w") as f:
+            record = dict(file=path, function=function, hash=digest, commit=commit.stdout.strip() or "unknown")
+            results[path, function] = dict(record, mutants=mine)
+    # a function gone from a file audited here is gone from the results
+    results = {key: r for key, r in results.items() if key in present or key[0] not in files}
+    if not args.check:
+        with open(os.path.join(ROOT, RESULTS, "results.jsonl"), "w") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for _, r in sorted(results.items()))
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        with open(os.path.join(OUT, "summary.md"), "w") as f:
-            f.write(summary(results, files, commit.stdout.strip() or "unknown"))
-    judged = [(key, m) for key, r in results.items() if key[0] in files for m in r["mutants"]]
-    unexplained = [(key, m) for key, m in judged if m["status"] not in KILLED and not reason(m)]
-    print(f"{len(judged)} mutants, {len(unexplained)} survivors without a reason (tests/mutation_audit_results)")
-    for (path, function), m in unexplained:
-        print(f"  {path} {function}: `{m['original']}` → `{m['mutated']}` ({m['status']})")
-    sys.exit(1 if unexplained else 0)
+        with open(os.path.join(ROOT, RESULTS, "summary.md"), "w") as f:
+            f.write(summary(results))
+    # The ratchet: a function judged now may not have a survivor without a reason that its kept verdicts did not
+    # have (a changed function: new lines untested, or a test weakened), and no file's share of killed mutants may fall
+    failures = []
+    for path, function, _ in stale:
+        known = {(m["original"], m["mutated"]) for m in kept.get((path, function), {}).get("mutants", [])
+                 if unexplained(m)}  # fmt: skip
+        for m in results[path, function]["mutants"]:
+            if unexplained(m) and (m["original"], m["mutated"]) not in known:
+                failures.append(f"  {path} {function}: `{m['original']}` → `{m['mutated']}` ({m['status']})")
+    for path in sorted({p for p, _, _ in stale}):
+        before, after = score(kept, path, present), score(results, path, present)
+        if before is not None and after < before:
+            failures.append(f"  {path}: {after:.1%} of its mutants killed, {before:.1%} in the kept audit")
+    survivors = sum(unexplained(m) for key in present for m in results[key]["mutants"])
+    print(f"{sum(len(results[key]['mutants']) for key in present)} mutants of {len(present)} functions, "
+          f"{survivors} survivors without a reason (summary.md); {len(failures)} new:")  # fmt: skip
+    print("\n".join(failures))
+    sys.exit(1 if failures else 0)
+
+
+def unexplained(mutant: dict) -> bool:
+    return mutant["status"] not in KILLED and not reason(mutant)
+
+
+def score(results: dict, path: str, present: set) -> float | None:
+    """The share of killed mutants of the file's current functions in `results` (None: none judged)."""
+    mutants = [m for (p, f), r in results.items() if p == path and (p, f) in present for m in r["mutants"]]
+    return sum(m["status"] in KILLED for m in mutants) / len(mutants) if mutants else None
 
 
 if __name__ == "__main__":

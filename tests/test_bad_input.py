@@ -247,6 +247,58 @@ def test_method_flags_are_accepted_where_they_apply(name):
             module.check_args(flags.replace(args, **{flag: float("inf")}))
 
 
+INF = float("inf")
+# The ends of each method flag's range: (the flag, the variant that reads it, values accepted, values refused). A
+# closed end and a value just inside an open one pass; an open end, or a value just past a closed one, is refused.
+RANGE_ENDS = {
+    "ema_kpo": [
+        ("kalman_q", {}, [1e-12, 1e12], [0.0, INF]),
+        ("kalman_v", {}, [1e-12, 1e12], [0.0, INF]),
+        ("p0", {}, [0.0, 1e12], [-1e-12, INF]),
+        ("alpha", {"smoother": "fixed"}, [1e-12, 0.999], [0.0, 1.0]),
+    ],
+    "gtpo": [
+        ("entropy_coef", {}, [0.0, 1e12], [-1e-12, INF]),
+        ("entropy_ini_prompts", {}, [1], [0]),
+        ("entropy_threshold", {"entropy_filter": "on"}, [1e-12, 1e12], [0.0, INF]),
+    ],
+    "p3o": [
+        ("sampling_temperature", {}, [1e-12, 1e12], [0.0, INF]),
+        ("clip_eps", {"loss": "clip"}, [0.0, 0.999], [-1e-12, 1.0]),
+    ],
+    "tis_icepop": [
+        ("tis_cap", {}, [1e-12, 1e12], [0.0, INF]),
+        ("mis_high", {"correction": "mis", "mis_low": 0.0}, [1e-12, 1e12], [0.0, INF]),
+        ("mis_low", {"correction": "mis", "mis_high": 2.0}, [0.0, 2.0], [-1e-12, 2.5]),
+        ("icepop_beta", {"correction": "icepop", "icepop_alpha": 0.0}, [1e-12, 1e12], [0.0, INF]),
+        ("icepop_alpha", {"correction": "icepop", "icepop_beta": 2.0}, [0.0, 2.0], [-1e-12, 2.5]),
+        ("kpop_phi", {"correction": "kpop"}, [0.0, 1e12], [-1e-12, INF]),
+        ("seq_mask_delta", {"correction": "seq-mask"}, [0.0, 1e12], [-1e-12, INF]),
+    ],
+    "isopo": [
+        ("block_size", {"micro_batch_size": 4}, [1], [0]),
+        ("n_overlap", {}, [1], [0]),
+        ("reg_coef", {}, [0.0, 1e12], [-1e-12, INF]),
+        ("ntk_reg_coef", {"variant": "interacting"}, [1e-12, 1e12], [0.0, INF]),
+        ("ema_decay", {"reg_coef": 1.0}, [0.0, 0.999], [-1e-12, 1.0]),
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "name, flag, variant, accepted, refused",
+    [(name, *ends) for name, cases in RANGE_ENDS.items() if name in ALGORITHMS for ends in cases],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_the_ends_of_each_method_flags_range(name, flag, variant, accepted, refused):
+    module, args = _args(name, num_minibatches=1, update_epochs=2, **variant)
+    for value in accepted:
+        module.check_args(flags.replace(args, **{flag: value}))
+    for value in refused:
+        with pytest.raises(BadInput, match=f"--{flag.replace('_', '-')}"):
+            module.check_args(flags.replace(args, **{flag: value}))
+
+
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_the_command_prints_one_line_per_problem_and_no_traceback(name, tmp_path):
     result = run_script(

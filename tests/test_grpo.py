@@ -26,7 +26,10 @@ ONE_PROCESS, NO_AUTOCAST = one_process(), torch.autocast("cpu", enabled=False)
 # --- advantages -------------------------------------------------------------------------------
 
 
-def test_group_normalized_advantages_by_hand():
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_group_normalized_advantages_by_hand(name):
+    """grpo.py's advantages, and every fork's copy of them (in the rewards' dtype)."""
+    algorithm = importlib.import_module(f"algorithms.{name}")
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
     # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: mean 0.75, std 0.5
     std1, std2 = (1 / 3) ** 0.5, 0.5
@@ -36,9 +39,10 @@ def test_group_normalized_advantages_by_hand():
             [0.25 / (std2 + 1e-4)] * 3 + [-0.75 / (std2 + 1e-4)],
         ]
     )
-    torch.testing.assert_close(grpo.compute_advantages(rewards), expected)
+    torch.testing.assert_close(algorithm.compute_advantages(rewards), expected)
     torch.testing.assert_close(
-        grpo.compute_advantages(rewards, scale=False), torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.25, 0.25, 0.25, -0.75]])
+        algorithm.compute_advantages(rewards, scale=False),
+        torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.25, 0.25, 0.25, -0.75]]),
     )
 
 
