@@ -11,15 +11,15 @@ names, arguments swapped, calls dropped) and runs, for each, the fast tests that
 clean run: a mutant is *killed* when one of them fails. It runs in a scratch copy of the repository.
 
 The verdicts are kept per function in tests/mutation_audit_results/results.jsonl, each under the hash of the code it
-judged (the function's code, comments and formatting apart, and which of its lines were mutated). A function whose
-hash differs from its kept one is *stale*: its verdicts do not count, and a run judges it again. A survivor needs a
-reason (REASONS: a statement that cannot change the update, a second path to the same numbers) or a test that kills
-it; a survivor without one makes this script exit 1, which is CI's ratchet (tests/test_docs.py runs the stale
-functions' mutants). summary.md lists every file's score, its survivors and the commit it describes.
+judged (the function's code, comments and formatting apart, and which of its statements are mutated) and the commit it
+was judged at. A function whose hash differs from its kept one is *stale*: its verdicts do not count, and a run judges
+it again. A survivor needs a reason (REASONS: a message's wording, a second path to the same numbers) or a test that
+kills it. The ratchet, which CI runs (`--check`, tests/test_mutation_audit.py): a run fails when a function it judged
+has a survivor without a reason that the kept verdicts of that function did not have, or when a file's share of killed
+mutants falls. summary.md lists every file's score and its survivors, with or without a reason.
 
-What mutmut does not reach: a decorated function (a context manager: common/logprobs.py's output_layer_scores and
-_post_head_transform, isopo.py's capture), and main(), which the tests run as a subprocess; their lines are listed
-in summary.md as not audited."""
+What mutmut does not reach: a decorated function (isopo.py's capture(), a context manager), and main(), whose tests
+start it as a subprocess, which mutmut's switch between mutants does not reach; summary.md lists them as not audited."""
 
 import argparse
 import ast
@@ -73,7 +73,7 @@ KILLED = {"killed", "timeout", "segfault", "caught by type check"}  # a test run
 
 def script_lines(source: str, inside_main: bool = False) -> set[int]:
     """The lines of a script that are mutated: its ALGO LOGIC regions (main() apart) and its update_policy; or, with
-    `inside_main`, the ALGO LOGIC lines in main(), which no test runs in its own process (not audited)."""
+    `inside_main`, the ALGO LOGIC lines in main(), which the tests start as a subprocess (not audited)."""
     lines, regions, start = source.splitlines(), set(), None
     for number, line in enumerate(lines, 1):
         if line.strip().startswith("# ALGO LOGIC") and start is None:
@@ -87,7 +87,7 @@ def script_lines(source: str, inside_main: bool = False) -> set[int]:
     for node in ast.parse(source).body:
         if isinstance(node, ast.FunctionDef) and node.name == "update_policy":
             chosen |= set(range(node.lineno, node.end_lineno + 1))
-        if isinstance(node, ast.FunctionDef) and node.name == "main":  # a subprocess in every test: not reached
+        if isinstance(node, ast.FunctionDef) and node.name == "main":  # run as a subprocess: mutmut cannot
             in_main = regions & set(range(node.lineno, node.end_lineno + 1))
     return in_main if inside_main else chosen - in_main
 
@@ -138,7 +138,9 @@ def functions(source: str, lines: set[int]) -> dict[str, dict]:
             audited = [ast.unparse(s) for s in ast.walk(node) if isinstance(s, ast.stmt) and s.lineno in lines]
             code = ast.unparse(node) + "\n" + "\n".join(audited)
             digest = hashlib.sha256(code.encode()).hexdigest()[:16]
-            found[name] = {"hash": digest, "decorated": bool(node.decorator_list), "lines": len(mutated)}
+            # mutmut leaves a decorated function alone, but for one @staticmethod or @classmethod
+            plain = [ast.unparse(d) for d in node.decorator_list] in ([], ["staticmethod"], ["classmethod"])
+            found[name] = {"hash": digest, "decorated": not plain, "lines": len(mutated)}
     return found
 
 
@@ -293,7 +295,7 @@ def summary(results: dict) -> str:
             out.append(f"- not audited (decorated, which mutmut leaves alone): {', '.join(skipped)}")
         in_main = script_lines(_read(path), inside_main=True) if path.startswith("algorithms/") else set()
         if in_main:
-            out.append(f"- not audited: main()'s ALGO LOGIC lines {min(in_main)}-{max(in_main)} (the tests run main())")
+            out.append(f"- not audited: main()'s ALGO LOGIC lines {min(in_main)}-{max(in_main)} (run as a subprocess)")
         out.append("")
     return "\n".join(out)
 

@@ -87,5 +87,7 @@ def test_a_changed_function_whose_tests_were_weakened_fails_the_ratchet(tmp_path
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
     assert "judging 1 functions: algorithms/grpo.py:completion_mean_logprob" in done.stdout
-    survivors = [line for line in done.stdout.splitlines() if line.startswith("  algorithms/grpo.py")]
-    assert survivors and all(" completion_mean_logprob: " in line for line in survivors), done.stdout
+    failures = [line for line in done.stdout.splitlines() if line.startswith("  algorithms/grpo.py")]
+    survivors = [line for line in failures if line.startswith("  algorithms/grpo.py completion_mean_logprob: ")]
+    assert survivors and len(failures) == len(survivors) + 1, done.stdout  # and the file's score fell
+    assert "of its mutants killed" in failures[-1] and "in the kept audit" in failures[-1]
