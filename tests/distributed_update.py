@@ -47,17 +47,17 @@ EXTRAS = {
 }
 
 
-def update_policy(algorithm, policy, batch, args, dist, optimizer=None):
-    """algorithm.update_policy on `batch` with SGD at args.lr, no reference model, bf16 / fp16 autocast (and
-    fp16's loss scale) as --dtype says, and whatever extra inputs the method's update_policy takes. Returns the
-    metrics it recorded, reduced over ranks (collectives), with "skipped" (the optimizer steps it skipped) and
-    "tokens_seen" (the response tokens its updates saw, over ranks and epochs)."""
+def update_policy(algorithm, policy, batch, args, dist, optimizer=None, reference=None):
+    """algorithm.update_policy on `batch` with SGD at args.lr (or `optimizer`), `reference` as π_ref (none), bf16 /
+    fp16 autocast (and fp16's loss scale) as --dtype says, and whatever extra inputs the method's update_policy
+    takes. Returns the metrics it recorded, reduced over ranks (collectives), with "skipped" (the optimizer steps it
+    skipped) and "tokens_seen" (the response tokens its updates saw, over ranks and epochs)."""
     optimizer = optimizer or torch.optim.SGD(policy.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     metrics = StepMetrics()
     available = {
         "policy": policy,
-        "reference": None,
+        "reference": reference,
         "optimizer": optimizer,
         "scheduler": scheduler,
         "batch": batch,

@@ -229,6 +229,35 @@ def two_group_rollouts(tokenizer, responses=("3$", "12", "4$", "396", "96$", "9"
     return prompts, completions
 
 
+def per_sequence_logprobs(model, prompts, completions, group):
+    """Each completion's token log-probs and entropies under `model` (temperature 1), one forward of its prompt and
+    response without padding: the brute force that the scripts' padded, micro-batched path is checked against."""
+    import torch
+
+    found = []
+    for i, completion in enumerate(completions):
+        prompt, response = prompts[i // group], completion.token_ids
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        logp = torch.log_softmax(logits, -1)
+        found.append((logp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)))
+    return found
+
+
+def gradient_recorder(parameters):
+    """An optimizer that keeps the gradients of each of its steps (`.steps`) and changes no weight."""
+    import torch
+
+    class GradientRecorder(torch.optim.Optimizer):
+        def __init__(self, parameters):
+            super().__init__(list(parameters), {"lr": 0.0})
+            self.steps = []
+
+        def step(self, closure=None):
+            self.steps.append([p.grad.clone() for group in self.param_groups for p in group["params"]])
+
+    return GradientRecorder(parameters)
+
+
 def adapted_tiny(tiny_dir, rank=4, alpha=8.0, seed=0, scale=0.5, targets=("all-linear",)):
     """The built-in model with LoRA adapters as the scripts make them (common.adapters.load_policy, float32), each B
     drawn at random (`scale` × its A's std) so that the adapters change the model and A gets a gradient too."""

@@ -4,6 +4,7 @@ every fast test still green?
     .venv/bin/python tests/mutation_audit.py              # the functions changed since the kept audit (CI does this)
     .venv/bin/python tests/mutation_audit.py --all        # every target function again (about an hour on 2 cores)
     .venv/bin/python tests/mutation_audit.py grpo --list  # grpo.py's functions and whether their verdicts are current
+    .venv/bin/python tests/mutation_audit.py --rejudge --only update_policy  # after new tests: survivors' functions
 
 The lines mutated are each script's `# ALGO LOGIC` regions and its `update_policy`, and the common/ functions that
 carry the methods' math (COMMON). mutmut writes every mutant of a function beside the original (operators, numbers,
@@ -49,12 +50,16 @@ COMMON = {
     "common/rollouts.py": (["RolloutQueue", "record_staleness"], ["tests/test_rollouts.py", "tests/test_moe.py"]),
 }
 # Survivors that may stay, each with its reason: (the original line, the mutated line: regular expressions, both
-# searched), reason
+# searched), reason[, the file: a regular expression (any file without it)]
 REASONS = [
     # isopo.weighted_gradient: which side of the one GEMM the weights multiply (the cheaper); the product is the same
     (r"^if g\.shape\[-1\] >= a\.shape\[-1\]:", "", "a choice of the cheaper side: both give the same Σ_t w_t g_t a_tᵀ"),
     (r"^return g\.flatten\(0, 1\)\.T @ \(a \* weights", "", "the same product as the other side's"),
-    (r"device", r"device=None|, None\)|, \)", "where a tensor is made: these tests run on the CPU, the one device"),
+    (
+        r"device",
+        r"device=None|, None\)|, \)|\.to\(None\)",
+        "where a tensor is made: these tests run on the CPU, the one device",
+    ),
     (r"dist\.world_size", "", "one process here, world size 1: the two-rank runs (torchrun, test_fsdp.py) judge it"),
     (r"zero_grad\(set_to_none=True\)", "", "zeroed gradients and none make the same next step (memory only)"),
     (r'^metrics\.mean\("losses/grad_norm", grad_norm, 1\)', r", 2\)$", "one weight for every minibatch: the same mean"),
@@ -63,6 +68,19 @@ REASONS = [
         r" or ",
         "a loss that is not finite makes the gradient not finite (its backward): `or` skips the same steps",
     ),
+    (r"by_length=False", r"by_length=None", "None is false as False is: the same micro-batches"),
+    # micro-batches (memory only) change no number: test_micro_batches_change_no_number
+    (r"by_length=args\.ess_scope", r"by_length=None", "micro-batches by length save padding only: the same numbers"),
+    (
+        r"len\(minibatch\) <= args\.micro_batch_size",
+        r" < ",
+        "a step of one micro-batch: the no-grad pass's e_B is the forward's",
+    ),
+    (r"collections\.Counter\(", r"Counter\((\w+=0\.0, ?)*\)", "a Counter counts a missing key from 0: the same sums"),
+    (r"argsort\(descending=True, stable=True\)", "", "blocks of one length in another order: the same sums, reordered"),
+    # the Kalman filter is the EMA at the Kalman gains (Eq. 9 = Eqs. 4-7, test_kalman_filter_equals_the_scheduled_ema)
+    (r'args\.smoother == "kalman"', "", "the Kalman filter and the EMA at its gains are one filter (Eq. 9 = Eqs. 4-7)"),
+    (r"scaler\.unscale_\(optimizer\)", "", "ISOPO refuses float16: its loss scaler is off", r"isopo\.py$"),
 ]
 # lines whose strings are messages to a user: a refusal (require, checks.unused), an error, a warning
 MESSAGES = r"\b(require|unused|BadInput|ValueError|RuntimeError|print|warn)\("
@@ -175,8 +193,11 @@ def only_text_changed(original: str, mutated: str) -> bool:
 def reason(mutant: dict) -> str:
     if only_text_changed(mutant["original"], mutant["mutated"]) and re.search(MESSAGES, mutant["original"]):
         return "the wording of a message (the tests check which check refuses, not its words)"
-    matches = (re.search(old, mutant["original"]) and re.search(new, mutant["mutated"]) for old, new, _ in REASONS)
-    return next((why for match, (_, _, why) in zip(matches, REASONS) if match), "")
+    for old, new, why, *scope in REASONS:
+        if re.search(old, mutant["original"]) and re.search(new, mutant["mutated"]):
+            if not scope or re.search(scope[0], mutant.get("file", "")):
+                return why
+    return ""
 
 
 def run_mutmut(files: dict, stale: list[tuple[str, str]], workers: int) -> list[dict]:
@@ -310,6 +331,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--check", action="store_true", help="judge the stale functions, keep nothing (CI)")
     parser.add_argument("--rejudge", action="store_true", help="judge again the functions with survivors (new tests)")
+    parser.add_argument("--only", nargs="+", metavar="FUNCTION", help="with --rejudge or --all: these functions only")
     parser.add_argument("--repo", default=REPO, help="audit this copy of the repository (its results files too)")
     args = parser.parse_args()
     global ROOT
@@ -326,7 +348,7 @@ def main() -> None:
                 present.add((path, function))
                 again = (
                     args.all or not current or args.rejudge and any(map(unexplained, kept[path, function]["mutants"]))
-                )
+                ) and (not current or not args.only or function in args.only)
                 stale += [(path, function, info["hash"])] if again else []
     if args.list:
         return

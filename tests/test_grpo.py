@@ -9,8 +9,10 @@ import torch
 from helpers import (
     ALGORITHMS,
     assert_same_run,
+    gradient_recorder,
     one_process,
     only_run_dir,
+    per_sequence_logprobs,
     precision,
     read_jsonl,
     run_script,
@@ -211,10 +213,8 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation, ratio_level):
 
     model.zero_grad()
     objective = 0.0
-    for i, completion in enumerate(completions):
-        prompt, response = prompts[i // group], completion.token_ids
-        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
-        logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+    for i, (logprobs, _) in enumerate(per_sequence_logprobs(model, prompts, completions, group)):
+        response = completions[i].token_ids
         old = batch["old_logprobs"][i, : len(response)]
         if ratio_level == "token":
             ratio = torch.exp(logprobs - old)
@@ -226,17 +226,6 @@ def test_loss_gradient_matches_brute_force(tiny, aggregation, ratio_level):
     (-objective).backward()
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(script_grads[name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-class GradientRecorder(torch.optim.Optimizer):
-    """An optimizer that keeps the gradients of each step and changes no weight."""
-
-    def __init__(self, parameters):
-        super().__init__(list(parameters), {"lr": 0.0})
-        self.steps = []
-
-    def step(self, closure=None):
-        self.steps.append([p.grad.clone() for group in self.param_groups for p in group["params"]])
 
 
 @pytest.mark.parametrize(
@@ -274,7 +263,7 @@ def test_update_policy_gradient_matches_brute_force(
         grpo.Args, group_size=4, num_minibatches=num_minibatches, update_epochs=update_epochs,
         ratio_level=ratio_level, kl_coef=kl_coef, micro_batch_size=3, max_grad_norm=1e9,
     )  # fmt: skip
-    optimizer = GradientRecorder(model.parameters())  # the weights never move: every update sees π_θ = π_start
+    optimizer = gradient_recorder(model.parameters())  # the weights never move: every update sees π_θ = π_start
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     torch.manual_seed(0)
     metrics, reference_model = StepMetrics(), reference if kl_coef else None
@@ -289,11 +278,8 @@ def test_update_policy_gradient_matches_brute_force(
         ref_logprobs, _ = batch_logprobs(reference, batch, args, NO_AUTOCAST)
     old_logprobs = current + noise if num_minibatches * update_epochs > 1 else current
     token_objectives, seen = [], {key: [] for key in ("ratio", "clipped", "k3", "kl", "entropy", "mismatch")}
-    for i in range(8):
-        prompt, response = prompts[i // 4], completions[i].token_ids
-        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
-        logp = torch.log_softmax(logits, -1)
-        logprobs = logp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+    for i, (logprobs, entropy) in enumerate(per_sequence_logprobs(model, prompts, completions, 4)):
+        response = completions[i].token_ids
         old, ref = old_logprobs[i, : len(response)], ref_logprobs[i, : len(response)]
         if ratio_level == "token":
             ratio = torch.exp(logprobs - old)
@@ -305,7 +291,7 @@ def test_update_policy_gradient_matches_brute_force(
         log_ratio = (logprobs - old).detach()
         clipped = (ratio < 0.8) & (advantages[i] < 0) | (ratio > 1.28) & (advantages[i] > 0)
         engine = old - completions[i].logprobs[0]  # log π_old − log μ (the placeholder μ: -1 at every token)
-        values = (ratio, clipped.float(), log_ratio.exp() - 1 - log_ratio, kl, -(logp.exp() * logp).sum(-1), engine)
+        values = (ratio, clipped.float(), log_ratio.exp() - 1 - log_ratio, kl, entropy, engine)
         for key, value in zip(seen, values):
             seen[key].append(value.detach())
     assert len(optimizer.steps) == len(minibatches) == scheduler.last_epoch  # the schedule moves once per step

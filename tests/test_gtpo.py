@@ -375,10 +375,14 @@ def _update(model, batch, args, initial_entropy, module=gtpo):
     return metrics, {n: before[n] - p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("combine", ["or", "product"])
-def test_update_matches_eq7_by_brute_force(tiny, combine):
+@pytest.mark.parametrize(
+    "combine, filter_mode, aggregation",
+    [("or", "auto", "sequence-mean"), ("product", "auto", "sequence-mean"), ("or", "off", "token-mean")],
+)
+def test_update_matches_eq7_by_brute_force(tiny, combine, filter_mode, aggregation):
     """update_policy (padding, trimmed micro-batches, ⟨H⟩_i from the loss's own forward, δ_i, the shift,
-    λ, 1/G Σ 1/|o_i|) against Eq. 7 written out per sequence."""
+    λ, 1/G Σ 1/|o_i|) against Eq. 7 written out per sequence; with the filter off (δ_i = 1) and DAPO's token mean
+    (1/Σ|o_i|) too."""
     _, tokenizer = tiny
     prompts, completions, batch = _batch(tokenizer)
     forward, backward = gtpo.conflict_masks(batch["response_ids"], batch["response_mask"], batch["advantages"], 4)
@@ -391,8 +395,9 @@ def test_update_matches_eq7_by_brute_force(tiny, combine):
     threshold = (entropies[3] + entropies[4]).item() / 2
     initial_entropy = threshold / 2  # below the threshold: the filter is on
     args = flags.make(
-        gtpo.Args, group_size=4, micro_batch_size=3, max_grad_norm=1e9, entropy_coef=0.1, mask_combine=combine
-    )
+        gtpo.Args, group_size=4, micro_batch_size=3, max_grad_norm=1e9, entropy_coef=0.1, mask_combine=combine,
+        entropy_filter=filter_mode, loss_aggregation=aggregation,
+    )  # fmt: skip
     args.entropy_threshold = threshold
     torch.manual_seed(0)
     metrics, step = _update(_copy(tiny), batch, args, initial_entropy)
@@ -410,13 +415,15 @@ def test_update_matches_eq7_by_brute_force(tiny, combine):
     entropy, logprobs = _brute_force_entropy(model, prompts, completions)
     delta = (entropy <= threshold).float()
     assert 0 < delta.sum() < len(delta)  # the example has filtered and kept completions
+    delta = delta if filter_mode == "auto" else torch.ones_like(delta)
     assert logged["charts/filtered_fraction"] == (len(delta) - delta.sum().item()) / len(delta)
     torch.testing.assert_close(batch["completion_entropy"], entropy, rtol=1e-5, atol=1e-6)
     assert logged["charts/completion_entropy"] == pytest.approx(entropy.mean().item(), rel=1e-5)
-    objective = 0.0
+    objective, tokens = 0.0, sum(len(logprob) for logprob in logprobs)
     for i, logprob in enumerate(logprobs):
         shaped = delta[i] * (batch["advantages"][i] - 0.1 * entropy[i])
-        objective = objective + shaped * (weights[i, : len(logprob)] * logprob).sum() / len(logprob) / len(logprobs)
+        normalizer = tokens if aggregation == "token-mean" else len(logprob) * len(logprobs)
+        objective = objective + shaped * (weights[i, : len(logprob)] * logprob).sum() / normalizer
     (-objective).backward()
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(step[name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -982,6 +982,9 @@ def test_update_policy_cuts_blocks_from_whole_groups_longest_first(float64_logpr
         log_ratio = _token_logprobs_alone(reference, i) - _token_logprobs_alone(model, i)
         k3.append(torch.exp(log_ratio) - log_ratio - 1)
     assert logged["losses/kl_ref"] == pytest.approx(torch.cat(k3).mean().item(), rel=1e-10)
+    # L = −(1/M) Σ_i A_i log π(o_i|q_i), M the minibatch's 9 sequences
+    sequence_logprobs = torch.stack([_token_logprobs_alone(model, i).sum() for i in range(9)])
+    assert logged["losses/policy_loss"] == pytest.approx(-(ADVANTAGES * sequence_logprobs).sum().item() / 9, rel=1e-9)
     for seed in (1, 2, 3):  # other shuffles: whole groups, each a block
         update(seed, block_size=GROUP, micro_batch_size=GROUP)
         assert sorted(seen) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]] and seen[2] == [6, 7, 8]

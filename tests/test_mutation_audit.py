@@ -48,6 +48,10 @@ def test_a_survivor_needs_a_reason():
         "mutated": "x = torch.zeros(3, device=None)",
     }
     assert "CPU" in audit.reason(device)
+    # a reason bound to one file: ISOPO's loss scaler is off (it refuses float16); grpo.py's is not
+    unscaled = {"original": "scaler.unscale_(optimizer)", "mutated": "scaler.unscale_(None)"}
+    assert "float16" in audit.reason(dict(unscaled, file="algorithms/isopo.py"))
+    assert audit.reason(dict(unscaled, file="algorithms/grpo.py")) == ""
 
 
 @pytest.mark.slow

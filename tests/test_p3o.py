@@ -303,14 +303,24 @@ def test_the_authors_micro_batch_scope_takes_rows_in_minibatch_order(tiny):
     assert expected["by length"] != pytest.approx(expected["own order"], rel=1e-3)  # the test can tell them apart
 
 
-def test_a_non_finite_micro_batch_ess_falls_back_and_is_counted(tiny, monkeypatch):
-    """e_B from the forward pass itself (one micro-batch holds the step): its fallback is counted as the no-grad
-    pass's is (test_non_finite_sums_fall_back_and_are_counted)."""
+@pytest.mark.parametrize(
+    "overrides, fallbacks",
+    [
+        ({"micro_batch_size": 16}, 2),  # e_B from the forward pass itself: one micro-batch holds each step
+        ({"micro_batch_size": 3}, 2),  # from the no-grad pass over each step (minibatch_ess)
+        ({"micro_batch_size": 3, "loss": "clip"}, 2),  # --loss clip: the step's e_B, logged after its passes
+        ({"micro_batch_size": 6, "ess_scope": "micro-batch"}, 6),  # one per micro-batch: 16 rows in 3, twice
+    ],
+    ids=["one-micro-batch", "no-grad-pass", "clip-logged-after", "per-micro-batch"],
+)
+def test_every_non_finite_ess_falls_back_and_is_counted(tiny, monkeypatch, overrides, fallbacks):
+    """Each way of taking e_B falls back to 1 on sums that are not finite, and each fallback is counted, over two
+    epochs (as the whole run's are: test_non_finite_sums_fall_back_and_are_counted)."""
     model, tokenizer = _copy(tiny), tiny[1]
     *_, batch = _off_policy_batch(model, tokenizer)
     monkeypatch.setattr(p3o, "ratio_sums", lambda *a: {"ratio_sum": math.nan, "ratio_sq_sum": 1.0, "tokens": 1.0})
-    logged, grads = _update(model, batch, micro_batch_size=16)
-    assert logged["losses/ess_fallbacks"] == 1 and logged["losses/ess"] == 1.0 and len(grads) == 1
+    logged, grads = _update(model, batch, update_epochs=2, **overrides)
+    assert logged["losses/ess_fallbacks"] == fallbacks and logged["losses/ess"] == 1.0 and len(grads) == 2
 
 
 def test_update_ess_does_not_depend_on_the_micro_batch_size(tiny):

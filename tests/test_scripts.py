@@ -5,6 +5,7 @@ test_<method>.py."""
 import copy
 import dataclasses
 import importlib
+import inspect
 import math
 import os
 import re
@@ -20,9 +21,11 @@ from helpers import (
     assert_two_ranks_update_like_one,
     assert_weights_changed,
     assert_weights_unchanged,
+    gradient_recorder,
     help_text,
     one_process,
     only_run_dir,
+    per_sequence_logprobs,
     read_jsonl,
     run_script,
     two_group_rollouts,
@@ -470,6 +473,86 @@ def test_micro_batches_change_no_number(name, tiny):
     initial = dict(model.named_parameters())
     for key, weight in weights.items():  # float32 sums in another order: about 1e-4 of a step at most
         assert (micro_weights[key] - weight).norm() <= 1e-3 * (weight - initial[key]).norm() + 1e-9, key
+
+
+@pytest.mark.parametrize("updates", [1, 2], ids=["one-update", "two-epochs"])
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_shared_statistics_and_kl_penalty_by_brute_force(name, updates, tiny, monkeypatch):
+    """What every script's update_policy shares, against brute force. The weights stay still (an optimizer that
+    records gradients) and the π_old pass is shifted by a known ε per token, so log π_θ − log π_old = −ε: approx_kl is
+    the mean k3 of −ε at two updates, and 0 at one, where π_old is π_θ itself and no pass is made; the mismatch is
+    k3(log π_old − log μ); the entropy is π_θ's; kl_ref is k3 KL(π_θ ‖ π_ref). Where the method has --kl-coef, β·KL
+    adds β times its aggregate to the logged loss and β times its gradient to every step's."""
+    algorithm = importlib.import_module(f"algorithms.{name}")
+    model, tokenizer = tiny
+    policy, reference = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():  # π_ref away from π_θ, so that the KL term has a gradient
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    prompts, completions = two_group_rollouts(tokenizer)
+    new_batch = lambda: algorithm.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))  # noqa: E731
+    noise = 0.4 * torch.randn(new_batch()["response_mask"].shape, generator=torch.Generator().manual_seed(0))
+    batch_logprobs = algorithm.batch_logprobs
+
+    def shifted_old_logprobs(model_, *rest, **kwargs):  # the π_old pass off by ε per token; π_ref's exact
+        logprobs, *others = batch_logprobs(model_, *rest, **kwargs)
+        return (logprobs + noise if model_ is policy else logprobs, *others)
+
+    monkeypatch.setattr(algorithm, "batch_logprobs", shifted_old_logprobs)
+    has_penalty = "kl_coef" in flags.names(algorithm.Args)
+    parameters = inspect.signature(algorithm.update_policy).parameters  # GTPO has no π_ref
+    runs = []
+    for kl_coef in [0.0, 0.5] if has_penalty else [0.0]:
+        batch = new_batch()
+        batch["advantages"] = algorithm.compute_advantages(torch.tensor([[1.0, 0, 0, 1], [1, 0, 1, 0]])).flatten()
+        args = _args(algorithm, 3, update_epochs=updates, kl_coef=kl_coef, log_kl_ref=True)
+        optimizer = gradient_recorder(policy.parameters())
+        torch.manual_seed(0)
+        logged = update_policy(algorithm, policy, batch, args, ONE_PROCESS, optimizer, reference)
+        runs.append((logged, optimizer.steps, batch["advantages"]))
+
+    found = per_sequence_logprobs(policy, prompts, completions, 4)
+    found_ref = per_sequence_logprobs(reference, prompts, completions, 4)
+    mask = new_batch()["response_mask"].bool()
+    epsilon = noise[mask] if updates > 1 else torch.zeros(int(mask.sum()))
+    logprobs = torch.cat([lp for lp, _ in found])
+    log_ref_ratio = torch.cat([lp for lp, _ in found_ref]) - logprobs
+    k3 = lambda x: x.exp() - 1 - x  # noqa: E731
+    mismatch = logprobs.detach() + epsilon + 1.0  # log π_old − log μ (the placeholder μ: −1 at every token)
+    expected = {
+        "losses/approx_kl": k3(-epsilon).mean(),
+        "charts/entropy": torch.cat([entropy for _, entropy in found]).mean(),
+        **({"losses/kl_ref": k3(log_ref_ratio).mean()} if "reference" in parameters else {}),
+        "mismatch/kl_k3": k3(mismatch).mean(),
+        "mismatch/max_abs_logprob_diff": mismatch.abs().max(),
+    }
+    if name in ("grpo", "gtpo", "tis_icepop"):  # ρ = π_θ/π_old (EMA-KPO filters it, P3O's is π_θ/μ, ISOPO has none)
+        ratio = torch.exp(-epsilon)
+        expected |= {"losses/ratio_min": ratio.min(), "losses/ratio_max": ratio.max()}
+    if name in ("grpo", "tis_icepop"):  # clipped on the group's advantages (GTPO's are shaped by entropy)
+        advantage = new_batch()["response_mask"] * runs[-1][2][:, None]
+        clipped = (ratio < 1 - args.clip_low) & (advantage[mask] < 0) | (ratio > 1 + args.clip_high) & (
+            advantage[mask] > 0
+        )
+        expected["losses/clip_fraction"] = clipped.float().mean()
+        assert 0 < clipped.float().mean() < 1 or updates == 1
+    logged, steps, _ = runs[-1]
+    for key, value in expected.items():
+        assert logged[key] == pytest.approx(value.item(), rel=1e-5, abs=1e-6), key
+    assert logged["losses/approx_kl"] == 0 or updates > 1  # one update: π_old is π_θ, exactly
+    if re.escape("losses/ratio_max") in recorded_metrics(name):  # the scripts with a ratio
+        assert set(CLIP_LOGGED) <= set(logged) and 0 <= logged["losses/clip_fraction"] <= 1
+    assert len(steps) == updates
+    if not has_penalty:
+        return
+    # β·KL (sequence-mean: each completion's mean over its tokens, then over the 8 completions)
+    penalty = 0.5 * sum(k3(r).mean() for r in log_ref_ratio.split([len(c.token_ids) for c in completions])) / 8
+    (plain, plain_steps, _), (penalized, penalized_steps, _) = runs
+    assert penalized["losses/policy_loss"] - plain["losses/policy_loss"] == pytest.approx(penalty.item(), rel=1e-5)
+    policy.zero_grad()
+    penalty.backward()
+    for with_kl, without, parameter in zip(penalized_steps[-1], plain_steps[-1], policy.parameters()):
+        assert (with_kl - without - parameter.grad).norm() <= 1e-4 * parameter.grad.norm() + 1e-9
 
 
 @pytest.mark.parametrize("name, lora_rank", [(n, 0) for n in ALGORITHMS] + [("grpo", 4)])

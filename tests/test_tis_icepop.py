@@ -12,6 +12,7 @@ from helpers import (
     CLIP_LOGGED,
     one_process,
     only_run_dir,
+    per_sequence_logprobs,
     precision,
     read_jsonl,
     run_script,
@@ -331,7 +332,7 @@ def test_effective_sample_size():
 # --- the weighted update vs. brute force ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("correction", ["icepop", "tis-seq"])
+@pytest.mark.parametrize("correction", ["icepop", "tis-seq", "seq-mask"])
 def test_update_policy_applies_the_weights(tiny, correction):
     """One SGD step of update_policy (lr 1, no clipping) moves the weights by minus the gradient of
     −1/N Σ_i Σ_t w_it A_i log π_θ(o_it), written out per sequence without padding; the correction/* statistics
@@ -345,12 +346,8 @@ def test_update_policy_applies_the_weights(tiny, correction):
     group, generator = 4, torch.Generator().manual_seed(0)
     # μ = the model's own log-probs minus a random shift in {0, ±1.2, ±2.4}: k = e^shift, and IcePop keeps
     # the shifts 0 and 1.2 (k = 1, 3.3), masks the others (k = 0.30, 0.09, 11)
-    reference = []
     with torch.no_grad():
-        for i, response in enumerate(responses):
-            prompt = prompts[i // group]
-            logits = policy(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
-            reference.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1))
+        reference = [logprobs for logprobs, _ in per_sequence_logprobs(policy, prompts, completions, group)]
     shifts = [1.2 * torch.randint(-2, 3, (len(r),), generator=generator).float() for r in responses]
     completions = [Completion(r, (lp - s).tolist(), "stop") for r, lp, s in zip(responses, reference, shifts)]
     advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.3, -0.9, 0.4])
@@ -369,16 +366,16 @@ def test_update_policy_applies_the_weights(tiny, correction):
     brute = type(model)(model.config)
     brute.load_state_dict(model.state_dict())
     objective, masked, capped, dropped, weights_sum, weights_sq_sum = 0.0, 0, 0, 0, 0.0, 0.0
-    for i, response in enumerate(responses):
-        prompt = prompts[i // group]
-        logits = brute(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
-        logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+    for i, (logprobs, _) in enumerate(per_sequence_logprobs(brute, prompts, completions, group)):
         log_k = logprobs.detach() - torch.tensor(completions[i].logprobs)  # π_old = π_θ (one update)
         if correction == "icepop":
             weights = torch.where((log_k.exp() >= 0.5) & (log_k.exp() <= 5.0), log_k.exp(), torch.zeros_like(log_k))
+        elif correction == "seq-mask":  # A_i < 0 and the mean log(μ/π_θ) over o_i above δ = 0.5: dropped
+            dropped_here = advantages[i] < 0 and (-log_k).mean().item() > 0.5
+            weights = torch.zeros_like(log_k) if dropped_here else torch.ones_like(log_k)
         else:
             weights = torch.full_like(log_k, min(log_k.sum().exp().item(), 1.5))
-            capped += len(response) if log_k.sum().exp().item() > 1.5 else 0  # Π_t k_t above C: every token capped
+            capped += len(log_k) if log_k.sum().exp().item() > 1.5 else 0  # Π_t k_t above C: every token capped
         masked += int((weights == 0).sum())
         dropped += int((weights == 0).all())
         weights_sum += weights.sum().item()
@@ -388,6 +385,8 @@ def test_update_policy_applies_the_weights(tiny, correction):
     if correction == "icepop":  # the example masks some tokens, not all
         assert 0 < masked < tokens and metrics.means["correction/masked_token_fraction"] == [masked, tokens]
         assert 0 < dropped < len(responses) / 2  # some completions lose every token (fewer than the others)
+    elif correction == "seq-mask":  # drops some completions whole, caps nothing
+        assert 0 < dropped < len(responses) / 2 and capped == 0
     else:  # tis-seq caps some completions' products, not all, and drops none
         assert 0 < capped < tokens and dropped == 0
     assert metrics.means["correction/capped_token_fraction"] == [capped, tokens]
