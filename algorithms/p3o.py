@@ -356,12 +356,20 @@ def rollout(engine, tokenizer, prompt_ids, rows, args, metrics) -> Groups:
     return Groups(prompt_ids, rows, completions, scores, rewards, trains)
 
 
+def sample_batch(engine, tokenizer, sampler, args, step, metrics) -> Groups:
+    """Step `step`'s batch: rollout() of this rank's prompts, then DAPO's --dynamic-sampling."""
+    groups = rollout(engine, tokenizer, *sampler.step_prompts(step), args, metrics)
+    if args.dynamic_sampling:
+        more = partial(rollout, engine, tokenizer, args=args, metrics=metrics)
+        groups = sampler.dynamic_sampling(groups, step, more, metrics)
+    return groups
+
+
 def batch_logprobs(model, batch, args, autocast, with_entropy=False):
     """token_logprobs of every response token of the batch [B, T] under `model`, without
     gradient, a micro-batch at a time (0 past each response's end): (log-probs, entropy or None)."""
     logprobs = torch.zeros_like(batch["sampler_logprobs"])
-    entropy = torch.zeros_like(logprobs)
-    every_row = torch.arange(len(logprobs), device=logprobs.device)
+    entropy, every_row = torch.zeros_like(logprobs), torch.arange(len(logprobs), device=logprobs.device)
     with torch.no_grad(), autocast:
         for micro in micro_batches(batch, every_row, args.micro_batch_size):
             micro_logprobs, micro_entropy = token_logprobs(model, micro, args.temperature, with_entropy)
@@ -379,10 +387,8 @@ def record_mismatch(metrics, batch, old_logprobs):
     k3 = torch.exp(log_ratio) - 1 - log_ratio
     metrics.mean("mismatch/kl_k3", (k3 * mask).sum(), mask.sum())
     metrics.max("mismatch/max_abs_logprob_diff", log_ratio.abs() * mask)
-    # with tools: mismatch/kl_k3_*_turn(s)
-    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))
-    # --rollout-lag: mismatch/kl_k3_discrepancy (the engine) and _staleness (older weights)
-    record_staleness(metrics, batch, old_logprobs)
+    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))  # tools: kl_k3_*_turn(s)
+    record_staleness(metrics, batch, old_logprobs)  # --rollout-lag: kl_k3_discrepancy, _staleness
 
 
 # the curves of curves.png, and the progress bar's numbers
@@ -573,21 +579,15 @@ def main(args: Args) -> None:
         tracker.log(evaluator(), step=0)
     # each rank takes whole groups: its share of each step's prompts (and of DAPO's extra rounds)
     sampler = PromptSampler(data, dist, args.prompts_per_step, args.seed, args.max_sampling_rounds)
-    queue = RolloutQueue(systems.rollout_lag, dist, tokenizer.pad_token_id, state)
+    queue = RolloutQueue(systems, dist, tokenizer.pad_token_id, state, engine)
     watch = checks.Watch(policy.config.vocab_size, args.num_minibatches * args.update_epochs, enabled=dist.is_main)
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not dist.is_main)
     for step in progress:
         step_start, metrics = time.time(), StepMetrics()
-        # 1. rollout: G completions of each of this rank's prompts, scored against its gold answer
-        # (--rollout-lag k: step + k's batch, whose sampling/* the step that trains on it logs)
+        # 1. rollout: G completions of each of this rank's prompts, scored (--rollout-lag k: the
+        # batch of step + k, logged when it trains; --overlap-rollouts: sampled as this one trains)
         with metrics.timer("time/rollout"):
-            for ahead, batch_metrics in queue.steps_to_sample(step, metrics):
-                prompt_ids, rows = sampler.step_prompts(ahead)
-                groups = rollout(engine, tokenizer, prompt_ids, rows, args, batch_metrics)
-                if args.dynamic_sampling:  # DAPO §3.2: new prompts replace all-equal groups
-                    more = partial(rollout, engine, tokenizer, args=args, metrics=batch_metrics)
-                    groups = sampler.dynamic_sampling(groups, ahead, more, batch_metrics)
-                queue.put(ahead, groups)
+            queue.sample(step, partial(sample_batch, engine, tokenizer, sampler, args), metrics)
             groups = queue.take(step, metrics)  # sampled at step − k; charts/rollout_lag
 
         # 2. advantages (a completion cut off by --mask-truncated counts in them but does not train)
@@ -605,7 +605,8 @@ def main(args: Args) -> None:
                 policy, reference, optimizer, scheduler, batch, args, dist, precision, metrics
             )
 
-        # 5. push the new weights to the engine (each full tensor in turn)
+        # 5. push the new weights to the engine (each full tensor in turn), its batch in flight done
+        queue.finish_sampling(metrics)  # (--overlap-rollouts: time/rollout_wait)
         with metrics.timer("time/weight_sync"):
             engine.wake_up(["weights"])
             engine.load_weights(fsdp.named_full_tensors(policy, device, engine.dtype))

@@ -102,6 +102,16 @@ def shared_flags(args) -> list[str]:
         kind = engine_kind(v["rollout_engine"])  # auto: vLLM where it is installed and a GPU is present
         rule = "auto, float32, bfloat16 or float16 with vLLM (rounded weights are the hf engine's: --rollout-engine hf)"
         problems += require(kind == "hf", "--engine-dtype", rule)
+    if has("overlap_rollouts", "rollout_engine", "engine_dtype") and v["overlap_rollouts"]:
+        from common.engines import engine_kind
+
+        # vLLM on devices of its own, its weights sent by a collective, is not built yet
+        rule = "off with vLLM (it samples beside the update with the transformers engine only: --rollout-engine hf)"
+        problems += require(engine_kind(v["rollout_engine"]) == "hf", "--overlap-rollouts", rule)
+        # a batch is scored under its sampling weights on the engine's copy (the trainer has moved on): that copy
+        # must compute what the trainer computes
+        rule = "off with another --engine-dtype (the engine's copy scores the batch as the trainer would: auto)"
+        problems += require(v["engine_dtype"] == "auto", "--overlap-rollouts", rule)
     if has("max_turns"):
         problems += require(v["max_turns"] >= 1, "--max-turns", ">= 1")
     if has("max_episode_tokens", "max_new_tokens"):
@@ -182,6 +192,8 @@ def inert_flags(v: dict) -> dict[str, str]:
         ignored(["max_turns", "max_episode_tokens"], "applies to a task with tools only (a task file's TOOLS)")
     if "lora_rank" in v and not v["lora_rank"]:
         ignored(["lora_alpha", "lora_target_modules"], "applies with --lora-rank > 0 only")
+    if "rollout_lag" in v and v["rollout_lag"] == 0:
+        ignored(["overlap_rollouts"], "applies with --rollout-lag >= 1 only (a batch sampled ahead)")
     if "dynamic_sampling" in v and not v["dynamic_sampling"]:
         ignored(["max_sampling_rounds"], "applies with --dynamic-sampling only")
     if "eval_every" in v and v["eval_every"] == 0:
@@ -369,6 +381,7 @@ RESUME_MAY_CHANGE = {
     *("eval_every", "eval_prompts", "eval_k", "save_every", "keep_checkpoints"),
     *("rollout_engine", "gpu_memory_utilization", "vllm_sleep_mode", "cpu_offload", "gradient_checkpointing"),
     "micro_batch_size",  # gradient accumulation: memory, not the math
+    "overlap_rollouts",  # when a batch is sampled, not what
 }
 
 

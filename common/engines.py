@@ -16,6 +16,11 @@ weight push costs nothing), or keeps its own copy in another dtype (`dtype="bflo
 to produce a real train-inference mismatch on a CPU. With `quantize="fp8"` or `"int8"` its copy's Linear
 weights are rounded as a low-precision inference engine stores them (compute stays in the trainer's
 dtype): the low-precision-rollout setting. `VLLMEngine` is vLLM in the same process.
+
+A training batch is sampled inside `engine.seeded(step)`: the transformers engine then draws each token from a
+generator of its own, seeded by the run's seed, the rank and the step, instead of torch's default one, which the
+trainer draws its minibatches from. A batch's completions are then a function of (seed, rank, step) and of the
+weights alone, sampled on the trainer's thread or on another beside the update (--overlap-rollouts).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import random
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterable, Literal
@@ -90,10 +96,12 @@ class _RecordSampledLogprobs(LogitsProcessor):
     the next step (when the sampled token is visible in input_ids) the sampled token's log-prob is
     read off. Holds one step's [batch, vocab] at a time, not the whole [batch, steps, vocab]."""
 
-    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0, keep_mask: bool = True):
+    def __init__(self, temperature, top_k=0, top_p=1.0, keep_mask=True, generator: torch.Generator | None = None):
         """`keep_mask`: record the kept ids of each step (a sampling mask is asked for; top-p's kept set may be
-        a large part of the vocabulary)."""
+        a large part of the vocabulary). `generator`: draw each token here from it, and leave generate's greedy
+        search only that token to pick (generate samples from torch's default generator)."""
         self.temperature, self.top_k, self.top_p, self.keep_mask = temperature, top_k, top_p, keep_mask
+        self.generator = generator
         self.previous: torch.Tensor | None = None
         self.sampled_logprobs: list[torch.Tensor] = []
         self.kept: list[torch.Tensor] = []  # per step [batch, K] kept ids (top-p / top-k)
@@ -107,7 +115,10 @@ class _RecordSampledLogprobs(LogitsProcessor):
             if self.keep_mask:
                 self.kept.append(kept_ids(kept))
         self.previous = torch.log_softmax(scores.float(), dim=-1)
-        return scores
+        if self.generator is None:
+            return scores
+        drawn = torch.multinomial(self.previous.exp(), 1, generator=self.generator)
+        return torch.full_like(scores, -math.inf).scatter_(-1, drawn, 0.0)  # the greedy search's one choice
 
     def read_sampled(self, tokens: torch.Tensor) -> None:
         if self.previous is not None:
@@ -141,7 +152,9 @@ class HFEngine:
         quantize: str | None = None,
         routing: bool = False,
         float32_head: bool = False,
+        seed: int = 0,
     ):
+        """`seed`: the run's (and rank's) for `seeded`'s sampling streams."""
         same_dtype = dtype is None or dtype == next(model.parameters()).dtype
         if share_weights and same_dtype and quantize is None:  # LoRA: the base model runs its adapters as it trains
             self.model, self.shares_trainer_weights = (
@@ -169,6 +182,18 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         # records the routers' choices while sampling (an MoE model)
         self.routing = moe.routing_of(self.model) if routing and moe.is_moe(self.model) else None
+        self.seed, self.stream = seed, None  # the generator sampling draws from inside `seeded` (else torch's)
+
+    @contextlib.contextmanager
+    def seeded(self, step: int):
+        """Sampling inside draws from a generator of its own, seeded by (seed, step): a training batch's
+        completions do not depend on what else draws from torch's default generator, or when."""
+        device = next(self.model.parameters()).device
+        self.stream = torch.Generator(device).manual_seed(sampling_seed(self.seed, step))
+        try:
+            yield
+        finally:
+            self.stream = None
 
     @torch.no_grad()
     def generate(
@@ -223,15 +248,19 @@ class HFEngine:
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompt_ids], device=device)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
-        greedy = temperature == 0
+        greedy, stream = temperature == 0, None if temperature == 0 else self.stream
         recorder = (
             _RecordSampledLogprobs(1.0, 0, 1.0)
             if greedy
-            else _RecordSampledLogprobs(temperature, top_k, top_p, keep_mask=sampling_mask)
+            else _RecordSampledLogprobs(temperature, top_k, top_p, keep_mask=sampling_mask, generator=stream)
         )
-        # temperature is applied by the recorder, so it sees exactly the distribution sampled from
+        # temperature is applied by the recorder, so it sees exactly the distribution sampled from; with a stream
+        # of its own the recorder draws, and the greedy search takes its choice (n rows per prompt, made here)
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
         rows = len(prompt_ids) * (1 if greedy else n)
+        if stream is not None:
+            input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
+            sampling = {"do_sample": False}
         if stop:  # transformers' StopStringCriteria: a row that completes one is finished (padded from then on)
             sampling |= {"stop_strings": list(stop), "tokenizer": self.tokenizer}
         with self.routing.recording() if self.routing else contextlib.nullcontext():
@@ -239,7 +268,7 @@ class HFEngine:
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 **sampling,
-                num_return_sequences=1 if greedy else n,
+                num_return_sequences=1 if greedy or stream is not None else n,
                 max_new_tokens=max(budgets),
                 min_new_tokens=max(budgets) if ignore_eos else 0,
                 logits_processor=LogitsProcessorList([recorder]),
@@ -532,6 +561,11 @@ class VLLMEngine:
             self.llm.collective_rpc(_repack_cpu_experts)
         self.llm.reset_prefix_cache()
 
+    def seeded(self, step: int):
+        """vLLM samples from torch's default generator, which the run's seed and its steps set (the class
+        docstring): a batch sampled beside the update (--overlap-rollouts) is the transformers engine's."""
+        return contextlib.nullcontext()
+
     def sleep(self) -> None:
         """Free the GPU for training (level 1: weights to CPU, KV cache discarded)."""
         if self.sleep_mode:
@@ -549,6 +583,11 @@ class VLLMEngine:
         """Shut the engine down while the process groups it uses still exist (call it before
         fsdp.cleanup; vLLM 0.33 keeps the launcher's default group)."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """The seed of step `step`'s sampling stream (HFEngine.seeded): a pure function of the run's seed and the step."""
+    return random.Random(f"sampling/{seed}/{step}").getrandbits(63)
 
 
 def sampling_masks(completions: list[Completion], width: int, device=None) -> torch.Tensor | None:
@@ -679,8 +718,9 @@ def make_engine(
     "bfloat16" / "float16" (hf then keeps its own copy in that dtype), or (hf only) "fp8" / "int8": a copy
     in the trainer's dtype whose Linear weights are rounded through float8 e4m3 / int8, per output channel.
     `share_weights`: the hf engine may generate with the trainer's own module (one process).
-    vLLM options: `model_path` (the weights to start from), `max_model_len`, `seed`,
-    `gpu_memory_utilization`, `sleep_mode`. Build a vLLM engine before the trainer fills the GPU.
+    `seed`: the sampling seed (hf: `seeded`'s streams; vLLM: `LLM(seed=)`). vLLM options: `model_path` (the
+    weights to start from), `max_model_len`, `gpu_memory_utilization`, `sleep_mode`. Build a vLLM engine before
+    the trainer fills the GPU.
     `routing`: completions carry the experts each token was routed to (an MoE model; vLLM on a GPU only).
     `float32_head`: an engine in a lower precision computes its output layer in float32 (--fp32-lm-head)."""
     if dtype not in ("auto", "float32", "bfloat16", "float16", *QUANTIZED_DTYPES):
@@ -715,6 +755,7 @@ def make_engine(
         quantize=dtype if dtype in QUANTIZED_DTYPES else None,
         routing=routing,
         float32_head=float32_head,
+        seed=seed,
     )
     if not engine.shares_trainer_weights and adapters.is_adapted(model) and adapters.has_trained(model):
         # a resumed adapter merged as every later push merges it (in float32): the copy's merge_and_unload added
@@ -729,7 +770,8 @@ def make_training_engine(systems, policy, tokenizer, dist, model_path: str, max_
     """The rollout engine of a training run, as `systems` (common.flags.Systems) asks: make_engine with
     --rollout-engine, --engine-dtype, --gpu-memory-utilization, --vllm-sleep-mode, --fp32-lm-head and the compute
     dtype of --dtype. Each rank samples with its own seed, `seed` + rank. One rank: the hf engine may share the
-    trainer's module; several: it keeps a full copy per rank. `options`: make_engine's others (`routing`)."""
+    trainer's module; several, or --overlap-rollouts: it keeps a full copy per rank. `options`: make_engine's
+    others (`routing`)."""
     from common.fsdp import compute_dtype
 
     return make_engine(
@@ -738,7 +780,7 @@ def make_training_engine(systems, policy, tokenizer, dist, model_path: str, max_
         tokenizer,
         dtype=systems.engine_dtype,
         device=dist.device,
-        share_weights=dist.world_size == 1,
+        share_weights=dist.world_size == 1 and not systems.overlap_rollouts,  # overlapped: the trainer moves on
         model_path=model_path,
         max_model_len=max_model_len,
         seed=seed + dist.rank,

@@ -12,7 +12,9 @@ on CPUs).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -215,6 +217,26 @@ def clip_grad_norm(model, max_norm: float, device: torch.device) -> torch.Tensor
     return norm
 
 
+_THREAD = threading.local()  # .group: the process group this thread's all_reduce_dict uses (collectives_on)
+
+
+def new_cpu_group(dist: Dist):
+    """A gloo process group of every rank (each must call it, in the same order), for collectives of CPU numbers that
+    run on another thread at the same time as the default group's."""
+    return torch_dist.new_group(backend="gloo") if dist.world_size > 1 else None
+
+
+@contextlib.contextmanager
+def collectives_on(group):
+    """all_reduce and all_reduce_dict in this thread go through `group` (None: the default group): the rollout
+    sampler's thread reduces its counts while the trainer's thread runs FSDP's collectives."""
+    previous, _THREAD.group = getattr(_THREAD, "group", None), group
+    try:
+        yield
+    finally:
+        _THREAD.group = previous
+
+
 def all_reduce(value: float, dist: Dist) -> float:
     """Sum of a number over ranks."""
     return all_reduce_dict({"value": value}, dist)["value"]
@@ -225,8 +247,10 @@ def all_reduce_dict(values: dict[str, float], dist: Dist) -> dict[str, float]:
     tracking.StepMetrics instead; this is for the counts the update itself needs."""
     if dist.world_size == 1:
         return {k: float(v) for k, v in values.items()}
-    tensor = torch.tensor([float(v) for v in values.values()], dtype=torch.float64, device=dist.device)
-    torch_dist.all_reduce(tensor)
+    group = getattr(_THREAD, "group", None)
+    device = dist.device if group is None else torch.device("cpu")  # collectives_on's groups are gloo's
+    tensor = torch.tensor([float(v) for v in values.values()], dtype=torch.float64, device=device)
+    torch_dist.all_reduce(tensor, group=group)
     return dict(zip(values, tensor.tolist()))
 
 

@@ -4,14 +4,18 @@ Each script makes its rollouts itself (its `rollout`: the engine's generate call
 scored against its row's gold answer); this module says which prompts a step uses, refills a batch, and queues
 batches sampled ahead of the step that trains on them:
 
-    queue = RolloutQueue(lag, dist, pad_id, trainer_state)               # --rollout-lag k (and a checkpoint's queue)
-    for ahead, batch_metrics in queue.steps_to_sample(step, metrics):    # [step], or [step + k] at lag k
-        prompt_ids, rows = sampler.step_prompts(ahead)                   # this rank's share of step `ahead`
-        groups = rollout(prompt_ids, rows)                               # Groups: completions, rewards [prompts, G]
-        groups = sampler.dynamic_sampling(groups, ahead, rollout, batch_metrics)  # --dynamic-sampling
-        queue.put(ahead, groups)
-    groups = queue.take(step, metrics)                                   # sampled k steps ago
-    record_rollouts(metrics, groups)                                     # charts/reward, accuracy, lengths
+    queue = RolloutQueue(systems, dist, pad_id, trainer_state, engine)   # --rollout-lag k (and a checkpoint's queue)
+    queue.sample(step, sample_batch, metrics)   # step's batch, or step + k's at lag k: sample_batch(ahead, metrics)
+    groups = queue.take(step, metrics)          # sampled k steps ago
+    record_rollouts(metrics, groups)            # charts/reward, accuracy, lengths
+    ...                                         # the update
+    queue.finish_sampling(metrics)              # --overlap-rollouts: the batch sampled beside the update
+    engine.load_weights(...)
+
+A script's `sample_batch` takes this rank's share of a step's prompts (`sampler.step_prompts`), samples and scores
+them (its `rollout`), and with DAPO's dynamic sampling replaces all-equal groups (`sampler.dynamic_sampling`).
+Each batch is sampled inside `engine.seeded(step)`: its completions are a function of the run's seed, the rank,
+the step and the weights alone.
 
 Step s takes the prompts `tasks.sample_batch` gives it (epochs of seeded permutations). With DAPO's dynamic
 sampling (Yu et al. 2025, arXiv:2503.14476 §3.2), a group whose rewards are all equal has advantage 0 for
@@ -43,13 +47,25 @@ log π_s/μ, the engine against the trainer at the sampling weights θ_s (precis
 distribution of its own, such as P3O's --sampling-temperature), and log π_old/π_s, the weights' change since
 (staleness). For the split the trainer scores each queued batch once more, under θ_s, while
 it still holds θ_s (`score_under_sampling_weights`): one forward pass per step, at lag > 0 only.
+
+Overlapped (--overlap-rollouts, at lag k ≥ 1): step t's batch of step t + k is sampled on a thread of its own while
+step t's update runs, as an asynchronous pipeline's engine samples beside its trainer. The engine keeps its own copy
+of the weights (θ_t, until the push after the update); the step waits for the batch before the push
+(`finish_sampling`), then scores it under θ_t on the engine's copy, which computes as the trainer did at θ_t. The
+batches, and so every metric, are those of the synchronous run at lag k: the sampling draws from its own seeded
+stream, never from the generator the trainer's minibatches draw from. At most one batch is in flight, and none at a
+checkpoint. Each side runs the thread count the process has (bit-equal numbers: CPU kernels may round otherwise
+at another count); a second rank's dynamic-sampling all-reduce goes through a process group of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -184,11 +200,20 @@ class Queued:
 class RolloutQueue:
     """--rollout-lag k: this rank's batches sampled ahead of the steps that train on them (the module docstring)."""
 
-    def __init__(self, lag: int, dist, pad_id: int, trainer_state: dict | None = None):
-        """`trainer_state`: a checkpoint's (load_checkpoint's), whose "this_rank" entry holds this rank's queue."""
-        self.lag, self.dist, self.pad_id, self.step = lag, dist, pad_id, 0
+    def __init__(self, systems, dist, pad_id: int, trainer_state: dict | None = None, engine=None):
+        """`systems`: common.flags.Systems (--rollout-lag, --overlap-rollouts). `trainer_state`: a checkpoint's
+        (load_checkpoint's), whose "this_rank" entry holds this rank's queue. `engine`: the one `sample` samples
+        with (its seeded streams; overlapped, its copy of the weights scores the batches)."""
+        self.lag, self.dist, self.pad_id, self.step, self.engine = systems.rollout_lag, dist, pad_id, 0, engine
         self.queued: list[Queued] = []
         self.sampling: dict[int, StepMetrics] = {}  # the metrics of the batches being sampled, by step
+        overlap = systems.overlap_rollouts and self.lag > 0
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="sampler") if overlap else None
+        self.in_flight = None  # overlapped: the future of the batches sampling beside the update
+        self.scorer = None  # overlapped: score_under_sampling_weights' (batch_logprobs, options), for finish_sampling
+        # the sampler thread's collectives (dynamic sampling's all-reduce) on a group of their own: the trainer's
+        # run at the same time on the default one
+        self.group = fsdp.new_cpu_group(dist) if overlap and dist.world_size > 1 else None
         saved = (trainer_state or {}).get("this_rank")
         if saved and saved["world_size"] == dist.world_size:
             self.queued = list(saved["queued"])
@@ -208,6 +233,47 @@ class RolloutQueue:
         self.sampling = {ahead: StepMetrics() for ahead in range(first, step + self.lag + 1)}
         return list(self.sampling.items())
 
+    def sample(self, step: int, sample_batch: Callable[[int, StepMetrics], Groups], metrics: StepMetrics) -> None:
+        """Samples and queues the batches step `step` samples (steps_to_sample), each `sample_batch(ahead, its
+        metrics)` inside the engine's seeded stream of step `ahead`. Overlapped: the ones of later steps on the
+        sampler's thread, beside this step's update, queued by `finish_sampling`."""
+        later = []
+        for ahead, batch_metrics in self.steps_to_sample(step, metrics):
+            if self.worker and ahead > step:
+                later.append((ahead, batch_metrics))
+            else:
+                self.put(ahead, self._sampled(sample_batch, ahead, batch_metrics))
+        if later:
+            self.in_flight = self.worker.submit(self._sample_beside, sample_batch, later)
+
+    def _sampled(self, sample_batch, ahead: int, batch_metrics: StepMetrics) -> Groups:
+        with self.engine.seeded(ahead) if self.engine is not None else contextlib.nullcontext():
+            return sample_batch(ahead, batch_metrics)
+
+    def _sample_beside(self, sample_batch, steps: list[tuple[int, StepMetrics]]):
+        """On the sampler's thread: [(step, its batch)], and how long they took."""
+        start = time.perf_counter()
+        with fsdp.collectives_on(self.group):
+            sampled = [(ahead, self._sampled(sample_batch, ahead, batch_metrics)) for ahead, batch_metrics in steps]
+        return sampled, time.perf_counter() - start
+
+    def finish_sampling(self, metrics: StepMetrics) -> None:
+        """Overlapped: waits for the batches sampled beside this step's update (time/rollout_wait; time/rollout_
+        overlapped, the sampling itself), queues them, and scores them under their sampling weights on the engine's
+        copy, which holds them until the push that follows. Synchronous: nothing to do."""
+        if self.in_flight is None:
+            return
+        start = time.perf_counter()
+        sampled, took = self.in_flight.result()  # an error on the sampler's thread is raised here
+        self.in_flight = None
+        metrics.set("time/rollout_wait", time.perf_counter() - start)
+        metrics.set("time/rollout_overlapped", took)
+        for ahead, groups in sampled:
+            self.put(ahead, groups)
+        if self.scorer is not None:
+            batch_logprobs, options = self.scorer
+            self._score(batch_logprobs, self.engine.model, options)
+
     def put(self, step: int, groups: Groups) -> None:
         """The batch of step `step`, sampled now (with the weights step `self.step` started from)."""
         self.queued.append(Queued(step, self.step, groups, self.sampling.pop(step, None)))
@@ -226,7 +292,13 @@ class RolloutQueue:
         """At lag > 0, while the trainer still holds the weights that sampled them: each queued batch's log-probs
         under the trainer (a script's `batch_logprobs(model, batch, *options)[0]`: [B, T], no gradient) kept with its
         completions (trainer_logprobs), for the split of the mismatch (`record_staleness`). A script calls it in the
-        step that sampled them, before its update: a batch the updates have passed is refused, not scored wrongly."""
+        step that sampled them, before its update: a batch the updates have passed is refused, not scored wrongly.
+        Overlapped, the batch in flight is scored when it arrives (finish_sampling), with these options."""
+        if self.worker is not None:
+            self.scorer = (batch_logprobs, options)
+        self._score(batch_logprobs, model, options)
+
+    def _score(self, batch_logprobs, model, options) -> None:
         for queued in self.queued if self.lag else []:
             completions = queued.groups.completions
             if not completions or completions[0].trainer_logprobs is not None:

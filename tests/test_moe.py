@@ -324,7 +324,7 @@ def test_a_queued_batch_is_scored_at_its_sampling_weights_routed_as_pi_old_is(ti
     for completion in completions:
         completion.routing = other_experts(completion.routing, 4)
     groups = Groups(prompts, [None] * 3, completions, [None] * 9, torch.zeros(3, 3), [True] * 9)
-    queue = RolloutQueue(1, one_process(), tokenizer.pad_token_id)
+    queue = RolloutQueue(flags.Systems(rollout_lag=1), one_process(), tokenizer.pad_token_id)
     queue.put(1, groups)
     args = flags.make(tim.Args, router_replay=replay, micro_batch_size=2)
     queue.score_under_sampling_weights(tim.sampling_weights_logprobs, model, args, torch.autocast("cpu", enabled=False))

@@ -102,10 +102,11 @@ def test_a_process_that_runs_main_twice_resumes_its_own_run(tmp_path):
 def test_a_queued_batch_keeps_no_object_of_a_task_files_classes():
     """At --rollout-lag >= 1 the queue's rows were pickled whole: a row holding an object of the task file's own
     class could not be loaded from another path ("rollouts_rank0.pt is damaged")."""
+    from common.flags import Systems
     from common.rollouts import Groups, Queued, RolloutQueue
     from common.tasks import Row
 
-    queue = RolloutQueue(1, one_process(), 0)
+    queue = RolloutQueue(Systems(rollout_lag=1), one_process(), 0)
     row = Row("Q: 1+1=", "2", {"question": "Q: 1+1=", "check": lambda text: text})  # unpicklable, as a class may be
     queue.queued.append(Queued(1, 0, Groups([[1]], [row], [], [], torch.zeros(1, 1), [])))
     saved = pickle.loads(pickle.dumps(queue.state()))

@@ -14,6 +14,7 @@ import torch
 from distributed_rollouts import ScriptedEngine, scripted_step
 from helpers import assert_same_run, one_process, only_run_dir, read_jsonl, run_script, torchrun
 
+from common.flags import Systems
 from common.rollouts import extra_round_indices, record_rollouts
 from common.scoring import overlong_penalty
 from common.tasks import sample_batch
@@ -174,7 +175,7 @@ def test_at_lag_k_step_t_trains_on_the_batch_sampled_at_step_t_minus_k(lag, caps
         assert queue.take(step, metrics).prompt_ids == [[step]]
         return metrics.reduce()
 
-    queue, sampled, logged = RolloutQueue(lag, ONE_PROCESS, 0), [], []
+    queue, sampled, logged = RolloutQueue(Systems(rollout_lag=lag), ONE_PROCESS, 0), [], []
     for step in range(5):
         logged.append(sample(queue, step))
     assert sampled == [(0, s) for s in range(lag + 1)] + [(t, t + lag) for t in range(1, 5)]
@@ -184,10 +185,15 @@ def test_at_lag_k_step_t_trains_on_the_batch_sampled_at_step_t_minus_k(lag, caps
     checkpoint = io.BytesIO()  # as a checkpoint keeps the queue
     torch.save(queue.state(), checkpoint)
     checkpoint.seek(0)
-    resumed, sampled = RolloutQueue(lag, ONE_PROCESS, 0, {"this_rank": torch.load(checkpoint, weights_only=False)}), []
+    resumed, sampled = (
+        RolloutQueue(
+            Systems(rollout_lag=lag), ONE_PROCESS, 0, {"this_rank": torch.load(checkpoint, weights_only=False)}
+        ),
+        [],
+    )
     assert sample(resumed, 5)["sampling/rollouts"] == 105 and sampled == [(5, 5 + lag)]
     two_ranks = queue.state() | {"world_size": 2}  # another rank's share: dropped, said, sampled again
-    other = RolloutQueue(lag, ONE_PROCESS, 0, {"this_rank": two_ranks})
+    other = RolloutQueue(Systems(rollout_lag=lag), ONE_PROCESS, 0, {"this_rank": two_ranks})
     assert [ahead for ahead, _ in other.steps_to_sample(5, StepMetrics())] == list(range(5, 5 + lag + 1))
     assert ("sampled again" in capsys.readouterr().out) == (lag > 0)
 
@@ -209,7 +215,7 @@ def test_queued_batches_are_scored_once_under_the_weights_that_sampled_them(tiny
         model, make_batch(prompts, completions, 4, 0, torch.device("cpu")), args, NO_AUTOCAST
     )
     for lag in (0, 1):
-        queue = RolloutQueue(lag, ONE_PROCESS, 0)
+        queue = RolloutQueue(Systems(rollout_lag=lag), ONE_PROCESS, 0)
         fresh = [dataclasses.replace(c) for c in completions]
         queue.put(1, Groups(prompts, [None, None], fresh, [None] * 8, torch.zeros(2, 4), [True] * 8))
         queue.score_under_sampling_weights(grpo.batch_logprobs, model, args, NO_AUTOCAST)
