@@ -64,6 +64,7 @@ import contextlib
 import dataclasses
 import math
 import random
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -244,7 +245,7 @@ class RolloutQueue:
             else:
                 self.put(ahead, self._sampled(sample_batch, ahead, batch_metrics))
         if later:
-            self.in_flight = self.worker.submit(self._sample_beside, sample_batch, later)
+            self.in_flight = (self.worker.submit(self._sample_beside, sample_batch, later), sample_batch, later)
 
     def _sampled(self, sample_batch, ahead: int, batch_metrics: StepMetrics) -> Groups:
         with self.engine.seeded(ahead) if self.engine is not None else contextlib.nullcontext():
@@ -260,12 +261,25 @@ class RolloutQueue:
     def finish_sampling(self, metrics: StepMetrics) -> None:
         """Overlapped: waits for the batches sampled beside this step's update (time/rollout_wait; time/rollout_
         overlapped, the sampling itself), queues them, and scores them under their sampling weights on the engine's
-        copy, which holds them until the push that follows. Synchronous: nothing to do."""
+        copy, which holds them until the push that follows. Synchronous: nothing to do.
+
+        An error on the sampler's thread (a task file's score() that raises) comes after this step's update, when
+        the weights the step started from are in the engine's copy alone: the batches are sampled again on this
+        thread, by every rank, from the same weights and seeded streams (the same batches, unless the error
+        recurs). One that recurs ends the run as an error after an update does: its newest checkpoint holds it."""
         if self.in_flight is None:
             return
         start = time.perf_counter()
-        sampled, took = self.in_flight.result()  # an error on the sampler's thread is raised here
-        self.in_flight = None
+        (future, sample_batch, steps), self.in_flight = self.in_flight, None
+        error = future.exception()
+        if fsdp.all_reduce(float(error is not None), self.dist):  # any rank's: every rank samples again (collectives)
+            if error is not None:
+                failed = f"{type(error).__name__}: {error}"
+                print(f"warning: sampling beside the update failed ({failed}); sampled again", file=sys.stderr)
+            self.sampling |= {ahead: StepMetrics() for ahead, _ in steps}  # what the failed attempt recorded: dropped
+            sampled, took = self._sample_beside(sample_batch, [(a, self.sampling[a]) for a, _ in steps])
+        else:
+            sampled, took = future.result()
         metrics.set("time/rollout_wait", time.perf_counter() - start)
         metrics.set("time/rollout_overlapped", took)
         for ahead, groups in sampled:

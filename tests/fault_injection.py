@@ -3,14 +3,16 @@
     python tests/fault_injection.py soak --trials 200 --output-dir runs/soak    # the soak; rerun it to continue
     python tests/fault_injection.py trial 17 --output-dir /tmp/t17              # one trial again, by its number
 
-Each trial is drawn from (seed, trial number) alone: a script (every algorithms/*.py), flags (--rollout-lag 0-2; the
-built-in task, a task file whose score goes through math-verify, or a .jsonl data file; LoRA or not; dynamic
-sampling or not; --save-every 1 or 2), a signal (SIGINT, SIGTERM, SIGHUP once or twice, to the process or to its
-group; SIGKILL; or an exception, as a task file's score() raises one) and a moment: the nth call of the model's
-load, a rollout, a scoring, an update, a weight push, an evaluation or a checkpoint's write (the signal is sent from
-inside that call, by the process to itself). The run then gets `--resume auto`. A trial passes when:
-  - the stopped run ended within STOP_SECONDS (no hang) with the exit code its ending promises, and no process it
-    started is left once it has ended;
+Each trial is drawn from (seed, trial number) alone: a script (every algorithms/*.py), flags (--rollout-lag 0-2, and
+with a lag --overlap-rollouts or not; the built-in task, a task file whose score goes through math-verify, or a
+.jsonl data file; LoRA or not; dynamic sampling or not; --save-every 1 or 2), a signal (SIGINT, SIGTERM, SIGHUP
+once or twice, to the process or to its group; SIGKILL; or an exception, as a task file's score() raises one) and a
+moment: the nth call of the model's load, a rollout, a scoring, an update, a weight push, an evaluation or a
+checkpoint's write (the signal is sent from inside that call, by the process to itself). The run then gets
+`--resume auto`. A trial passes when:
+  - the stopped run ended within STOP_SECONDS (no hang) with the exit code its ending promises (an error on the
+    sampler's thread of --overlap-rollouts ends nothing: the batch is sampled again), and no process it started is
+    left once it has ended;
   - its newest checkpoint is whole, and it holds the last step logged (no finished step lost) after one stop signal
     (not two, not SIGKILL) or an exception before the step's update (a rollout, a scoring);
   - the resume ends well, and every number of every step it logged (times aside) equals that of the same run never
@@ -32,6 +34,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 
@@ -73,12 +76,15 @@ def draw(seed: int, number: int) -> dict:
     task = rng.choice(["arith", "task-file", "data-file"])
     flags += ["--lora-rank", 4] if rng.random() < 0.3 else []
     flags += ["--dynamic-sampling", "--max-sampling-rounds", 2] if rng.random() < 0.3 else []
-    return {
+    trial = {
         "seed": seed, "number": number, "script": rng.choice(SCRIPTS), "task": task, "flags": [str(f) for f in flags],
         "phase": phase, "call": 1 if phase == "load" else rng.randint(1, 3), "signal": signal_name,
         "times": 1 if signal_name in ("KILL", "ERROR") else rng.choice([1, 2]),
         "target": rng.choice(["process", "group"]),
     }  # fmt: skip
+    # drawn last, so that the draws above stay those of the trials before it existed
+    trial["flags"] += ["--overlap-rollouts"] if flags[1] > 0 and rng.random() < 0.5 else []
+    return trial
 
 
 def _task_flags(task: str, folder: str) -> list[str]:
@@ -147,6 +153,11 @@ def _left_behind(marker: str, seconds: float = 10.0) -> list[str]:
         time.sleep(0.5)
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def _records(output_dir: str) -> list[dict]:
     """The metrics of the one run in `output_dir` (of the newest, if a stop before its first checkpoint made a new
     run start on resume)."""
@@ -202,6 +213,8 @@ def run_trial(trial: dict, folder: str, cache: str | None = None) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "inject", *moment, trial["script"], *flags]
     code, seconds = _run(argv, log, marker, STOP_SECONDS)
     record = {**trial, "fired": os.path.exists(fired), "exit": code, "seconds": round(seconds, 1)}
+    # --overlap-rollouts: an error on the sampler's thread is sampled again on the trainer's (the run goes on)
+    retried = record["fired"] and trial["signal"] == "ERROR" and _read(fired).startswith("sampler")
     left = _left_behind(marker)
     newest = _newest_checkpoint(runs)
     if code is None:
@@ -211,7 +224,7 @@ def run_trial(trial: dict, folder: str, cache: str | None = None) -> dict:
     number = int(getattr(signal, f"SIG{trial['signal']}", 0))
     # a stop signal ends a run with 128 + its number, or as the signal's default action before the run is set up (a
     # negative exit code); a signal during the last step leaves a complete run (0); an exception is a traceback (1)
-    expected = {1} if trial["signal"] == "ERROR" else {0, 128 + number, -number}
+    expected = ({0} if retried else {1}) if trial["signal"] == "ERROR" else {0, 128 + number, -number}
     expected = {-number} if trial["signal"] == "KILL" else expected
     if code not in (expected if record["fired"] else {0}):
         return {**record, "outcome": "exit", "detail": f"exit code {code}, expected one of {sorted(expected)} ({log})"}
@@ -225,7 +238,7 @@ def run_trial(trial: dict, folder: str, cache: str | None = None) -> dict:
             return {**record, "outcome": "damaged", "detail": str(error)}
     logged = _records(runs)
     if trial["signal"] == "ERROR":
-        one_stop = record["fired"] and trial["phase"] in ("rollout", "scoring")
+        one_stop = record["fired"] and trial["phase"] in ("rollout", "scoring") and not retried
     else:
         one_stop = record["fired"] and trial["signal"] != "KILL" and trial["times"] == 1 and trial["phase"] != "load"
     saved_step = int(os.path.basename(newest).split("_")[1]) if newest else 0
@@ -268,7 +281,8 @@ def inject(phase: str, call: int, signal_name: str, times: int, target: str, fir
     def with_a_signal(*args, **kwargs):
         calls[0] += 1
         if calls[0] == call:
-            open(fired, "w").close()
+            with open(fired, "w") as f:  # which thread: an overlapped batch is sampled on the "sampler" one
+                f.write(threading.current_thread().name)
             if signal_name == "ERROR":
                 raise RuntimeError(f"an error injected at {phase} #{call}")
             number = getattr(signal, f"SIG{signal_name}")

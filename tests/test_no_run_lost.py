@@ -17,8 +17,10 @@ from common.errors import BadInput
 # trials of the soak's seed 0, chosen for their spread: an error in a task file's score() (its answers compared by
 # math-verify in a helper of the task file's helper) at step 2, seen to fail ("lost") with the error's save removed;
 # SIGTERM to the group during an update at lag 2, --save-every 2, seen to fail with the stop's save removed; SIGTERM
-# inside a checkpoint's write with LoRA and a task file at lag 2 (SIGKILL and the other moments: the soak)
-CI_TRIALS = [44, 31, 41]
+# inside a checkpoint's write with LoRA and a task file at lag 2; --overlap-rollouts: an error in a rollout on the
+# sampler's thread (GTPO, LoRA, lag 2: sampled again, the run goes on, equal to the run without it), SIGTERM during a
+# scoring on the sampler's thread (lag 1) (SIGKILL and the other moments: the soak)
+CI_TRIALS = [44, 31, 41, 64, 156]
 
 
 @pytest.mark.slow
