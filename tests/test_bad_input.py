@@ -42,6 +42,13 @@ SHARED_CASES = [
     ({"top_p": NAN}, "--top-p must be in (0, 1]"),
     ({"top_k": -1}, "--top-k must be >= 0"),
     ({"rollout_lag": -1}, "--rollout-lag must be in [0, 64]"),
+    ({"overlap_rollouts": True}, "--overlap-rollouts applies with --rollout-lag >= 1 only"),
+    # a batch sampled beside the update is scored on the engine's copy, as the trainer would score it
+    ({"rollout_lag": 1, "overlap_rollouts": True, "engine_dtype": "bfloat16"}, "--overlap-rollouts must be off with"),
+    (
+        {"rollout_lag": 1, "overlap_rollouts": True, "rollout_engine": "vllm"},
+        "--overlap-rollouts must be off with vLLM",
+    ),
     ({"keep_sampling_mask": False}, "--keep-sampling-mask applies with --top-p < 1 or --top-k > 0 only"),
     # vLLM returns at most 20 kept tokens per position: a kept mask needs a top-k there, refused before loading
     (

@@ -66,6 +66,36 @@ def test_seeded_sampling_is_reproducible_and_grouped(tiny):
     assert [c.token_ids for c in engine.generate(_prompt_ids(tokenizer), 4, 6, 1.0)] != runs[0]
 
 
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_a_steps_sampling_stream_is_its_own(tiny, top_k):
+    """Inside engine.seeded(step) the tokens are drawn from a generator of that step's own (what --overlap-rollouts
+    needs: the trainer's minibatches draw from torch's default generator at the same time, on another thread): a
+    default generator moved by any amount changes nothing, another step or seed draws other tokens, and each token's
+    log-prob is still that of the distribution it was drawn from (top-k: a token the truncation kept)."""
+    model, tokenizer = tiny
+
+    def sample(seed, step, moved):
+        engine = HFEngine(model, tokenizer, seed=seed)
+        torch.manual_seed(moved)
+        with engine.seeded(step):
+            torch.rand(moved + 1)  # another draw from the default generator
+            return engine.generate(_prompt_ids(tokenizer), 4, 6, 1.0, top_k=top_k)
+
+    first = sample(0, 3, 0)
+    tokens = [c.token_ids for c in first]
+    assert [c.token_ids for c in sample(0, 3, 7)] == tokens
+    assert [c.token_ids for c in sample(0, 4, 0)] != tokens and [c.token_ids for c in sample(1, 3, 0)] != tokens
+    for index, completion in enumerate(first):
+        prompt = _prompt_ids(tokenizer)[index // 4]
+        if top_k == 0:
+            expected = _reference_logprobs(model, prompt, completion.token_ids, 1.0)
+            assert (torch.tensor(completion.logprobs, dtype=torch.float64) - expected).abs().max() < 1e-4
+        else:  # each sampled token among the top k of its position
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1]
+            assert (logits.topk(top_k).indices == torch.tensor(completion.token_ids)[:, None]).any(-1).all()
+
+
 def test_one_budget_per_prompt_cuts_each_prompts_completions(tiny):
     """Budgets [3, 6] in one call: the first prompt's completions are those of a call with 6 for both (same seed),
     cut at 3 tokens with their log-probs; the second prompt's are unchanged."""

@@ -88,9 +88,11 @@ def test_two_ranks_equal_one_in_float16(tmp_path):
 
 
 def test_grpo_on_two_ranks_end_to_end_and_resume(tmp_path):
-    """Two ranks, two steps, then resumed for a third, at --rollout-lag 1: each rank's queue of rollouts sampled ahead
-    is in the checkpoint, the third step trains on the batch the second step's weights sampled, and the resumed run
-    logs what a run of three steps straight does."""
+    """Two ranks, two steps, then resumed for a third, at --rollout-lag 1 with dynamic sampling: each rank's queue of
+    rollouts sampled ahead is in the checkpoint, the third step trains on the batch the second step's weights sampled,
+    and the resumed run logs what a run of three steps straight does. The stopped and resumed run samples beside its
+    updates (--overlap-rollouts: each rank's sampler thread reduces its rounds' counts on a process group of its own
+    while FSDP's collectives run), the straight one does not: the same numbers."""
     from transformers import AutoModelForCausalLM
 
     flags = [
@@ -108,8 +110,12 @@ def test_grpo_on_two_ranks_end_to_end_and_resume(tmp_path):
         2,
         "--rollout-lag",
         1,
+        "--dynamic-sampling",
+        "--max-sampling-rounds",
+        2,
     ]
     torchrun(2, "algorithms/grpo.py", "--steps", 3, "--output-dir", tmp_path / "straight", *flags)
+    flags.append("--overlap-rollouts")
     torchrun(2, "algorithms/grpo.py", "--steps", 2, "--output-dir", tmp_path / "split", *flags)
     torchrun(2, "algorithms/grpo.py", "--steps", 3, "--output-dir", tmp_path / "split", "--resume", "auto", *flags)
     run_dir = only_run_dir(tmp_path / "split")

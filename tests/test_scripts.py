@@ -9,6 +9,7 @@ import inspect
 import math
 import os
 import re
+import threading
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from helpers import (
     BASE_LOGGED,
     CLIP_LOGGED,
     REPO,
+    assert_same_run,
     assert_two_ranks_update_like_one,
     assert_weights_changed,
     assert_weights_unchanged,
@@ -31,6 +33,7 @@ from helpers import (
     two_group_rollouts,
 )
 
+from algorithms import grpo
 from common import flags, fsdp
 from common.engines import Completion
 
@@ -452,6 +455,59 @@ def test_a_minibatch_without_response_tokens_is_skipped_and_counted(name, tiny):
     for key, p in model.named_parameters():
         assert torch.equal(weights[key], p), key
     assert logged["skipped"] == 2 and "losses/policy_loss" not in logged
+
+
+def _main(algorithm, output_dir, **overrides):
+    """algorithm.main with the given fields (those the script has) on a small run: its metrics, step by step."""
+    values = dict(dict(steps=3, eval_every=2, eval_prompts=8, prompts_per_step=4, group_size=4), **overrides)
+    fields = flags.names(algorithm.Args)
+    algorithm.main(
+        flags.make(algorithm.Args, output_dir=str(output_dir), **{k: v for k, v in values.items() if k in fields})
+    )
+    return read_jsonl(os.path.join(only_run_dir(output_dir), "metrics.jsonl"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lag", [1, 2])
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_overlapped_rollouts_equal_the_synchronous_lag(name, lag, tmp_path):
+    """--overlap-rollouts samples the batch of step t + k on a thread of its own while step t trains: every number
+    of every step (times apart, an evaluation included) equals the synchronous --rollout-lag k run's, bit for bit
+    (the transformers engine, each side at the process's one thread, as in CI)."""
+    algorithm = importlib.import_module(f"algorithms.{name}")
+    synchronous = _main(algorithm, tmp_path / "synchronous", rollout_lag=lag)
+    overlapped = _main(algorithm, tmp_path / "overlapped", rollout_lag=lag, overlap_rollouts=True)
+    assert_same_run(synchronous, overlapped)
+    assert (
+        all(r["time/rollout_overlapped"] > 0 for r in overlapped[1:])
+        and "time/rollout_overlapped" not in synchronous[1]
+    )
+
+
+def test_overlapped_rollouts_sample_while_the_update_runs(tmp_path, monkeypatch):
+    """The batch in flight is sampled while update_policy runs, not before or after it: the first update waits (a
+    minute at most) for a generate call on another thread, which itself waits for the update to have begun. In a
+    synchronous run no generate call comes while the update runs: the wait runs out."""
+    from common.engines import HFEngine
+
+    updating, sampled_beside = threading.Event(), threading.Event()
+    generate, update = HFEngine.generate, grpo.update_policy
+
+    def watched_generate(self, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread() and updating.wait(60):
+            sampled_beside.set()
+        return generate(self, *args, **kwargs)
+
+    def watched_update(*args, **kwargs):
+        updating.set()
+        seen.append(sampled_beside.wait(60 if not seen else 0))
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(HFEngine, "generate", watched_generate)
+    monkeypatch.setattr(grpo, "update_policy", watched_update)
+    seen = []
+    _main(grpo, tmp_path, steps=2, rollout_lag=1, overlap_rollouts=True)
+    assert seen[0]
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
