@@ -245,16 +245,26 @@ class RolloutQueue:
             else:
                 self.put(ahead, self._sampled(sample_batch, ahead, batch_metrics))
         if later:
-            self.in_flight = (self.worker.submit(self._sample_beside, sample_batch, later), sample_batch, later)
+            pushed = None
+            if self.dist.device.type == "cuda":  # the sampler's kernels: on a stream of their own, after the push
+                pushed = torch.cuda.Event()
+                pushed.record()
+            job = self.worker.submit(self._sample_beside, sample_batch, later, pushed)
+            self.in_flight = (job, sample_batch, later)
 
     def _sampled(self, sample_batch, ahead: int, batch_metrics: StepMetrics) -> Groups:
         with self.engine.seeded(ahead) if self.engine is not None else contextlib.nullcontext():
             return sample_batch(ahead, batch_metrics)
 
-    def _sample_beside(self, sample_batch, steps: list[tuple[int, StepMetrics]]):
-        """On the sampler's thread: [(step, its batch)], and how long they took."""
+    def _sample_beside(self, sample_batch, steps: list[tuple[int, StepMetrics]], pushed=None):
+        """On the sampler's thread: [(step, its batch)], and how long they took. `pushed`: a CUDA event after the last
+        weight push, which the sampler's own stream waits for (the update's kernels go on on the default stream)."""
         start = time.perf_counter()
-        with fsdp.collectives_on(self.group):
+        stream = None
+        if pushed is not None:
+            stream = torch.cuda.Stream(self.dist.device)
+            stream.wait_event(pushed)
+        with fsdp.collectives_on(self.group), torch.cuda.stream(stream):  # (None: the current stream)
             sampled = [(ahead, self._sampled(sample_batch, ahead, batch_metrics)) for ahead, batch_metrics in steps]
         return sampled, time.perf_counter() - start
 

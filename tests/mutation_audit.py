@@ -81,6 +81,16 @@ REASONS = [
     # the Kalman filter is the EMA at the Kalman gains (Eq. 9 = Eqs. 4-7, test_kalman_filter_equals_the_scheduled_ema)
     (r'args\.smoother == "kalman"', "", "the Kalman filter and the EMA at its gains are one filter (Eq. 9 = Eqs. 4-7)"),
     (r"scaler\.unscale_\(optimizer\)", "", "ISOPO refuses float16: its loss scaler is off", r"isopo\.py$"),
+    (r'float\("-inf"\)', r'float\("-INF"\)', "float() reads inf in any case"),
+    (r"torch\.einsum\(", r'einsum\("[A-Z,>-]+"', "einsum's subscripts in capitals: the same contraction"),
+    (r"nan_to_num\(total, nan=0\.0\)", r"nan_to_num\(total, (nan=None)?\)", "nan_to_num's default is nan=0.0"),
+    # any block size gives the same filter (test_vectorized_filter_any_length_and_block)
+    (r"block: int = 64", "", "the block size is speed, not the numbers (any block: the same filter)"),
+    (r"clamp\(min=-50\)\.cumsum", "", "a floor of log(1 − α) far below float64's sums (e^-50 ≈ 2e-22)"),
+    # P3O's e_B = (Σρ)² / (N Σρ²): every sum negated leaves it as it was
+    (r"^sums\[key\] \+= value", r"-=", "every sum negated: (−Σρ)² / ((−N)(−Σρ²)) is e_B"),
+    (r"^inside = torch\.where\(advantages > 0", r">= 0", "A_i = 0 has no span (conflict_masks): its λ is unused"),
+    (r"rows_per_forward = max\(1,", "", "rows per forward pass: memory, not the numbers"),
 ]
 # lines whose strings are messages to a user: a refusal (require, checks.unused), an error, a warning
 MESSAGES = r"\b(require|unused|BadInput|ValueError|RuntimeError|print|warn)\("

@@ -88,6 +88,16 @@ def test_gains_match_an_independent_recursion():
         )
 
 
+def test_the_schedule_of_the_flags():
+    """gain_schedule: the Kalman gains of --kalman-q, --kalman-v and --p0 (each away from its default), or --alpha
+    at every position; float64 either way (the filter's own precision)."""
+    args = flags.make(ema_kpo.Args, smoother="kalman", kalman_q=2e-5, kalman_v=0.7, p0=3.5)
+    gains = ema_kpo.gain_schedule(args, 300)
+    np.testing.assert_allclose(gains.numpy(), reference_gains(300, 2e-5, 0.7, 3.5), rtol=1e-14)
+    fixed = ema_kpo.gain_schedule(flags.make(ema_kpo.Args, smoother="fixed", alpha=0.3), 5)
+    assert fixed.tolist() == [0.3] * 5 and gains.dtype == fixed.dtype == torch.float64
+
+
 def test_without_process_noise_the_filter_is_a_prefix_mean():
     """Q = 0, P0 = V = 1: P_t|t = 1/(t+1), K_t = 1/(t+1), so ρ̂_t = (z_1 + ... + z_t)/(t+1) (by hand)."""
     gains = ema_kpo.kalman_gains(6, q=0.0, v=1.0, p0=1.0)
@@ -114,6 +124,7 @@ def test_kalman_filter_equals_the_scheduled_ema(p0):
     assert ((kalman - ema) ** 2).mean().item() < 1e-14
     np.testing.assert_allclose(kalman.numpy(), reference_filter(z, reference_gains(3000, p0=p0)), rtol=1e-9, atol=1e-15)
     assert kalman.abs().max() > 1e-3  # not trivially zero
+    assert ema_kpo.kalman_filter(z[:, :50].float(), Q, V, p0).dtype == torch.float32  # float64 inside, z's out
 
 
 @pytest.mark.parametrize("schedule", ["kalman_p0=1", "kalman_p0=0", "fixed_0.1", "fixed_0.01", "fixed_1e-4"])

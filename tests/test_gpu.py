@@ -274,6 +274,28 @@ def test_rollout_lag_on_cuda_then_resume(name, tmp_path):
 
 
 @needs_gpu
+def test_overlapped_rollouts_on_cuda(tmp_path):
+    """--overlap-rollouts on the GPU (the transformers engine's own copy of the weights on CUDA, its kernels on a
+    stream of their own beside the update's; bf16 autocast): the batches of the synchronous --rollout-lag 1 run (every
+    step's rewards and lengths), its losses to bf16's rounding, the sampling timed beside the update; the seconds per
+    step of both are printed (`-s`), a measurement on this GPU."""
+    flags = [*SHORT, "--rollout-engine", "hf", "--rollout-lag", 1, "--steps", 6]
+    runs = {}
+    for mode in ("synchronous", "overlapped"):
+        extra = ["--overlap-rollouts"] if mode == "overlapped" else []
+        run_script("algorithms/grpo.py", *flags, *extra, "--output-dir", tmp_path / mode)
+        runs[mode] = _records(tmp_path / mode)
+    for a, b in zip(runs["synchronous"][1:], runs["overlapped"][1:], strict=True):
+        for key in ("charts/reward", "charts/response_length_mean", "charts/rollout_lag"):
+            assert a[key] == b[key], (a["step"], key)
+        assert b["losses/policy_loss"] == pytest.approx(a["losses/policy_loss"], rel=1e-3, abs=1e-5)
+        assert b["time/rollout_overlapped"] > 0
+    for mode, records in runs.items():
+        steps = [r["time/step"] for r in records[2:]]  # the first steps warm up
+        print(f"{mode}: {sum(steps) / len(steps):.3f} s a step", {k: v for k, v in records[-1].items() if "time/" in k})
+
+
+@needs_gpu
 def test_hf_engine_checkpointing_memory_at_a_real_width_beside_the_estimate(tmp_path):
     """Qwen2.5-0.5B's shapes (random weights, which almost never sample EOS: every response is 512 tokens), one
     micro-batch of 8 × 528 tokens: the second step's peak (AdamW's state exists) with and without

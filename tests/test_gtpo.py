@@ -200,12 +200,14 @@ def test_lambda_values():
     backward = torch.tensor([[0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0]]).bool()
     advantages = torch.tensor([0.5, -0.5, 0.0, 2.0])
     # the paper: M = M^fw ∨ M^bw; 2 inside for A > 0, 0 inside for A < 0, 1 outside
-    assert gtpo.conflict_weights(forward, backward, advantages, "or").tolist() == [
+    weights_or = gtpo.conflict_weights(forward, backward, advantages, "or")
+    assert weights_or.tolist() == [
         [2, 2, 2, 2],
         [0, 1, 1, 0],
         [1, 1, 1, 1],
         [2, 1, 1, 1],
     ]
+    assert torch.equal(gtpo.conflict_weights(forward, backward, advantages), weights_or)  # the default: "or"
     # the authors' code: λ^fw · λ^bw, 4 where a positive completion's two spans overlap
     assert gtpo.conflict_weights(forward, backward, advantages, "product").tolist() == [
         [2, 4, 2, 2],
@@ -265,6 +267,7 @@ def test_entropy_filter_three_cases():
     # auto compares ⟨H⟩_ini with the same threshold: 0.695 is above ln 2 (off) and below 0.7 (on)
     assert gtpo.entropy_filter(entropy, 0.695).tolist() == [1, 1, 1, 1]
     assert gtpo.entropy_filter(entropy, 0.695, threshold=0.7).tolist() == [1, 1, 1, 0]
+    assert gtpo.entropy_filter(entropy.double(), 0.5).dtype == torch.float64  # δ_i in ⟨H⟩_i's dtype
 
 
 def test_entropy_threshold_flag_is_checked_and_there_is_no_kl():
@@ -563,29 +566,36 @@ def test_initial_entropy_is_the_mean_of_completion_entropies(tiny):
     assert 0 < measured < math.log(len(tokenizer))
 
 
-def test_initial_entropy_is_of_the_policy_the_run_samples_under_top_k(tiny):
-    """Under --top-k with the sampling mask kept, ⟨H⟩_i is the entropy of π renormalised over the kept ids, and so is
-    ⟨H⟩_ini: its completions are sampled as the run's rollouts are, and scored with their mask (each token's entropy at
-    most ln 2 under top-k 2; the full vocabulary's, which it was, is no statistic ⟨H⟩_i is ever compared with)."""
+@pytest.mark.parametrize("top_k, top_p, keep", [(2, 1.0, True), (0, 0.6, True), (2, 1.0, False)])
+def test_initial_entropy_is_of_the_policy_the_run_samples_under_top_k(tiny, top_k, top_p, keep):
+    """Under --top-k or --top-p with the sampling mask kept, ⟨H⟩_i is the entropy of π renormalised over the kept ids,
+    and so is ⟨H⟩_ini: its completions are sampled as the run's rollouts are, and scored with their mask (each token's
+    entropy at most ln 2 under top-k 2; the full vocabulary's, which it was, is no statistic ⟨H⟩_i is ever compared
+    with). With --no-keep-sampling-mask the run's π is the whole vocabulary's, and so is ⟨H⟩_ini's."""
+    from common.engines import truncate
+
     model, tokenizer = _copy(tiny), tiny[1]
     prompts = [tokenizer(f"Q: {a}+{a + 3}=")["input_ids"] for a in range(7)]
     engine = HFEngine(model, tokenizer)
-    args = flags.make(gtpo.Args, micro_batch_size=3, max_new_tokens=6, top_k=2)
+    args = flags.make(
+        gtpo.Args, micro_batch_size=3, max_new_tokens=6, top_k=top_k, top_p=top_p, keep_sampling_mask=keep
+    )
     torch.manual_seed(0)
     measured = gtpo.measure_initial_entropy(
         model, engine, prompts, args, CPU, torch.autocast("cpu", enabled=False), tokenizer.pad_token_id
     )
     torch.manual_seed(0)  # the same samples again
-    completions = engine.generate(prompts, 1, 6, 1.0, top_k=2, sampling_mask=True)
+    completions = engine.generate(prompts, 1, 6, 1.0, top_k=top_k, top_p=top_p, sampling_mask=keep)
     entropies = []
     with torch.no_grad():
         for prompt, completion in zip(prompts, completions):
             response = completion.token_ids
             logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
-            logp = torch.log_softmax(logits.topk(2, dim=-1).values, -1)  # π over the two kept ids
-            entropies.append(-(logp.exp() * logp).sum(-1).mean())
+            kept = truncate(logits, top_k, top_p) if keep else torch.ones_like(logits, dtype=torch.bool)
+            logp = torch.log_softmax(logits.masked_fill(~kept, -math.inf), -1)  # π over the kept ids
+            entropies.append(-(logp.exp() * logp.masked_fill(~kept, 0.0)).sum(-1).mean())
     assert measured == pytest.approx(torch.stack(entropies).mean().item(), rel=1e-5)
-    assert 0 < measured <= math.log(2)
+    assert 0 < measured <= (math.log(2) if top_k == 2 and keep else math.log(len(tokenizer)))
 
 
 def test_a_resumed_run_keeps_its_initial_entropy():

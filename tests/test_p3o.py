@@ -47,6 +47,9 @@ def test_ess_is_one_for_equal_ratios():
     ess, fell_back = _ess_of(sampler + 0.3, sampler, mask)  # ρ = e^0.3 on every valid token
     assert ess == pytest.approx(1.0, abs=1e-12) and not fell_back
     assert _ess_of(sampler, sampler, mask) == (1.0, False)  # ρ ≡ 1: exactly 1
+    # six equal ratios whose float64 quotient rounds to 1 + 2^-52: e_B is at most 1 all the same
+    sums = {"ratio_sum": 11.885332809297116, "ratio_sq_sum": 23.543522664625748, "tokens": 6.0}
+    assert sums["ratio_sum"] ** 2 / (6 * sums["ratio_sq_sum"]) > 1 and p3o.effective_sample_size(sums) == (1.0, False)
 
 
 def test_ess_is_one_over_n_for_a_single_nonzero_ratio():
@@ -136,6 +139,9 @@ def test_on_policy_is_reinforce():
     advantages = torch.linspace(-1.0, 1.0, len(mask), dtype=torch.float64)
     gradient, *_ = _token_gradient(sampler, sampler, advantages, mask, ess)
     assert torch.equal(gradient, -advantages[:, None] * mask)
+    # the cap is active where ρ > e_B only: ρ = e_B = 1 caps nothing; padding's log ρ is 0 (ρ = 1, not e)
+    _, ratio, capped, _ = p3o.p3o_loss(sampler, sampler, advantages, mask, ess)
+    assert not capped.any() and torch.equal(p3o.behavior_log_ratio(sampler + 1.0, sampler, mask), mask.double())
 
 
 def test_clamped_log_ratio_never_flips_the_kl_gradient():

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import threading
 
 import pytest
 import torch
@@ -196,6 +197,122 @@ def test_at_lag_k_step_t_trains_on_the_batch_sampled_at_step_t_minus_k(lag, caps
     other = RolloutQueue(Systems(rollout_lag=lag), ONE_PROCESS, 0, {"this_rank": two_ranks})
     assert [ahead for ahead, _ in other.steps_to_sample(5, StepMetrics())] == list(range(5, 5 + lag + 1))
     assert ("sampled again" in capsys.readouterr().out) == (lag > 0)
+
+
+class _SeededEngine:
+    """An engine that records which step's sampling stream each batch was sampled in, and on which thread."""
+
+    def __init__(self, model=None):
+        self.model, self.streams = model, []
+
+    @contextlib.contextmanager
+    def seeded(self, step):
+        self.streams.append((step, threading.current_thread().name))
+        yield
+
+
+def _marked_batch(step):
+    from common.rollouts import Groups
+    from common.tasks import Row
+
+    return Groups([[step]], [Row(f"Q: {step}", "0")], [], [], torch.zeros(1, 1), [])
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_an_overlapped_queue_samples_later_steps_beside_the_update_and_queues_what_the_synchronous_one_does(lag):
+    """queue.sample: the batch a step trains on at once, on the trainer's thread; with --overlap-rollouts the later
+    steps' on the sampler's thread, queued by finish_sampling (time/rollout_wait, time/rollout_overlapped), each in
+    the engine's stream of its own step. Step by step, the queue holds and hands out what the synchronous one does,
+    each batch with what its own sampling recorded."""
+    from common.rollouts import RolloutQueue
+
+    def sample_batch(ahead, metrics):
+        metrics.sum("sampling/rollouts", 100 + ahead)
+        return _marked_batch(ahead)
+
+    runs = {}
+    for overlap in (False, True):
+        engine = _SeededEngine()
+        queue, taken = (
+            RolloutQueue(Systems(rollout_lag=lag, overlap_rollouts=overlap), ONE_PROCESS, 0, None, engine),
+            [],
+        )
+        for step in range(4):
+            metrics = StepMetrics()
+            queue.sample(step, sample_batch, metrics)
+            taken.append(queue.take(step, metrics).prompt_ids)
+            queue.finish_sampling(metrics)
+            logged = metrics.reduce()
+            assert ("time/rollout_overlapped" in logged) == overlap and ("time/rollout_wait" in logged) == overlap
+            taken.append(logged["sampling/rollouts"])
+            taken.append([(q.step, q.sampled_at, q.groups.prompt_ids) for q in queue.state()["queued"]])
+        runs[overlap] = taken, engine.streams
+    assert runs[True][0] == runs[False][0]
+    assert [step for step, _ in runs[True][1]] == [step for step, _ in runs[False][1]] == list(range(4 + lag))
+    assert {thread for _, thread in runs[False][1]} == {"MainThread"}
+    assert runs[True][1][0][1] == "MainThread" and {t for _, t in runs[True][1][1:]} == {"sampler_0"}
+
+
+def test_a_batch_whose_sampling_beside_the_update_failed_is_sampled_again(capsys):
+    """An error on the sampler's thread (a task file's score() that raises) surfaces after the update: the batch is
+    sampled again on the trainer's thread, in the same stream, what the failed attempt recorded dropped; an error
+    that recurs is raised there."""
+    from common.rollouts import RolloutQueue
+
+    failures = {1: 1, 2: 2}  # step 1's sampling fails once, step 2's twice
+
+    def sample_batch(ahead, metrics):
+        metrics.sum("sampling/rollouts", 1)
+        if failures.get(ahead, 0) > 0:
+            failures[ahead] -= 1
+            raise ValueError(f"score() failed on step {ahead}")
+        return _marked_batch(ahead)
+
+    engine = _SeededEngine()
+    queue = RolloutQueue(Systems(rollout_lag=1, overlap_rollouts=True), ONE_PROCESS, 0, None, engine)
+    queue.sample(0, sample_batch, StepMetrics())
+    queue.take(0, StepMetrics())
+    queue.finish_sampling(StepMetrics())
+    assert "ValueError: score() failed on step 1" in capsys.readouterr().err
+    assert engine.streams == [(0, "MainThread"), (1, "sampler_0"), (1, "MainThread")]
+    metrics = StepMetrics()
+    queue.sample(1, sample_batch, metrics)
+    assert queue.take(1, metrics).prompt_ids == [[1]]
+    assert metrics.reduce()["sampling/rollouts"] == 1  # the second attempt's alone
+    with pytest.raises(ValueError, match="failed on step 2"):
+        queue.finish_sampling(metrics)
+
+
+def test_an_overlapped_batch_is_scored_on_the_engines_copy_before_the_push(tiny):
+    """Overlapped, the batch in flight arrives after the update: finish_sampling scores it under its sampling
+    weights on the engine's copy, which holds them until the push, with the options score_under_sampling_weights was
+    given; the trainer's module, which has moved on, scores nothing."""
+    from helpers import two_group_rollouts
+
+    from algorithms import grpo
+    from common import flags
+    from common.batches import make_batch
+    from common.rollouts import Groups, RolloutQueue
+
+    model, tokenizer = tiny
+    moved = type(model)(model.config)  # the trainer after its update: other weights
+    prompts, completions = two_group_rollouts(tokenizer)
+    args = flags.make(grpo.Args, micro_batch_size=3)
+
+    def sample_batch(ahead, metrics):
+        fresh = [dataclasses.replace(c) for c in completions]
+        return Groups(prompts, [None, None], fresh, [None] * 8, torch.zeros(2, 4), [True] * 8)
+
+    queue = RolloutQueue(Systems(rollout_lag=1, overlap_rollouts=True), ONE_PROCESS, 0, None, _SeededEngine(model))
+    queue.sample(0, sample_batch, StepMetrics())
+    queue.take(0, StepMetrics())
+    queue.score_under_sampling_weights(grpo.batch_logprobs, moved, args, NO_AUTOCAST)
+    queue.finish_sampling(StepMetrics())
+    expected = grpo.batch_logprobs(
+        model, make_batch(prompts, completions, 4, 0, torch.device("cpu")), args, NO_AUTOCAST
+    )
+    for row, completion in enumerate(queue.queued[0].groups.completions):
+        assert completion.trainer_logprobs == expected[0][row, : len(completion.token_ids)].tolist()
 
 
 def test_queued_batches_are_scored_once_under_the_weights_that_sampled_them(tiny):

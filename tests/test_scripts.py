@@ -537,8 +537,9 @@ def test_shared_statistics_and_kl_penalty_by_brute_force(name, updates, tiny, mo
     """What every script's update_policy shares, against brute force. The weights stay still (an optimizer that
     records gradients) and the π_old pass is shifted by a known ε per token, so log π_θ − log π_old = −ε: approx_kl is
     the mean k3 of −ε at two updates, and 0 at one, where π_old is π_θ itself and no pass is made; the mismatch is
-    k3(log π_old − log μ); the entropy is π_θ's; kl_ref is k3 KL(π_θ ‖ π_ref). Where the method has --kl-coef, β·KL
-    adds β times its aggregate to the logged loss and β times its gradient to every step's."""
+    k3(log π_old − log μ), and its two parts beside π_s (a batch sampled a step ago); the entropy is π_θ's; kl_ref is
+    k3 KL(π_θ ‖ π_ref). Where the method has --kl-coef, β·KL adds β times its aggregate to the logged loss and β times
+    its gradient to every step's."""
     algorithm = importlib.import_module(f"algorithms.{name}")
     model, tokenizer = tiny
     policy, reference = copy.deepcopy(model), copy.deepcopy(model)
@@ -546,6 +547,8 @@ def test_shared_statistics_and_kl_penalty_by_brute_force(name, updates, tiny, mo
         for p in reference.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
     prompts, completions = two_group_rollouts(tokenizer)
+    # sampled a step ago (--rollout-lag): the trainer's log-probs at the sampling weights, −1.2 at every token
+    completions = [dataclasses.replace(c, trainer_logprobs=[-1.2] * len(c.token_ids)) for c in completions]
     new_batch = lambda: algorithm.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))  # noqa: E731
     noise = 0.4 * torch.randn(new_batch()["response_mask"].shape, generator=torch.Generator().manual_seed(0))
     batch_logprobs = algorithm.batch_logprobs
@@ -581,6 +584,8 @@ def test_shared_statistics_and_kl_penalty_by_brute_force(name, updates, tiny, mo
         **({"losses/kl_ref": k3(log_ref_ratio).mean()} if "reference" in parameters else {}),
         "mismatch/kl_k3": k3(mismatch).mean(),
         "mismatch/max_abs_logprob_diff": mismatch.abs().max(),
+        "mismatch/kl_k3_discrepancy": k3(torch.full_like(epsilon, -0.2)).mean(),  # log π_s − log μ
+        "mismatch/kl_k3_staleness": k3(logprobs.detach() + epsilon + 1.2).mean(),  # log π_old − log π_s
     }
     if name in ("grpo", "gtpo", "tis_icepop"):  # ρ = π_θ/π_old (EMA-KPO filters it, P3O's is π_θ/μ, ISOPO has none)
         ratio = torch.exp(-epsilon)

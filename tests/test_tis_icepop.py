@@ -131,6 +131,38 @@ def test_kpop_keeps_a_token_when_both_binary_kls_are_small():
         assert masked.item() is not keep
 
 
+def test_each_threshold_at_its_exact_value():
+    """Where a threshold meets its value exactly: KPop's φ keeps the token whose divergence it equals (≤), tis-seq
+    does not count a product of exactly C as capped, and TIS's ESS of one weight below 1 is 1."""
+    old, sampler, _ = _pair([[0.3]])
+    phi = torch.maximum(tim.binary_kl(old, sampler), tim.binary_kl(sampler, old)).item()
+    assert not _weights("kpop", old, sampler, torch.ones(1, 1, dtype=F64), kpop_phi=phi)[1].any()
+    _, _, capped = _weights("tis-seq", *_pair([[math.log(2.0)]]), tis_cap=2.0)
+    assert not capped.any()
+    assert tim.effective_sample_size(0.5, 0.25, 1) == 1.0  # Σw² = 0.25: a weight, not none
+
+
+def test_the_helpers_at_their_edges():
+    """A sequence whose log-ratios are +inf and −inf sums to 0 (no NaN), one far below the bound is clamped to −20;
+    a probability of 0 is clamped to 1e-8 in D_B (finite); seq-mask needs both the advantages and π_θ, and takes a
+    one-token completion's mean over that token."""
+    old, sampler = _lp([[math.inf, -math.inf]]), _lp([[0.0, 0.0]])
+    assert tim.sequence_log_ratio(old, sampler, torch.ones(1, 2, dtype=F64)).item() == 0.0
+    old, sampler, mask = _shifted([[-15.0, -15.0]], [[1, 1]], base=-40.0)
+    assert tim.sequence_log_ratio(old, sampler, mask).item() == -tim.LOG_RATIO_BOUND
+    zero = tim.binary_kl(_lp(-math.inf), _lp(math.log(0.5))).item()
+    assert zero == pytest.approx(_binary_kl(1e-8, 0.5), rel=1e-9)
+    old, mask = _lp([[0.0]]), _lp([[1.0]])
+    for missing in ({"advantages": _lp([-1.0])}, {"logprobs": old}):
+        with pytest.raises(ValueError, match="seq-mask"):
+            _weights("seq-mask", old, old, mask, **missing)
+    # one token, log(μ/π_θ) = 0.8 > δ = 0.5: dropped with A < 0, kept with A = 0 (nothing to push down)
+    sampler = _lp([[0.8]]) - 1.0
+    for advantage, dropped in ((-1.0, True), (0.0, False)):
+        masked = _weights("seq-mask", old - 1.0, sampler, mask, advantages=_lp([advantage]), logprobs=old - 1.0)[1]
+        assert masked.item() is dropped
+
+
 # --- sequence-level corrections -----------------------------------------------------------------
 
 

@@ -778,7 +778,8 @@ class BenchArgs:
     """what to run: bench (every method), ema_kpo, p3o, tis_icepop, gtpo, isopo (the claims on the built-in
     task), stress_search, stress, fp16, fp32_head, sampling_mask, mismatch_fixes_training, moe_mismatch, moe (on the
     reasoning task; the last two: mixture of experts), tools (the tool task), lora (adapters), long (the cost of a
-    step at 4 x 512 new tokens), lag and lag_sums (rollouts from older weights), or all"""
+    step at 4 x 512 new tokens), lag and lag_sums (rollouts from older weights), overlap (sampling beside the
+    update against the synchronous step; run it with --jobs 1), or all"""
     quick: bool = False
     """a few minutes: 1 seed, 8 steps, smaller evaluations (results under --output-dir)"""
     seeds: int | None = None

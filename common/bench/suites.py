@@ -570,4 +570,33 @@ SUITES["long"] = Suite(
     checkpoints=1,
     prepare=build_long_model,
 )
+# Sampling beside the update (--overlap-rollouts): at --rollout-lag 1 the batch of step t + 1 is sampled on a thread
+# of its own while step t trains, where the synchronous run samples it first; the numbers are the same either way
+# (tests/test_scripts.py), the seconds per step are what changes. GRPO with its defaults, on the built-in task (its
+# generation about a third of a step) and on sums with 48 new tokens (generation-heavy), 20 steps without
+# evaluations. Run one at a time (`--jobs 1`): each process has both cores, the overlapped one's two sides share them
+# (each at the process's thread count, which keeps its numbers those of the synchronous run). The columns: the
+# sampling's own seconds beside the update, the wait for it once the update is done, the weight push; a step can at
+# best take max(sampling, training) + push. Fixed before any run.
+SUITES["overlap"] = Suite(
+    "overlap",
+    "GRPO sampling beside its update (--overlap-rollouts) against the synchronous step, at --rollout-lag 1",
+    [
+        Config(
+            f"{task} · {mode}", "grpo", flags + ("--rollout-lag", "1") + (("--overlap-rollouts",) if overlap else ())
+        )
+        for task, flags in (("arith", ()), ("sums, 48 new tokens", SUMS_TASK))
+        for mode, overlap in (("synchronous", False), ("overlapped", True))
+    ],
+    [Panel("time/step", "seconds per step"), Panel("time/train", "training seconds per step")],
+    steps=20,
+    flags=("--eval-every", "0"),
+    columns=(
+        ("time/rollout_overlapped", "sampling beside s"),
+        ("time/rollout_wait", "wait s"),
+        ("time/weight_sync", "push s"),
+    ),
+    accuracy=False,
+    checkpoints=1,
+)
 QUICK = dict(steps=8, seeds=(1,), flags=("--eval-every", "4", "--eval-prompts", "64"))
