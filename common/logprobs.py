@@ -204,8 +204,8 @@ def chunked_scores(
 
 
 def log_softmax_gather(logits, targets, temperature=1.0):
-    """log π(o) = log_softmax(z / temperature)[o] of one chunk of positions, logits z [N, V] and targets o [N]:
-    (the targets' log-probs [N], the whole log-softmax [N, V])."""
+    """log π(o) = log_softmax(z / temperature)[o] of one chunk of positions, logits z [..., V] and targets o [...]:
+    (the targets' log-probs [...], the whole log-softmax [..., V])."""
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return logp.gather(-1, targets[..., None]).squeeze(-1), logp
 

@@ -47,10 +47,13 @@ COMMON = {
     ),
     "common/batches.py": (None, ["tests/test_batches.py", "tests/test_grpo.py"]),
     "common/moe.py": (None, ["tests/test_moe.py", "tests/test_tis_icepop.py"]),
-    "common/rollouts.py": (["RolloutQueue", "record_staleness"], ["tests/test_rollouts.py", "tests/test_moe.py"]),
+    "common/rollouts.py": (
+        ["RolloutQueue", "record_staleness"],
+        ["tests/test_rollouts.py", "tests/test_moe.py", "tests/test_no_run_lost.py"],
+    ),
 }
 # Survivors that may stay, each with its reason: (the original line, the mutated line: regular expressions, both
-# searched), reason[, the file: a regular expression (any file without it)]
+# searched), reason[, where: a regular expression searched in "file:function" (any without it)]
 REASONS = [
     # isopo.weighted_gradient: which side of the one GEMM the weights multiply (the cheaper); the product is the same
     (r"^if g\.shape\[-1\] >= a\.shape\[-1\]:", "", "a choice of the cheaper side: both give the same Σ_t w_t g_t a_tᵀ"),
@@ -80,7 +83,7 @@ REASONS = [
     (r"argsort\(descending=True, stable=True\)", "", "blocks of one length in another order: the same sums, reordered"),
     # the Kalman filter is the EMA at the Kalman gains (Eq. 9 = Eqs. 4-7, test_kalman_filter_equals_the_scheduled_ema)
     (r'args\.smoother == "kalman"', "", "the Kalman filter and the EMA at its gains are one filter (Eq. 9 = Eqs. 4-7)"),
-    (r"scaler\.unscale_\(optimizer\)", "", "ISOPO refuses float16: its loss scaler is off", r"isopo\.py$"),
+    (r"scaler\.unscale_\(optimizer\)", "", "ISOPO refuses float16: its loss scaler is off", r"isopo\.py:"),
     (r'float\("-inf"\)', r'float\("-INF"\)', "float() reads inf in any case"),
     (r"torch\.einsum\(", r'einsum\("[A-Z,>-]+"', "einsum's subscripts in capitals: the same contraction"),
     (r"nan_to_num\(total, nan=0\.0\)", r"nan_to_num\(total, (nan=None)?\)", "nan_to_num's default is nan=0.0"),
@@ -91,6 +94,28 @@ REASONS = [
     (r"^sums\[key\] \+= value", r"-=", "every sum negated: (−Σρ)² / ((−N)(−Σρ²)) is e_B"),
     (r"^inside = torch\.where\(advantages > 0", r">= 0", "A_i = 0 has no span (conflict_masks): its λ is unused"),
     (r"rows_per_forward = max\(1,", "", "rows per forward pass: memory, not the numbers"),
+    # common/logprobs.py's _scores works on [positions, vocabulary] chunks (chunked_scores flattens them)
+    (r"-1\)", r"\+1\)", "a [positions, vocabulary] chunk: dim 1 is dim −1", r"logprobs\.py:_scores$"),
+    (r"def _scores\(.*float32=False", r"float32=True", "every caller passes float32: the default is never used"),
+    (r"nan_to_num\(neginf=0\.0\)", "", "where the log-prob is −inf its probability is 0: any stand-in adds 0"),
+    (r"per_chunk = max\(1,", "", "the chunk size: memory, not the numbers"),
+    (r"weight\.dtype == torch\.float32 and low in", r" or ", "a weight in the low dtype already: cast to itself"),
+    # micro-batches and their order are memory, not the numbers (test_micro_batches_change_no_number)
+    (r"def micro_batches\(.*by_length=True", r"by_length=False", "micro-batches: memory, not the numbers"),
+    (r"argsort\(descending=True, stable=True\)\]$", "", "micro-batches: memory, not the numbers", r"batches\.py:"),
+    (r"width = int\(columns\[-1\]\) \+ 1 if len\(columns\) else 0", "", "a micro-batch without a response: masked"),
+    # right padding comes after a sequence's last token: a causal model's positions before it never see it
+    (
+        r"\[0\] \* right\)$|\[0\.0\] \* right\)$|\+ \[0\] \* right\)$",
+        r"\[1(\.0)?\] \* right",
+        "right padding: masked, and after every token a causal model scores",
+    ),  # fmt: skip
+    (r"completions\[0\]\.trainer_logprobs is not None", r"completions\[1\]", "a batch is scored whole"),
+    (
+        r'^"call queue\.score_under_sampling_weights',
+        "",
+        "the wording of a message (the tests check which check refuses)",
+    ),
 ]
 # lines whose strings are messages to a user: a refusal (require, checks.unused), an error, a warning
 MESSAGES = r"\b(require|unused|BadInput|ValueError|RuntimeError|print|warn)\("
@@ -205,7 +230,7 @@ def reason(mutant: dict) -> str:
         return "the wording of a message (the tests check which check refuses, not its words)"
     for old, new, why, *scope in REASONS:
         if re.search(old, mutant["original"]) and re.search(new, mutant["mutated"]):
-            if not scope or re.search(scope[0], mutant.get("file", "")):
+            if not scope or re.search(scope[0], f"{mutant.get('file', '')}:{mutant.get('function', '')}"):
                 return why
     return ""
 

@@ -69,6 +69,18 @@ def test_the_logits_are_made_a_chunk_at_a_time_and_remade_in_the_backward(grad):
             assert sorted(sizes) == sorted(pieces * 2 if len(pieces) > 1 else pieces)  # the backward: in reverse
 
 
+def test_log_softmax_gather_on_any_leading_shape():
+    """log_softmax_gather takes logits [..., V] (here [2, 3, V]) at temperature 1 unless told: the target's log-prob
+    over the last dimension, and the whole log-softmax."""
+    from common.logprobs import log_softmax_gather
+
+    logits = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(0), dtype=F64)
+    targets = torch.tensor([[0, 6, 3], [2, 2, 5]])
+    logp, whole = log_softmax_gather(logits, targets)
+    expected = torch.log_softmax(logits, -1)
+    assert torch.equal(whole, expected) and torch.equal(logp, expected.gather(-1, targets[..., None])[..., 0])
+
+
 def test_bfloat16_logits_are_normalised_in_float32():
     """A bf16 output layer's logits are upcast before the log-softmax: its log-probs and entropy are float32, those of
     the same bf16 logits in float32 (a bf16 log-softmax rounds log-probs of about −4 to steps of 0.03)."""
@@ -300,6 +312,26 @@ def test_a_float32_output_layer_under_bfloat16_autocast(tiny, chunk_tokens):
             reference = torch.log_softmax(hidden.double() @ model.lm_head.weight.double().T, -1)
             errors[float32] = (logprobs - reference.gather(-1, targets[..., None]).squeeze(-1)).abs().max()
     assert errors[True] < 1e-5 and errors[False] > 1e-3, errors
+
+
+@pytest.mark.parametrize("float32", [True, False], ids=["float32-layer", "cast-once"])
+def test_an_output_layers_bias_under_bfloat16_autocast(float32):
+    """An output layer with a bias (some models have one) under bf16 autocast, chunked: the float32 product
+    (--fp32-lm-head) and the weight cast once both add it: the float64 reference's log-probs with the bias, to bf16's
+    rounding, where the bias moves each of them by more than that."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 6, 16, generator=generator)
+    weight, targets = torch.randn(40, 16, generator=generator), torch.randint(0, 40, (2, 6), generator=generator)
+    bias = torch.zeros(40).index_fill(0, targets.flatten(), 3.0)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        scores = {
+            b is None: chunked_scores(hidden, weight, b, targets, 1.0, False, chunk_bytes=4 * 40 * 5, float32=float32)
+            for b in (None, bias)
+        }
+    for without_bias, found in scores.items():
+        expected = _reference(hidden.double(), weight.double(), None if without_bias else bias.double(), targets, 1.0)
+        assert (found[..., 0] - expected[0]).abs().max() < (1e-5 if float32 else 0.1)
+    assert (scores[False][..., 0] - scores[True][..., 0]).abs().min() > 0.2  # more than the tolerance: it counts
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -50,7 +50,7 @@ def test_a_survivor_needs_a_reason():
     assert "CPU" in audit.reason(device)
     # a reason bound to one file: ISOPO's loss scaler is off (it refuses float16); grpo.py's is not
     unscaled = {"original": "scaler.unscale_(optimizer)", "mutated": "scaler.unscale_(None)"}
-    assert "float16" in audit.reason(dict(unscaled, file="algorithms/isopo.py"))
+    assert "float16" in audit.reason(dict(unscaled, file="algorithms/isopo.py", function="update_policy"))
     assert audit.reason(dict(unscaled, file="algorithms/grpo.py")) == ""
 
 
