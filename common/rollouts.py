@@ -50,8 +50,8 @@ it still holds θ_s (`score_under_sampling_weights`): one forward pass per step,
 
 Overlapped (--overlap-rollouts, at lag k ≥ 1): step t's batch of step t + k is sampled on a thread of its own while
 step t's update runs, as an asynchronous pipeline's engine samples beside its trainer. The engine keeps its own copy
-of the weights (θ_t, until the push after the update); the step waits for the batch before the push
-(`finish_sampling`), then scores it under θ_t on the engine's copy, which computes as the trainer did at θ_t. The
+of the weights (θ_t, until the push after the update), on which the sampler's thread also scores the batch under θ_t
+(it computes as the trainer did at θ_t); the step waits for the batch before the push (`finish_sampling`). The
 batches, and so every metric, are those of the synchronous run at lag k: the sampling draws from its own seeded
 stream, never from the generator the trainer's minibatches draw from. At most one batch is in flight, and none at a
 checkpoint. Each side runs the thread count the process has (bit-equal numbers: CPU kernels may round otherwise
@@ -61,10 +61,12 @@ at another count); a second rank's dynamic-sampling all-reduce goes through a pr
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import random
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -211,7 +213,9 @@ class RolloutQueue:
         overlap = systems.overlap_rollouts and self.lag > 0
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="sampler") if overlap else None
         self.in_flight = None  # overlapped: the future of the batches sampling beside the update
-        self.scorer = None  # overlapped: score_under_sampling_weights' (batch_logprobs, options), for finish_sampling
+        # overlapped: score_under_sampling_weights' (batch_logprobs, options), with which the sampler's thread scores
+        # the batches it sampled, on the engine's copy (scorer_ready: given this step, or none will be)
+        self.scorer, self.scorer_ready = None, threading.Event()
         # the sampler thread's collectives (dynamic sampling's all-reduce) on a group of their own: the trainer's
         # run at the same time on the default one
         self.group = fsdp.new_cpu_group(dist) if overlap and dist.world_size > 1 else None
@@ -249,6 +253,7 @@ class RolloutQueue:
             if self.dist.device.type == "cuda":  # the sampler's kernels: on a stream of their own, after the push
                 pushed = torch.cuda.Event()
                 pushed.record()
+            self.scorer_ready.clear()
             job = self.worker.submit(self._sample_beside, sample_batch, later, pushed)
             self.in_flight = (job, sample_batch, later)
 
@@ -257,8 +262,9 @@ class RolloutQueue:
             return sample_batch(ahead, batch_metrics)
 
     def _sample_beside(self, sample_batch, steps: list[tuple[int, StepMetrics]], pushed=None):
-        """On the sampler's thread: [(step, its batch)], and how long they took. `pushed`: a CUDA event after the last
-        weight push, which the sampler's own stream waits for (the update's kernels go on on the default stream)."""
+        """On the sampler's thread: [(step, its batch)], each scored under its sampling weights on the engine's copy
+        once the step has said how (score_under_sampling_weights), and how long they took. `pushed`: a CUDA event
+        after the last weight push, which the sampler's own stream waits for (the update's go on on the default)."""
         start = time.perf_counter()
         stream = None
         if pushed is not None:
@@ -266,20 +272,27 @@ class RolloutQueue:
             stream.wait_event(pushed)
         with fsdp.collectives_on(self.group), torch.cuda.stream(stream):  # (None: the current stream)
             sampled = [(ahead, self._sampled(sample_batch, ahead, batch_metrics)) for ahead, batch_metrics in steps]
+            self.scorer_ready.wait()
+            if self.scorer is not None:
+                batch_logprobs, options = self.scorer
+                # an autocast context of its own: one object entered on two threads keeps one thread's state
+                options = [copy.copy(o) if isinstance(o, torch.autocast) else o for o in options]
+                for _, groups in sampled:
+                    self._score_groups(groups, batch_logprobs, self.engine.model, options)
         return sampled, time.perf_counter() - start
 
     def finish_sampling(self, metrics: StepMetrics) -> None:
-        """Overlapped: waits for the batches sampled beside this step's update (time/rollout_wait; time/rollout_
-        overlapped, the sampling itself), queues them, and scores them under their sampling weights on the engine's
-        copy, which holds them until the push that follows. Synchronous: nothing to do.
+        """Overlapped: waits for the batches sampled (and scored) beside this step's update (time/rollout_wait;
+        time/rollout_overlapped, the sampling itself) and queues them. Synchronous: nothing to do.
 
         An error on the sampler's thread (a task file's score() that raises) comes after this step's update, when
-        the weights the step started from are in the engine's copy alone: the batches are sampled again on this
-        thread, by every rank, from the same weights and seeded streams (the same batches, unless the error
+        the weights the step started from are in the engine's copy alone: the batches are sampled (and scored) again
+        on this thread, by every rank, from the same weights and seeded streams (the same batches, unless the error
         recurs). One that recurs ends the run as an error after an update does: its newest checkpoint holds it."""
         if self.in_flight is None:
             return
         start = time.perf_counter()
+        self.scorer_ready.set()  # a step that gave no scorer: the sampler's thread waits for none
         (future, sample_batch, steps), self.in_flight = self.in_flight, None
         error = future.exception()
         if fsdp.all_reduce(float(error is not None), self.dist):  # any rank's: every rank samples again (collectives)
@@ -294,7 +307,7 @@ class RolloutQueue:
         metrics.set("time/rollout_overlapped", took)
         for ahead, groups in sampled:
             self.put(ahead, groups)
-        if self.scorer is not None:
+        if self.scorer is not None:  # those sampled again here
             batch_logprobs, options = self.scorer
             self._score(batch_logprobs, self.engine.model, options)
 
@@ -317,9 +330,10 @@ class RolloutQueue:
         under the trainer (a script's `batch_logprobs(model, batch, *options)[0]`: [B, T], no gradient) kept with its
         completions (trainer_logprobs), for the split of the mismatch (`record_staleness`). A script calls it in the
         step that sampled them, before its update: a batch the updates have passed is refused, not scored wrongly.
-        Overlapped, the batch in flight is scored when it arrives (finish_sampling), with these options."""
+        Overlapped, the batch in flight is scored on the sampler's thread, on the engine's copy, with these options."""
         if self.worker is not None:
             self.scorer = (batch_logprobs, options)
+            self.scorer_ready.set()
         self._score(batch_logprobs, model, options)
 
     def _score(self, batch_logprobs, model, options) -> None:
@@ -332,13 +346,19 @@ class RolloutQueue:
                     f"step {queued.step}'s batch, sampled in step {queued.sampled_at}, is scored in step {self.step}: "
                     "call queue.score_under_sampling_weights in the step that samples, before update_policy"
                 )
-            group_size, device = queued.groups.rewards.shape[1], self.dist.device
-            batch = make_batch(queued.groups.prompt_ids, completions, group_size, self.pad_id, device)
-            # an MoE engine's routing, as the step's batch holds it, for a method that replays it
-            routed = moe.batch_routing(queued.groups.prompt_ids, completions, group_size, batch)
-            batch |= {"engine_routing": routed} if routed is not None else {}
-            for completion, logprobs in zip(completions, batch_logprobs(model, batch, *options)[0].cpu()):
-                completion.trainer_logprobs = logprobs[: len(completion.token_ids)].tolist()
+            self._score_groups(queued.groups, batch_logprobs, model, options)
+
+    def _score_groups(self, groups: Groups, batch_logprobs, model, options) -> None:
+        """Each completion's trainer_logprobs: batch_logprobs(model, the groups' batch, *options)."""
+        if not groups.completions:
+            return
+        group_size, device = groups.rewards.shape[1], self.dist.device
+        batch = make_batch(groups.prompt_ids, groups.completions, group_size, self.pad_id, device)
+        # an MoE engine's routing, as the step's batch holds it, for a method that replays it
+        routed = moe.batch_routing(groups.prompt_ids, groups.completions, group_size, batch)
+        batch |= {"engine_routing": routed} if routed is not None else {}
+        for completion, logprobs in zip(groups.completions, batch_logprobs(model, batch, *options)[0].cpu()):
+            completion.trainer_logprobs = logprobs[: len(completion.token_ids)].tolist()
 
     def state(self) -> dict:
         """What a checkpoint keeps of this rank's queue: its batches, each row as its question and answer alone. A

@@ -573,11 +573,13 @@ SUITES["long"] = Suite(
 # Sampling beside the update (--overlap-rollouts): at --rollout-lag 1 the batch of step t + 1 is sampled on a thread
 # of its own while step t trains, where the synchronous run samples it first; the numbers are the same either way
 # (tests/test_scripts.py), the seconds per step are what changes. GRPO with its defaults, on the built-in task (its
-# generation about a third of a step) and on sums with 48 new tokens (generation-heavy), 20 steps without
-# evaluations. Run one at a time (`--jobs 1`): each process has both cores, the overlapped one's two sides share them
-# (each at the process's thread count, which keeps its numbers those of the synchronous run). The columns: the
-# sampling's own seconds beside the update, the wait for it once the update is done, the weight push; a step can at
-# best take max(sampling, training) + push. Fixed before any run.
+# generation about a third of a step) and on sums with 48 new tokens (generation-heavy), 20 steps (an evaluation of 16
+# prompts at the end: a finished run's mark; evaluations are not in the seconds per step). Run one at a time
+# (`--jobs 1`): each process has both cores, the overlapped one's two sides share them (each at the process's thread
+# count, which keeps its numbers those of the synchronous run). The columns: the sampling's own seconds beside the
+# update, the wait for it once the update is done, the weight push; a step can at best take max(sampling, training)
+# + push. Fixed before any run (the evaluation at the end was added after the first attempt's runs, which had none
+# and so never counted as finished).
 SUITES["overlap"] = Suite(
     "overlap",
     "GRPO sampling beside its update (--overlap-rollouts) against the synchronous step, at --rollout-lag 1",
@@ -590,7 +592,7 @@ SUITES["overlap"] = Suite(
     ],
     [Panel("time/step", "seconds per step"), Panel("time/train", "training seconds per step")],
     steps=20,
-    flags=("--eval-every", "0"),
+    flags=("--eval-every", "20", "--eval-prompts", "16", "--eval-k", "0"),  # (a run ends with an evaluation)
     columns=(
         ("time/rollout_overlapped", "sampling beside s"),
         ("time/rollout_wait", "wait s"),
