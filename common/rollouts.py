@@ -307,9 +307,6 @@ class RolloutQueue:
         metrics.set("time/rollout_overlapped", took)
         for ahead, groups in sampled:
             self.put(ahead, groups)
-        if self.scorer is not None:  # those sampled again here
-            batch_logprobs, options = self.scorer
-            self._score(batch_logprobs, self.engine.model, options)
 
     def put(self, step: int, groups: Groups) -> None:
         """The batch of step `step`, sampled now (with the weights step `self.step` started from)."""

@@ -116,6 +116,22 @@ REASONS = [
         "",
         "the wording of a message (the tests check which check refuses)",
     ),
+    # --overlap-rollouts: what runs on a GPU only (tests/test_gpu.py::test_overlapped_rollouts_on_cuda), one process
+    (
+        r'"cuda"|cuda\.Event|pushed|^stream|torch\.cuda\.stream',
+        "",
+        "CUDA's streams: a GPU's (tests/test_gpu.py)",
+        r"rollouts\.py:RolloutQueue\.(sample|_sample_beside)$",
+    ),  # fmt: skip
+    (r"collectives_on\(self\.group\)", "", "one process here, world size 1: the two-rank runs (test_fsdp.py) judge it"),
+    (r"ThreadPoolExecutor\(1,", "", "one job in flight at a time: a pool of any size runs it on one thread"),
+    (r"overlap = systems\.overlap_rollouts and self\.lag > 0", r">= 0", "at lag 0 nothing is sampled ahead"),
+    (
+        r"copy\.copy\(o\) if isinstance\(o, torch\.autocast\)",
+        "",
+        "a race of two threads in one autocast object: no test makes it happen on demand",
+    ),  # fmt: skip
+    (r"^self\.sampling \|= \{ahead: StepMetrics\(\)", r"^self\.sampling = ", "it holds the batches in flight alone"),
 ]
 # lines whose strings are messages to a user: a refusal (require, checks.unused), an error, a warning
 MESSAGES = r"\b(require|unused|BadInput|ValueError|RuntimeError|print|warn)\("

@@ -244,10 +244,14 @@ def test_an_overlapped_queue_samples_later_steps_beside_the_update_and_queues_wh
             queue.finish_sampling(metrics)
             logged = metrics.reduce()
             assert ("time/rollout_overlapped" in logged) == overlap and ("time/rollout_wait" in logged) == overlap
+            assert 0 <= logged.get("time/rollout_wait", 0) < 60 and 0 <= logged.get("time/rollout_overlapped", 0) < 60
             taken.append(logged["sampling/rollouts"])
             taken.append([(q.step, q.sampled_at, q.groups.prompt_ids) for q in queue.state()["queued"]])
         runs[overlap] = taken, engine.streams
     assert runs[True][0] == runs[False][0]
+    engineless = RolloutQueue(Systems(rollout_lag=lag), ONE_PROCESS, 0)  # a queue without an engine samples as it is
+    engineless.sample(0, sample_batch, StepMetrics())
+    assert [q.step for q in engineless.queued] == list(range(lag + 1))
     assert [step for step, _ in runs[True][1]] == [step for step, _ in runs[False][1]] == list(range(4 + lag))
     assert {thread for _, thread in runs[False][1]} == {"MainThread"}
     assert runs[True][1][0][1] == "MainThread" and {t for _, t in runs[True][1][1:]} == {"sampler_0"}
@@ -286,7 +290,8 @@ def test_a_batch_whose_sampling_beside_the_update_failed_is_sampled_again(capsys
 def test_an_overlapped_batch_is_scored_on_the_engines_copy_before_the_push(tiny):
     """Overlapped, the batch in flight arrives after the update: finish_sampling scores it under its sampling
     weights on the engine's copy, which holds them until the push, with the options score_under_sampling_weights was
-    given; the trainer's module, which has moved on, scores nothing."""
+    given; the trainer's module, which has moved on, scores nothing. So it is when the sampler's attempt failed and the
+    trainer's thread sampled it again."""
     from helpers import two_group_rollouts
 
     from algorithms import grpo
@@ -299,20 +304,28 @@ def test_an_overlapped_batch_is_scored_on_the_engines_copy_before_the_push(tiny)
     prompts, completions = two_group_rollouts(tokenizer)
     args = flags.make(grpo.Args, micro_batch_size=3)
 
+    failures = []
+
     def sample_batch(ahead, metrics):
+        if failures and threading.current_thread() is not threading.main_thread():
+            failures.pop()  # the sampler's attempt fails: the trainer's thread samples again
+            raise RuntimeError("a score() that raised")
         fresh = [dataclasses.replace(c) for c in completions]
         return Groups(prompts, [None, None], fresh, [None] * 8, torch.zeros(2, 4), [True] * 8)
 
-    queue = RolloutQueue(Systems(rollout_lag=1, overlap_rollouts=True), ONE_PROCESS, 0, None, _SeededEngine(model))
-    queue.sample(0, sample_batch, StepMetrics())
-    queue.take(0, StepMetrics())
-    queue.score_under_sampling_weights(grpo.batch_logprobs, moved, args, NO_AUTOCAST)
-    queue.finish_sampling(StepMetrics())
     expected = grpo.batch_logprobs(
         model, make_batch(prompts, completions, 4, 0, torch.device("cpu")), args, NO_AUTOCAST
     )
-    for row, completion in enumerate(queue.queued[0].groups.completions):
-        assert completion.trainer_logprobs == expected[0][row, : len(completion.token_ids)].tolist()
+    for fail_first in (False, True):
+        failures[:] = [1] if fail_first else []
+        queue = RolloutQueue(Systems(rollout_lag=1, overlap_rollouts=True), ONE_PROCESS, 0, None, _SeededEngine(model))
+        queue.sample(0, sample_batch, StepMetrics())
+        queue.take(0, StepMetrics())
+        queue.score_under_sampling_weights(grpo.batch_logprobs, moved, args, NO_AUTOCAST)
+        queue.finish_sampling(StepMetrics())
+        assert not failures
+        for row, completion in enumerate(queue.queued[0].groups.completions):
+            assert completion.trainer_logprobs == expected[0][row, : len(completion.token_ids)].tolist()
 
 
 def test_queued_batches_are_scored_once_under_the_weights_that_sampled_them(tiny):
