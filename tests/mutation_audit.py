@@ -79,7 +79,11 @@ REASONS = [
         r" < ",
         "a step of one micro-batch: the no-grad pass's e_B is the forward's",
     ),
-    (r"collections\.Counter\(", r"Counter\((\w+=0\.0, ?)*\)", "a Counter counts a missing key from 0: the same sums"),
+    (
+        r"collections\.Counter\(",
+        r"Counter\((\w+=0\.0(, ?)?)*\)",
+        "a Counter counts a missing key from 0: the same sums",
+    ),
     (r"argsort\(descending=True, stable=True\)", "", "blocks of one length in another order: the same sums, reordered"),
     # the Kalman filter is the EMA at the Kalman gains (Eq. 9 = Eqs. 4-7, test_kalman_filter_equals_the_scheduled_ema)
     (r'args\.smoother == "kalman"', "", "the Kalman filter and the EMA at its gains are one filter (Eq. 9 = Eqs. 4-7)"),
@@ -242,7 +246,8 @@ def only_text_changed(original: str, mutated: str) -> bool:
 
 
 def reason(mutant: dict) -> str:
-    if only_text_changed(mutant["original"], mutant["mutated"]) and re.search(MESSAGES, mutant["original"]):
+    message = re.search(MESSAGES, mutant["original"]) or re.fullmatch(r'f?"[^"]*",?', mutant["original"].strip())
+    if only_text_changed(mutant["original"], mutant["mutated"]) and message:  # (a line of a message split over lines)
         return "the wording of a message (the tests check which check refuses, not its words)"
     for old, new, why, *scope in REASONS:
         if re.search(old, mutant["original"]) and re.search(new, mutant["mutated"]):
