@@ -699,7 +699,7 @@ def test_a_fork_without_the_optional_features_runs(tmp_path):
             "",
         ),
         (", args.max_sampling_rounds)\n", ")\n"),
-        ('    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))\n', ""),
+        ('    record_turn_mismatch(metrics, k3, mask, batch.get("later_turns"))  # tools: kl_k3_*_turn(s)\n', ""),
     ):
         assert text in source, text  # a deletion that finds nothing would test nothing
         source = source.replace(text, replacement)
