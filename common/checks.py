@@ -105,13 +105,14 @@ def shared_flags(args) -> list[str]:
     if has("overlap_rollouts", "rollout_engine", "engine_dtype") and v["overlap_rollouts"]:
         from common.engines import engine_kind
 
-        # vLLM on devices of its own, its weights sent by a collective, is not built yet
-        rule = "off with vLLM (it samples beside the update with the transformers engine only: --rollout-engine hf)"
-        problems += require(engine_kind(v["rollout_engine"]) == "hf", "--overlap-rollouts", rule)
-        # a batch is scored under its sampling weights on the engine's copy (the trainer has moved on): that copy
-        # must compute what the trainer computes
-        rule = "off with another --engine-dtype (the engine's copy scores the batch as the trainer would: auto)"
-        problems += require(v["engine_dtype"] == "auto", "--overlap-rollouts", rule)
+        # the transformers engine's copy scores a batch under its sampling weights (the trainer has moved on): that
+        # copy must compute what the trainer computes
+        rule = "off with another --engine-dtype on the hf engine (its copy scores the batch as the trainer would: auto)"
+        hf = engine_kind(v["rollout_engine"]) == "hf"
+        problems += require(not hf or v["engine_dtype"] == "auto", "--overlap-rollouts", rule)
+        if "vllm_sleep_mode" in v:  # the engine samples while the trainer updates: it cannot free its memory then
+            rule = "off with --vllm-sleep-mode (the engine samples during the update, so it cannot sleep through it)"
+            problems += require(not v["vllm_sleep_mode"], "--overlap-rollouts", rule)
     if has("max_turns"):
         problems += require(v["max_turns"] >= 1, "--max-turns", ">= 1")
     if has("max_episode_tokens", "max_new_tokens"):

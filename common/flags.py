@@ -126,8 +126,8 @@ class Systems:
     """step t trains on rollouts sampled with the weights of step t − k, as a k-step asynchronous pipeline feeds its
     trainer (the first k steps: with the initial weights; common/rollouts.py); 0: the step's own weights"""
     overlap_rollouts: bool = False
-    """with --rollout-lag k: sample step t + k's batch on a thread of its own while step t trains (the hf engine, on
-    its own copy of the weights), as an asynchronous pipeline does; the same batches and metrics as without"""
+    """with --rollout-lag k: sample step t + k's batch on a thread of its own while step t trains (on the engine's own
+    copy of the weights), as an asynchronous pipeline does; the same batches and metrics as without"""
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "int8"] = "auto"
     """engine weights' dtype; auto: hf the trainer's weights, vllm the trainer's compute dtype on GPU (another is a
     train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""

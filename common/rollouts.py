@@ -50,12 +50,14 @@ it still holds θ_s (`score_under_sampling_weights`): one forward pass per step,
 
 Overlapped (--overlap-rollouts, at lag k ≥ 1): step t's batch of step t + k is sampled on a thread of its own while
 step t's update runs, as an asynchronous pipeline's engine samples beside its trainer. The engine keeps its own copy
-of the weights (θ_t, until the push after the update), on which the sampler's thread also scores the batch under θ_t
-(it computes as the trainer did at θ_t); the step waits for the batch before the push (`finish_sampling`). The
-batches, and so every metric, are those of the synchronous run at lag k: the sampling draws from its own seeded
-stream, never from the generator the trainer's minibatches draw from. At most one batch is in flight, and none at a
-checkpoint. Each side runs the thread count the process has (bit-equal numbers: CPU kernels may round otherwise
-at another count); a second rank's dynamic-sampling all-reduce goes through a process group of its own.
+of the weights (θ_t, until the push after the update); the transformers engine's copy also scores the batch under
+θ_t on the sampler's thread (it computes as the trainer did at θ_t). The step waits for the batch before the push
+(`finish_sampling`). The batches, and so every metric, are those of the synchronous run at lag k: the sampling
+draws from its own seeded streams, never from the generators the trainer's minibatches draw from. vLLM's copy
+computes μ, not the trainer's π: overlapped on vLLM, the split of the mismatch is not logged (the mismatch as a
+whole is). At most one batch is in flight, and none at a checkpoint. Each side runs the thread count the process has
+(bit-equal numbers: CPU kernels may round otherwise at another count); a second rank's dynamic-sampling all-reduce
+goes through a process group of its own.
 """
 
 from __future__ import annotations
@@ -216,6 +218,8 @@ class RolloutQueue:
         # overlapped: score_under_sampling_weights' (batch_logprobs, options), with which the sampler's thread scores
         # the batches it sampled, on the engine's copy (scorer_ready: given this step, or none will be)
         self.scorer, self.scorer_ready = None, threading.Event()
+        # overlapped, the module that scores a batch beside the update: the transformers engine's copy (vLLM has none)
+        self.scoring_copy = getattr(engine, "model", None)
         # the sampler thread's collectives (dynamic sampling's all-reduce) on a group of their own: the trainer's
         # run at the same time on the default one
         self.group = fsdp.new_cpu_group(dist) if overlap and dist.world_size > 1 else None
@@ -278,7 +282,7 @@ class RolloutQueue:
                 # an autocast context of its own: one object entered on two threads keeps one thread's state
                 options = [copy.copy(o) if isinstance(o, torch.autocast) else o for o in options]
                 for _, groups in sampled:
-                    self._score_groups(groups, batch_logprobs, self.engine.model, options)
+                    self._score_groups(groups, batch_logprobs, self.scoring_copy, options)
         return sampled, time.perf_counter() - start
 
     def finish_sampling(self, metrics: StepMetrics) -> None:
@@ -327,7 +331,10 @@ class RolloutQueue:
         under the trainer (a script's `batch_logprobs(model, batch, *options)[0]`: [B, T], no gradient) kept with its
         completions (trainer_logprobs), for the split of the mismatch (`record_staleness`). A script calls it in the
         step that sampled them, before its update: a batch the updates have passed is refused, not scored wrongly.
-        Overlapped, the batch in flight is scored on the sampler's thread, on the engine's copy, with these options."""
+        Overlapped, the batch in flight is scored on the sampler's thread, on the engine's copy, with these options;
+        overlapped on vLLM, no batch is (the module docstring)."""
+        if self.worker is not None and self.scoring_copy is None:
+            return
         if self.worker is not None:
             self.scorer = (batch_logprobs, options)
             self.scorer_ready.set()

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
 # every script of algorithms/, grpo.py (the baseline) first: a new fork gets every per-script test without being named
@@ -195,17 +197,17 @@ def logged_numbers(record) -> set:
     return {key for key in record if not key.startswith("time/") and key != "charts/tokens_per_second"}
 
 
-def assert_same_run(expected, actual, first_end=None):
+def assert_same_run(expected, actual, first_end=None, rel=0.0):
     """Every number each step logged (times aside) equal, and no step or number logged by one run alone. `first_end`:
     the step a resumed `actual` first ended at, where it evaluated (a run evaluates at its last step) and `expected`
-    need not have: those eval/* numbers are its own."""
+    need not have: those eval/* numbers are its own. `rel`: equal to within this relative tolerance instead."""
     assert [r["step"] for r in actual] == [r["step"] for r in expected]
     for a, b in zip(expected, actual, strict=True):
         extra = logged_numbers(b) - logged_numbers(a)
         own_evaluation = b["step"] == first_end and all(key.startswith("eval/") for key in extra)
         assert logged_numbers(a) <= logged_numbers(b) and (own_evaluation or not extra), (a["step"], extra)
         for key in logged_numbers(a):
-            assert b[key] == a[key], (a["step"], key)
+            assert b[key] == (pytest.approx(a[key], rel=rel, abs=1e-12) if rel else a[key]), (a["step"], key)
 
 
 def only_run_dir(output_dir):

@@ -45,9 +45,9 @@ SHARED_CASES = [
     ({"overlap_rollouts": True}, "--overlap-rollouts applies with --rollout-lag >= 1 only"),
     # a batch sampled beside the update is scored on the engine's copy, as the trainer would score it
     ({"rollout_lag": 1, "overlap_rollouts": True, "engine_dtype": "bfloat16"}, "--overlap-rollouts must be off with"),
-    (
-        {"rollout_lag": 1, "overlap_rollouts": True, "rollout_engine": "vllm"},
-        "--overlap-rollouts must be off with vLLM",
+    (  # the engine samples during the update: it cannot free its memory then
+        {"rollout_lag": 1, "overlap_rollouts": True, "rollout_engine": "vllm", "vllm_sleep_mode": True},
+        "--overlap-rollouts must be off with --vllm-sleep-mode",
     ),
     ({"keep_sampling_mask": False}, "--keep-sampling-mask applies with --top-p < 1 or --top-k > 0 only"),
     # vLLM returns at most 20 kept tokens per position: a kept mask needs a top-k there, refused before loading

@@ -274,12 +274,13 @@ def test_rollout_lag_on_cuda_then_resume(name, tmp_path):
 
 
 @needs_gpu
-def test_overlapped_rollouts_on_cuda(tmp_path):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=needs_vllm)])
+def test_overlapped_rollouts_on_cuda(tmp_path, engine):
     """--overlap-rollouts on the GPU (the transformers engine's own copy of the weights on CUDA, its kernels on a
-    stream of their own beside the update's; bf16 autocast): the batches of the synchronous --rollout-lag 1 run (every
-    step's rewards and lengths), its losses to bf16's rounding, the sampling timed beside the update; the seconds per
-    step of both are printed (`-s`), a measurement on this GPU."""
-    flags = [*SHORT, "--rollout-engine", "hf", "--rollout-lag", 1, "--steps", 6]
+    stream of their own beside the update's; vLLM in the trainer's process on the same GPU, awake; bf16 autocast): the
+    batches of the synchronous --rollout-lag 1 run (every step's rewards and lengths), its losses to bf16's rounding,
+    the sampling timed beside the update; the seconds per step of both are printed (`-s`), a measurement on this GPU."""
+    flags = [*SHORT, "--rollout-engine", engine, "--rollout-lag", 1, "--steps", 6]
     runs = {}
     for mode in ("synchronous", "overlapped"):
         extra = ["--overlap-rollouts"] if mode == "overlapped" else []

