@@ -286,7 +286,7 @@ def reg2(x: torch.Tensor, coef: float, expectation, form: str = "paper") -> torc
     return torch.sqrt(x.square() + coef * expectation + 1e-8)
 
 
-def sequence_scales(quantities: dict, p: float, q: float, r: float, reg_coef=0.0, expectations=None, form="paper"):
+def sequence_scales(quantities: dict, p: float, q: float, r: float, reg_coef: float, expectations: dict, form="paper"):
     """Fig. 3: s = reg2(‖v‖_F)^p · reg2(‖v‖)^q · reg2(‖v‖_F/‖v‖)^r per sequence, from
     {"fisher": ‖v‖_F, if q or r needs them "euclid": ‖v‖, "rel": the ratio} and E[x²]
     (batch-size free: v_i = ∇ log π). p + q = −1, λ = 0: v's scale cancels."""
@@ -443,7 +443,7 @@ class IsopoGradients:
         if missing := sorted(set(self.modules) - self.micro["ran"]):
             raise ValueError(f"ISOPO: module {missing[0]} never ran inside capture(); its parameters got no gradient")
 
-    def end_minibatch(self, commit: bool = True) -> None:
+    def end_minibatch(self, commit: bool) -> None:
         self.stats.end_minibatch(commit, self.dist)
 
     def record(self, metrics) -> None:

@@ -1,6 +1,6 @@
 """Mixture-of-experts routing: record which experts each token is routed to, and replay a recorded routing.
 
-    routing = Routing(model)              # hooks on every router of a transformers MoE model (none on a dense one)
+    routing = Routing(model)              # hooks on every router of a transformers MoE model
     with routing.recording():             # the forwards' routing, kept until `take`
         model(input_ids)
     used, own = routing.take(len(input_ids))   # [B, S, L, k] each: the experts used, and those the router chose
@@ -49,7 +49,9 @@ ROUTERS = {
 
 
 def routers(model) -> list[tuple[int, torch.nn.Module]]:
-    """(decoder layer index, router) of every mixture-of-experts layer, in layer order; [] for a dense model."""
+    """(decoder layer index, router) of every mixture-of-experts layer, in layer order (the order of the model's
+    ModuleList); [] for a dense model. A model may keep some layers dense (Qwen3-MoE's mlp_only_layers): the index
+    is the decoder layer's, read from the module's name."""
     found = []
     for name, module in model.named_modules():
         kind = type(module).__name__
@@ -58,8 +60,10 @@ def routers(model) -> list[tuple[int, torch.nn.Module]]:
         if kind not in ROUTERS:
             raise BadInput(f"routing replay does not know the router {kind} ({name}); it knows {', '.join(ROUTERS)}")
         layer = re.search(r"layers\.(\d+)\.", name)
-        found.append((int(layer.group(1)) if layer else len(found), module))
-    return sorted(found, key=lambda entry: entry[0])
+        if layer is None:
+            raise BadInput(f"routing replay cannot tell the decoder layer of the router {name} (no layers.<i>.)")
+        found.append((int(layer.group(1)), module))
+    return found
 
 
 def is_moe(model) -> bool:
@@ -71,11 +75,11 @@ class Routing:
 
     def __init__(self, model):
         self.routers = routers(model)
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.layers = config.num_hidden_layers
-        self.top_k = self.routers[0][1].top_k if self.routers else 0
-        experts = self.routers[0][1].num_experts if self.routers else 0
-        self.dtype = torch.uint8 if experts <= 256 else torch.int16
+        if not self.routers:
+            raise ValueError(f"{type(model).__name__} has no mixture-of-experts router: nothing to record or replay")
+        self.layers = model.config.get_text_config().num_hidden_layers
+        self.top_k, experts = self.routers[0][1].top_k, self.routers[0][1].num_experts
+        self.dtype = torch.uint8 if experts <= 256 else torch.int16  # expert ids 0..255 fit in a byte
         self.replayed: torch.Tensor | None = None  # [B, S, L, k] of the next forwards, or None
         self.is_recording = False
         self.used: dict[int, list[torch.Tensor]] = {}  # layer -> one [B·s, k] per forward
@@ -109,7 +113,7 @@ class Routing:
         stacked = torch.zeros(batch_size, positions, self.layers, self.top_k, dtype=self.dtype, device=device)
         for layer, parts in records.items():
             calls = [part.view(batch_size, -1, self.top_k) for part in parts]
-            stacked[:, :, layer] = torch.cat(calls, dim=1).to(self.dtype)
+            stacked[:, :, layer] = torch.cat(calls, dim=1)  # stored as self.dtype
         return stacked
 
     def _hook(self, layer, router, inputs, output):
@@ -136,11 +140,12 @@ class Routing:
         return output
 
 
-def agreement(first: torch.Tensor, second: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-    """How far two routings [B, S, L, k] of the same tokens agree, over `positions` [B, S] (bool), per MoE layer:
-    `same_set` [L] the share of tokens routed to the same set of experts, `overlap` [L] the mean |A ∩ B| / k, and
-    per token `differs` [N] whether any layer's set differs. Layers without experts (all 0 in both) count as equal."""
-    a, b = first[positions].long(), second[positions].long()  # [N, L, k]
+def agreement(first: torch.Tensor, second: torch.Tensor, positions: torch.Tensor, layers) -> dict[str, torch.Tensor]:
+    """How far two routings [B, S, L, k] of the same tokens agree, over `positions` [B, S] (bool), per MoE layer of
+    `layers` (their indices: a dense layer's slot holds no experts, or what an engine filled it with): `same_set`
+    [len(layers)] the share of tokens routed to the same set of experts, `overlap` [len(layers)] the mean
+    |A ∩ B| / k, and per token `differs` [N] whether any of those layers' sets differs."""
+    a, b = first[positions][:, layers].long(), second[positions][:, layers].long()  # [N, len(layers), k]
     same_set = (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)  # [N, L]
     overlap = (a[..., :, None] == b[..., None, :]).any(dim=-1).float().mean(dim=-1)  # [N, L]
     return {"same_set": same_set.float().mean(0), "overlap": overlap.mean(0), "differs": ~same_set.all(dim=-1)}
@@ -230,14 +235,14 @@ def record_agreement(metrics, engine, used, own, positions, layers) -> None:
     if not positions.any():
         return
     tokens = positions.sum()
-    compared, own_compared = agreement(engine, used, positions), agreement(engine, own, positions)
-    same_set = compared["same_set"][layers]
+    compared, own_compared = agreement(engine, used, positions, layers), agreement(engine, own, positions, layers)
+    same_set = compared["same_set"]
     metrics.mean("routing/agreement", same_set.mean() * tokens, tokens)
     for layer, share in zip(layers, same_set):
         metrics.mean(f"routing/agreement_layer{layer}", share * tokens, tokens)
-    metrics.mean("routing/overlap", compared["overlap"][layers].mean() * tokens, tokens)
+    metrics.mean("routing/overlap", compared["overlap"].mean() * tokens, tokens)
     metrics.mean("routing/tokens_differing", compared["differs"].sum(), tokens)
-    metrics.mean("routing/own_agreement", own_compared["same_set"][layers].mean() * tokens, tokens)
+    metrics.mean("routing/own_agreement", own_compared["same_set"].mean() * tokens, tokens)
 
 
 def record_drift(metrics, old_own, own, positions, layers) -> None:
@@ -246,5 +251,5 @@ def record_drift(metrics, old_own, own, positions, layers) -> None:
     if positions.any():
         tokens = positions.sum()
         metrics.mean(
-            "routing/drift", (1 - agreement(old_own, own, positions)["same_set"][layers].mean()) * tokens, tokens
+            "routing/drift", (1 - agreement(old_own, own, positions, layers)["same_set"].mean()) * tokens, tokens
         )

@@ -99,7 +99,7 @@ REASONS = [
     (r"^inside = torch\.where\(advantages > 0", r">= 0", "A_i = 0 has no span (conflict_masks): its λ is unused"),
     (r"rows_per_forward = max\(1,", "", "rows per forward pass: memory, not the numbers"),
     # common/logprobs.py's _scores works on [positions, vocabulary] chunks (chunked_scores flattens them)
-    (r"-1\)", r"\+1\)", "a [positions, vocabulary] chunk: dim 1 is dim −1", r"logprobs\.py:_scores$"),
+    (r"-1[,)]", r"\+1[,)]", "a [positions, vocabulary] chunk: dim 1 is dim −1", r"logprobs\.py:_scores$"),
     (r"def _scores\(.*float32=False", r"float32=True", "every caller passes float32: the default is never used"),
     (r"nan_to_num\(neginf=0\.0\)", "", "where the log-prob is −inf its probability is 0: any stand-in adds 0"),
     (r"per_chunk = max\(1,", "", "the chunk size: memory, not the numbers"),
@@ -136,6 +136,60 @@ REASONS = [
         "a race of two threads in one autocast object: no test makes it happen on demand",
     ),  # fmt: skip
     (r"^self\.sampling \|= \{ahead: StepMetrics\(\)", r"^self\.sampling = ", "it holds the batches in flight alone"),
+    # common/moe.py: a router's tensors are [tokens, experts]; a routing compared is [tokens, layers, k]
+    (r"-1", r"\+1", "a router's logits are [tokens, experts]: dim 1 is dim −1", r"moe\.py:Routing\._hook$"),
+    (r"to\(device=own\.device", r"to\(dtype=", "where a tensor is made: these tests run on the CPU, the one device"),
+    (r"^device = next\(iter\(records", "", "where a tensor is made: these tests run on the CPU, the one device"),
+    (r"^self\.is_recording = False", r"= None$", "None is false as False is"),
+    (r"\.any\(dim=-1\)", r"\.any\(dim=-2\)", "|A ∩ B| counted from B's side: both hold k distinct experts"),
+    (r"~same_set\.all\(dim=-1\)", r"dim=\+1", "same_set is [tokens, layers]: dim 1 is dim −1"),
+    # isopo.py: two forms of one quantity, and pieces of a computation (test_gram_and_materialized_forms_agree_...)
+    (
+        r'form: str = "auto"|^if form == "gram" or form == "auto" and|max\(1, budget //',
+        "",
+        "which of two forms (or how many numbers a piece holds): the same result, test_gram_and_materialized_forms",
+        r"isopo\.py:(ntk|sequence_norms|sequence_gradients)$",
+    ),
+    (r'form(: str)? ?= ?"paper"', "", "any form but authors is the paper's", r"isopo\.py:"),
+    # Eq. 6 over token rows: a pad row's g is 0 (and index_add sums in any order)
+    (
+        r"^if valid is None|argsort\(dim=1, descending=True, stable=True\)|\.expand\(n, -1\)|rows, valid\)",
+        "",
+        "which token rows, in which order: pad rows have g = 0 and add nothing (valid only saves their FLOPs)",
+        r"isopo\.py:(fisher_norms|IsopoGradients\._scales)$",
+    ),
+    (r"norm\(dim=-1, keepdim=True\)", r"dim=\+1", "[blocks, k]: dim 1 is dim −1", r"isopo\.py:fisher_norms$"),
+    (r"masked_fill\(~valid, 2\.0\)", r"3\.0\)", "any key >= 1 puts the pads after every non-pad row (keys < 1)"),
+    (r"topk\(.*dim=1, largest", r"max\(\)\)\), largest", "[blocks, b·T]: topk's dim −1 is dim 1"),
+    (
+        r"args\.block_size < 1 or|args\.num_minibatches < 1 or",
+        r"<= 1 or|< 2 or",
+        "at 1 everything divides: the guard is against 0 alone",
+    ),
+    (r"torch\.where\(finite, K, 0\)", "", "a non-finite K's result is NaN whatever eigh was given"),
+    (r"expectations\[key\] if reg_coef else 0\.0", "", "λ = 0: λ·E is 0 whatever E"),
+    (r"recurse=False", r"recurse=None", "None is false as False is"),
+    (
+        r"recurse=False",
+        r"recurse=True",
+        "a module run twice owns no module with parameters (a Linear in it would run twice: an error)",
+        r"_module_forward$",
+    ),
+    (r"self\._armed\(name, module\)", r"_armed\(name, None\)", "_armed checks a Linear's calls: this is no Linear"),
+    (r'micro\["bypass"\] = None', r'= ""', "any value but the module itself is no bypass"),
+    (r"values\.detach\(\) if isinstance", "", "what is logged is made under no_grad (the update's): nothing to detach"),
+    (r"if g\.dim\(\) != 3 or a\.dim\(\) != 3", r" and ", "a Linear's g and a share their leading dimensions"),
+    (r"^dtype = torch\.float64 if", r" or True", "float64 for float32: the same update, more exact (.grad is cast)"),
+    (
+        r"\.to\(dtype, copy=True\)\.mul_",
+        r"\.to\(dtype, \)\.mul_|copy=False",
+        "g masked in place: it may be a residual add's gradient too, but zeroed only at left pads and rows that do not"
+        " train, which no parameter's update reads (a safeguard)",
+    ),
+    (r"if ctx\.needs_input_grad\[0\] else None", r" or True", "a gradient for an input that needs none is dropped"),
+    (r"end_minibatch\(commit, self\.dist\)", "", "one process here, world size 1: the two-rank runs judge it"),
+    (r"if dist else", r"\(dist\) and False", "one process here, world size 1: the two-rank runs judge it"),
+    (r"sorted\(self\.pending, key=str\)", "", "one process: any order is every rank's (the two-rank runs judge it)"),
 ]
 # lines whose strings are messages to a user: a refusal (require, checks.unused), an error, a warning
 MESSAGES = r"\b(require|unused|BadInput|ValueError|RuntimeError|print|warn)\("

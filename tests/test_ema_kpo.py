@@ -234,6 +234,9 @@ BELOW = lambda x: torch.nextafter(torch.tensor(x, dtype=torch.float64), torch.te
         (1 + 3.5e-4, 1.0, False),  # asymmetric: 3.5e-4 above 1 is inside (ε+ = 4e-4) ...
         (1 - 3.5e-4, -1.0, True),  # ... 3.5e-4 below 1 is outside (ε− = 3e-4)
         (1.0, 0.5, False),
+        (BELOW(1 - EPS_LOW), 0.5, False),  # a small A > 0 below the range: unclipped
+        (BELOW(1 - EPS_LOW), 0.0, False),  # A = 0 outside the range on either side: nothing clipped (clip_fraction)
+        (ABOVE(1 + EPS_HIGH), 0.0, False),
     ],
 )
 def test_clip_acts_exactly_at_the_asymmetric_bounds(ratio, advantage, active):

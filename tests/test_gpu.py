@@ -217,7 +217,8 @@ def test_vllm_routing_capture_then_r3_reproduces_the_engines_logprobs(tiny_moe_d
             positions = moe.scored_positions(batch)
             mask = batch["response_mask"].bool()
             assert (logprobs - batch["sampler_logprobs"])[mask].abs().max() < 1e-3
-            assert moe.agreement(used, own, positions)["same_set"].mean() > 0.95  # float32 on both sides
+            layers = [layer for layer, _ in routing.routers]
+            assert moe.agreement(used, own, positions, layers)["same_set"].mean() > 0.95  # float32 on both sides
     finally:
         engine.close()
 

@@ -260,8 +260,9 @@ def test_every_gradient_matches_brute_force(float64_logprobs, case, tied):
 @pytest.mark.parametrize("variant", ["non-interacting", "interacting"])
 def test_blocks_not_micro_batches_set_the_update(float64_logprobs, variant):
     """--block-size is the math, --micro-batch-size only memory: blocks of 4 (the last one of 1) give the same gradients
-    computed one block per micro-batch or two per micro-batch (every token row in Eq. 6's pool: no random draw)."""
-    args = make_args(variant=variant, n_overlap=1000, block_size=4, p=-1.0, q=-0.5)
+    computed one block per micro-batch or two per micro-batch (every token row in Eq. 6's pool: no random draw), the
+    regularizer's E[x²] included (before a trailing mean: each block's own, not the micro-batch's)."""
+    args = make_args(variant=variant, n_overlap=1000, block_size=4, p=-1.0, q=-0.5, reg_coef=0.7)
     order = torch.tensor([4, 0, 7, 2, 8, 1, 5, 3, 6])
     grads = []
     for micro_size in (4, 8):
@@ -423,6 +424,11 @@ def test_trailing_means_by_hand():
     means.add("x", torch.tensor([13.0]))
     means.end_minibatch()
     assert means.get("x") == pytest.approx(0.9 * 3.0 + 0.1 * 13.0)
+    # a key whose minibatch had no row (no row trained) keeps its mean; the keys after it are committed
+    means.add("a", torch.tensor([]))
+    means.add("b", torch.tensor([2.0]))
+    means.end_minibatch()
+    assert means.get("a") is None and means.get("b") == pytest.approx(2.0)
 
 
 def test_trailing_means_all_reduced_over_ranks():
@@ -463,6 +469,8 @@ def test_reg2_forms_by_hand():
     torch.testing.assert_close(isopo.reg2(x, 0.0, 5.0), torch.sqrt(x**2 + 1e-8))
     torch.testing.assert_close(isopo.reg2(x, 2.0, 8.0), torch.sqrt(x**2 + 16 + 1e-8))
     torch.testing.assert_close(isopo.reg2(x, 2.0, 8.0, "authors"), torch.sqrt(x**2 / (16 + 1e-8) + 1))
+    # λ = 0: nothing to divide by, the authors' form is the paper's
+    torch.testing.assert_close(isopo.reg2(x, 0.0, 8.0, "authors"), torch.sqrt(x**2 + 1e-8))
     # the regularized p = −1 scale is a soft clip: ≈ 1/sqrt(λE) for small x, ≈ 1/x for large x
     scales = isopo.sequence_scales({"fisher": torch.tensor([1e-4, 1e3])}, -1.0, 0.0, 0.0, 1.0, {"fisher": 4.0})
     torch.testing.assert_close(scales, torch.tensor([0.5, 1e-3]), rtol=1e-5, atol=0)
@@ -541,6 +549,11 @@ def test_preconditioner_is_the_regularized_solve():
     torch.testing.assert_close(
         both[1], torch.linalg.solve(2 * K[0] + 0.6 * torch.eye(4, dtype=torch.float64), A[0]), rtol=1e-10, atol=0
     )
+    # solved in float64, returned in the weights' dtype
+    single = isopo.preconditioned_weights(K.float(), A.float(), 0.3)
+    assert single.dtype == torch.float32 and torch.allclose(single[0].double(), solved, rtol=1e-6)
+    # a block without a row that trains: K = 0, and c (a multiple of its mean K_ii) = 0: weights 0, not 1/0
+    assert torch.equal(isopo.preconditioned_weights(torch.zeros_like(K), A, 0.0), torch.zeros_like(A))
     K[0, 1, 2] = float("nan")
     assert torch.isnan(isopo.preconditioned_weights(K, A, 0.3)).all()  # no eigh error: the step gets skipped
 
@@ -720,6 +733,77 @@ def test_outputs_that_are_not_batch_by_position_are_refused():
             isopo_gradients.backward(model(input_ids=ids).logits.sum())
 
 
+class Scaled(nn.Module):
+    """A module with a parameter, called with keyword arguments, that returns [batch, positions]."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+
+    def forward(self, x, *, shift, factor=1.0):
+        return (x * self.weight + shift).sum(-1) * factor
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_module_called_with_keywords_gets_them_in_both_of_its_calls(dtype):
+    """A module that is not a Linear runs twice under capture() (its parameters detached, then its inputs): both calls
+    get its keyword arguments (a tensor's and a number's), as its plain call outside capture() does; an output of
+    [batch, positions] takes its rows' weights; in bfloat16 the output stays bfloat16. The input gets the plain
+    gradient, the parameter the one weighted by −A_i/M (REINFORCE)."""
+    module = Scaled().to(dtype)
+    plain = partial(Scaled.forward, module)  # the class's forward: not the one ISOPO puts on the instance
+    isopo_gradients = isopo.IsopoGradients(module, make_args())
+    x = torch.randn(2, 3, 3, generator=torch.Generator().manual_seed(0)).to(dtype)
+    shift = torch.tensor([0.25, 0.5, -1.0], dtype=dtype)
+    expected = plain(x, shift=shift, factor=3.0)
+    assert torch.equal(module(x, shift=shift, factor=3.0), expected)  # outside capture()
+    x.requires_grad_()
+    weights = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    with isopo_gradients.capture(torch.ones(2, 3), weights):
+        out = module(x, shift=shift, factor=3.0)
+        assert out.dtype == dtype and torch.equal(out.detach(), expected)
+        isopo_gradients.backward(out.sum())
+    tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-12, atol=0)
+    torch.testing.assert_close(x.grad, (3.0 * module.weight.detach()).expand(2, 3, 3), **tolerance)
+    reinforce = 3.0 * (weights[:, None, None] * x.detach().double()).sum((0, 1))
+    torch.testing.assert_close(module.weight.grad.double(), reinforce, **tolerance)
+
+
+def test_isopo_linear_gives_the_input_its_plain_gradient():
+    """IsopoLinear's backward passes g W to its input, where W is frozen too (LoRA's base weights), and under
+    bfloat16 autocast in bfloat16 (g is bfloat16, W the float32 master weight)."""
+    a = torch.randn(2, 3, 4, requires_grad=True)
+    frozen = torch.randn(5, 4)
+    isopo.IsopoLinear.apply(a, frozen, None, lambda a, g: (None, None)).sum().backward()
+    torch.testing.assert_close(a.grad, torch.ones(2, 3, 5) @ frozen)
+    a.grad, weight = None, nn.Parameter(torch.randn(5, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = isopo.IsopoLinear.apply(a, weight, None, lambda a, g: (torch.zeros_like(weight), None))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    torch.testing.assert_close(a.grad, torch.ones(2, 3, 5) @ weight.detach(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_bfloat16_linears_update_is_computed_in_float32():
+    """A Linear in bfloat16 (autocast) builds its ISOPO update from g and a cast to float32, with float32 weights:
+    the same bits as from the float32 copies of the same g and a."""
+    model = tiny_lm(False)
+    isopo_gradients = isopo.IsopoGradients(model, make_args(block_size=3))
+    valid = torch.ones(3, 4, dtype=torch.bool)
+    valid[0, 0] = False  # a left pad
+    micro = {"valid": valid, "weights": torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)}
+    generator = torch.Generator().manual_seed(0)
+    g = torch.randn(3, 4, 5, generator=generator).bfloat16()  # fc1: 6 inputs -> 5 outputs
+    a = torch.randn(3, 4, 6, generator=generator).bfloat16()
+    updates = []
+    for g_in, a_in in ((g, a), (g.float(), a.float())):
+        torch.manual_seed(0)  # Eq. 6's sample of rows
+        updates.append(isopo_gradients._linear_update("fc1", micro, a_in, g_in))
+    (weight, bias), (weight32, bias32) = updates
+    assert weight.dtype == bias.dtype == torch.float32
+    assert torch.equal(weight, weight32) and torch.equal(bias, bias32)
+
+
 class NormTwiceLM(TinyLM):
     """TinyLM with its norm run twice in a row."""
 
@@ -803,7 +887,7 @@ def test_rows_that_do_not_train_change_neither_the_update_nor_the_statistics(flo
         isopo_gradients = isopo.IsopoGradients(model, dataclasses.replace(args, block_size=block_size or rows))
         micro = next(isopo.micro_batches(batch, torch.arange(rows), rows, by_length=False))
         isopo.isopo_backward(model, isopo_gradients, micro, 1.0, 6, NO_AUTOCAST)  # M = 6 sequences train
-        isopo_gradients.end_minibatch()
+        isopo_gradients.end_minibatch(commit=True)
         grads = {name: p.grad for name, p in model.named_parameters()}
         runs[rows] = grads, _recorded(isopo_gradients), isopo_gradients.stats.ema
     (alone, logged_alone, means_alone), (beside, logged_beside, means_beside) = runs[6], runs[9]
@@ -856,6 +940,12 @@ def test_non_interacting_statistics_are_logged(float64_logprobs):
             assert logged[f"isopo/{layer}/{key}"] == pytest.approx(value.item(), rel=1e-9), (layer, key)
     assert len(logged) == 3 * len(expected)
     assert _recorded(isopo_gradients) == {}  # the next step's statistics start afresh
+    isopo_gradients.end_minibatch(commit=True)  # then λ·E[x²] is λ times the trailing mean, not the block's own
+    script_gradients(model, args, rollouts(), order[:4], 4, isopo_gradients)
+    logged = _recorded(isopo_gradients)
+    for layer in ("fc1", "fc2", "lm_head"):
+        trailing = isopo_gradients.stats.get((layer, "fisher"))
+        assert logged[f"isopo/{layer}/reg_fisher"] == pytest.approx(0.7 * trailing, rel=1e-6)
 
 
 def test_lora_statistics_are_logged_per_adapter_matrix():
@@ -884,26 +974,32 @@ def test_lora_statistics_are_logged_per_adapter_matrix():
     assert groups == {"q_proj.lora_A", "q_proj.lora_B", "v_proj.lora_A", "v_proj.lora_B"}
 
 
-def test_interacting_statistics_are_logged_and_the_trailing_eigenvalue_sets_c(float64_logprobs):
+@pytest.mark.parametrize("scale", ["paper", "authors"])
+def test_interacting_statistics_are_logged_and_the_trailing_eigenvalue_sets_c(float64_logprobs, scale):
     """isopo/<layer>/ntk_eig_mean (the mean of the K_ii = ‖v_i‖²), ntk_eig_max (the largest eigenvalue of any block's
-    K), ntk_reg (c per block) and shrink (‖c (K + cI)⁻¹A‖/‖A‖ per block; NaN, left out, for the block whose only A_i
-    is 0), from explicit K = J Jᵀ. Once the minibatch is committed, the next one's c is --ntk-reg-coef times the
-    trailing mean of its K_ii, not its own."""
-    model, args = tiny_lm(False), make_args(variant="interacting", ntk_reg_coef=0.3)
+    K), ntk_reg (c per block) and shrink (‖c (K + cI)⁻¹A‖/‖A‖ per block, whichever --ntk-scale; NaN, left out, for
+    the block whose only A_i is 0), from explicit K = J Jᵀ; the trace holds each block's K, c and weights. Once the
+    minibatch is committed, the next one's c is --ntk-reg-coef times the trailing mean of its K_ii, not its own."""
+    model, args = tiny_lm(False), make_args(variant="interacting", ntk_reg_coef=0.3, ntk_scale=scale)
     order = torch.tensor([4, 0, 7, 2, 8, 1, 5, 6, 3])  # the last block: sequence 3 alone, whose A_i = 0
     _, isopo_gradients, micros = script_gradients(model, args, rollouts(), order, micro_size=4)
     logged, v = _recorded(isopo_gradients), per_sequence_gradients(model)
     for layer in ("fc1", "fc2", "lm_head"):
         diagonals, largest, regularizers, shrinks = [], [], [], []
-        for micro in micros:
+        entries = [e for e in isopo_gradients.trace if e["layer"] == layer]
+        for micro, entry in zip(micros, entries, strict=True):  # one block per micro-batch
             J = v[f"{layer}.weight"][micro["rows"]].flatten(1)
             K, A = J @ J.T, -ADVANTAGES[micro["rows"]] / 9
             c = 0.3 * K.diagonal().mean()
+            solved = torch.linalg.solve(K + c * torch.eye(len(K), dtype=K.dtype), A)
+            torch.testing.assert_close(entry["K"], K, rtol=1e-9, atol=1e-12)
+            assert entry["c"].item() == pytest.approx(c.item(), rel=1e-9)
+            torch.testing.assert_close(entry["weights"], solved * (c if scale == "authors" else 1), rtol=1e-8, atol=0)
             diagonals.append(K.diagonal())
             largest.append(torch.linalg.eigvalsh(K).max())
             regularizers.append(c)
             if A.norm() > 0:
-                shrinks.append((c * torch.linalg.solve(K + c * torch.eye(len(K), dtype=K.dtype), A)).norm() / A.norm())
+                shrinks.append((c * solved).norm() / A.norm())
         expected = {"ntk_eig_mean": torch.cat(diagonals).mean(), "ntk_eig_max": torch.stack(largest).max()}
         expected |= {"ntk_reg": torch.stack(regularizers).mean(), "shrink": torch.stack(shrinks).mean()}
         assert len(shrinks) == 2

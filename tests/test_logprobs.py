@@ -241,20 +241,26 @@ def test_a_non_finite_logit_is_not_taken_for_a_transform(monkeypatch):
         assert grpo.token_logprobs(model, micro, 1.0)[0].isnan().all()
 
 
-def test_an_unknown_transform_after_the_output_layer_is_refused(monkeypatch):
+@pytest.mark.parametrize("transform", ["doubled", "one NaN"])
+def test_an_unknown_transform_after_the_output_layer_is_refused(monkeypatch, transform):
     """A model whose forward changes the logits in a way this module does not know: one clear error, not
-    log-probs of [log-prob, entropy] pairs put through the model's transform."""
+    log-probs of [log-prob, entropy] pairs put through the model's transform. A NaN where the output layer returned
+    a number is a change too (a NaN in both is not: an overflow, a step to skip)."""
     from common.errors import BadInput
 
     model = _llama(tied=False)
     forward = type(model).forward
 
-    def doubled(self, *args, **kwargs):
+    def transformed(self, *args, **kwargs):
         output = forward(self, *args, **kwargs)
-        output.logits = output.logits * 2
+        if transform == "doubled":
+            output.logits = output.logits * 2
+        else:
+            output.logits = output.logits.clone()
+            output.logits[0, 0, 0] = float("nan")
         return output
 
-    monkeypatch.setattr(type(model), "forward", doubled)
+    monkeypatch.setattr(type(model), "forward", transformed)
     micro = _micro(1, 8, 4)
     with pytest.raises(BadInput, match="LlamaForCausalLM changes its logits after the output layer"):
         grpo.token_logprobs(model, micro, 1.0)

@@ -34,6 +34,9 @@ def small_moe(kind: str, dtype=torch.float32, seed: int = 0):
         model = MixtralForCausalLM(MixtralConfig(**shared, intermediate_size=48, num_local_experts=4))
     elif kind == "olmoe":
         model = OlmoeForCausalLM(OlmoeConfig(**shared, intermediate_size=48, num_experts=4, norm_topk_prob=False))
+    elif kind == "qwen3-dense-first":  # three layers, the first without experts (mlp_only_layers)
+        shared |= dict(num_hidden_layers=3, mlp_only_layers=[0], intermediate_size=48)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shared, moe_intermediate_size=48, num_experts=4))
     else:  # Qwen3-MoE, with and without renormalising the top-k weights
         config = Qwen3MoeConfig(**shared, moe_intermediate_size=48, num_experts=4, norm_topk_prob=kind == "qwen3")
         model = Qwen3MoeForCausalLM(config)
@@ -43,6 +46,7 @@ def small_moe(kind: str, dtype=torch.float32, seed: int = 0):
     return model.to(dtype).train()
 
 
+CPU = torch.device("cpu")
 KINDS = ["mixtral", "qwen3", "qwen3-unnormalised", "olmoe"]
 IDS = torch.randint(3, 50, (3, 11), generator=torch.Generator().manual_seed(0))
 
@@ -53,9 +57,11 @@ def other_experts(routing, experts):
     return torch.where(shifted[..., :1] == shifted[..., 1:], (shifted + 1) % experts, shifted).to(routing.dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
-def test_replaying_a_forwards_own_routing_is_exact(kind):
-    model = small_moe(kind)
+def test_replaying_a_forwards_own_routing_is_exact(kind, dtype):
+    """In bfloat16 too: the replayed weights are the router's softmax in float32, cast back as the router casts."""
+    model = small_moe(kind, dtype)
     routing = moe.Routing(model)
     with routing.recording():
         plain = model(IDS).logits
@@ -63,6 +69,41 @@ def test_replaying_a_forwards_own_routing_is_exact(kind):
     assert used.shape == (3, 11, 2, 2) and torch.equal(used, own)
     routing.replay(used)
     assert torch.equal(model(IDS).logits, plain)  # bit for bit
+
+
+def test_a_dense_layer_keeps_its_place_and_is_left_out_of_the_statistics():
+    """Qwen3-MoE with a dense first layer: its routers are those of decoder layers 1 and 2 (not 0 and 1), a
+    routing keeps layer 0's slot empty (0), replaying the forward's own routing is exact, and the agreement is the
+    MoE layers' alone, whatever a dense layer's slot holds."""
+    model = small_moe("qwen3-dense-first")
+    assert [layer for layer, _ in moe.routers(model)] == [1, 2]
+    routing = moe.Routing(model)
+    with routing.recording():
+        plain = model(IDS).logits
+    used, own = routing.take(len(IDS))
+    assert used.shape == (3, 11, 3, 2) and torch.equal(used, own) and not used[:, :, 0].any()
+    assert (used[:, :, 1:, 0] != used[:, :, 1:, 1]).all()  # two experts a token at the MoE layers
+    routing.replay(used)
+    assert torch.equal(model(IDS).logits, plain)
+    routing.replay(None)
+    engine = used.clone()
+    engine[:, :, 0] = 3  # a dense layer's slot, unlike the trainer's 0s: not compared
+    engine[:, :, 2] = other_experts(used[:, :, 2], 4)
+    metrics = StepMetrics()
+    moe.record_agreement(metrics, engine, used, own, torch.ones(3, 11, dtype=torch.bool), [1, 2])
+    logged = metrics.reduce()
+    assert (logged["routing/agreement_layer1"], logged["routing/agreement_layer2"]) == (1, 0)
+    assert logged["routing/agreement"] == 0.5 and logged["routing/tokens_differing"] == 1
+
+
+def test_a_dense_model_has_no_routing():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no mixture-of-experts router"):
+        moe.Routing(LlamaForCausalLM(config))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -159,6 +200,9 @@ def test_routing_is_kept_in_one_byte_an_expert_and_only_while_recording():
 
     model = small_moe("qwen3")
     routing = moe.Routing(model)
+    model(IDS)  # before any recording
+    used, own = routing.take(len(IDS))  # nothing recorded: an empty routing
+    assert used.shape == own.shape == (len(IDS), 0, 2, 2) and used.dtype == torch.uint8
     with routing.recording():
         model(IDS)
     used, own = routing.take(len(IDS))
@@ -166,6 +210,9 @@ def test_routing_is_kept_in_one_byte_an_expert_and_only_while_recording():
     model(IDS)
     assert routing.used == {} and routing.own == {}
     sizes = dict(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    for experts, dtype in ((256, torch.uint8), (257, torch.int16)):  # ids up to 255 fit in a byte, 256 does not
+        config = Qwen3MoeConfig(**sizes, num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=2)
+        assert moe.Routing(Qwen3MoeForCausalLM(config)).dtype == dtype
     torch.manual_seed(0)
     wide = Qwen3MoeForCausalLM(Qwen3MoeConfig(**sizes, num_experts=300, num_experts_per_tok=2, moe_intermediate_size=2))
     torch.nn.init.normal_(moe.routers(wide)[0][1].weight, std=0.5)
@@ -193,9 +240,39 @@ def test_a_replayed_routing_for_another_batch_is_refused():
 def test_agreement_counts_sets_not_order():
     first = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]]]])  # [1, 2 tokens, 2 layers, k 2]
     second = torch.tensor([[[[1, 0], [2, 3]], [[0, 2], [3, 1]]]])
-    result = moe.agreement(first, second, torch.ones(1, 2, dtype=torch.bool))
+    result = moe.agreement(first, second, torch.ones(1, 2, dtype=torch.bool), [0, 1])
     assert result["same_set"].tolist() == [0.5, 0.5] and result["overlap"].tolist() == [0.75, 0.75]
     assert result["differs"].tolist() == [False, True]
+    # three layers, three tokens (the second position not scored), k 2: each statistic per layer, per token
+    first = torch.tensor([[[[0, 1], [2, 3], [4, 5]]] * 3])
+    second = torch.tensor([[[[0, 1], [2, 6], [7, 6]], [[7, 6]] * 3, [[1, 0], [3, 2], [5, 6]]]])
+    result = moe.agreement(first, second, torch.tensor([[True, False, True]]), [0, 1, 2])
+    assert result["same_set"].tolist() == [1.0, 0.5, 0.0] and result["overlap"].tolist() == [1.0, 0.75, 0.25]
+    assert result["differs"].tolist() == [True, True]
+
+
+def test_the_engines_routing_lands_where_the_batch_holds_each_token():
+    """batch_routing by hand: one prompt of 2 tokens beside one of 3 (left-padded), one completion each; the engine
+    recorded the routing of every token it fed (the prompt and the response but its last token); the rest (padding,
+    the last token) gets experts 0..k−1. scored_positions: the last prompt token and each response token but the
+    last, where the response mask is set."""
+    prompts = [[5, 6], [7, 8, 9]]
+    completions = [
+        Completion([10, 11], [-1.0, -1.0], "stop", routing=torch.full((3, 2, 2), 7, dtype=torch.uint8)),
+        Completion([12], [-1.0], "stop", routing=torch.full((3, 2, 2), 9, dtype=torch.uint8)),
+    ]
+    batch = tim.make_batch(prompts, completions, 1, 0, CPU)  # [left-padded prompt 3 | response 2]
+    routing = moe.batch_routing(prompts, completions, 1, batch)
+    filler = torch.tensor([0, 1], dtype=torch.uint8)
+    expected = filler.expand(2, 5, 2, 2).clone()
+    expected[0, 1:4], expected[1, 0:3] = 7, 9
+    assert routing.dtype == torch.uint8 and torch.equal(routing, expected)
+    assert moe.scored_positions(batch).tolist() == [
+        [False, False, True, True, False],
+        [False, False, True, False, False],
+    ]
+    one = moe.batch_routing(prompts[:1], completions[:1], 1, tim.make_batch(prompts[:1], completions[:1], 1, 0, CPU))
+    assert torch.equal(one, expected[:1, 1:])  # a batch of one completion
 
 
 def test_routing_statistics_by_hand_and_a_micro_batch_without_scored_tokens_records_none():
@@ -309,8 +386,11 @@ def test_a_bfloat16_engine_routes_otherwise_and_r3_restores_it(tied_moe_dir):
             tim.token_logprobs(model, batch, 1.0)
         used, own = routing.take(len(batch["input_ids"]))
         routing.replay(None)
-        results[replayed is not None] = moe.agreement(batch["engine_routing"], used, positions)["same_set"].mean()
-        results["own"] = moe.agreement(batch["engine_routing"], own, positions)["same_set"].mean()
+        layers = [layer for layer, _ in routing.routers]
+        results[replayed is not None] = moe.agreement(batch["engine_routing"], used, positions, layers)[
+            "same_set"
+        ].mean()
+        results["own"] = moe.agreement(batch["engine_routing"], own, positions, layers)["same_set"].mean()
     assert results[False] < 1 and results[True] == 1 and results["own"] < 1
 
 

@@ -531,6 +531,22 @@ def test_micro_batches_change_no_number(name, tiny):
         assert (micro_weights[key] - weight).norm() <= 1e-3 * (weight - initial[key]).norm() + 1e-9, key
 
 
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_groups_of_equal_rewards_teach_nothing(name, tiny):
+    """Groups whose completions earned the same reward have advantages of 0, and every method's loss is 0 on them:
+    no gradient, and a logged loss of 0, over two epochs. The terms that do not depend on A are off: the KL penalty
+    (β = 0), GTPO's entropy bonus (γ = 0), and P3O's KL to μ (the engine's log-probs are π_θ's own)."""
+    algorithm = importlib.import_module(f"algorithms.{name}")
+    model, tokenizer = tiny
+    prompts, completions = two_group_rollouts(tokenizer)
+    own = [logprobs.tolist() for logprobs, _ in per_sequence_logprobs(model, prompts, completions, 4)]
+    completions = [dataclasses.replace(c, logprobs=lp) for c, lp in zip(completions, own)]
+    args = _args(algorithm, 8, update_epochs=2, block_size=4, lr=0.01, kl_coef=0.0, entropy_coef=0.0)
+    _, logged = _updated(algorithm, model, tokenizer, prompts, completions, [1.0] * 8, args)
+    assert logged["losses/policy_loss"] == pytest.approx(0.0, abs=1e-9)
+    assert logged["losses/grad_norm"] == pytest.approx(0.0, abs=1e-9)
+
+
 @pytest.mark.parametrize("updates", [1, 2], ids=["one-update", "two-epochs"])
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_shared_statistics_and_kl_penalty_by_brute_force(name, updates, tiny, monkeypatch):

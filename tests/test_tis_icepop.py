@@ -152,6 +152,8 @@ def test_the_helpers_at_their_edges():
     assert tim.sequence_log_ratio(old, sampler, mask).item() == -tim.LOG_RATIO_BOUND
     zero = tim.binary_kl(_lp(-math.inf), _lp(math.log(0.5))).item()
     assert zero == pytest.approx(_binary_kl(1e-8, 0.5), rel=1e-9)
+    zero = tim.binary_kl(_lp(math.log(0.5)), _lp(-math.inf)).item()  # either side
+    assert zero == pytest.approx(_binary_kl(0.5, 1e-8), rel=1e-9)
     old, mask = _lp([[0.0]]), _lp([[1.0]])
     for missing in ({"advantages": _lp([-1.0])}, {"logprobs": old}):
         with pytest.raises(ValueError, match="seq-mask"):
@@ -438,15 +440,16 @@ MOE_RESPONSES = [[12, 20, 2], [33, 2], [40, 41, 42, 43], [17]]  # two completion
 
 
 def _small_moe():
-    """A random 2-layer Mixtral (4 experts, 2 per token; float32, train mode), the same weights at every call, with
-    routers that choose clearly (N(0, 0.5²) rows: no float32 near-tie)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    """A random 3-layer Qwen3-MoE whose first layer is dense (4 experts, 2 per token, renormalised; float32, train
+    mode), the same weights at every call, with routers that choose clearly (N(0, 0.5²) rows: no float32 near-tie)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    shared = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
-    config = MixtralConfig(**shared, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0)
+    shared = dict(vocab_size=50, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1)
+    shared |= dict(mlp_only_layers=[0], intermediate_size=48, moe_intermediate_size=48, norm_topk_prob=True)
+    config = Qwen3MoeConfig(**shared, num_experts=4, num_experts_per_tok=2, pad_token_id=0)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = MixtralForCausalLM(config)
+        model = Qwen3MoeForCausalLM(config)
         for _, router in moe.routers(model):
             torch.nn.init.normal_(router.weight, std=0.5)
     model.config._experts_implementation = "eager"
@@ -455,13 +458,14 @@ def _small_moe():
 
 def _moe_batch(engine_routing=True):
     """The batch of MOE_RESPONSES (group size 2, μ = −1 per token, advantages given), with an engine routing of
-    random distinct experts per token and layer (unlike the routers' own choices) when `engine_routing`."""
+    random distinct experts per token and layer (unlike the routers' own choices; the dense layer's slot too, which
+    no statistic reads) when `engine_routing`."""
     completions = [Completion(r, [-1.0] * len(r), "stop") for r in MOE_RESPONSES]
     batch = tim.make_batch(MOE_PROMPTS, completions, 2, 0, torch.device("cpu"))
     batch["advantages"] = torch.tensor([1.0, -0.5, -1.2, 0.8])
     if engine_routing:
         generator = torch.Generator().manual_seed(1)
-        shape = (*batch["input_ids"].shape, 2)  # [B, S, L]
+        shape = (*batch["input_ids"].shape, 3)  # [B, S, L]
         first = torch.randint(0, 4, shape, generator=generator)
         second = (first + torch.randint(1, 4, shape, generator=generator)) % 4  # another expert than the first
         batch["engine_routing"] = torch.stack([first, second], dim=-1).to(torch.uint8)
@@ -491,8 +495,11 @@ def _moe_logprobs(model, batch, replayed):
 
 
 def _moe_update(batch, lr, **options):
-    """update_policy on a fresh _small_moe with SGD at `lr` and no clipping: (the weights' change, the logged means)."""
+    """update_policy on a fresh _small_moe with SGD at `lr` and no clipping: (the weights' change, the logged means,
+    the policy's forwards)."""
     policy = _small_moe()
+    forwards = []
+    policy.register_forward_hook(lambda module, args, output: forwards.append(torch.is_grad_enabled()))
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     optimizer = torch.optim.SGD(policy.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -502,17 +509,18 @@ def _moe_update(batch, lr, **options):
         tim.update_policy(policy, None, optimizer, scheduler, batch, args, tim.fsdp.setup(), precision(), metrics) == 0
     )
     assert moe.routing_of(policy).replayed is None  # no replay left set for the next forward (the hf engine's)
-    return {n: before[n] - p.detach() for n, p in policy.named_parameters()}, metrics.reduce()
+    return {n: before[n] - p.detach() for n, p in policy.named_parameters()}, metrics.reduce(), forwards
 
 
 def test_r3_update_routes_every_token_as_the_engine_did():
     """--router-replay r3, one update: one SGD step (lr 1) moves the weights by minus the gradient of
     −1/N Σ_i Σ_t A_i log π_θ(o_it) with every token of every sequence routed to the engine's experts (replayed in a
     plain forward of each sequence alone), the routers' gradient included; the trainer then used exactly the
-    engine's experts (routing/agreement 1, no token differing). Without the replay the experts, their weights and
-    the gradient would be the routers' own."""
+    engine's experts (routing/agreement 1, no token differing), in one forward per micro-batch (no π_old pass).
+    Without the replay the experts, their weights and the gradient would be the routers' own."""
     batch = _moe_batch()
-    moved, logged = _moe_update(batch, lr=1.0, router_replay="r3")
+    moved, logged, forwards = _moe_update(batch, lr=1.0, router_replay="r3")
+    assert forwards == [True, True]  # 4 completions in micro-batches of 3, each forward with its gradient
     assert logged["routing/agreement"] == 1 and logged["routing/tokens_differing"] == 0
     brute, mask = _small_moe(), batch["response_mask"]
     logprobs = _moe_logprobs(brute, batch, batch["engine_routing"])
@@ -542,14 +550,17 @@ def test_a_completion_that_does_not_train_is_not_a_dropped_one(tiny, correction)
     assert metrics.means["correction/dropped_sequence_fraction"] == [0, 4]
 
 
-@pytest.mark.parametrize("replay", ["r2", "r3"])
-def test_several_updates_take_pi_old_routed_as_the_replay_says(replay):
+@pytest.mark.parametrize("replay", ["none", "r2", "r3"])
+def test_several_updates_take_pi_old_routed_as_the_replay_says(replay, monkeypatch):
     """Two updates per batch (lr 0: π_θ stays π_old): log π_old is the engine's routing replayed under r3, the
-    routers' own routing under r2 (which then replays it), against a plain forward of each sequence alone; the
+    routers' own routing otherwise (which r2 then replays), against a plain forward of each sequence alone; the
     engine-trainer agreement is recorded in the π_old pass (1 under r3), and π_θ's routers choose as π_old's did
-    (routing/drift 0)."""
-    batch = _moe_batch()
-    _, logged = _moe_update(batch, lr=0.0, router_replay=replay, update_epochs=2)
+    (routing/drift 0), over the MoE layers alone (1 and 2: layer 0 is dense)."""
+    batch, drift_layers = _moe_batch(), []
+    record_drift = moe.record_drift
+    monkeypatch.setattr(moe, "record_drift", lambda *a: drift_layers.append(a[-1]) or record_drift(*a))
+    _, logged, _ = _moe_update(batch, lr=0.0, router_replay=replay, update_epochs=2)
+    assert drift_layers == [[1, 2]] * 4  # two micro-batches, two epochs
     with torch.no_grad():
         expected = _moe_logprobs(_small_moe(), batch, batch["engine_routing"] if replay == "r3" else None)
     mask = batch["response_mask"].bool()
