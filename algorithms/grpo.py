@@ -27,8 +27,8 @@ defaults; a clip acts with several updates per batch, e.g. --num-minibatches 4);
 `--loss-aggregation token-sum-norm --no-scale-advantages`; GSPO `--ratio-level sequence
 --loss-aggregation sequence-mean` with `--clip-low 3e-4 --clip-high 4e-4` and
 `--num-minibatches 4` (with one update per batch every ratio is 1). A stale batch (--rollout-lag)
-is used as if fresh: π_old is the trainer now, not the weights that sampled it (p3o.py and
-tis_icepop.py correct for staleness).
+is used as if fresh, π_old the trainer now, unless --ratio-to behavior takes ρ to the engine's μ
+(p3o.py and tis_icepop.py correct for staleness).
 
 How to read this file. main() is one training step after another: sample G completions per prompt,
 score them, compute advantages, update the policy on minibatches, push new weights to the engine,
@@ -140,6 +140,9 @@ class Args:
     ratio_level: Literal["token", "sequence"] = "token"
     """an importance ratio per token (PPO, GRPO), or per completion: the
     geometric mean of its tokens' (GSPO)"""
+    ratio_to: Literal["pi-old", "behavior"] = "pi-old"
+    """ρ's denominator, on which the clip is centred: π_old (PPO, verl) or behavior, the engine's μ,
+    stale at --rollout-lag k (TRL's async trainer, verl's bypass mode): clipped at one update too"""
     kl_coef: float = 0.0
     """β of the k3 KL penalty to the initial policy (0: no reference model is loaded)"""
 
@@ -196,10 +199,9 @@ def compute_advantages(rewards, scale=True, eps=1e-4):
 
 
 def completion_mean_logprob(values, mask):
-    """GSPO's per-completion mean of [B, T] log-probs, on each of its tokens (not the aggregation
-    mode sequence-mean, a mean of losses): from log-probs, GSPO's
-    (arXiv:2507.18071) s_i = (π_θ(o_i|q) / π_old(o_i|q))^(1/|o_i|) = exp(mean_t log ρ_it),
-    clipped per completion (its Eq. 5)."""
+    """GSPO's per-completion mean of [B, T] log-probs on each of its tokens (not sequence-mean's
+    mean of losses): s_i = (π_θ(o_i|q)/π_old(o_i|q))^(1/|o_i|) = exp(mean_t log ρ_it), clipped per
+    completion (arXiv:2507.18071, Eq. 5)."""
     per_completion = (values * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     return per_completion.expand_as(values)
 
@@ -367,14 +369,12 @@ def update_policy(policy, reference, optimizer, scheduler, batch, args, dist, pr
                     logprobs, entropy = token_logprobs(policy, micro, args.temperature, with_entropy=True)
                 # ALGO LOGIC: the GRPO loss of this micro-batch
                 # π_old: the trainer before this batch's updates (the pass above), or at one update
-                # π_θ itself, detached (ρ = 1), never the engine's μ: where a staleness fix begins
+                # π_θ itself, detached (ρ = 1): ρ's denominator (--ratio-to behavior: engine's μ)
                 old_logprobs = micro["old_logprobs"] if multiple_updates else logprobs.detach()
-                ratio_inputs = (logprobs, old_logprobs)
+                denominator = micro["sampler_logprobs"] if args.ratio_to == "behavior" else old_logprobs
+                ratio_inputs = (logprobs, denominator)
                 if args.ratio_level == "sequence":  # GSPO: one ratio per completion
-                    ratio_inputs = (
-                        completion_mean_logprob(logprobs, mask),
-                        completion_mean_logprob(old_logprobs, mask),
-                    )
+                    ratio_inputs = (completion_mean_logprob(logprobs, mask), completion_mean_logprob(denominator, mask))
                 token_losses, ratio, clip_active = clipped_surrogate_loss(
                     *ratio_inputs, micro["advantages"], args.clip_low, args.clip_high
                 )
@@ -425,7 +425,7 @@ def check_args(args: Args) -> None:
     problems += require(0 <= args.clip_low < 1, "--clip-low", "in [0, 1)")
     problems += require(0 <= args.clip_high < math.inf, "--clip-high", ">= 0 and finite")
     # one update per batch: π_old = π_θ, every ratio is 1 (a run resumed by path keeps its flags)
-    if args.num_minibatches * args.update_epochs == 1 and args.resume in (None, "auto"):
+    if args.num_minibatches * args.update_epochs == 1 and args.resume in (None, "auto") and args.ratio_to == "pi-old":
         one_update = "applies with --num-minibatches × --update-epochs > 1 only (one update: every ratio is 1)"
         problems += checks.unused(args, ["clip_low", "clip_high", "ratio_level"], one_update)
     problems += require(0 <= args.kl_coef < math.inf, "--kl-coef", ">= 0 and finite")

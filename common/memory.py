@@ -21,7 +21,8 @@ which flags would make it fit when it does not. The parts, per GPU:
   isopo.py's full [B, T, vocabulary] logits instead (--full-logits);
 - the engine: vLLM's --gpu-memory-utilization share while it is awake (asleep, about 1 GiB stays); the hf engine's
   KV cache while it generates (a rank's rollouts at once, up to 1024 sequences), and its own copy of the weights on
-  several ranks (one rank shares the trainer's);
+  several ranks (one rank shares the trainer's); with --overlap-rollouts the hf engine's copy always, and its
+  generation during the update and the optimizer step (vLLM is awake throughout: its share holds it);
 - the CUDA context and allocator slack (1.5 GiB), or on a CPU the Python process itself (0.45 GB);
 - in host memory, not the GPU's: with --rollout-lag k the k batches sampled ahead, a rank's rollouts each, at
   QUEUED_TOKEN_BYTES per response token (Python lists of token ids, the engine's and the trainer's log-probs);
@@ -95,6 +96,9 @@ class Plan:
     """full [B, T, vocabulary] logits in the update (isopo.py) instead of chunks"""
     rollout_lag: int = 0
     """the scripts' --rollout-lag: k batches of rollouts queued, in host memory"""
+    overlap_rollouts: bool = False
+    """the scripts' --overlap-rollouts: the engine generates during the update and the optimizer step (the hf engine
+    on its own copy of the weights)"""
     fp32_lm_head: bool = False
     """the scripts' --fp32-lm-head: under FSDP2 the root unit (embedding, output layer) is gathered in float32, and a
     bf16 output-layer weight (LoRA's frozen one) is upcast for each chunk of positions"""
@@ -153,6 +157,10 @@ def plan_problems(plan: Plan) -> list[str]:
         problems += ["--cpu-offload applies with --gpus > 1 only"]
     if plan.vllm_sleep_mode and (plan.rollout_engine != "vllm" or plan.device != "cuda"):
         problems += ["--vllm-sleep-mode applies to --rollout-engine vllm on --device cuda only"]
+    if plan.overlap_rollouts and plan.rollout_lag < 1:
+        problems += ["--overlap-rollouts applies with --rollout-lag >= 1 only"]
+    if plan.overlap_rollouts and plan.vllm_sleep_mode:
+        problems += ["--overlap-rollouts must be off with --vllm-sleep-mode (the engine samples during the update)"]
     return problems
 
 
@@ -309,7 +317,7 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
         generation["vllm engine (weights, KV cache)"] = awake
     else:
         engine_dtype = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}[plan.engine_dtype]
-        if sharded:  # its own full copy on every rank
+        if sharded or plan.overlap_rollouts:  # its own full copy on every rank, or to sample beside the update
             engine_training = engine_dtype * counts["total"]
         sequences = min(HF_MAX_BATCH, plan.prompts_per_step // plan.gpus * plan.group_size)
         head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads  # Mixtral's: null
@@ -318,6 +326,8 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
         generation["hf engine KV cache"] = sequences * context * kv_width * engine_dtype
         generation["hf engine logits"] = 3 * 4 * sequences * vocab
     parts["engine during the update"] = engine_training
+    if plan.overlap_rollouts and not (plan.rollout_engine == "vllm" and gpu):  # (vLLM's share holds its KV cache)
+        parts["engine generating beside the update"] = sum(generation.values())
     # --rollout-lag k: the queued batches, in host memory (at the longest responses); a CPU process holds them too
     queue = plan.rollout_lag * plan.prompts_per_step // plan.gpus * plan.group_size * plan.max_new_tokens
     host = {"rollout queue (--rollout-lag)": queue * QUEUED_TOKEN_BYTES} if plan.rollout_lag else {}
@@ -329,6 +339,7 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
     update = sum(parts.values())
     # the optimizer step: the state, and AdamW's foreach temporaries (about one more float32 copy of the shard)
     step = 20 * on_device + frozen + reference + engine_training + fixed + (0 if gpu else sum(host.values()))
+    step += parts.get("engine generating beside the update", 0.0)
     # generation: weights and AdamW's moments (gradients are freed), the engine, but no activations
     resident = 12 * on_device + frozen + reference + fixed
     resident += engine_training if plan.rollout_engine != "vllm" or not gpu else 0.0
@@ -379,8 +390,10 @@ def advice(plan: Plan, result: dict) -> list[str]:
     vllm_awake = plan.rollout_engine == "vllm" and not plan.vllm_sleep_mode and plan.device == "cuda"
     if phase == "update" and not plan.gradient_checkpointing and parts["activations"] > 0.1 * result["peak_bytes"]:
         tips.append("--gradient-checkpointing (activations: each layer's input only)")
-    if phase in ("update", "optimizer step") and vllm_awake:
+    if phase in ("update", "optimizer step") and vllm_awake and not plan.overlap_rollouts:
         tips.append("--vllm-sleep-mode (frees vLLM's share during the update)")
+    if phase in ("update", "optimizer step") and parts.get("engine generating beside the update", 0.0):
+        tips.append("no --overlap-rollouts (the engine then generates before the update, not during it)")
     if phase == "update" and plan.micro_batch_size > 1:
         tips.append(f"--micro-batch-size {plan.micro_batch_size // 2} (activations scale with it)")
     if phase in ("update", "optimizer step"):

@@ -49,6 +49,7 @@ VALUES = {
     "scale_advantages": [(False, {})],
     "loss_aggregation": [("sequence-mean", {}), ("token-sum-norm", {})],
     "ratio_level": [("sequence", {})],
+    "ratio_to": [("behavior", {})],
     "kl_coef": [(0.1, {})],
     "lr": [(1e-3, {})],
     "warmup_steps": [(3, {})],

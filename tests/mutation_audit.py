@@ -176,6 +176,11 @@ REASONS = [
         r"_module_forward$",
     ),
     (r"self\._armed\(name, module\)", r"_armed\(name, None\)", "_armed checks a Linear's calls: this is no Linear"),
+    (
+        r"isinstance\(x, torch\.Tensor\) and x\.requires_grad",
+        r"torch\.Tensor\) or x\.requires_grad",
+        "a module's first input is a tensor: token ids then take functional_call, the same output without gradient",
+    ),
     (r'micro\["bypass"\] = None', r'= ""', "any value but the module itself is no bypass"),
     (r"values\.detach\(\) if isinstance", "", "what is logged is made under no_grad (the update's): nothing to detach"),
     (r"if g\.dim\(\) != 3 or a\.dim\(\) != 3", r" and ", "a Linear's g and a share their leading dimensions"),

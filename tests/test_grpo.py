@@ -1,6 +1,7 @@
 """grpo.py: the math against hand-computed values and brute force, then the script end to end."""
 
 import copy
+import dataclasses
 import importlib
 import os
 
@@ -21,6 +22,7 @@ from helpers import (
 
 from algorithms import grpo
 from common import flags
+from common.errors import BadInput
 from common.tracking import StepMetrics
 
 ONE_PROCESS, NO_AUTOCAST = one_process(), torch.autocast("cpu", enabled=False)
@@ -153,6 +155,42 @@ def test_update_policy_normalizes_as_each_aggregation_says(tiny, aggregation):
     # float32 sums in the order the update takes the rows: the centred advantages cancel to about 1% of Σ|A_i|, so
     # the tolerance is absolute (a few float32 ulps of Σ|A_i| = 5.3), far below the gaps between the aggregations
     assert logged["losses/policy_loss"] == pytest.approx(expected.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("ratio_to", ["pi-old", "behavior"])
+def test_ratio_to_behavior_takes_the_ratio_to_the_engines_logprobs(tiny, ratio_to):
+    """--ratio-to behavior: ρ = π_θ/μ, the engine's log-probs of a (stale) batch, clipped around 1 at one update too
+    (TRL's asynchronous trainer, verl's bypass mode); pi-old: π_θ/π_old, 1 at one update. Here μ = π_θ shifted by a
+    known δ per token: ρ = e^δ, its clip fraction and the loss −min(ρA, clip(ρ)A) by hand. The mismatch is π_old's
+    against μ either way, and approx_kl π_old's against π_θ (0 at one update)."""
+    from distributed_update import update_policy
+
+    from common import fsdp
+
+    model, tokenizer = tiny
+    prompts, completions = two_group_rollouts(tokenizer)
+    own = [logprobs.detach() for logprobs, _ in per_sequence_logprobs(model, prompts, completions, 4)]
+    delta = [0.4 * torch.randn(len(lp), generator=torch.Generator().manual_seed(i)) for i, lp in enumerate(own)]
+    completions = [dataclasses.replace(c, logprobs=(lp - d).tolist()) for c, lp, d in zip(completions, own, delta)]
+    batch = grpo.make_batch(prompts, completions, 4, tokenizer.pad_token_id, torch.device("cpu"))
+    advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.3, -0.9, 0.4])
+    batch["advantages"] = advantages
+    args = flags.make(grpo.Args, group_size=4, ratio_to=ratio_to, lr=1e-3)
+    grpo.check_args(args)  # the clip range is not refused at one update (behavior)
+    logged = update_policy(grpo, copy.deepcopy(model), batch, args, fsdp.Dist(0, 1, 0, torch.device("cpu")))
+    ratio = torch.cat(delta).exp() if ratio_to == "behavior" else torch.ones(sum(map(len, delta)))
+    a = torch.cat([advantages[i].expand(len(d)) for i, d in enumerate(delta)])
+    clipped = (ratio < 0.8) & (a < 0) | (ratio > 1.28) & (a > 0)
+    loss = -torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a).mean()  # token-mean
+    k3 = lambda x: x.exp() - 1 - x  # noqa: E731
+    expected = {"losses/ratio_min": ratio.min(), "losses/ratio_max": ratio.max(), "losses/policy_loss": loss}
+    expected |= {"losses/clip_fraction": clipped.float().mean(), "mismatch/kl_k3": k3(torch.cat(delta)).mean()}
+    for key, value in expected.items():
+        assert logged[key] == pytest.approx(value.item(), rel=1e-4, abs=1e-6), key
+    assert logged["losses/approx_kl"] == 0 and (0 < expected["losses/clip_fraction"] < 1) == (ratio_to == "behavior")
+    if ratio_to == "pi-old":
+        with pytest.raises(BadInput, match="--clip-high applies with --num-minibatches"):
+            grpo.check_args(flags.replace(args, clip_high=0.3))
 
 
 # --- the whole loss through padding and micro-batches vs. brute force ------------------------

@@ -118,12 +118,43 @@ def test_the_rollout_queue_is_counted_in_host_memory_at_its_measured_bytes_per_t
     assert memory.estimate(plan, config, per_token=116 * 1024)["parts"]["rollout queue (--rollout-lag)"] == queue
 
 
+def test_sampling_beside_the_update_adds_the_engines_copy_and_generation_to_it():
+    """--overlap-rollouts: the hf engine samples on its own copy of the weights during the update and the optimizer
+    step, so both hold that copy, its KV cache and its logits too; vLLM is awake throughout either way (its share holds
+    its KV cache), so its plan's peak does not change. Overlap needs a lag, and vLLM awake."""
+    config, _ = _llama_config(1536, 8960, 28, 151936, heads=12)
+    plan = memory.Plan(model="1.5B", max_new_tokens=1024, micro_batch_size=8, prompts_per_step=64, rollout_lag=1)
+    for engine in ("hf", "vllm"):
+        synchronous = memory.estimate(dataclasses.replace(plan, rollout_engine=engine), config, per_token=116 * 1024)
+        overlapped = dataclasses.replace(plan, rollout_engine=engine, overlap_rollouts=True)
+        result = memory.estimate(overlapped, config, per_token=116 * 1024)
+        added = {k: v for k, v in result["parts"].items() if v != synchronous["parts"].get(k)}
+        if engine == "vllm":
+            assert added == {} and result["phases"] == synchronous["phases"]
+            continue
+        copy, generating = 4 * result["parameters"], sum(synchronous["generation"].values())
+        assert added == {"engine during the update": copy, "engine generating beside the update": generating}
+        for phase in ("update", "optimizer step"):
+            assert result["phases"][phase] == synchronous["phases"][phase] + copy + generating, phase
+        assert any(tip.startswith("no --overlap-rollouts") for tip in memory.advice(overlapped, result))
+    assert memory.plan_problems(dataclasses.replace(plan, rollout_lag=0, overlap_rollouts=True)) == [
+        "--overlap-rollouts applies with --rollout-lag >= 1 only"
+    ]
+    asleep = dataclasses.replace(plan, overlap_rollouts=True, vllm_sleep_mode=True)
+    assert memory.plan_problems(asleep) == [
+        "--overlap-rollouts must be off with --vllm-sleep-mode (the engine samples during the update)"
+    ]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_the_estimate_is_within_20_percent_of_a_measured_step(tmp_path, checkpointing):
+@pytest.mark.parametrize("setting", ["plain", "checkpointed", "overlapped"])
+def test_the_estimate_is_within_20_percent_of_a_measured_step(tmp_path, setting):
     """grpo.py, two steps (AdamW's state exists in the second), on a model of 2 layers of width 768 and a 16,000-token
     vocabulary whose responses are all 512 tokens (random weights almost never sample EOS): the peak RSS of the
-    process against the estimate of the same settings on the CPU."""
+    process against the estimate of the same settings on the CPU. Overlapped (--rollout-lag 1 --overlap-rollouts),
+    three steps: the second's update, with AdamW's state, runs beside the third batch's sampling on the engine's own
+    copy of the weights."""
+    checkpointing = setting == "checkpointed"
     config, tokenizer = _llama_config(768, 3072, 2, 16000, heads=12)
     torch.manual_seed(0)
     from transformers import LlamaForCausalLM
@@ -134,7 +165,7 @@ def test_the_estimate_is_within_20_percent_of_a_measured_step(tmp_path, checkpoi
         "--model",
         tmp_path / "model",
         "--steps",
-        2,
+        3 if setting == "overlapped" else 2,
         "--prompts-per-step",
         1,
         "--group-size",
@@ -148,6 +179,7 @@ def test_the_estimate_is_within_20_percent_of_a_measured_step(tmp_path, checkpoi
         "--output-dir",
         tmp_path / "runs",
         *(["--gradient-checkpointing"] if checkpointing else []),
+        *(["--rollout-lag", 1, "--overlap-rollouts"] if setting == "overlapped" else []),
     ]
     measured = peak_rss_of("algorithms/grpo.py", *flags)
     plan = memory.Plan(
@@ -159,6 +191,8 @@ def test_the_estimate_is_within_20_percent_of_a_measured_step(tmp_path, checkpoi
         prompts_per_step=1,
         group_size=4,
         rollout_engine="hf",
+        rollout_lag=int(setting == "overlapped"),
+        overlap_rollouts=setting == "overlapped",
     )
     estimated = memory.estimate(plan, config)["peak_bytes"]
     print(f"estimated {estimated / 1e9:.2f} GB, measured {measured / 1e9:.2f} GB")

@@ -93,7 +93,11 @@ def test_a_dense_layer_keeps_its_place_and_is_left_out_of_the_statistics():
     moe.record_agreement(metrics, engine, used, own, torch.ones(3, 11, dtype=torch.bool), [1, 2])
     logged = metrics.reduce()
     assert (logged["routing/agreement_layer1"], logged["routing/agreement_layer2"]) == (1, 0)
-    assert logged["routing/agreement"] == 0.5 and logged["routing/tokens_differing"] == 1
+    assert logged["routing/agreement"] == logged["routing/own_agreement"] == 0.5
+    assert logged["routing/tokens_differing"] == 1
+    metrics = StepMetrics()
+    moe.record_drift(metrics, engine, own, torch.ones(3, 11, dtype=torch.bool), [1, 2])
+    assert metrics.reduce()["routing/drift"] == 0.5
 
 
 def test_a_dense_model_has_no_routing():

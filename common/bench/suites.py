@@ -455,8 +455,11 @@ SUITES["lora"] = Suite(
 # TIS with its float32 engine: its weight π_old/μ is then the staleness alone. P3O's claim (Fig. 5): in a one-step
 # pipeline it keeps a higher, steadier reward than GRPO. Columns: the training reward (its mean over the steps:
 # Fig. 5's "higher", a column added after seed 1 ran) and the mismatch's two parts. Runs fixed before any ran.
+# GRPO with its ratio to the engine's μ (--ratio-to behavior: TRL's asynchronous trainer, verl's bypass mode) was
+# added in stop 74, after the other rows ran, and fixed before its own runs.
 LAG_METHODS = [
     ("GRPO", "grpo", ()),
+    ("GRPO ρ to μ", "grpo", ("--ratio-to", "behavior")),
     ("EMA-KPO", "ema_kpo", ()),
     ("P3O", "p3o", ()),
     ("GTPO", "gtpo", ()),
