@@ -187,10 +187,14 @@ METHOD_CASES = {
         ({"correction": "seq-mask", "seq_mask_delta": -1.0}, "--seq-mask-delta must be >= 0"),  # dropped every A < 0
     ],
 }
+# every script with a clip range (a lower end of 1 would let a ratio fall to 0 unclipped)
+CLIPPED = [name for name in ALGORITHMS if "clip_low" in flags.names(importlib.import_module(f"algorithms.{name}").Args)]
+CLIP_CASES = [({"clip_low": 1.0}, "--clip-low must be in [0, 1)")]
 CASES = [
     pytest.param(name, flags, message, id=f"{name}-{'-'.join(f'{k}={v}' for k, v in flags.items())}")
     for name in ALGORITHMS
-    for flags, message in SHARED_CASES + METHOD_CASES.get(name, [])  # a new fork: the shared cases
+    # a new fork: the shared cases, and the clip's if it has one
+    for flags, message in SHARED_CASES + CLIP_CASES * (name in CLIPPED) + METHOD_CASES.get(name, [])
 ]
 
 
@@ -292,9 +296,7 @@ RANGE_ENDS = {
 }
 
 
-# every script with a clip range (a lower end of 1 would let a ratio fall to 0 unclipped)
 CLIP_ENDS = [("clip_low", {}, [0.0, 0.999], [-1e-12, 1.0]), ("clip_high", {}, [0.0, 1e12], [-1e-12, INF])]
-CLIPPED = [name for name in ALGORITHMS if "clip_low" in flags.names(importlib.import_module(f"algorithms.{name}").Args)]
 
 
 @pytest.mark.parametrize(
