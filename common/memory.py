@@ -22,7 +22,8 @@ which flags would make it fit when it does not. The parts, per GPU:
 - the engine: vLLM's --gpu-memory-utilization share while it is awake (asleep, about 1 GiB stays); the hf engine's
   KV cache while it generates (a rank's rollouts at once, up to 1024 sequences), and its own copy of the weights on
   several ranks (one rank shares the trainer's); with --overlap-rollouts the hf engine's copy always, and its
-  generation during the update and the optimizer step (vLLM is awake throughout: its share holds it);
+  generation and the scoring of its batch (an output-layer chunk) during the update and the optimizer step (vLLM is
+  awake throughout: its share holds it);
 - the CUDA context and allocator slack (1.5 GiB), or on a CPU the Python process itself (0.45 GB);
 - in host memory, not the GPU's: with --rollout-lag k the k batches sampled ahead, a rank's rollouts each, at
   QUEUED_TOKEN_BYTES per response token (Python lists of token ids, the engine's and the trainer's log-probs);
@@ -327,7 +328,9 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
         generation["hf engine logits"] = 3 * 4 * sequences * vocab
     parts["engine during the update"] = engine_training
     if plan.overlap_rollouts and not (plan.rollout_engine == "vllm" and gpu):  # (vLLM's share holds its KV cache)
-        parts["engine generating beside the update"] = sum(generation.values())
+        # its generation, then its batch scored under the sampling weights: a no-grad pass, one output-layer chunk
+        scoring = min(CHUNK_BYTES, 4 * response_positions * vocab)
+        parts["engine generating beside the update"] = sum(generation.values()) + scoring
     # --rollout-lag k: the queued batches, in host memory (at the longest responses); a CPU process holds them too
     queue = plan.rollout_lag * plan.prompts_per_step // plan.gpus * plan.group_size * plan.max_new_tokens
     host = {"rollout queue (--rollout-lag)": queue * QUEUED_TOKEN_BYTES} if plan.rollout_lag else {}

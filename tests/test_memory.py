@@ -120,8 +120,9 @@ def test_the_rollout_queue_is_counted_in_host_memory_at_its_measured_bytes_per_t
 
 def test_sampling_beside_the_update_adds_the_engines_copy_and_generation_to_it():
     """--overlap-rollouts: the hf engine samples on its own copy of the weights during the update and the optimizer
-    step, so both hold that copy, its KV cache and its logits too; vLLM is awake throughout either way (its share holds
-    its KV cache), so its plan's peak does not change. Overlap needs a lag, and vLLM awake."""
+    step, so both hold that copy, its KV cache and its logits too, and an output-layer chunk of the pass that scores
+    its batch; vLLM is awake throughout either way (its share holds its KV cache; it scores nothing), so its plan's
+    peak does not change. Overlap needs a lag, and vLLM awake."""
     config, _ = _llama_config(1536, 8960, 28, 151936, heads=12)
     plan = memory.Plan(model="1.5B", max_new_tokens=1024, micro_batch_size=8, prompts_per_step=64, rollout_lag=1)
     for engine in ("hf", "vllm"):
@@ -132,7 +133,8 @@ def test_sampling_beside_the_update_adds_the_engines_copy_and_generation_to_it()
         if engine == "vllm":
             assert added == {} and result["phases"] == synchronous["phases"]
             continue
-        copy, generating = 4 * result["parameters"], sum(synchronous["generation"].values())
+        scoring = memory.CHUNK_BYTES  # the batch scored under the sampling weights: one output-layer chunk
+        copy, generating = 4 * result["parameters"], sum(synchronous["generation"].values()) + scoring
         assert added == {"engine during the update": copy, "engine generating beside the update": generating}
         for phase in ("update", "optimizer step"):
             assert result["phases"][phase] == synchronous["phases"][phase] + copy + generating, phase
