@@ -207,8 +207,9 @@ def _args(name, **overrides):
 def test_a_bad_flag_is_refused_by_name(name, flags, message, tmp_path):
     """Each refusal by name, beside a second problem that the shared checks find first: one error lists both (a
     check that replaced the problems found before it would lose that one)."""
-    second = ("--warmup-steps must be >= 0", {"warmup_steps": -5}) if "warmup_steps" not in flags else None
-    second = second or ("--keep-checkpoints must be >= 0", {"keep_checkpoints": -1})
+    second = ("--warmup-steps must be >= 0", {"warmup_steps": -5})
+    if "warmup_steps" in flags:  # the case's own flag: another second problem
+        second = ("--keep-checkpoints must be >= 0", {"keep_checkpoints": -1})
     module, args = _args(name, output_dir=str(tmp_path / "runs"), **flags, **second[1])
     with pytest.raises(BadInput) as error:
         module.main(args)  # check_args runs first: nothing is loaded, no folder is made
