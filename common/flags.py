@@ -128,11 +128,16 @@ class Systems:
     overlap_rollouts: bool = False
     """with --rollout-lag k: sample step t + k's batch on a thread of its own while step t trains (on the engine's own
     copy of the weights), as an asynchronous pipeline does; the same batches and metrics as without"""
+    engine_process: bool = False
+    """vllm: the engine in a process of its own, on a GPU of its own (rank r of n on a node: GPU n + r; on a CPU,
+    the CPU), sent the new weights by a broadcast after each step (NCCL; gloo on a CPU); with --overlap-rollouts, an
+    asynchronous pipeline's engine (common/engine_process.py)"""
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "int8"] = "auto"
     """engine weights' dtype; auto: hf the trainer's weights, vllm the trainer's compute dtype on GPU (another is a
     train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""
     gpu_memory_utilization: float = 0.3
-    """vllm: fraction of GPU memory for the engine (weights and KV cache); the trainer gets the rest"""
+    """vllm: fraction of GPU memory for the engine (weights and KV cache); the trainer gets the rest (with
+    --engine-process: of the engine's own GPU, where 0.9 leaves the trainer nothing to lose)"""
     vllm_sleep_mode: bool = False
     """vllm on GPU: free the engine's GPU memory while training (sleep level 1)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

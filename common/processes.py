@@ -3,12 +3,14 @@ none outlives it.
 
     helper = Helper(serve, path)          # serve(connection, path) in a spawned Python process
     answer = helper.ask(job, seconds)     # what serve sent back for `job`; None past `seconds`; HelperEnded if it died
+    helper.send(job); ...; helper.answer(seconds)   # the same, with more messages for the job between
     helper.stop()                         # killed with every process its code started, a bounded wait
 
     process = start_program(argv, cwd, env, log)   # a program (a bench's training run)
     stop_programs([process], seconds)              # one SIGTERM: it checkpoints and stops; SIGKILL past `seconds`
 
-A helper (the math-verify worker of common/scoring.py, a task file's worker of common/task_files.py) has its own
+A helper (the math-verify worker of common/scoring.py, a task file's worker of common/task_files.py, the vLLM
+engine of common/engine_process.py) has its own
 session: the terminal's Ctrl-C and hang-up and a signal to the trainer's process group (torchrun's agent, `scancel`,
 `kill -- -PGID`) do not reach it. It ignores the stop signals (STOP_SIGNALS, those common/stopping.py stops a run on)
 from its first instruction, so the trainer, which decides when a run stops, can finish the step under way with it.
@@ -112,15 +114,23 @@ class Helper:
         _STARTED[:] = [h for h in _STARTED if h.process.is_alive()] + [self]
         child.close()
 
-    def ask(self, job, seconds: float):
-        """What the helper answers to `job`, or None when it does not answer within `seconds` (the caller stops it);
-        HelperEnded when its process ended meanwhile."""
+    def ask(self, job, seconds: float | None):
+        """What the helper answers to `job`, or None when it does not answer within `seconds` (the caller stops it;
+        None: no limit); HelperEnded when its process ended meanwhile."""
+        self.send(job)
+        return self.answer(seconds)
+
+    def send(self, message) -> None:
+        """Send the helper a job, or a message its job reads (HelperEnded when its process has ended)."""
+        try:
+            self.connection.send(message)
+        except OSError:  # ended before the message was sent (BrokenPipeError)
+            raise HelperEnded(self._how_it_ended()) from None
+
+    def answer(self, seconds: float | None):
+        """The helper's answer to the job sent last (`ask`)."""
         from multiprocessing.connection import wait
 
-        try:
-            self.connection.send(job)
-        except OSError:  # ended before the job was sent (BrokenPipeError)
-            raise HelperEnded(self._how_it_ended()) from None
         if not wait([self.connection, self.process.sentinel], seconds):
             return None
         try:

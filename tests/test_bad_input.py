@@ -50,6 +50,12 @@ SHARED_CASES = [
         {"rollout_lag": 1, "overlap_rollouts": True, "rollout_engine": "vllm", "vllm_sleep_mode": True},
         "--overlap-rollouts must be off with --vllm-sleep-mode",
     ),
+    # a process of its own is vLLM's; its GPU holds no trainer to make room for
+    ({"rollout_engine": "hf", "engine_process": True}, "--engine-process must be used with vLLM"),
+    (
+        {"rollout_engine": "vllm", "engine_process": True, "vllm_sleep_mode": True},
+        "--engine-process must be off with --vllm-sleep-mode",
+    ),
     ({"keep_sampling_mask": False}, "--keep-sampling-mask applies with --top-p < 1 or --top-k > 0 only"),
     # vLLM returns at most 20 kept tokens per position: a kept mask needs a top-k there, refused before loading
     (
