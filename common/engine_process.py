@@ -150,9 +150,9 @@ def engine_gpu(device: torch.device) -> str | None:
     count = torch.cuda.device_count()
     if trainers + rank >= count:
         raise BadInput(
-            f"--engine-process runs each rank's engine on a GPU of its own, after the node's {trainers} trainer GPU(s): "
-            f"local rank {rank}'s would be GPU {trainers + rank}, and {count} are visible (give the engines as many "
-            "GPUs as the trainers: torchrun --nproc_per_node half of them)"
+            f"--engine-process runs each rank's engine on a GPU of its own, after the node's {trainers} trainer "
+            f"GPU(s): local rank {rank}'s would be GPU {trainers + rank}, and {count} are visible (give the engines as "
+            "many GPUs as the trainers: torchrun --nproc_per_node half of them)"
         )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return visible.split(",")[trainers + rank].strip() if visible else str(trainers + rank)

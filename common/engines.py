@@ -821,9 +821,9 @@ def make_engine(
 def make_training_engine(systems, policy, tokenizer, dist, model_path: str, max_model_len: int, seed: int, **options):
     """The rollout engine of a training run, as `systems` (common.flags.Systems) asks: make_engine with
     --rollout-engine, --engine-dtype, --gpu-memory-utilization, --vllm-sleep-mode, --fp32-lm-head, --engine-process
-    and the compute dtype of --dtype. Each rank samples with its own seed, `seed` + rank. One rank: the hf engine may share the
-    trainer's module; several, or --overlap-rollouts: it keeps a full copy per rank. `options`: make_engine's
-    others (`routing`)."""
+    and the compute dtype of --dtype. Each rank samples with its own seed, `seed` + rank. One rank: the hf engine
+    may share the trainer's module; several, or --overlap-rollouts: it keeps a full copy per rank. `options`:
+    make_engine's others (`routing`)."""
     from common.fsdp import compute_dtype
 
     return make_engine(
