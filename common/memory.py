@@ -23,7 +23,8 @@ which flags would make it fit when it does not. The parts, per GPU:
   KV cache while it generates (a rank's rollouts at once, up to 1024 sequences), and its own copy of the weights on
   several ranks (one rank shares the trainer's); with --overlap-rollouts the hf engine's copy always, and its
   generation and the scoring of its batch (an output-layer chunk) during the update and the optimizer step (vLLM is
-  awake throughout: its share holds it);
+  awake throughout: its share holds it); with --engine-process vLLM's share is of a GPU of its own, reported apart
+  (its weights in the engine's dtype, then its KV cache), and the trainer's GPU holds no engine;
 - the CUDA context and allocator slack (1.5 GiB), or on a CPU the Python process itself (0.45 GB);
 - in host memory, not the GPU's: with --rollout-lag k the k batches sampled ahead, a rank's rollouts each, at
   QUEUED_TOKEN_BYTES per response token (Python lists of token ids, the engine's and the trainer's log-probs);
@@ -100,6 +101,9 @@ class Plan:
     overlap_rollouts: bool = False
     """the scripts' --overlap-rollouts: the engine generates during the update and the optimizer step (the hf engine
     on its own copy of the weights)"""
+    engine_process: bool = False
+    """the scripts' --engine-process: vLLM on a GPU of its own beside each rank's (its --gpu-memory-utilization
+    share of that GPU), counted apart; the trainer's GPU holds no engine"""
     fp32_lm_head: bool = False
     """the scripts' --fp32-lm-head: under FSDP2 the root unit (embedding, output layer) is gathered in float32, and a
     bf16 output-layer weight (LoRA's frozen one) is upcast for each chunk of positions"""
@@ -162,6 +166,10 @@ def plan_problems(plan: Plan) -> list[str]:
         problems += ["--overlap-rollouts applies with --rollout-lag >= 1 only"]
     if plan.overlap_rollouts and plan.vllm_sleep_mode:
         problems += ["--overlap-rollouts must be off with --vllm-sleep-mode (the engine samples during the update)"]
+    if plan.engine_process and (plan.rollout_engine != "vllm" or plan.device != "cuda"):
+        problems += ["--engine-process applies to --rollout-engine vllm on --device cuda only (a GPU of its own)"]
+    if plan.engine_process and plan.vllm_sleep_mode:
+        problems += ["--engine-process must be off with --vllm-sleep-mode (the engine's GPU is its own)"]
     return problems
 
 
@@ -311,8 +319,14 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
         parts["output layer (chunks)"] = min(4 * CHUNK_BYTES, 4 * 4 * response_positions * vocab)
     if plan.fp32_lm_head and lora_bf16:  # a float32 copy of the frozen bf16 output layer, one chunk at a time
         parts["output layer (chunks)"] += 4 * vocab * hidden
-    engine_training, generation = 0.0, {}
-    if plan.rollout_engine == "vllm" and gpu:
+    engine_training, generation, engine_gpu = 0.0, {}, {}
+    if plan.rollout_engine == "vllm" and gpu and plan.engine_process:  # on its own GPU: that GPU's share
+        share = plan.gpu_memory_utilization * plan.gpu_gib * GiB
+        weights = {"auto": compute_bytes, "float32": 4, "bfloat16": 2, "float16": 2}[plan.engine_dtype] * counts[
+            "total"
+        ]
+        engine_gpu = {"vllm weights": weights, "vllm KV cache, activations, context": share - weights}
+    elif plan.rollout_engine == "vllm" and gpu:
         awake = plan.gpu_memory_utilization * plan.gpu_gib * GiB
         engine_training = VLLM_ASLEEP if plan.vllm_sleep_mode else awake
         generation["vllm engine (weights, KV cache)"] = awake
@@ -360,6 +374,7 @@ def estimate(plan: Plan, config=None, per_token: float | None = None) -> dict:
         "parts": parts,
         "generation": generation,
         "host": host if gpu else {},  # beside the GPU's peak
+        "engine_gpu": engine_gpu,  # --engine-process: each rank's engine's own GPU
         "phases": phases,
         "peak_bytes": max(phases.values()),
         "phase": max(phases, key=phases.get),
@@ -391,6 +406,7 @@ def advice(plan: Plan, result: dict) -> list[str]:
         ", or --cpu-offload" if plan.gpus > 1 and not plan.cpu_offload else ""
     )
     vllm_awake = plan.rollout_engine == "vllm" and not plan.vllm_sleep_mode and plan.device == "cuda"
+    vllm_awake = vllm_awake and not plan.engine_process
     if phase == "update" and not plan.gradient_checkpointing and parts["activations"] > 0.1 * result["peak_bytes"]:
         tips.append("--gradient-checkpointing (activations: each layer's input only)")
     if phase in ("update", "optimizer step") and vllm_awake and not plan.overlap_rollouts:
@@ -433,6 +449,7 @@ def report(plan: Plan, result: dict) -> str:
         )
     where = f"peak {peak / scale:.1f} {unit} per {'GPU' if plan.device == 'cuda' else 'process'}, in {result['phase']}"
     lines += [f"  (host memory per rank besides: {n} {v / scale:.2f} {unit})" for n, v in result["host"].items()]
+    lines += engine_gpu_report(plan, result["engine_gpu"])
     if budget is None:
         lines.append(where)
     elif peak <= 0.95 * budget:
@@ -440,6 +457,19 @@ def report(plan: Plan, result: dict) -> str:
     else:
         lines.append(f"{where}: does NOT fit in {plan.gpu_gib:.0f} GiB. Try: " + "; ".join(advice(plan, result)))
     return "\n".join(lines)
+
+
+def engine_gpu_report(plan: Plan, parts: dict) -> list[str]:
+    """--engine-process: the engine's own GPU, apart from the trainer's (vLLM takes its share whatever it holds)."""
+    if not parts:
+        return []
+    share = sum(parts.values())
+    lines = [f"  engine GPU (--engine-process, one per rank): vLLM's {plan.gpu_memory_utilization:g} of it"]
+    lines += [f"  {name:<46} {value / GiB:8.2f} GiB" for name, value in parts.items()]
+    if parts["vllm KV cache, activations, context"] < 0.1 * share:
+        lines.append(f"  engine GPU: the weights leave vLLM less than a tenth of its {share / GiB:.1f} GiB: raise "
+                     "--gpu-memory-utilization (0.9: the GPU is the engine's alone)")  # fmt: skip
+    return lines
 
 
 def main() -> None:

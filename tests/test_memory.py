@@ -148,6 +148,37 @@ def test_sampling_beside_the_update_adds_the_engines_copy_and_generation_to_it()
     ]
 
 
+def test_an_engine_on_a_gpu_of_its_own_is_counted_apart():
+    """--engine-process: vLLM's share leaves the trainer's GPU in every phase (the colocated plan minus that share,
+    or, in generation, where the trainer holds no engine either way, unchanged) and is that of the engine's own GPU:
+    its weights in the engine's dtype (bf16 by default on a GPU: 2 bytes a parameter) and the rest of its share. A
+    share its weights nearly fill is pointed out; a CPU or sleep mode is refused."""
+    config, _ = _llama_config(1536, 8960, 28, 151936, heads=12)
+    plan = memory.Plan(model="1.5B", max_new_tokens=1024, micro_batch_size=8, rollout_lag=1, overlap_rollouts=True)
+    colocated = memory.estimate(plan, config, per_token=116 * 1024)
+    own = dataclasses.replace(plan, engine_process=True, gpu_memory_utilization=0.9)
+    result = memory.estimate(own, config, per_token=116 * 1024)
+    share = 0.3 * 80 * memory.GiB
+    for phase in ("start-up", "update", "optimizer step"):
+        assert result["phases"][phase] == pytest.approx(colocated["phases"][phase] - share), phase
+    assert result["phases"]["generation"] == pytest.approx(colocated["phases"]["generation"] - share)
+    assert result["parts"]["engine during the update"] == 0 and result["generation"] == {}
+    weights = 2 * result["parameters"]
+    assert result["engine_gpu"] == {
+        "vllm weights": weights,
+        "vllm KV cache, activations, context": pytest.approx(0.9 * 80 * memory.GiB - weights),
+    }
+    assert "engine GPU (--engine-process, one per rank): vLLM's 0.9 of it" in memory.report(own, result)
+    tight = dataclasses.replace(own, gpu_memory_utilization=0.039)  # 3.1 GiB, 2.9 of them weights
+    assert "raise --gpu-memory-utilization" in memory.report(tight, memory.estimate(tight, config, per_token=1))
+    assert memory.plan_problems(dataclasses.replace(own, device="cpu")) == [
+        "--engine-process applies to --rollout-engine vllm on --device cuda only (a GPU of its own)"
+    ]
+    assert memory.plan_problems(dataclasses.replace(own, overlap_rollouts=False, vllm_sleep_mode=True)) == [
+        "--engine-process must be off with --vllm-sleep-mode (the engine's GPU is its own)"
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", ["plain", "checkpointed", "overlapped"])
 def test_the_estimate_is_within_20_percent_of_a_measured_step(tmp_path, setting):
