@@ -643,6 +643,10 @@ if __name__ == "__main__":
 # (4 × 5,120 tokens, 166 KiB per token per layer), output-layer chunks 0.5, the sleeping
 # engine 1.0, CUDA 1.5: 20 GiB in the update; 47 GiB while vLLM generates (its 0.5 × 80 beside
 # the weights and AdamW state): fits. One GPU does not: 60 GiB of training state alone.
+# Overlapped, each engine on a GPU of its own: torchrun --nproc_per_node 4 on the 8 GPUs,
+# --rollout-lag 1 --overlap-rollouts --engine-process --gpu-memory-utilization 0.9 in place of the
+# sleep mode and its 0.5: per trainer GPU 26.5 GiB (the training state 15.0 over 4 ranks), per
+# engine GPU 72 (7.5 of it weights).
 #
 # Differences from the authors' code (KPO's: github.com/shuohe1995/verl-kpo,
 # core_algos.py; EMA-KPO's is not public):

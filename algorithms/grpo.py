@@ -534,27 +534,27 @@ if __name__ == "__main__":
         main(tyro.cli(Args))
 
 
-# Paper scale: the settings of the papers' smaller runs, on one 80 GB GPU or on 8 with
-# torchrun (FSDP2, same flags)
+# Paper scale: the papers' smaller runs on one 80 GB GPU (on 8: torchrun --nproc_per_node 8, FSDP2)
 #   python algorithms/grpo.py --model Qwen/Qwen2.5-Math-1.5B --task gsm8k --eval-task gsm8k \
 #       --steps 500 --prompts-per-step 64 --group-size 8 --max-new-tokens 1024 --lr 1e-6 \
 #       --num-minibatches 4 --micro-batch-size 8 --gradient-checkpointing --dtype bfloat16 \
 #       --eval-every 50 --eval-k 4 --track
-#   torchrun --nproc_per_node 8 algorithms/grpo.py ...
-# Memory per GPU (`python -m common.memory` with these flags; worst case, every micro-batch
-# 8 × 1,536 tokens), one GPU: training state 23.0 GiB (16 bytes × 1.54 B parameters),
-# checkpointed activations 4.0 (116 KiB per token per layer, one layer at a time), bf16 weight
-# casts 0.5, output-layer chunks 0.5, vLLM 24.0 (0.3 × 80), CUDA 1.5: peak 54 of 80 GiB (without
-# --gradient-checkpointing, 91: it does not fit). 8 GPUs: 32 GiB (state 2.9 each).
+# Memory per GPU (`python -m common.memory` with these flags; at worst 8 × 1,536 tokens a
+# micro-batch), one GPU: training state 23.0 GiB (16 bytes × 1.54 B parameters), checkpointed
+# activations 4.0 (116 KiB per token per layer), bf16 weight casts 0.5, output-layer chunks 0.5,
+# vLLM 24.0 (0.3 × 80), CUDA 1.5: peak 54 of 80 GiB (91 without --gradient-checkpointing: it does
+# not fit). 8 GPUs: 32 GiB (state 2.9 each). Overlapped, the engine on a GPU of its own (2 GPUs, or
+# torchrun --nproc_per_node 4 on 8; add --rollout-lag 1 --overlap-rollouts --engine-process
+# --gpu-memory-utilization 0.9): trainer 30 GiB (11 at 4 ranks), engine 72 (2.9 weights).
 #
 # Differences from the papers' settings, each a flag: the defaults are DAPO's token-mean and
 # clip-higher (ε_high = 0.28), not DeepSeekMath's per-completion mean and symmetric clip
-# (--loss-aggregation sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04
-# (--kl-coef 0.04); AdamW betas (0.9, 0.99). DAPO's recipe (verl) draws 3× the batch per round,
-# keeps groups whose *accuracies* differ and stops with an error after its last round; here a
-# round is sized by the share of informative groups so far, groups whose rewards differ are kept,
-# and a batch short at the cap is completed with all-equal groups that do not train. Eq. 13's
-# penalty reaches −1: the whole gap between a right (1) and a wrong (0) answer here, half with ±1.
-# No clamp on the log-ratio (the papers' objectives, TRL): verl clamps log ρ at ±20 and GSPO's
-# sequence log-ratio at 10, zeroing an extremely stale token's gradient; here such a token keeps
-# the clipped surrogate's: none when A > 0 and ρ > 1 + ε_high, ρ·A·∇log π (unbounded) when A < 0.
+# (--loss-aggregation sequence-mean --clip-high 0.2); β = 0 where DeepSeekMath uses 0.04 (--kl-coef
+# 0.04); AdamW betas (0.9, 0.99). DAPO's recipe (verl) draws 3× the batch per round, keeps groups
+# whose *accuracies* differ and stops with an error after its last round; here a round is sized by
+# the share of informative groups so far, groups whose rewards differ are kept, and a batch short at
+# the cap is completed with all-equal groups that do not train. Eq. 13's penalty reaches −1: the
+# whole gap between a right (1) and a wrong (0) answer, half with ±1. No clamp on the log-ratio (the
+# papers' objectives, TRL): verl clamps log ρ at ±20 and GSPO's sequence log-ratio at 10, zeroing an
+# extremely stale token's gradient; here such a token keeps the clipped surrogate's: none when A > 0
+# and ρ > 1 + ε_high, ρ·A·∇log π (unbounded) when A < 0.

@@ -1032,6 +1032,9 @@ if __name__ == "__main__":
 # keeps 24 GiB) or --gradient-checkpointing (45 GiB of activations) it does not fit. On N GPUs: the
 # same flags after `torchrun --nproc_per_node N` (N dividing 128: every rank holds whole groups).
 # Add --variant interacting (Fig. 7), --p 0 --q -1 --r -2 (Fig. 4), --p 0 --q -1 (Fig. 5, yellow).
+# Overlapped, the engine on a GPU of its own (2 GPUs): --rollout-lag 1 --overlap-rollouts
+# --engine-process --gpu-memory-utilization 0.9 in place of the sleep mode: the trainer's GPU 52.3
+# GiB (its full logits set it), the engine's 72 (1.1 of it weights).
 #
 # Differences from the authors' code (commit 2686cda), each deliberate. There, non-Linear parameters
 # (RMSNorm, untied embeddings) get an advantage-free gradient (token-mean −log π: SFT on the own

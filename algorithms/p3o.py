@@ -660,6 +660,10 @@ if __name__ == "__main__":
 # engine 1.0, CUDA 1.5: 19 GiB in the update, 47 GiB while vLLM generates. One GPU does not fit
 # (60 GiB of training state alone), nor 8 with --rollout-engine hf: transformers' generate of a
 # rank's 128 sequences keeps a KV cache of 147 KiB per token, about 81 GiB at 4,608 tokens.
+# Overlapped, each engine on a GPU of its own: torchrun --nproc_per_node 4 on the 8 GPUs,
+# --rollout-lag 1 --overlap-rollouts --engine-process --gpu-memory-utilization 0.9 in place of the
+# sleep mode and its 0.5: per trainer GPU 25.6 GiB (the training state 15.0 over 4 ranks), per
+# engine GPU 72 (7.5 of it weights).
 #
 # Differences from the authors' code (FeynRL, algs/P3O/p3o.py): e_B over the optimizer step, not
 # per micro-batch (--ess-scope micro-batch is theirs); tempered behavior log-probs (their vLLM's

@@ -783,6 +783,9 @@ if __name__ == "__main__":
 # 7.4 GiB (16 bytes × 0.49 B parameters), activations 12.4 (8 × 1,024 tokens,
 # 65 KiB per token per layer), bf16 weight casts 0.9, output-layer chunks 0.5, vLLM 24.0
 # (0.3 × 80), CUDA 1.5: peak 47 of 80 GiB. 8 GPUs: 38 GiB.
+# Overlapped, the engine on a GPU of its own (2 GPUs): add --rollout-lag 1 --overlap-rollouts
+# --engine-process --gpu-memory-utilization 0.9: the trainer's GPU 22.7 GiB, the engine's 72 (0.9 of
+# it weights).
 #
 # Differences from the authors' code and the frameworks': TRL's default is sequence masking with
 # C_max = 3, OpenRLHF's TIS clamps to [0.5, 5]; here each mode is its paper's formula. verl's

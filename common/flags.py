@@ -131,7 +131,7 @@ class Systems:
     engine_process: bool = False
     """vllm: the engine in a process of its own, on a GPU of its own (rank r of n on a node: GPU n + r; on a CPU,
     the CPU), sent the new weights by a broadcast after each step (NCCL; gloo on a CPU); with --overlap-rollouts, an
-    asynchronous pipeline's engine (common/engine_process.py)"""
+    asynchronous pipeline's engine (common/engines.py EngineProcess)"""
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "int8"] = "auto"
     """engine weights' dtype; auto: hf the trainer's weights, vllm the trainer's compute dtype on GPU (another is a
     train-inference mismatch); fp8 / int8 (hf): Linear weights rounded through float8 e4m3 / int8 per output channel"""

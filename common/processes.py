@@ -10,7 +10,7 @@ none outlives it.
     stop_programs([process], seconds)              # one SIGTERM: it checkpoints and stops; SIGKILL past `seconds`
 
 A helper (the math-verify worker of common/scoring.py, a task file's worker of common/task_files.py, the vLLM
-engine of common/engine_process.py) has its own
+engine of common/engines.py) has its own
 session: the terminal's Ctrl-C and hang-up and a signal to the trainer's process group (torchrun's agent, `scancel`,
 `kill -- -PGID`) do not reach it. It ignores the stop signals (STOP_SIGNALS, those common/stopping.py stops a run on)
 from its first instruction, so the trainer, which decides when a run stops, can finish the step under way with it.

