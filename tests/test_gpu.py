@@ -1,5 +1,6 @@
-"""The GPU path: vLLM 0.33 colocated with the trainer, bf16, sleep mode, FSDP2 on several GPUs, --cpu-offload,
-long generations and the output layer's memory. On a GPU machine (`./run.sh` installs vllm==0.33.0 there):
+"""The GPU path: vLLM 0.33 colocated with the trainer or on a GPU of its own, bf16, sleep mode, FSDP2 on several
+GPUs, --cpu-offload, long generations and the output layer's memory. On a GPU machine (`./run.sh` installs
+vllm==0.33.0 there):
 
     ./run.sh test tests/test_gpu.py -v
 
@@ -295,6 +296,30 @@ def test_overlapped_rollouts_on_cuda(tmp_path, engine):
     for mode, records in runs.items():
         steps = [r["time/step"] for r in records[2:]]  # the first steps warm up
         print(f"{mode}: {sum(steps) / len(steps):.3f} s a step", {k: v for k, v in records[-1].items() if "time/" in k})
+
+
+@needs_vllm
+@needs_two_gpus
+def test_an_engine_on_a_gpu_of_its_own(tmp_path):
+    """--engine-process: vLLM on GPU 1, sent each step's weights by NCCL broadcasts, the trainer on GPU 0 without it.
+    Overlapped at lag 1, every step's batch is the synchronous colocated run's (the same request seeds and weights);
+    the trainer's peak reserved memory is below the colocated run's by most of vLLM's share (0.3 of the GPU). The
+    seconds per step of both are printed (`-s`): a measurement of the overlap on these GPUs."""
+    flags = [*SHORT, "--rollout-engine", "vllm", "--rollout-lag", 1, "--steps", 6]
+    runs = {}
+    for mode, extra in (("colocated", []), ("own_gpu", ["--overlap-rollouts", "--engine-process"])):
+        run_script("algorithms/grpo.py", *flags, *extra, "--output-dir", tmp_path / mode)
+        runs[mode] = _records(tmp_path / mode)
+    for a, b in zip(runs["colocated"][1:], runs["own_gpu"][1:], strict=True):
+        for key in ("charts/reward", "charts/response_length_mean", "charts/rollout_lag"):
+            assert a[key] == b[key], (a["step"], key)
+        assert b["time/rollout_overlapped"] > 0
+    share = 0.3 * torch.cuda.get_device_properties(0).total_memory / 2**30
+    peak = {mode: max(r["memory/peak_reserved_gib"] for r in records) for mode, records in runs.items()}
+    assert peak["own_gpu"] < peak["colocated"] - 0.8 * share, (peak, share)
+    for mode, records in runs.items():
+        steps = [r["time/step"] for r in records[2:]]  # the first steps warm up
+        print(f"{mode}: {sum(steps) / len(steps):.3f} s a step, peak {peak[mode]:.1f} GiB on the trainer's GPU")
 
 
 @needs_gpu
