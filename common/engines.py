@@ -715,7 +715,7 @@ def _repack_cpu_experts(worker) -> int:
 
 # how long a broadcast (or the group's start) waits for the other side; the engine's process ending is seen sooner
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
-# what torchrun sets for a rank: the engine's process is no rank of the trainer's (vLLM would join its job)
+# what torchrun sets for a rank, which the engine's process starts without
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                   "MASTER_PORT")  # fmt: skip
 
@@ -767,12 +767,15 @@ class EngineProcess:
         self.moe_model = model if model is not None and moe.is_moe(model) else None
         self.sleep_mode = False
         self.lock = threading.Lock()  # one job at a time, whichever thread sends it (the sampler's, the trainer's)
-        self.helper = Helper(serve)
+        # the engine's process is no rank of the trainer's (vLLM would join its job), and sees its own GPU alone
+        gpu = engine_gpu(device)
+        environment = dict.fromkeys(RANK_VARIABLES) | ({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})
+        self.helper = Helper(serve, environment=environment)
         options = dict(model_path=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, stop_token_ids=list(stop_token_ids),
                        routing=routing, float32_head=float32_head)  # fmt: skip
         try:
-            self.dtype, self.max_model_len = self._ask("start", engine_gpu(device), options)
+            self.dtype, self.max_model_len = self._ask("start", gpu is not None, options)
             store = torch_dist.TCPStore(
                 "127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT
             )
@@ -907,8 +910,10 @@ def serve(connection) -> None:
         try:
             answer = None
             if kind == "start":
-                gpu, options = job
-                device = _become_the_engines_process(gpu)
+                on_gpu, options = job
+                if on_gpu:  # its one visible GPU (CUDA_VISIBLE_DEVICES, set when it started)
+                    torch.cuda.set_device(0)
+                    device = torch.device("cuda", 0)
                 engine = VLLMEngine(options.pop("model_path"), **options)
                 answer = (engine.dtype, engine.max_model_len)
             elif kind == "join":
@@ -932,18 +937,6 @@ def serve(connection) -> None:
             connection.send(("error", _sendable(error)))
         else:
             connection.send(("ok", answer))
-
-
-def _become_the_engines_process(gpu: str | None) -> torch.device:
-    """Before vLLM starts: no trainer rank's settings, and the engine's GPU the only one it sees (CUDA reads
-    CUDA_VISIBLE_DEVICES when it starts, which it has not in this process yet)."""
-    for name in RANK_VARIABLES:
-        os.environ.pop(name, None)
-    if gpu is None:
-        return torch.device("cpu")
-    os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-    torch.cuda.set_device(0)
-    return torch.device("cuda", 0)
 
 
 def _sendable(error: Exception) -> Exception:

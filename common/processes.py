@@ -103,13 +103,15 @@ class Helper:
     """A spawned Python process that runs `serve(connection, *args)`: it receives jobs on `connection` and sends one
     answer for each (the module docstring says how it is started and ended)."""
 
-    def __init__(self, serve, *args):
+    def __init__(self, serve, *args, environment: dict[str, str | None] | None = None):
+        """`environment`: variables the helper's process starts with changed (None: removed), as it must for what
+        a process reads once, when it starts (CUDA_VISIBLE_DEVICES)."""
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
         # not a daemon: its code may start processes of its own (a pool, math-verify's helper), which a daemon may
         # not; _stop_all ends it at exit all the same
         self.process = context.Process(target=_helper_main, args=(child, os.getpid(), serve, args))
-        with deaf_to_stop_signals():
+        with deaf_to_stop_signals(), _changed_environment(environment or {}):
             self.process.start()
         _STARTED[:] = [h for h in _STARTED if h.process.is_alive()] + [self]
         child.close()
@@ -153,6 +155,25 @@ class Helper:
     def _how_it_ended(self) -> str:
         self.process.join(STOP_SECONDS)
         return how_it_ended(self.process.exitcode)
+
+
+@contextlib.contextmanager
+def _changed_environment(changes: dict[str, str | None]):
+    """This process's environment with `changes` while a process is started (spawn copies it), then as it was."""
+    before = {name: os.environ.get(name) for name in changes}
+
+    def apply(values):
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    apply(changes)
+    try:
+        yield
+    finally:
+        apply(before)
 
 
 def how_it_ended(exitcode: int | None) -> str:

@@ -118,3 +118,25 @@ def test_a_stopped_bench_sends_each_run_one_sigterm_and_waits_a_bounded_time(tmp
     bench.kill()
     assert _gone(child, 30), "a run outlived its killed bench"
     assert "signals [15]" in bench.stdout.read()
+
+
+def _environment_of_the_helper(connection, names):
+    connection.recv()
+    connection.send({name: os.environ.get(name) for name in names})
+
+
+def test_a_helper_starts_with_the_environment_it_is_given(monkeypatch):
+    """Helper(..., environment=): the process starts with those variables set or removed (what CUDA reads once, when
+    a process starts: --engine-process's CUDA_VISIBLE_DEVICES; torchrun's RANK, which the engine must not see), and
+    the trainer's own environment is as it was."""
+    from common.processes import Helper
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    names = ("RANK", "CUDA_VISIBLE_DEVICES")
+    helper = Helper(_environment_of_the_helper, names, environment={"RANK": None, "CUDA_VISIBLE_DEVICES": "5"})
+    try:
+        assert helper.ask("which", 60) == {"RANK": None, "CUDA_VISIBLE_DEVICES": "5"}
+    finally:
+        helper.stop()
+    assert os.environ["RANK"] == "3" and "CUDA_VISIBLE_DEVICES" not in os.environ

@@ -245,16 +245,19 @@ def test_a_mixture_of_experts_push_keeps_the_log_probs(tiny_moe_dir, engines):
 
 
 @pytest.mark.slow
-def test_a_lora_policy_reaches_vllm_as_merged_weights(tiny, tiny_dir):
+@pytest.mark.parametrize("own_process", [False, True])
+def test_a_lora_policy_reaches_vllm_as_merged_weights(tiny, tiny_dir, own_process):
     """An adapted policy whose adapters have trained (a resume): vLLM starts from the base model named in the adapter's
     config and receives W + (α/r)·B·A; its sampled log-probs are the adapted model's, not the base model's; and
-    again after the training loop's push of other adapters."""
+    again after the training loop's push of other adapters. In the trainer's process, and in one of its own (the
+    merged weights then go by broadcast)."""
     from helpers import adapted_tiny
 
     base, tokenizer = tiny
     adapted = adapted_tiny(tiny_dir).eval()
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    engine = make_engine("vllm", adapted, tokenizer, dtype="float32", max_model_len=64, gpu_memory_utilization=0.2)
+    options = dict(dtype="float32", max_model_len=64, gpu_memory_utilization=0.2, own_process=own_process)
+    engine = make_engine("vllm", adapted, tokenizer, **options)
     try:
         to_adapted, completions = _worst_logprob_gap(engine, adapted, prompts)
         to_base = max(
