@@ -98,6 +98,7 @@ from common.bench.suites import (  # noqa: F401
     TOOL_COLUMNS,
     TORCH_NAMES,
     TRUNCATED_SAMPLING,
+    VLLM_FLOAT32,
     build_long_model,
 )
 from common.processes import start_program, stop_programs
