@@ -442,8 +442,6 @@ class VLLMEngine:
         routing: bool = False,
         float32_head: bool = False,
     ):
-        import os
-
         # in-process engine, always: with multiprocessing the weight push's generator cannot reach the worker
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vllm is imported
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -745,35 +743,20 @@ class EngineProcess:
     traceback as a note; a push it refuses midway is received to its end first, so trainer and engine stay in step.
     The engine's process ending (a crash, the out-of-memory killer) is an error that says how it ended."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        model_path: str,
-        dtype: str,
-        max_model_len: int | None,
-        seed: int,
-        gpu_memory_utilization: float = 0.3,
-        sleep_mode: bool = False,
-        stop_token_ids: list[int] = (),
-        model=None,
-        routing: bool = False,
-        float32_head: bool = False,
-    ):
-        """`device`: the trainer's (tensors are sent from it); the others are VLLMEngine's. `sleep_mode` is refused:
-        the engine's device holds no trainer to make room for."""
+    def __init__(self, device, model_path, dtype, max_model_len, seed, *, sleep_mode=False, model=None, **options):
+        """`device`: the trainer's (tensors are sent from it); the others are VLLMEngine's, `model` kept here (an MoE
+        model's experts are sent in its checkpoint's names), `options` passed on. `sleep_mode` is refused: the
+        engine's device holds no trainer to make room for."""
         if sleep_mode:
             raise BadInput("--vllm-sleep-mode frees the trainer's GPU of vLLM: with --engine-process vLLM has its own")
-        self.device, self.seed, self.requests, self.routing = device, seed, None, routing
+        self.device, self.seed, self.requests, self.routing = device, seed, None, options.get("routing", False)
         self.moe_model = model if model is not None and moe.is_moe(model) else None
-        self.sleep_mode = False
         self.lock = threading.Lock()  # one job at a time, whichever thread sends it (the sampler's, the trainer's)
         # the engine's process is no rank of the trainer's (vLLM would join its job), and sees its own GPU alone
         gpu = engine_gpu(device)
         environment = dict.fromkeys(RANK_VARIABLES) | ({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})
         self.helper = Helper(serve, environment=environment)
-        options = dict(model_path=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                       gpu_memory_utilization=gpu_memory_utilization, stop_token_ids=list(stop_token_ids),
-                       routing=routing, float32_head=float32_head)  # fmt: skip
+        options |= dict(model_path=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed)
         try:
             self.dtype, self.max_model_len = self._ask("start", gpu is not None, options)
             store = torch_dist.TCPStore(
@@ -1030,8 +1013,8 @@ def make_engine(
             dtype,
             max_model_len,
             seed,
-            gpu_memory_utilization,
-            sleep_mode,
+            gpu_memory_utilization=gpu_memory_utilization,
+            sleep_mode=sleep_mode,
             stop_token_ids=end_of_turn_ids(tokenizer),
             model=model.get_base_model() if adapted else model,
             routing=routing,
